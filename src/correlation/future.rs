@@ -1,0 +1,108 @@
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{ready, Context, Poll},
+};
+
+use http::{HeaderName, Response};
+use pin_project_lite::pin_project;
+use tokio::task::futures::TaskLocalFuture;
+use tracing::Span;
+
+use super::CorrelationId;
+use crate::body::ResponseBody;
+
+pin_project! {
+    /// Response future of [`Correlation`](super::Correlation).
+    pub struct ResponseFuture<F, B> {
+        #[pin]
+        kind: Kind<F, B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F, B> {
+        Called {
+            #[pin]
+            future: TaskLocalFuture<CorrelationId, F>,
+            span: Span,
+            id: CorrelationId,
+            header: HeaderName,
+        },
+        Refused {
+            response: Option<Response<ResponseBody<B>>>,
+        },
+    }
+}
+
+impl<F, B> ResponseFuture<F, B> {
+    pub(super) fn called(
+        future: TaskLocalFuture<CorrelationId, F>,
+        span: Span,
+        id: CorrelationId,
+        header: HeaderName,
+    ) -> Self {
+        Self {
+            kind: Kind::Called {
+                future,
+                span,
+                id,
+                header,
+            },
+        }
+    }
+
+    pub(super) fn refused(
+        mut response: Response<ResponseBody<B>>,
+        id: CorrelationId,
+        header: HeaderName,
+    ) -> Self {
+        echo(&mut response, &id, header);
+        Self {
+            kind: Kind::Refused {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<ResponseBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Called {
+                future,
+                span,
+                id,
+                header,
+            } => {
+                let _entered = span.enter();
+                let mut response = ready!(future.poll(cx))?.map(ResponseBody::inner);
+                echo(&mut response, id, header.clone());
+                Poll::Ready(Ok(response))
+            }
+            KindProj::Refused { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("ResponseFuture polled after completion"))),
+        }
+    }
+}
+
+/// Sets the ID on the response unless the handler set the header itself.
+fn echo<B>(response: &mut Response<B>, id: &CorrelationId, header: HeaderName) {
+    if let http::header::Entry::Vacant(entry) = response.headers_mut().entry(header) {
+        entry.insert(id.to_header_value());
+    }
+    response.extensions_mut().insert(id.clone());
+}
+
+impl<F, B> std::fmt::Debug for ResponseFuture<F, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}

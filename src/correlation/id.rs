@@ -1,0 +1,500 @@
+use std::{
+    fmt,
+    future::Future,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use base64::{engine::general_purpose::URL_SAFE_NO_PAD, Engine as _};
+use http::HeaderValue;
+use tokio::task::futures::TaskLocalFuture;
+use tracing::{instrument::Instrumented, Instrument as _};
+use uuid::Uuid;
+
+/// Longest correlation ID accepted from outside, and the bound extension respects.
+///
+/// 128 bytes holds a UUID (36) with several levels of extension, and is short enough that
+/// a hostile client cannot make every log line carry a kilobyte of its choosing.
+pub const DEFAULT_MAX_LEN: usize = 128;
+
+/// Separator between a correlation ID and an extension (`abcd.1`, `abcd.1.Qz4`).
+pub const EXTENSION_SEPARATOR: char = '.';
+
+/// Random bits in [`CorrelationId::extend_random`]: 24 bits give less than one chance in
+/// a million of two siblings colliding among ten, and encode to 4 base64url characters.
+pub const RANDOM_EXTENSION_BITS: u32 = 24;
+
+/// Seconds per tick of the coarse clock in [`CorrelationId::extend_redelivery`]. A queue
+/// rarely redelivers faster than this, so consecutive deliveries land in different ticks.
+pub const REDELIVERY_TICK_SECS: u64 = 30;
+
+tokio::task_local! {
+    static CURRENT: CorrelationId;
+}
+
+/// The correlation ID of one unit of work (one attempt).
+///
+/// Cheap to clone: clones share one allocation, including the counter behind
+/// [`next_child`](Self::next_child), so the handler, the task-local and the outbound
+/// layer all number the children of one request from the same sequence.
+///
+/// A `CorrelationId` always holds a valid value: 1 to its length bound of letters,
+/// digits and `-._:` (see [`CorrelationId::parse`]), so it is safe in a log line and
+/// in a header.
+///
+/// See the [module docs](crate::correlation) for the layers that create it.
+#[derive(Clone)]
+pub struct CorrelationId(Arc<Inner>);
+
+struct Inner {
+    value: HeaderValue,
+    max_len: usize,
+    children: AtomicU64,
+}
+
+impl CorrelationId {
+    /// A fresh UUIDv7 (time-ordered, 74 random bits), bounded by [`DEFAULT_MAX_LEN`].
+    pub fn new() -> Self {
+        Self::new_with_max_len(DEFAULT_MAX_LEN)
+    }
+
+    pub(crate) fn new_with_max_len(max_len: usize) -> Self {
+        let mut buf = [0u8; uuid::fmt::Hyphenated::LENGTH];
+        let text = Uuid::now_v7().hyphenated().encode_lower(&mut buf);
+        Self::from_trusted(
+            HeaderValue::from_str(text).expect("a UUID is a valid header value"),
+            max_len,
+        )
+    }
+
+    /// Parses an ID under the default rules: 1 to [`DEFAULT_MAX_LEN`] bytes of ASCII
+    /// letters, digits and `-`, `.`, `_`, `:`.
+    pub fn parse(value: &str) -> Result<Self, InvalidCorrelationId> {
+        Self::parse_with(value, DEFAULT_MAX_LEN, &DefaultValidator)
+    }
+
+    /// Parses an ID with a custom length bound and validator.
+    ///
+    /// The bound and "visible ASCII" always apply; the validator decides the rest.
+    pub fn parse_with<V: ValidateCorrelationId + ?Sized>(
+        value: &str,
+        max_len: usize,
+        validator: &V,
+    ) -> Result<Self, InvalidCorrelationId> {
+        let header = HeaderValue::from_str(value)
+            .map_err(|_| InvalidCorrelationId::new(Reason::NotVisibleAscii))?;
+        Self::from_header_value(&header, max_len, validator)
+    }
+
+    /// Validates a header value and takes it as an ID without copying it.
+    pub(crate) fn from_header_value<V: ValidateCorrelationId + ?Sized>(
+        value: &HeaderValue,
+        max_len: usize,
+        validator: &V,
+    ) -> Result<Self, InvalidCorrelationId> {
+        let len = value.len();
+        if len == 0 {
+            return Err(InvalidCorrelationId::new(Reason::Empty));
+        }
+        if len > max_len {
+            return Err(InvalidCorrelationId::new(Reason::TooLong { len, max_len }));
+        }
+        let text = value
+            .to_str()
+            .map_err(|_| InvalidCorrelationId::new(Reason::NotVisibleAscii))?;
+        validator.validate(text)?;
+        Ok(Self::from_trusted(value.clone(), max_len))
+    }
+
+    fn from_trusted(value: HeaderValue, max_len: usize) -> Self {
+        Self(Arc::new(Inner {
+            value,
+            max_len,
+            children: AtomicU64::new(0),
+        }))
+    }
+
+    /// Returns the same ID bounded by `max_len` for its extensions.
+    pub(crate) fn with_max_len(self, max_len: usize) -> Self {
+        if self.0.max_len == max_len {
+            self
+        } else {
+            Self::from_trusted(self.0.value.clone(), max_len)
+        }
+    }
+
+    /// The ID as text.
+    pub fn as_str(&self) -> &str {
+        // Every constructor checked the value is visible ASCII.
+        self.0.value.to_str().unwrap_or_default()
+    }
+
+    /// The ID as a header value (a reference-counted clone, no copy).
+    pub fn to_header_value(&self) -> HeaderValue {
+        self.0.value.clone()
+    }
+
+    /// The length bound this ID's extensions respect.
+    pub fn max_len(&self) -> usize {
+        self.0.max_len
+    }
+
+    /// The current task's correlation ID, set by [`CorrelationLayer`](super::CorrelationLayer)
+    /// or [`scope`](Self::scope).
+    ///
+    /// Task-locals do not follow `tokio::spawn`: hand the ID to the new task with
+    /// `tokio::spawn(id.next_child().scope(work))`.
+    pub fn current() -> Option<Self> {
+        CURRENT.try_with(Self::clone).ok()
+    }
+
+    /// Runs `future` with this ID as the task-local and inside a `correlation` span
+    /// carrying `correlation_id`.
+    pub fn scope<F: Future>(self, future: F) -> Instrumented<TaskLocalFuture<Self, F>> {
+        let span = tracing::info_span!("correlation", correlation_id = self.as_str());
+        CURRENT.scope(self, future).instrument(span)
+    }
+
+    /// Runs `f` with this ID as the task-local (no span); for synchronous code.
+    pub fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
+        CURRENT.sync_scope(self, f)
+    }
+
+    pub(crate) fn task_local_scope<F: Future>(self, future: F) -> TaskLocalFuture<Self, F> {
+        CURRENT.scope(self, future)
+    }
+
+    /// The next child of this ID by sequence: `id.1`, `id.2`, ... .
+    ///
+    /// The counter belongs to this ID and is shared by its clones, so children of one
+    /// parent are numbered uniquely however many places create them. Use it for work
+    /// spawned by iteration. If the child would pass the length bound, a fresh ID
+    /// replaces it (see [`replace`](Self::replace)).
+    pub fn next_child(&self) -> Self {
+        let n = self.0.children.fetch_add(1, Ordering::Relaxed) + 1;
+        self.extend_unchecked(itoa::Buffer::new().format(n))
+            .unwrap_or_else(|| self.replace_because("too_long"))
+    }
+
+    /// Extends this ID with a random suffix of [`RANDOM_EXTENSION_BITS`] bits, 4
+    /// base64url characters (`id.Qz4_`), for children created without knowledge of
+    /// their siblings.
+    pub fn extend_random(&self) -> Self {
+        let bits = rand::random::<u32>() & ((1 << RANDOM_EXTENSION_BITS) - 1);
+        let bytes = bits.to_be_bytes();
+        let suffix = URL_SAFE_NO_PAD.encode(&bytes[1..]);
+        self.extend_unchecked(&suffix)
+            .unwrap_or_else(|| self.replace_because("too_long"))
+    }
+
+    /// Extends this ID for one delivery of a queue message that may be delivered again:
+    /// the low 8 bits of a 30-second clock ([`REDELIVERY_TICK_SECS`]) and 10 random
+    /// bits, 3 base64url characters (`id.Aq9`).
+    ///
+    /// Deliveries in different ticks never collide; within one tick (about two hours of
+    /// distinct ticks in all) two deliveries collide with a chance of one in 1,024.
+    pub fn extend_redelivery(&self) -> Self {
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let tick = (secs / REDELIVERY_TICK_SECS) & 0xff;
+        let random = u64::from(rand::random::<u16>() & 0x3ff);
+        let bits = (tick << 10) | random; // 18 bits
+        let bytes = bits.to_be_bytes();
+        let suffix = URL_SAFE_NO_PAD.encode(&bytes[5..]);
+        // Three bytes encode to four characters of which the first carries the six
+        // unused high bits; dropping it keeps exactly the 18 meaningful bits.
+        self.extend_unchecked(&suffix[1..])
+            .unwrap_or_else(|| self.replace_because("too_long"))
+    }
+
+    /// Extends this ID with a suffix of your own, such as an item's identifier.
+    ///
+    /// The suffix is checked by the default rules; an extension past the length bound
+    /// replaces the ID instead.
+    pub fn extend(&self, suffix: &str) -> Result<Self, InvalidCorrelationId> {
+        if suffix.is_empty() {
+            return Err(InvalidCorrelationId::new(Reason::Empty));
+        }
+        DefaultValidator.validate(suffix)?;
+        Ok(self
+            .extend_unchecked(suffix)
+            .unwrap_or_else(|| self.replace_because("too_long")))
+    }
+
+    /// `self.suffix`, or `None` when that passes the length bound.
+    fn extend_unchecked(&self, suffix: &str) -> Option<Self> {
+        let parent = self.as_str();
+        let len = parent.len() + 1 + suffix.len();
+        if len > self.0.max_len {
+            return None;
+        }
+        let mut text = String::with_capacity(len);
+        text.push_str(parent);
+        text.push(EXTENSION_SEPARATOR);
+        text.push_str(suffix);
+        let value = HeaderValue::from_str(&text).ok()?;
+        Some(Self::from_trusted(value, self.0.max_len))
+    }
+
+    /// Replaces this ID with a fresh one and ties the two together in the log.
+    ///
+    /// Emits, at INFO, `Replacing correlation id` (`corr_id` = old, `new_corr_id` = new)
+    /// and then `Replaced correlation id` (`corr_id` = new, `old_corr_id` = old), so a
+    /// search for either ID finds the link. Put the new ID in place with
+    /// [`scope`](Self::scope).
+    pub fn replace(&self) -> Self {
+        self.replace_because("replaced")
+    }
+
+    /// Replaces this ID with `new`, emitting the same pair of events as
+    /// [`replace`](Self::replace).
+    pub fn replace_with(&self, new: Self) -> Self {
+        announce_replacement(self.as_str(), new.as_str(), "replaced");
+        new
+    }
+
+    fn replace_because(&self, reason: &'static str) -> Self {
+        let new = Self::new_with_max_len(self.0.max_len);
+        announce_replacement(self.as_str(), new.as_str(), reason);
+        new
+    }
+
+    /// Combines several units of work into one: a fresh ID, and the replace pair of
+    /// events once for each incoming ID, all naming the same new ID.
+    pub fn combine<'a>(ids: impl IntoIterator<Item = &'a CorrelationId>) -> Self {
+        let new = Self::new();
+        for old in ids {
+            announce_replacement(old.as_str(), new.as_str(), "combined");
+        }
+        new
+    }
+
+    /// Adopts the real ID once it is known, leaving this provisional one.
+    ///
+    /// Work that starts before the real ID can be read (parsing, validating,
+    /// deduplicating a message) runs under a fresh provisional ID; when the real one is
+    /// extracted (the `correlationId` of an envelope, say) this validates it with the
+    /// default rules and emits the replace pair from the provisional ID to it. An invalid
+    /// value is refused with a WARN event that never carries the value itself.
+    pub fn restore(&self, real: &str) -> Result<Self, InvalidCorrelationId> {
+        match Self::parse_with(real, self.0.max_len, &DefaultValidator) {
+            Ok(real) => {
+                announce_replacement(self.as_str(), real.as_str(), "restored");
+                Ok(real)
+            }
+            Err(invalid) => {
+                tracing::warn!(
+                    event = "correlation.restore_rejected",
+                    corr_id = self.as_str(),
+                    reason = invalid.code(),
+                    detail = %invalid,
+                    "Refused to restore an invalid correlation id"
+                );
+                Err(invalid)
+            }
+        }
+    }
+}
+
+fn announce_replacement(old: &str, new: &str, reason: &'static str) {
+    tracing::info!(
+        event = "correlation.replacing",
+        corr_id = old,
+        new_corr_id = new,
+        reason,
+        "Replacing correlation id"
+    );
+    tracing::info!(
+        event = "correlation.replaced",
+        corr_id = new,
+        old_corr_id = old,
+        reason,
+        "Replaced correlation id"
+    );
+}
+
+impl Default for CorrelationId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PartialEq for CorrelationId {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.value == other.0.value
+    }
+}
+
+impl Eq for CorrelationId {}
+
+impl std::hash::Hash for CorrelationId {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
+    }
+}
+
+impl PartialEq<str> for CorrelationId {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl PartialEq<&str> for CorrelationId {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+impl fmt::Display for CorrelationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for CorrelationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("CorrelationId").field(&self.as_str()).finish()
+    }
+}
+
+impl std::str::FromStr for CorrelationId {
+    type Err = InvalidCorrelationId;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+impl From<&CorrelationId> for HeaderValue {
+    fn from(id: &CorrelationId) -> Self {
+        id.to_header_value()
+    }
+}
+
+/// Why a correlation ID was refused.
+///
+/// Its `Display` and [`code`](Self::code) describe the value (its length, the position
+/// of the first bad byte) but never repeat it, so they are safe to log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidCorrelationId {
+    reason: Reason,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Reason {
+    Empty,
+    TooLong { len: usize, max_len: usize },
+    NotVisibleAscii,
+    InvalidCharacter { position: usize },
+    MultipleValues,
+    Custom(&'static str),
+}
+
+impl InvalidCorrelationId {
+    fn new(reason: Reason) -> Self {
+        Self { reason }
+    }
+
+    /// A refusal by a custom validator; `reason` is a short stable code, such as
+    /// `"not_a_uuid"`, that goes into the WARN event and the problem response.
+    pub fn custom(reason: &'static str) -> Self {
+        Self::new(Reason::Custom(reason))
+    }
+
+    pub(crate) fn multiple_values() -> Self {
+        Self::new(Reason::MultipleValues)
+    }
+
+    /// A short stable code for the reason: `empty`, `too_long`, `not_visible_ascii`,
+    /// `invalid_character`, `multiple_values`, or a custom validator's code.
+    pub fn code(&self) -> &'static str {
+        match self.reason {
+            Reason::Empty => "empty",
+            Reason::TooLong { .. } => "too_long",
+            Reason::NotVisibleAscii => "not_visible_ascii",
+            Reason::InvalidCharacter { .. } => "invalid_character",
+            Reason::MultipleValues => "multiple_values",
+            Reason::Custom(code) => code,
+        }
+    }
+}
+
+impl fmt::Display for InvalidCorrelationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.reason {
+            Reason::Empty => f.write_str("the correlation id is empty"),
+            Reason::TooLong { len, max_len } => write!(
+                f,
+                "the correlation id is {len} bytes long, more than the {max_len} allowed"
+            ),
+            Reason::NotVisibleAscii => {
+                f.write_str("the correlation id holds bytes that are not visible ASCII")
+            }
+            Reason::InvalidCharacter { position } => write!(
+                f,
+                "the correlation id holds a character other than letters, digits and -._: at byte {position}"
+            ),
+            Reason::MultipleValues => f.write_str("the correlation id header appears more than once"),
+            Reason::Custom(code) => write!(f, "the correlation id was refused: {code}"),
+        }
+    }
+}
+
+impl std::error::Error for InvalidCorrelationId {}
+
+/// Decides whether an incoming correlation ID may be used.
+///
+/// Runs after the layer has checked the length bound and that the value is visible
+/// ASCII. Implemented for closures `Fn(&str) -> Result<(), InvalidCorrelationId>`.
+///
+/// ```
+/// use tower_ids::correlation::{CorrelationLayer, InvalidCorrelationId};
+///
+/// // Accept only UUIDs.
+/// let layer = CorrelationLayer::new().validator(|id: &str| {
+///     uuid::Uuid::try_parse(id)
+///         .map(|_| ())
+///         .map_err(|_| InvalidCorrelationId::custom("not_a_uuid"))
+/// });
+/// # let _ = layer;
+/// ```
+pub trait ValidateCorrelationId {
+    /// `Ok(())` to accept `candidate`.
+    fn validate(&self, candidate: &str) -> Result<(), InvalidCorrelationId>;
+}
+
+impl<F> ValidateCorrelationId for F
+where
+    F: Fn(&str) -> Result<(), InvalidCorrelationId>,
+{
+    fn validate(&self, candidate: &str) -> Result<(), InvalidCorrelationId> {
+        self(candidate)
+    }
+}
+
+/// The default rules: ASCII letters, digits, and the separators `-`, `.`, `_`, `:`.
+///
+/// Those separators cover UUIDs, ULIDs, tower-http's request IDs, and this crate's
+/// extensions (`.` and base64url's `-` and `_`); nothing a log format or a shell would
+/// read as markup gets through.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DefaultValidator;
+
+impl ValidateCorrelationId for DefaultValidator {
+    fn validate(&self, candidate: &str) -> Result<(), InvalidCorrelationId> {
+        match candidate.bytes().position(|b| !is_id_byte(b)) {
+            None => Ok(()),
+            Some(position) => Err(InvalidCorrelationId::new(Reason::InvalidCharacter {
+                position,
+            })),
+        }
+    }
+}
+
+fn is_id_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b':')
+}

@@ -1,0 +1,137 @@
+use std::sync::Arc;
+
+use http::HeaderName;
+use tower_layer::Layer;
+
+use super::{
+    Correlation, DefaultMakeSpan, DefaultValidator, MakeUuidV7, DEFAULT_HEADER, DEFAULT_MAX_LEN,
+};
+
+/// Applies [`Correlation`] to a service: restores or generates the correlation ID of
+/// every request.
+///
+/// See the [module docs](crate::correlation) for what it does and an example.
+///
+/// # Clone
+///
+/// The header names and bounds are shared behind an `Arc`; the generator, validator
+/// and span maker are cloned into each service.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct CorrelationLayer<M = MakeUuidV7, V = DefaultValidator, P = DefaultMakeSpan> {
+    pub(super) settings: Arc<Settings>,
+    pub(super) make_id: M,
+    pub(super) validator: V,
+    pub(super) make_span: P,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Settings {
+    /// Read first, rewritten on the request, echoed on the response.
+    pub(super) header: HeaderName,
+    /// Read in order when `header` is absent.
+    pub(super) fallbacks: Vec<HeaderName>,
+    pub(super) max_len: usize,
+    pub(super) enforce: bool,
+}
+
+impl CorrelationLayer {
+    /// The layer with the defaults: header `x-correlation-id`, IDs of at most
+    /// [`DEFAULT_MAX_LEN`] bytes, UUIDv7 for requests without a valid one, an INFO span.
+    pub fn new() -> Self {
+        Self {
+            settings: Arc::new(Settings {
+                header: DEFAULT_HEADER,
+                fallbacks: Vec::new(),
+                max_len: DEFAULT_MAX_LEN,
+                enforce: false,
+            }),
+            make_id: MakeUuidV7,
+            validator: DefaultValidator,
+            make_span: DefaultMakeSpan::new(),
+        }
+    }
+}
+
+impl Default for CorrelationLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<M, V, P> CorrelationLayer<M, V, P> {
+    /// The header read first, set on the request to the effective ID and echoed on the
+    /// response. Default `x-correlation-id`.
+    pub fn header(mut self, name: HeaderName) -> Self {
+        Arc::make_mut(&mut self.settings).header = name;
+        self
+    }
+
+    /// Also accept the ID from `name` when the headers before it are absent; call again
+    /// to add more, in order. For example `x-request-id`, to continue the ID that
+    /// tower-http's `SetRequestId` or a proxy set.
+    pub fn accept(mut self, name: HeaderName) -> Self {
+        Arc::make_mut(&mut self.settings).fallbacks.push(name);
+        self
+    }
+
+    /// The longest ID accepted from outside, in bytes; extensions respect it too.
+    /// Default [`DEFAULT_MAX_LEN`].
+    pub fn max_len(mut self, max_len: usize) -> Self {
+        Arc::make_mut(&mut self.settings).max_len = max_len;
+        self
+    }
+
+    /// Answer `400 Bad Request` (problem+json) to a request whose ID is missing or
+    /// invalid, instead of generating one. For internal services whose callers must
+    /// always send one.
+    pub fn enforce(mut self, enforce: bool) -> Self {
+        Arc::make_mut(&mut self.settings).enforce = enforce;
+        self
+    }
+
+    /// Generate IDs with `make_id` instead of UUIDv7.
+    pub fn make_id<M2>(self, make_id: M2) -> CorrelationLayer<M2, V, P> {
+        CorrelationLayer {
+            settings: self.settings,
+            make_id,
+            validator: self.validator,
+            make_span: self.make_span,
+        }
+    }
+
+    /// Check incoming IDs with `validator` instead of [`DefaultValidator`]. The length
+    /// bound and "visible ASCII" still apply first.
+    pub fn validator<V2>(self, validator: V2) -> CorrelationLayer<M, V2, P> {
+        CorrelationLayer {
+            settings: self.settings,
+            make_id: self.make_id,
+            validator,
+            make_span: self.make_span,
+        }
+    }
+
+    /// Run the inner service in the span `make_span` makes.
+    pub fn make_span<P2>(self, make_span: P2) -> CorrelationLayer<M, V, P2> {
+        CorrelationLayer {
+            settings: self.settings,
+            make_id: self.make_id,
+            validator: self.validator,
+            make_span,
+        }
+    }
+}
+
+impl<S, M: Clone, V: Clone, P: Clone> Layer<S> for CorrelationLayer<M, V, P> {
+    type Service = Correlation<S, M, V, P>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Correlation {
+            inner,
+            settings: self.settings.clone(),
+            make_id: self.make_id.clone(),
+            validator: self.validator.clone(),
+            make_span: self.make_span.clone(),
+        }
+    }
+}

@@ -1,0 +1,113 @@
+use http::Request;
+use tracing::{Level, Span};
+
+use super::CorrelationId;
+
+/// Makes the correlation ID of a request that arrived without a usable one.
+///
+/// Implemented for closures `FnMut(&Request<B>) -> CorrelationId`; the default is
+/// [`MakeUuidV7`].
+pub trait MakeCorrelationId<B> {
+    /// A new ID for `request`.
+    fn make_correlation_id(&mut self, request: &Request<B>) -> CorrelationId;
+}
+
+impl<B, F> MakeCorrelationId<B> for F
+where
+    F: FnMut(&Request<B>) -> CorrelationId,
+{
+    fn make_correlation_id(&mut self, request: &Request<B>) -> CorrelationId {
+        self(request)
+    }
+}
+
+/// Generates UUIDv7 correlation IDs: time-ordered, so a log sorted by ID is sorted by
+/// time, with 74 random bits from uuid's fast RNG.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MakeUuidV7;
+
+impl<B> MakeCorrelationId<B> for MakeUuidV7 {
+    fn make_correlation_id(&mut self, _request: &Request<B>) -> CorrelationId {
+        CorrelationId::new()
+    }
+}
+
+/// Makes the span the inner service runs in, as tower-http's `MakeSpan`.
+///
+/// Implemented for closures `FnMut(&Request<B>, &CorrelationId) -> Span`. Record the
+/// ID in a field named `correlation_id` so log searches work across services.
+///
+/// ```
+/// use http::Request;
+/// use tower_ids::correlation::{CorrelationId, CorrelationLayer};
+///
+/// let layer = CorrelationLayer::new().make_span(|request: &Request<()>, id: &CorrelationId| {
+///     tracing::info_span!(
+///         "request",
+///         correlation_id = id.as_str(),
+///         method = %request.method(),
+///         path = request.uri().path(),
+///     )
+/// });
+/// # let _ = layer;
+/// ```
+pub trait MakeSpan<B> {
+    /// The span for `request`, whose effective ID is `id`.
+    fn make_span(&mut self, request: &Request<B>, id: &CorrelationId) -> Span;
+}
+
+impl<B, F> MakeSpan<B> for F
+where
+    F: FnMut(&Request<B>, &CorrelationId) -> Span,
+{
+    fn make_span(&mut self, request: &Request<B>, id: &CorrelationId) -> Span {
+        self(request, id)
+    }
+}
+
+/// The default span: `correlation`, with the single field `correlation_id`, at INFO.
+///
+/// INFO, unlike tower-http's DEBUG trace span, because the span exists to put the ID on
+/// every event inside it: a span a usual `info` filter disabled would drop the ID from
+/// exactly the lines that need it. Method, path and timings are tower-http `TraceLayer`'s
+/// job; put it inside this layer and its span nests in this one.
+#[derive(Debug, Clone, Copy)]
+pub struct DefaultMakeSpan {
+    level: Level,
+}
+
+impl DefaultMakeSpan {
+    /// The default span at INFO.
+    pub fn new() -> Self {
+        Self { level: Level::INFO }
+    }
+
+    /// The span at another level.
+    pub fn level(mut self, level: Level) -> Self {
+        self.level = level;
+        self
+    }
+}
+
+impl Default for DefaultMakeSpan {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<B> MakeSpan<B> for DefaultMakeSpan {
+    fn make_span(&mut self, _request: &Request<B>, id: &CorrelationId) -> Span {
+        macro_rules! span {
+            ($level:expr) => {
+                tracing::span!($level, "correlation", correlation_id = id.as_str())
+            };
+        }
+        match self.level {
+            Level::ERROR => span!(Level::ERROR),
+            Level::WARN => span!(Level::WARN),
+            Level::INFO => span!(Level::INFO),
+            Level::DEBUG => span!(Level::DEBUG),
+            Level::TRACE => span!(Level::TRACE),
+        }
+    }
+}

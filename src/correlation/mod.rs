@@ -1,0 +1,170 @@
+//! Correlation IDs: one per attempt, restored or generated, carried through tracing,
+//! responses and outgoing calls.
+//!
+//! A correlation ID names one unit of work, one attempt, so its whole story can be found
+//! in the logs of every service it touched. It is not an idempotency key (that one is
+//! stable across retries): a retry is a new attempt and gets a new correlation ID.
+//!
+//! # Example
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use http::{Request, Response};
+//! use tower::{service_fn, ServiceBuilder, ServiceExt};
+//! use tower_ids::correlation::{CorrelationId, CorrelationLayer};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Infallible> {
+//! let service = ServiceBuilder::new()
+//!     .layer(CorrelationLayer::new())
+//!     .service(service_fn(|request: Request<String>| async move {
+//!         // The effective ID, three ways: extension, task-local, rewritten header.
+//!         let id = request.extensions().get::<CorrelationId>().unwrap();
+//!         assert_eq!(Some(id.clone()), CorrelationId::current());
+//!         assert_eq!(request.headers()["x-correlation-id"], id.as_str());
+//!         tracing::info!("inside the `correlation` span, with correlation_id");
+//!         Ok::<_, Infallible>(Response::new(String::from("done")))
+//!     }));
+//!
+//! let request = Request::builder()
+//!     .header("x-correlation-id", "abcd-efgh")
+//!     .body(String::new())
+//!     .unwrap();
+//! let response = service.oneshot(request).await?;
+//! assert_eq!(response.headers()["x-correlation-id"], "abcd-efgh");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! With axum, and the `axum` feature for the extractor:
+//!
+//! ```no_run
+//! # #[cfg(feature = "axum")]
+//! # mod example {
+//! use axum::{routing::get, Router};
+//! use tower_ids::correlation::{CorrelationId, CorrelationLayer};
+//!
+//! async fn handler(id: CorrelationId) -> String {
+//!     format!("working on {id}")
+//! }
+//!
+//! # pub async fn run() {
+//! let app: Router = Router::new()
+//!     .route("/", get(handler))
+//!     .layer(CorrelationLayer::new().accept(http::HeaderName::from_static("x-request-id")));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+//! axum::serve(listener, app).await.unwrap();
+//! # }
+//! # }
+//! # fn main() {}
+//! ```
+//!
+//! # What the server layer does
+//!
+//! [`CorrelationLayer`] works on any `http::Request<B>` service (axum, hyper, tonic):
+//!
+//! 1. Reads the ID from `x-correlation-id`, then from each header added with
+//!    [`accept`](CorrelationLayer::accept), in order; the first header present is used.
+//! 2. Validates it before anything logs it: 1 to 128 bytes ([`DEFAULT_MAX_LEN`]) of
+//!    letters, digits and `-._:` ([`DefaultValidator`]), a single header value. A
+//!    missing ID is generated (UUIDv7, [`MakeUuidV7`]); an invalid one is replaced by a
+//!    generated one with a WARN event `correlation.invalid` that carries the new ID and
+//!    the reason, never the value. In [`enforce`](CorrelationLayer::enforce) mode both
+//!    are answered `400` instead.
+//! 3. Makes the effective ID available: a [`CorrelationId`] in the request extensions,
+//!    the `x-correlation-id` request header rewritten to it, a span (`correlation`, with
+//!    field `correlation_id`, see [`MakeSpan`]) around the inner service, and a
+//!    task-local read by [`CorrelationId::current`].
+//! 4. Echoes the ID on the response header (unless the handler set that header) and puts
+//!    it in the response extensions.
+//!
+//! # Layer order
+//!
+//! Put `CorrelationLayer` outermost, or just inside tower-http's `SetRequestId` when you
+//! want its `x-request-id` as a source: everything inside it (tower-http's `TraceLayer`,
+//! the idempotency layer, the handler) then logs inside its span. Inside the handler,
+//! [`OutboundCorrelationLayer`] on the HTTP client carries the ID to the next service.
+//!
+//! # Headers and status codes
+//!
+//! | Header | Direction | Meaning |
+//! |---|---|---|
+//! | `x-correlation-id` | request | the caller's ID for this attempt (optional unless `enforce`) |
+//! | `x-correlation-id` | response | the effective ID: the caller's, or the generated one |
+//!
+//! | Status | When | `code` in the problem body |
+//! |---|---|---|
+//! | `400` `application/problem+json` | `enforce`, and the ID is missing | `correlation_id.missing` |
+//! | `400` `application/problem+json` | `enforce`, and the ID is invalid | `correlation_id.invalid` |
+//! | `500` `application/problem+json` | the axum extractor ran without the layer | `correlation_id.not_installed` |
+//!
+//! # Lifecycle
+//!
+//! As work splits and merges, the ID follows:
+//!
+//! - [`next_child`](CorrelationId::next_child): `id.1`, `id.2`, ... for work spawned by
+//!   iteration, from a counter that belongs to the parent;
+//! - [`extend_random`](CorrelationId::extend_random) (24 bits, 4 characters) and
+//!   [`extend_redelivery`](CorrelationId::extend_redelivery) (a coarse clock and 10
+//!   random bits, 3 characters) for work that cannot count its siblings;
+//! - [`replace`](CorrelationId::replace), [`combine`](CorrelationId::combine) and
+//!   [`restore`](CorrelationId::restore), which tie the old and new IDs together with the
+//!   INFO pair `Replacing correlation id` / `Replaced correlation id`.
+//!
+//! An extension that would pass the length bound replaces the ID instead.
+//!
+//! ```
+//! use tower_ids::correlation::CorrelationId;
+//!
+//! let parent = CorrelationId::parse("abcd-efgh").unwrap();
+//! assert_eq!(parent.next_child(), "abcd-efgh.1");
+//! assert_eq!(parent.next_child(), "abcd-efgh.2");
+//! assert_eq!(parent.extend_random().as_str().len(), "abcd-efgh".len() + 5);
+//!
+//! // A batch of two messages becomes one unit of work.
+//! let a = CorrelationId::parse("msg-a").unwrap();
+//! let b = CorrelationId::parse("msg-b").unwrap();
+//! let batch = CorrelationId::combine([&a, &b]);
+//! # let _ = batch;
+//! ```
+//!
+//! # Events
+//!
+//! | `event` field | Level | When |
+//! |---|---|---|
+//! | `correlation.invalid` | WARN | an incoming ID was invalid and replaced |
+//! | `correlation.missing` / `correlation.rejected` | WARN | `enforce` refused a request |
+//! | `correlation.replacing` / `correlation.replaced` | INFO | replace, combine, restore, or an extension past the bound |
+//! | `correlation.restore_rejected` | WARN | [`restore`](CorrelationId::restore) was given an invalid ID |
+
+mod future;
+mod id;
+mod layer;
+mod make;
+mod outbound;
+mod service;
+
+#[cfg(feature = "axum")]
+mod extract;
+
+use http::HeaderName;
+
+#[cfg(feature = "axum")]
+pub use self::extract::CorrelationLayerMissing;
+pub use self::{
+    future::ResponseFuture,
+    id::{
+        CorrelationId, DefaultValidator, InvalidCorrelationId, ValidateCorrelationId,
+        DEFAULT_MAX_LEN, EXTENSION_SEPARATOR, RANDOM_EXTENSION_BITS, REDELIVERY_TICK_SECS,
+    },
+    layer::CorrelationLayer,
+    make::{DefaultMakeSpan, MakeCorrelationId, MakeSpan, MakeUuidV7},
+    outbound::{OutboundCorrelation, OutboundCorrelationLayer},
+    service::Correlation,
+};
+
+/// `x-correlation-id`: the default header, read, rewritten and echoed.
+///
+/// The de facto name across services and log pipelines; `x-request-id` (tower-http's)
+/// can be accepted as well with [`CorrelationLayer::accept`].
+pub const DEFAULT_HEADER: HeaderName = HeaderName::from_static("x-correlation-id");

@@ -1,0 +1,235 @@
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use http::{HeaderMap, HeaderName, Request, Response, StatusCode};
+use tower_service::Service;
+
+use super::{
+    future::ResponseFuture,
+    layer::{CorrelationLayer, Settings},
+    CorrelationId, DefaultMakeSpan, DefaultValidator, InvalidCorrelationId, MakeCorrelationId,
+    MakeSpan, MakeUuidV7, ValidateCorrelationId,
+};
+use crate::{body::ResponseBody, problem::Problem};
+
+/// Middleware that gives every request a correlation ID.
+///
+/// Made by [`CorrelationLayer`]; see the [module docs](crate::correlation).
+#[derive(Debug, Clone)]
+pub struct Correlation<S, M = MakeUuidV7, V = DefaultValidator, P = DefaultMakeSpan> {
+    pub(super) inner: S,
+    pub(super) settings: Arc<Settings>,
+    pub(super) make_id: M,
+    pub(super) validator: V,
+    pub(super) make_span: P,
+}
+
+impl<S> Correlation<S> {
+    /// Wraps `inner` with the default settings.
+    pub fn new(inner: S) -> Self {
+        use tower_layer::Layer as _;
+        CorrelationLayer::new().layer(inner)
+    }
+
+    /// The layer, to configure and apply with `ServiceBuilder` or `Router::layer`.
+    pub fn layer() -> CorrelationLayer {
+        CorrelationLayer::new()
+    }
+}
+
+impl<S, M, V, P> Correlation<S, M, V, P> {
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+/// What the request's headers said.
+enum Incoming<'a> {
+    Restored {
+        id: CorrelationId,
+        from_primary: bool,
+    },
+    Missing,
+    Invalid {
+        error: InvalidCorrelationId,
+        header: &'a HeaderName,
+    },
+}
+
+impl<S, M, V, P> Correlation<S, M, V, P>
+where
+    V: ValidateCorrelationId,
+{
+    fn read_incoming<'a>(settings: &'a Settings, validator: &V, headers: &HeaderMap) -> Incoming<'a> {
+        let accepted = std::iter::once(&settings.header).chain(&settings.fallbacks);
+        for (position, header) in accepted.enumerate() {
+            let mut values = headers.get_all(header).iter();
+            let Some(value) = values.next() else {
+                continue;
+            };
+            if values.next().is_some() {
+                return Incoming::Invalid {
+                    error: InvalidCorrelationId::multiple_values(),
+                    header,
+                };
+            }
+            return match CorrelationId::from_header_value(value, settings.max_len, validator) {
+                Ok(id) => Incoming::Restored {
+                    id,
+                    from_primary: position == 0,
+                },
+                Err(error) => Incoming::Invalid { error, header },
+            };
+        }
+        Incoming::Missing
+    }
+}
+
+impl<S, M, V, P, ReqBody, ResBody> Service<Request<ReqBody>> for Correlation<S, M, V, P>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    M: MakeCorrelationId<ReqBody>,
+    V: ValidateCorrelationId,
+    P: MakeSpan<ReqBody>,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        let settings = Arc::clone(&self.settings);
+        let incoming = Self::read_incoming(&settings, &self.validator, request.headers());
+        let (id, refused) = match incoming {
+            Incoming::Restored { id, from_primary } => {
+                if !from_primary {
+                    request
+                        .headers_mut()
+                        .insert(settings.header.clone(), id.to_header_value());
+                }
+                (id, None)
+            }
+            Incoming::Missing => {
+                let id = self.generate(&mut request, &settings);
+                (id, settings.enforce.then_some(Refused::Missing))
+            }
+            Incoming::Invalid { error, header } => {
+                let id = self.generate(&mut request, &settings);
+                (id, Some(Refused::Invalid { error, header }))
+            }
+        };
+        request.extensions_mut().insert(id.clone());
+        let span = self.make_span.make_span(&request, &id);
+
+        if let Some(refused) = refused {
+            let _entered = span.enter();
+            let problem = refused.report(&id, &settings);
+            if let Some(problem) = problem {
+                return ResponseFuture::refused(problem.into_response(), id, settings.header.clone());
+            }
+        }
+
+        let future = {
+            let _entered = span.enter();
+            id.clone().sync_scope(|| self.inner.call(request))
+        };
+        ResponseFuture::called(
+            id.clone().task_local_scope(future),
+            span,
+            id,
+            settings.header.clone(),
+        )
+    }
+}
+
+impl<S, M, V, P> Correlation<S, M, V, P> {
+    /// A fresh ID, set on the request in place of whatever the header held.
+    fn generate<B>(&mut self, request: &mut Request<B>, settings: &Settings) -> CorrelationId
+    where
+        M: MakeCorrelationId<B>,
+    {
+        let id = self
+            .make_id
+            .make_correlation_id(request)
+            .with_max_len(settings.max_len);
+        request
+            .headers_mut()
+            .insert(settings.header.clone(), id.to_header_value());
+        id
+    }
+}
+
+enum Refused<'a> {
+    Missing,
+    Invalid {
+        error: InvalidCorrelationId,
+        header: &'a HeaderName,
+    },
+}
+
+impl Refused<'_> {
+    /// Logs the refusal; in `enforce` mode also returns the problem to answer with.
+    fn report(self, id: &CorrelationId, settings: &Settings) -> Option<Problem> {
+        match self {
+            Refused::Missing => {
+                tracing::warn!(
+                    event = "correlation.missing",
+                    correlation_id = id.as_str(),
+                    header = settings.header.as_str(),
+                    status = 400,
+                    "request refused: no correlation id"
+                );
+                Some(Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "correlation_id.missing",
+                    "Missing correlation id",
+                    format!("send a correlation id in the {} header", settings.header),
+                ))
+            }
+            Refused::Invalid { error, header } if settings.enforce => {
+                tracing::warn!(
+                    event = "correlation.rejected",
+                    correlation_id = id.as_str(),
+                    header = header.as_str(),
+                    reason = error.code(),
+                    detail = %error,
+                    status = 400,
+                    "request refused: invalid correlation id"
+                );
+                Some(Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "correlation_id.invalid",
+                    "Invalid correlation id",
+                    format!("{error} (header {header})"),
+                ))
+            }
+            Refused::Invalid { error, header } => {
+                tracing::warn!(
+                    event = "correlation.invalid",
+                    correlation_id = id.as_str(),
+                    header = header.as_str(),
+                    reason = error.code(),
+                    detail = %error,
+                    "invalid correlation id replaced by a fresh one"
+                );
+                None
+            }
+        }
+    }
+}
