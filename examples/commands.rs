@@ -1,1 +1,529 @@
-fn main(){}
+//! The Command Service, in memory: tower-ids' demo of correlation IDs across an HTTP
+//! request and the queue message it sends.
+//!
+//! A client asks for a command to be sent to a device; the service stores it as
+//! `queued`, answers `201`, and puts a message on a queue (an in-process tokio channel
+//! standing in for the broker). A background publisher takes each message, waits
+//! `--publish-delay-ms`, and marks the command `sent` unless it was cancelled meanwhile.
+//!
+//! Every line logged while handling a request carries that request's `correlation_id`
+//! (from `x-correlation-id`, else `x-request-id`, else a fresh UUIDv7); every line the
+//! publisher logs for a delivery carries that ID extended for the delivery
+//! (`<id>.Aq9`, see [`CorrelationId::extend_redelivery`]), so one search finds the
+//! request and everything it caused.
+//!
+//! # Run
+//!
+//! ```sh
+//! cargo run --release --example commands --features axum
+//! cargo run --release --example commands --features axum -- \
+//!     --addr 127.0.0.1:0 --log-format json --publish-delay-ms 1000
+//! RUST_LOG=debug cargo run --release --example commands --features axum
+//! ```
+//!
+//! | Flag | Default | Meaning |
+//! |---|---|---|
+//! | `--addr` | `127.0.0.1:3000` | address to bind; port `0` picks a free one |
+//! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with span fields) |
+//! | `--publish-delay-ms` | `200` | wait before each publish, so a client can see `queued` turn into `sent` |
+//!
+//! Once bound, the service logs `listening on http://ADDR` with the real address, so a
+//! script can start it on port `0` and grep the log for the URL. `RUST_LOG` sets the
+//! filter (default `info`). Ctrl-C (or SIGTERM) stops it gracefully: in-flight requests
+//! finish and the queue is drained.
+//!
+//! # Try it
+//!
+//! ```sh
+//! # Create a command; the response echoes the correlation ID.
+//! curl -si localhost:3000/commands \
+//!     -H 'content-type: application/json' -H 'x-correlation-id: demo-1' \
+//!     -d '{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
+//!
+//! # List all commands (oldest first), fetch one, cancel one.
+//! curl -s localhost:3000/commands
+//! curl -s localhost:3000/commands/$ID
+//! curl -s -X POST localhost:3000/commands/$ID/cancel
+//!
+//! # Errors are RFC 9457 problem details.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' -d '{"device_id":'
+//! curl -si localhost:3000/commands/0190b6c4-0000-7000-8000-000000000000
+//! ```
+//!
+//! # Routes
+//!
+//! | Route | Success | Errors (`application/problem+json`, `code`) |
+//! |---|---|---|
+//! | `POST /commands` | `201` the new command, `status: "queued"` | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields`, `413` `body.unreadable`, `503` `commands.publisher_stopped` |
+//! | `GET /commands` | `200` every command, oldest first | |
+//! | `GET /commands/{id}` | `200` the command | `404` `commands.not_found` |
+//! | `POST /commands/{id}/cancel` | `200` the command, `status: "cancelled"` | `404` `commands.not_found`, `409` `commands.already_sent` |
+//!
+//! A command is `{"id", "device_id", "name", "payload", "status", "created_at"}`: `id` is
+//! the command's own UUID (not the correlation ID, which names one attempt), `status` is
+//! `queued`, `sent` or `cancelled`, and `created_at` is RFC 3339 in UTC.
+//!
+//! # Events
+//!
+//! | `event` | Level | When |
+//! |---|---|---|
+//! | `commands.listening` | INFO | the listener is bound |
+//! | `commands.created` | INFO | a command was stored and queued |
+//! | `commands.cancelled` | INFO | a command was cancelled |
+//! | `commands.published` | INFO | the publisher sent a command |
+//! | `commands.publish_skipped` | INFO | the publisher found the command cancelled |
+//! | `commands.bad_request` | WARN | a create request's body was refused (the body is never logged) |
+//! | `commands.not_found` | INFO | an unknown command ID was asked for |
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::Duration,
+};
+
+use axum::{
+    extract::{rejection::JsonRejection, Path, State},
+    http::{header, HeaderName, HeaderValue, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Json, Router,
+};
+use clap::{Parser, ValueEnum};
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use tokio::{net::TcpListener, sync::mpsc};
+use tower_ids::{
+    correlation::{CorrelationId, CorrelationLayer},
+    PROBLEM_JSON,
+};
+use tracing_subscriber::{filter::LevelFilter, EnvFilter};
+use uuid::Uuid;
+
+/// Messages the queue holds before the publisher blocks new commands (backpressure).
+const QUEUE_CAPACITY: usize = 1024;
+
+/// The Command Service, in memory: tower-ids' demo of correlation IDs.
+#[derive(Debug, Parser)]
+#[command(about, long_about = None)]
+struct Args {
+    /// Address to listen on; port 0 picks a free port (the log says which).
+    #[arg(long, default_value = "127.0.0.1:3000")]
+    addr: SocketAddr,
+
+    /// Log format, written to stdout.
+    #[arg(long, value_enum, default_value_t = LogFormat::Pretty)]
+    log_format: LogFormat,
+
+    /// Milliseconds the publisher waits before publishing each command.
+    #[arg(long, default_value_t = 200)]
+    publish_delay_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    /// Human-readable, one line per event, prefixed by its spans and their fields.
+    Pretty,
+    /// One JSON object per line, with the current span and the span list.
+    Json,
+}
+
+#[tokio::main]
+async fn main() -> std::io::Result<()> {
+    let args = Args::parse();
+    init_tracing(args.log_format);
+
+    let commands = Commands::default();
+    let (queue, deliveries) = mpsc::channel(QUEUE_CAPACITY);
+    let publisher = tokio::spawn(publish(
+        commands.clone(),
+        deliveries,
+        Duration::from_millis(args.publish_delay_ms),
+    ));
+
+    let listener = TcpListener::bind(args.addr).await?;
+    let addr = listener.local_addr()?;
+    tracing::info!(event = "commands.listening", %addr, "listening on http://{addr}");
+
+    let state = AppState { commands, queue };
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+
+    // The router, and with it every queue sender, is gone: the publisher drains what is
+    // left in the queue and returns.
+    if let Err(error) = publisher.await {
+        tracing::error!(event = "commands.publisher_failed", %error, "publisher task failed");
+    }
+    tracing::info!(event = "commands.stopped", "stopped");
+    Ok(())
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = EnvFilter::builder()
+        .with_default_directive(LevelFilter::INFO.into())
+        .from_env_lossy();
+    let subscriber = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Pretty => subscriber.init(),
+        LogFormat::Json => subscriber
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+    }
+}
+
+/// The service's routes, wrapped in the correlation layer.
+///
+/// `CorrelationLayer` is applied last, so it is outermost: every handler, extractor
+/// rejection and inner layer runs inside its span. Per-route layers (such as an
+/// idempotency layer on the `POST` routes) go on the method routers here.
+fn app(state: AppState) -> Router {
+    Router::new()
+        .route("/commands", post(create_command).get(list_commands))
+        .route("/commands/{id}", get(get_command))
+        .route("/commands/{id}/cancel", post(cancel_command))
+        .fallback(unknown_route)
+        .with_state(state)
+        .layer(CorrelationLayer::new().accept(HeaderName::from_static("x-request-id")))
+}
+
+/// What every handler shares.
+#[derive(Clone)]
+struct AppState {
+    commands: Commands,
+    /// The broker, as far as the handlers know.
+    queue: mpsc::Sender<Publish>,
+}
+
+/// A queue message: publish this command. The correlation ID travels with it, as it
+/// would in a broker message's headers.
+#[derive(Debug)]
+struct Publish {
+    command_id: Uuid,
+    correlation_id: CorrelationId,
+}
+
+/// The body of `POST /commands`.
+#[derive(Debug, Deserialize)]
+struct NewCommand {
+    device_id: String,
+    name: String,
+    payload: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Command {
+    /// The command's own ID, stable for its life (not the correlation ID).
+    id: Uuid,
+    device_id: String,
+    name: String,
+    payload: serde_json::Value,
+    status: Status,
+    #[serde(with = "time::serde::rfc3339")]
+    created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Status {
+    Queued,
+    Sent,
+    Cancelled,
+}
+
+/// The command store: commands in creation order, indexed by ID.
+#[derive(Clone, Default)]
+struct Commands(Arc<Mutex<Store>>);
+
+#[derive(Default)]
+struct Store {
+    commands: Vec<Command>,
+    index: HashMap<Uuid, usize>,
+}
+
+impl Commands {
+    fn lock(&self) -> MutexGuard<'_, Store> {
+        // The store holds plain data that every write leaves consistent.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Store {
+    fn insert(&mut self, command: Command) {
+        self.index.insert(command.id, self.commands.len());
+        self.commands.push(command);
+    }
+
+    fn get(&self, id: Uuid) -> Option<&Command> {
+        self.commands.get(*self.index.get(&id)?)
+    }
+
+    fn get_mut(&mut self, id: Uuid) -> Option<&mut Command> {
+        self.commands.get_mut(*self.index.get(&id)?)
+    }
+}
+
+async fn create_command(
+    State(state): State<AppState>,
+    correlation_id: CorrelationId,
+    body: Result<Json<NewCommand>, JsonRejection>,
+) -> Result<(StatusCode, Json<Command>), ApiError> {
+    let Json(new) = body.map_err(ApiError::bad_request)?;
+    // Take a queue slot first, so a stored command is always queued.
+    let slot = state
+        .queue
+        .reserve()
+        .await
+        .map_err(|_| ApiError::PublisherStopped)?;
+
+    let command = Command {
+        id: Uuid::now_v7(),
+        device_id: new.device_id,
+        name: new.name,
+        payload: new.payload,
+        status: Status::Queued,
+        created_at: OffsetDateTime::now_utc(),
+    };
+    state.commands.lock().insert(command.clone());
+    slot.send(Publish {
+        command_id: command.id,
+        correlation_id,
+    });
+
+    tracing::info!(
+        event = "commands.created",
+        command_id = %command.id,
+        device_id = command.device_id.as_str(),
+        name = command.name.as_str(),
+        "command created"
+    );
+    Ok((StatusCode::CREATED, Json(command)))
+}
+
+async fn list_commands(State(state): State<AppState>) -> Json<Vec<Command>> {
+    let commands = state.commands.lock().commands.clone();
+    tracing::debug!(
+        event = "commands.listed",
+        count = commands.len(),
+        "commands listed"
+    );
+    Json(commands)
+}
+
+async fn get_command(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Command>, ApiError> {
+    let id = parse_id(&id)?;
+    let store = state.commands.lock();
+    let command = store.get(id).ok_or_else(|| ApiError::not_found(id))?;
+    Ok(Json(command.clone()))
+}
+
+async fn cancel_command(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Command>, ApiError> {
+    let id = parse_id(&id)?;
+    let mut store = state.commands.lock();
+    let command = store.get_mut(id).ok_or_else(|| ApiError::not_found(id))?;
+    match command.status {
+        Status::Queued => {
+            command.status = Status::Cancelled;
+            tracing::info!(event = "commands.cancelled", command_id = %id, "command cancelled");
+        }
+        // Cancelling twice is not an error: the command is cancelled either way.
+        Status::Cancelled => {}
+        Status::Sent => return Err(ApiError::AlreadySent),
+    }
+    Ok(Json(command.clone()))
+}
+
+async fn unknown_route() -> ApiError {
+    ApiError::UnknownRoute
+}
+
+/// A path segment that is not a UUID names no command.
+fn parse_id(id: &str) -> Result<Uuid, ApiError> {
+    Uuid::try_parse(id).map_err(|_| {
+        tracing::info!(
+            event = "commands.not_found",
+            reason = "not_a_uuid",
+            "unknown command"
+        );
+        ApiError::NotFound
+    })
+}
+
+/// The publisher: takes each queue message and publishes its command.
+///
+/// Each delivery runs under its own extension of the message's correlation ID, as a
+/// consumer of a real broker would: a redelivered message gets a different one, and
+/// both lead back to the request.
+async fn publish(commands: Commands, mut deliveries: mpsc::Receiver<Publish>, delay: Duration) {
+    while let Some(message) = deliveries.recv().await {
+        let command_id = message.command_id;
+        message
+            .correlation_id
+            .extend_redelivery()
+            .scope(async {
+                tokio::time::sleep(delay).await;
+                let mut store = commands.lock();
+                let Some(command) = store.get_mut(command_id) else {
+                    return;
+                };
+                match command.status {
+                    Status::Queued => {
+                        command.status = Status::Sent;
+                        tracing::info!(
+                            event = "commands.published",
+                            command_id = %command_id,
+                            device_id = command.device_id.as_str(),
+                            "command published"
+                        );
+                    }
+                    Status::Cancelled => tracing::info!(
+                        event = "commands.publish_skipped",
+                        command_id = %command_id,
+                        reason = "cancelled",
+                        "command cancelled before publishing"
+                    ),
+                    Status::Sent => {}
+                }
+            })
+            .await;
+    }
+}
+
+/// Everything a handler can refuse with, answered as RFC 9457 problem details.
+#[derive(Debug)]
+enum ApiError {
+    /// The create body was not a JSON command.
+    BadRequest(JsonRejection),
+    NotFound,
+    AlreadySent,
+    PublisherStopped,
+    UnknownRoute,
+}
+
+impl ApiError {
+    fn bad_request(rejection: JsonRejection) -> Self {
+        let error = Self::BadRequest(rejection);
+        // The status and the code only: the rejection's text can quote the body.
+        tracing::warn!(
+            event = "commands.bad_request",
+            status = error.status().as_u16(),
+            code = error.code(),
+            "create request refused"
+        );
+        error
+    }
+
+    fn not_found(id: Uuid) -> Self {
+        tracing::info!(event = "commands.not_found", command_id = %id, "unknown command");
+        Self::NotFound
+    }
+
+    fn status(&self) -> StatusCode {
+        match self {
+            Self::BadRequest(rejection) => rejection.status(),
+            Self::NotFound | Self::UnknownRoute => StatusCode::NOT_FOUND,
+            Self::AlreadySent => StatusCode::CONFLICT,
+            Self::PublisherStopped => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// A stable code a client can match on.
+    fn code(&self) -> &'static str {
+        match self {
+            Self::BadRequest(JsonRejection::JsonSyntaxError(_)) => "body.invalid_json",
+            Self::BadRequest(JsonRejection::JsonDataError(_)) => "body.invalid_fields",
+            Self::BadRequest(JsonRejection::MissingJsonContentType(_)) => "body.not_json",
+            Self::BadRequest(_) => "body.unreadable",
+            Self::NotFound => "commands.not_found",
+            Self::AlreadySent => "commands.already_sent",
+            Self::PublisherStopped => "commands.publisher_stopped",
+            Self::UnknownRoute => "route.not_found",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Self::BadRequest(_) => "Invalid command request",
+            Self::NotFound => "Command not found",
+            Self::AlreadySent => "Command already sent",
+            Self::PublisherStopped => "Service shutting down",
+            Self::UnknownRoute => "Not found",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Self::BadRequest(rejection) => rejection.body_text(),
+            Self::NotFound => "no command has this id".to_owned(),
+            Self::AlreadySent => {
+                "the command was sent to the device and can no longer be cancelled".to_owned()
+            }
+            Self::PublisherStopped => "the command publisher has stopped; retry later".to_owned(),
+            Self::UnknownRoute => "no route matches this path".to_owned(),
+        }
+    }
+}
+
+/// RFC 9457 problem details.
+#[derive(Serialize)]
+struct Problem {
+    #[serde(rename = "type")]
+    type_uri: String,
+    title: &'static str,
+    status: u16,
+    detail: String,
+    code: &'static str,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let problem = Problem {
+            type_uri: format!("urn:tower-ids:example:commands:{}", self.code()),
+            title: self.title(),
+            status: status.as_u16(),
+            detail: self.detail(),
+            code: self.code(),
+        };
+        let content_type = [(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))];
+        (status, content_type, Json(problem)).into_response()
+    }
+}
+
+/// Resolves on Ctrl-C, or on SIGTERM on Unix.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::error!(%error, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!(event = "commands.shutting_down", "shutting down");
+}

@@ -56,10 +56,9 @@ impl Problem {
     pub(crate) fn into_response<B>(self) -> Response<ResponseBody<B>> {
         let mut response = Response::new(ResponseBody::complete(self.to_bytes()));
         *response.status_mut() = self.status;
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static(PROBLEM_JSON),
-        );
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         response
     }
 }

@@ -357,7 +357,9 @@ impl fmt::Display for CorrelationId {
 
 impl fmt::Debug for CorrelationId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("CorrelationId").field(&self.as_str()).finish()
+        f.debug_tuple("CorrelationId")
+            .field(&self.as_str())
+            .finish()
     }
 }
 
@@ -497,4 +499,73 @@ impl ValidateCorrelationId for DefaultValidator {
 
 fn is_id_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b':')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_accepts_the_default_alphabet() {
+        for ok in [
+            "a",
+            "abcd-efgh.1",
+            "01J9Z3:tenant_7",
+            &"x".repeat(DEFAULT_MAX_LEN),
+        ] {
+            assert_eq!(CorrelationId::parse(ok).unwrap().as_str(), ok);
+        }
+    }
+
+    #[test]
+    fn parse_refuses_with_a_reason_that_never_holds_the_value() {
+        let too_long = "y".repeat(DEFAULT_MAX_LEN + 1);
+        let cases = [
+            ("", "empty"),
+            (too_long.as_str(), "too_long"),
+            ("has space", "invalid_character"),
+            ("quote\"", "invalid_character"),
+            ("ünïcode", "not_visible_ascii"),
+            ("tab\there", "invalid_character"),
+            ("bell\u{7}", "not_visible_ascii"),
+        ];
+        for (value, code) in cases {
+            let error = CorrelationId::parse(value).unwrap_err();
+            assert_eq!(error.code(), code, "{value:?}");
+            if !value.is_empty() {
+                assert!(
+                    !error.to_string().contains(value),
+                    "{error} repeats the value"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn new_ids_are_uuid_v7_and_distinct() {
+        let a = CorrelationId::new();
+        let b = CorrelationId::new();
+        assert_ne!(a, b);
+        assert_eq!(Uuid::parse_str(a.as_str()).unwrap().get_version_num(), 7);
+    }
+
+    #[test]
+    fn extend_checks_the_suffix() {
+        let parent = CorrelationId::parse("p").unwrap();
+        assert_eq!(parent.extend("item-9").unwrap(), "p.item-9");
+        assert_eq!(parent.extend("").unwrap_err().code(), "empty");
+        assert_eq!(
+            parent.extend("a/b").unwrap_err().code(),
+            "invalid_character"
+        );
+    }
+
+    #[test]
+    fn a_custom_bound_applies_to_extensions() {
+        let parent = CorrelationId::parse_with("abc", 6, &DefaultValidator).unwrap();
+        assert_eq!(parent.next_child(), "abc.1");
+        assert_eq!(parent.max_len(), 6);
+        // "abc.10" would fit, "abc.2" fits; a 4-character suffix does not.
+        assert_ne!(parent.extend("long").unwrap().as_str(), "abc.long");
+    }
 }

@@ -73,7 +73,11 @@ impl<S, M, V, P> Correlation<S, M, V, P>
 where
     V: ValidateCorrelationId,
 {
-    fn read_incoming<'a>(settings: &'a Settings, validator: &V, headers: &HeaderMap) -> Incoming<'a> {
+    fn read_incoming<'a>(
+        settings: &'a Settings,
+        validator: &V,
+        headers: &HeaderMap,
+    ) -> Incoming<'a> {
         let accepted = std::iter::once(&settings.header).chain(&settings.fallbacks);
         for (position, header) in accepted.enumerate() {
             let mut values = headers.get_all(header).iter();
@@ -141,7 +145,11 @@ where
             let _entered = span.enter();
             let problem = refused.report(&id, &settings);
             if let Some(problem) = problem {
-                return ResponseFuture::refused(problem.into_response(), id, settings.header.clone());
+                return ResponseFuture::refused(
+                    problem.into_response(),
+                    id,
+                    settings.header.clone(),
+                );
             }
         }
 
@@ -231,5 +239,70 @@ impl Refused<'_> {
                 None
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use http::{Request, Response};
+    use http_body_util::BodyExt;
+    use tower::{service_fn, ServiceExt};
+
+    use super::*;
+
+    async fn seen_by_handler(
+        layer: CorrelationLayer,
+        request: Request<()>,
+    ) -> (Response<ResponseBody<String>>, Option<CorrelationId>) {
+        let service = tower_layer::Layer::layer(
+            &layer,
+            service_fn(|request: Request<()>| async move {
+                let id = request.extensions().get::<CorrelationId>().cloned();
+                assert_eq!(id, CorrelationId::current());
+                Ok::<_, Infallible>(Response::new(
+                    id.map(|id| id.to_string()).unwrap_or_default(),
+                ))
+            }),
+        );
+        let response = service.oneshot(request).await.unwrap();
+        let id = response.extensions().get::<CorrelationId>().cloned();
+        (response, id)
+    }
+
+    #[tokio::test]
+    async fn the_response_carries_the_id_in_header_and_extension() {
+        let request = Request::builder()
+            .header("x-correlation-id", "abc")
+            .body(())
+            .unwrap();
+        let (response, id) = seen_by_handler(CorrelationLayer::new(), request).await;
+        assert_eq!(response.headers()["x-correlation-id"], "abc");
+        assert_eq!(id.unwrap(), "abc");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "abc");
+    }
+
+    #[tokio::test]
+    async fn a_custom_header_and_bound() {
+        let layer = CorrelationLayer::new()
+            .header(HeaderName::from_static("x-trace"))
+            .max_len(4);
+        let request = Request::builder()
+            .header("x-trace", "abcde")
+            .body(())
+            .unwrap();
+        let (response, _) = seen_by_handler(layer.clone(), request).await;
+        let generated = response.headers()["x-trace"].to_str().unwrap();
+        assert_eq!(generated.len(), 36, "too long for the bound: replaced");
+
+        let request = Request::builder()
+            .header("x-trace", "abcd")
+            .body(())
+            .unwrap();
+        let (response, _) = seen_by_handler(layer, request).await;
+        assert_eq!(response.headers()["x-trace"], "abcd");
+        assert!(!response.headers().contains_key("x-correlation-id"));
     }
 }
