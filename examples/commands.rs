@@ -4,7 +4,8 @@
 //! A client asks for a command to be sent to a device; the service stores it as
 //! `queued`, answers `201`, and puts a message on a queue (an in-process tokio channel
 //! standing in for the broker). A background publisher takes each message, waits
-//! `--publish-delay-ms`, and marks the command `sent` unless it was cancelled meanwhile.
+//! until `--publish-delay-ms` after it was queued, and marks the command `sent` unless it
+//! was cancelled meanwhile.
 //!
 //! Every line logged while handling a request carries that request's `correlation_id`
 //! (from `x-correlation-id`, else `x-request-id`, else a fresh UUIDv7); every line the
@@ -25,7 +26,7 @@
 //! |---|---|---|
 //! | `--addr` | `127.0.0.1:3000` | address to bind; port `0` picks a free one |
 //! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with span fields) |
-//! | `--publish-delay-ms` | `200` | wait before each publish, so a client can see `queued` turn into `sent` |
+//! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
 //! script can start it on port `0` and grep the log for the URL. `RUST_LOG` sets the
@@ -92,7 +93,7 @@ use axum::{
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
-use tokio::{net::TcpListener, sync::mpsc};
+use tokio::{net::TcpListener, sync::mpsc, time::Instant};
 use tower_ids::{
     correlation::{CorrelationId, CorrelationLayer},
     PROBLEM_JSON,
@@ -105,7 +106,6 @@ const QUEUE_CAPACITY: usize = 1024;
 
 /// The Command Service, in memory: tower-ids' demo of correlation IDs.
 #[derive(Debug, Parser)]
-#[command(about, long_about = None)]
 struct Args {
     /// Address to listen on; port 0 picks a free port (the log says which).
     #[arg(long, default_value = "127.0.0.1:3000")]
@@ -115,7 +115,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = LogFormat::Pretty)]
     log_format: LogFormat,
 
-    /// Milliseconds the publisher waits before publishing each command.
+    /// Milliseconds from queueing a command to publishing it.
     #[arg(long, default_value_t = 200)]
     publish_delay_ms: u64,
 }
@@ -203,6 +203,8 @@ struct AppState {
 struct Publish {
     command_id: Uuid,
     correlation_id: CorrelationId,
+    /// When the message was queued, as a broker's message timestamp.
+    queued_at: Instant,
 }
 
 /// The body of `POST /commands`.
@@ -290,6 +292,7 @@ async fn create_command(
     slot.send(Publish {
         command_id: command.id,
         correlation_id,
+        queued_at: Instant::now(),
     });
 
     tracing::info!(
@@ -361,7 +364,8 @@ fn parse_id(id: &str) -> Result<Uuid, ApiError> {
 ///
 /// Each delivery runs under its own extension of the message's correlation ID, as a
 /// consumer of a real broker would: a redelivered message gets a different one, and
-/// both lead back to the request.
+/// both lead back to the request. Messages are handled one at a time, in order; each is
+/// published `delay` after it was queued, so a burst is not slowed down by the delay.
 async fn publish(commands: Commands, mut deliveries: mpsc::Receiver<Publish>, delay: Duration) {
     while let Some(message) = deliveries.recv().await {
         let command_id = message.command_id;
@@ -369,7 +373,7 @@ async fn publish(commands: Commands, mut deliveries: mpsc::Receiver<Publish>, de
             .correlation_id
             .extend_redelivery()
             .scope(async {
-                tokio::time::sleep(delay).await;
+                tokio::time::sleep_until(message.queued_at + delay).await;
                 let mut store = commands.lock();
                 let Some(command) = store.get_mut(command_id) else {
                     return;
