@@ -44,6 +44,7 @@ impl Problem {
         }
     }
 
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
     pub(crate) fn status(&self) -> StatusCode {
         self.status
     }

@@ -66,7 +66,8 @@
 //! 1. Reads the ID from `x-correlation-id`, then from each header added with
 //!    [`accept`](CorrelationLayer::accept), in order; the first header present is used.
 //! 2. Validates it before anything logs it: 1 to 128 bytes ([`DEFAULT_MAX_LEN`]) of
-//!    letters, digits and `-._:` ([`DefaultValidator`]), a single header value. A
+//!    letters, digits and `-._:` ([`DefaultValidator`]), a single header value, never a
+//!    space, control character or non-ASCII byte, whatever the validator. A
 //!    missing ID is generated (UUIDv7, [`MakeUuidV7`]); an invalid one is replaced by a
 //!    generated one with a WARN event `correlation.invalid` that carries the new ID and
 //!    the reason, never the value. In [`enforce`](CorrelationLayer::enforce) mode both
@@ -75,8 +76,7 @@
 //!    the `x-correlation-id` request header rewritten to it, a span (`correlation`, with
 //!    field `correlation_id`, see [`MakeSpan`]) around the inner service, and a
 //!    task-local read by [`CorrelationId::current`].
-//! 4. Echoes the ID on the response header (unless the handler set that header) and puts
-//!    it in the response extensions.
+//! 4. Echoes the ID on the response header, unless the handler set that header.
 //!
 //! # Layer order
 //!

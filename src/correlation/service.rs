@@ -118,8 +118,15 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
-        let settings = Arc::clone(&self.settings);
-        let incoming = Self::read_incoming(&settings, &self.validator, request.headers());
+        let Self {
+            inner,
+            settings,
+            make_id,
+            validator,
+            make_span,
+        } = self;
+        let settings = &**settings;
+        let incoming = Self::read_incoming(settings, validator, request.headers());
         let (id, refused) = match incoming {
             Incoming::Restored { id, from_primary } => {
                 if !from_primary {
@@ -130,20 +137,20 @@ where
                 (id, None)
             }
             Incoming::Missing => {
-                let id = self.generate(&mut request, &settings);
+                let id = generate(make_id, &mut request, settings);
                 (id, settings.enforce.then_some(Refused::Missing))
             }
             Incoming::Invalid { error, header } => {
-                let id = self.generate(&mut request, &settings);
+                let id = generate(make_id, &mut request, settings);
                 (id, Some(Refused::Invalid { error, header }))
             }
         };
         request.extensions_mut().insert(id.clone());
-        let span = self.make_span.make_span(&request, &id);
+        let span = make_span.make_span(&request, &id);
 
         if let Some(refused) = refused {
             let _entered = span.enter();
-            let problem = refused.report(&id, &settings);
+            let problem = refused.report(&id, settings);
             if let Some(problem) = problem {
                 return ResponseFuture::refused(
                     problem.into_response(),
@@ -155,10 +162,10 @@ where
 
         let future = {
             let _entered = span.enter();
-            id.clone().sync_scope(|| self.inner.call(request))
+            id.clone().sync_scope(|| inner.call(request))
         };
         ResponseFuture::called(
-            id.clone().task_local_scope(future),
+            id.clone().task_local(future),
             span,
             id,
             settings.header.clone(),
@@ -166,21 +173,18 @@ where
     }
 }
 
-impl<S, M, V, P> Correlation<S, M, V, P> {
-    /// A fresh ID, set on the request in place of whatever the header held.
-    fn generate<B>(&mut self, request: &mut Request<B>, settings: &Settings) -> CorrelationId
-    where
-        M: MakeCorrelationId<B>,
-    {
-        let id = self
-            .make_id
-            .make_correlation_id(request)
-            .with_max_len(settings.max_len);
-        request
-            .headers_mut()
-            .insert(settings.header.clone(), id.to_header_value());
-        id
-    }
+/// A fresh ID, set on the request in place of whatever the header held.
+fn generate<M, B>(make_id: &mut M, request: &mut Request<B>, settings: &Settings) -> CorrelationId
+where
+    M: MakeCorrelationId<B>,
+{
+    let id = make_id
+        .make_correlation_id(request)
+        .with_max_len(settings.max_len);
+    request
+        .headers_mut()
+        .insert(settings.header.clone(), id.to_header_value());
+    id
 }
 
 enum Refused<'a> {
@@ -255,7 +259,7 @@ mod tests {
     async fn seen_by_handler(
         layer: CorrelationLayer,
         request: Request<()>,
-    ) -> (Response<ResponseBody<String>>, Option<CorrelationId>) {
+    ) -> Response<ResponseBody<String>> {
         let service = tower_layer::Layer::layer(
             &layer,
             service_fn(|request: Request<()>| async move {
@@ -266,20 +270,17 @@ mod tests {
                 ))
             }),
         );
-        let response = service.oneshot(request).await.unwrap();
-        let id = response.extensions().get::<CorrelationId>().cloned();
-        (response, id)
+        service.oneshot(request).await.unwrap()
     }
 
     #[tokio::test]
-    async fn the_response_carries_the_id_in_header_and_extension() {
+    async fn the_handler_and_the_response_carry_the_id() {
         let request = Request::builder()
             .header("x-correlation-id", "abc")
             .body(())
             .unwrap();
-        let (response, id) = seen_by_handler(CorrelationLayer::new(), request).await;
+        let response = seen_by_handler(CorrelationLayer::new(), request).await;
         assert_eq!(response.headers()["x-correlation-id"], "abc");
-        assert_eq!(id.unwrap(), "abc");
         let body = response.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(body, "abc");
     }
@@ -293,7 +294,7 @@ mod tests {
             .header("x-trace", "abcde")
             .body(())
             .unwrap();
-        let (response, _) = seen_by_handler(layer.clone(), request).await;
+        let response = seen_by_handler(layer.clone(), request).await;
         let generated = response.headers()["x-trace"].to_str().unwrap();
         assert_eq!(generated.len(), 36, "too long for the bound: replaced");
 
@@ -301,7 +302,7 @@ mod tests {
             .header("x-trace", "abcd")
             .body(())
             .unwrap();
-        let (response, _) = seen_by_handler(layer, request).await;
+        let response = seen_by_handler(layer, request).await;
         assert_eq!(response.headers()["x-trace"], "abcd");
         assert!(!response.headers().contains_key("x-correlation-id"));
     }
