@@ -16,10 +16,10 @@
 //! # Run
 //!
 //! ```sh
-//! cargo run --release --example commands --features axum
-//! cargo run --release --example commands --features axum -- \
+//! cargo run --release --example commands
+//! cargo run --release --example commands -- \
 //!     --addr 127.0.0.1:0 --log-format json --publish-delay-ms 1000
-//! RUST_LOG=debug cargo run --release --example commands --features axum
+//! RUST_LOG=debug cargo run --release --example commands
 //! ```
 //!
 //! | Flag | Default | Meaning |

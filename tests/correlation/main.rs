@@ -459,3 +459,46 @@ async fn a_custom_validator_and_generator_and_span() {
     assert_eq!(handled["span"]["path"], "/");
     assert_eq!(handled["span"]["correlation_id"], "tenant-generated");
 }
+
+#[tokio::test]
+async fn works_on_a_plain_hyper_server() {
+    use hyper_util::{rt::TokioIo, server::conn::auto, service::TowerToHyperService};
+
+    let service = ServiceBuilder::new()
+        .layer(CorrelationLayer::new())
+        .service_fn(|request: http::Request<hyper::body::Incoming>| async move {
+            let id = request
+                .extensions()
+                .get::<CorrelationId>()
+                .cloned()
+                .unwrap();
+            let body = http_body_util::Full::new(bytes::Bytes::from(id.to_string()));
+            Ok::<_, std::convert::Infallible>(http::Response::new(body))
+        });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let service = TowerToHyperService::new(service.clone());
+            tokio::spawn(async move {
+                auto::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await
+                    .unwrap();
+            });
+        }
+    });
+
+    let reply = send(
+        &client(),
+        "GET",
+        format!("http://{addr}/"),
+        &[(X_CORRELATION_ID, "from-hyper")],
+        "",
+    )
+    .await;
+
+    assert_eq!(reply.header(X_CORRELATION_ID), Some("from-hyper"));
+    assert_eq!(reply.text(), "from-hyper");
+}
