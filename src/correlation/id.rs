@@ -165,7 +165,7 @@ impl CorrelationId {
     /// Runs `future` with this ID as the task-local and inside a `correlation` span
     /// carrying `correlation_id`.
     pub fn scope<F: Future>(self, future: F) -> Instrumented<TaskLocalFuture<Self, F>> {
-        let span = tracing::info_span!("correlation", correlation_id = self.as_str());
+        let span = tracing::info_span!("correlation", correlation_id = %self);
         CURRENT.scope(self, future).instrument(span)
     }
 

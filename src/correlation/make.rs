@@ -99,7 +99,7 @@ impl<B> MakeSpan<B> for DefaultMakeSpan {
     fn make_span(&mut self, _request: &Request<B>, id: &CorrelationId) -> Span {
         macro_rules! span {
             ($level:expr) => {
-                tracing::span!($level, "correlation", correlation_id = id.as_str())
+                tracing::span!($level, "correlation", correlation_id = %id)
             };
         }
         match self.level {
