@@ -1,4 +1,4 @@
-//! The response body of the layers that can answer on their own.
+//! The body tower-ids services hand on, in requests and responses.
 
 use std::{
     pin::Pin,
@@ -6,15 +6,17 @@ use std::{
 };
 
 use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 pin_project! {
-    /// Response body of the tower-ids services.
+    /// Request or response body of the tower-ids services.
     ///
-    /// Either the inner service's body, passed through untouched, or a complete body the
-    /// middleware produced itself (a problem response or, later, a replay).
-    pub struct ResponseBody<B> {
+    /// Either the wrapped body, passed through untouched; complete bytes a layer holds
+    /// (a problem response, a replayed response, a request body it read to fingerprint);
+    /// or bytes a layer read first followed by the rest of the wrapped body (a response
+    /// too large to keep, streamed on).
+    pub struct Body<B> {
         #[pin]
         kind: Kind<B>,
     }
@@ -25,28 +27,51 @@ pin_project! {
     enum Kind<B> {
         Inner { #[pin] body: B },
         Complete { data: Option<Bytes> },
+        Prefixed { prefix: Option<Bytes>, #[pin] rest: B },
     }
 }
 
-impl<B> ResponseBody<B> {
-    pub(crate) fn inner(body: B) -> Self {
+impl<B> Body<B> {
+    /// The wrapped body, untouched.
+    pub fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
         }
     }
 
-    pub(crate) fn complete(data: Bytes) -> Self {
+    /// A complete body.
+    pub fn complete(data: Bytes) -> Self {
         Self {
             kind: Kind::Complete {
                 data: (!data.is_empty()).then_some(data),
             },
         }
     }
+
+    /// The bytes of a complete body.
+    #[cfg(feature = "idempotency")]
+    pub(crate) fn complete_bytes(&self) -> Option<Bytes> {
+        match &self.kind {
+            Kind::Complete { data } => Some(data.clone().unwrap_or_default()),
+            _ => None,
+        }
+    }
+
+    /// `prefix`, then the rest of `rest`.
+    #[cfg(feature = "idempotency")]
+    pub(crate) fn prefixed(prefix: Bytes, rest: B) -> Self {
+        Self {
+            kind: Kind::Prefixed {
+                prefix: (!prefix.is_empty()).then_some(prefix),
+                rest,
+            },
+        }
+    }
 }
 
-impl<B> Body for ResponseBody<B>
+impl<B> http_body::Body for Body<B>
 where
-    B: Body<Data = Bytes>,
+    B: http_body::Body<Data = Bytes>,
 {
     type Data = Bytes;
     type Error = B::Error;
@@ -58,6 +83,10 @@ where
         match self.project().kind.project() {
             KindProj::Inner { body } => body.poll_frame(cx),
             KindProj::Complete { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            KindProj::Prefixed { prefix, rest } => match prefix.take() {
+                Some(prefix) => Poll::Ready(Some(Ok(Frame::data(prefix)))),
+                None => rest.poll_frame(cx),
+            },
         }
     }
 
@@ -65,6 +94,7 @@ where
         match &self.kind {
             Kind::Inner { body } => body.is_end_stream(),
             Kind::Complete { data } => data.is_none(),
+            Kind::Prefixed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
         }
     }
 
@@ -74,16 +104,27 @@ where
             Kind::Complete { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
+            Kind::Prefixed { prefix, rest } => {
+                let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
+                let rest = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower() + extra);
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper + extra);
+                }
+                hint
+            }
         }
     }
 }
 
-impl<B> std::fmt::Debug for ResponseBody<B> {
+impl<B> std::fmt::Debug for Body<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match &self.kind {
             Kind::Inner { .. } => "Inner",
             Kind::Complete { .. } => "Complete",
+            Kind::Prefixed { .. } => "Prefixed",
         };
-        f.debug_struct("ResponseBody").field("kind", &kind).finish()
+        f.debug_struct("Body").field("kind", &kind).finish()
     }
 }

@@ -5,18 +5,26 @@
 //!   propagated on outgoing calls, and extended, replaced, combined or restored as work
 //!   splits and merges. See [`correlation`].
 //! - An **idempotency key** stays the same across every retry of one user action, so
-//!   the server can run the action once and replay its outcome.
+//!   the server runs the action once and replays its response to every retry. See
+//!   [`idempotency`].
 //!
 //! Every error a layer answers with is an RFC 9457 `application/problem+json` body with
 //! a stable `code`.
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "correlation")]
 pub mod body;
 #[cfg(feature = "correlation")]
 pub mod correlation;
+#[cfg(feature = "idempotency")]
+pub mod idempotency;
+#[cfg(feature = "correlation")]
 mod problem;
 
+#[cfg(feature = "correlation")]
 pub use problem::PROBLEM_JSON;
 
 #[cfg(feature = "correlation")]
 pub use correlation::{CorrelationId, CorrelationLayer, OutboundCorrelationLayer};
+#[cfg(feature = "idempotency")]
+pub use idempotency::{IdempotencyLayer, MokaStore};

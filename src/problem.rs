@@ -4,19 +4,20 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde::Serialize;
 
-use crate::body::ResponseBody;
+use crate::body::Body;
 
 /// The media type of RFC 9457 problem details.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
 /// One problem a layer reports to the client.
 ///
-/// `type` is a stable URN and `code` a stable short string; clients match on either,
-/// never on `title` or `detail`.
+/// `type` is a stable URN made from `code` (`idempotency.in_flight` is
+/// `urn:tower-ids:problem:idempotency-in-flight`) and `code` a stable short string;
+/// clients match on either, never on `title` or `detail`.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Problem {
     #[serde(rename = "type")]
-    type_uri: &'static str,
+    type_uri: String,
     title: &'static str,
     #[serde(serialize_with = "serialize_status")]
     status: StatusCode,
@@ -36,7 +37,7 @@ impl Problem {
         detail: impl Into<String>,
     ) -> Self {
         Self {
-            type_uri: type_uri(code),
+            type_uri: format!("urn:tower-ids:problem:{}", code.replace(['.', '_'], "-")),
             title,
             status,
             detail: detail.into(),
@@ -44,32 +45,22 @@ impl Problem {
         }
     }
 
-    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
-    pub(crate) fn status(&self) -> StatusCode {
-        self.status
-    }
-
     pub(crate) fn to_bytes(&self) -> Bytes {
         // Serialising a struct of strings and an integer cannot fail.
         Bytes::from(serde_json::to_vec(self).unwrap_or_default())
     }
 
-    pub(crate) fn into_response<B>(self) -> Response<ResponseBody<B>> {
-        let mut response = Response::new(ResponseBody::complete(self.to_bytes()));
+    pub(crate) fn into_response<B>(self) -> Response<Body<B>> {
+        self.into_response_with(Body::complete)
+    }
+
+    /// The response, its body made by `body` from the JSON bytes.
+    pub(crate) fn into_response_with<T>(self, body: impl FnOnce(Bytes) -> T) -> Response<T> {
+        let mut response = Response::new(body(self.to_bytes()));
         *response.status_mut() = self.status;
         response
             .headers_mut()
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         response
-    }
-}
-
-/// Maps a problem code to its stable `type` URN.
-fn type_uri(code: &'static str) -> &'static str {
-    match code {
-        "correlation_id.missing" => "urn:tower-ids:problem:correlation-id-missing",
-        "correlation_id.invalid" => "urn:tower-ids:problem:correlation-id-invalid",
-        "correlation_id.not_installed" => "urn:tower-ids:problem:correlation-layer-missing",
-        _ => "about:blank",
     }
 }

@@ -4,10 +4,10 @@ use axum_core::{
     extract::{FromRequestParts, OptionalFromRequestParts},
     response::{IntoResponse, Response},
 };
-use http::{header, request::Parts, HeaderValue, StatusCode};
+use http::{request::Parts, StatusCode};
 
 use super::CorrelationId;
-use crate::problem::{Problem, PROBLEM_JSON};
+use crate::problem::Problem;
 
 /// `CorrelationId` as an axum extractor: the request's effective ID.
 ///
@@ -58,11 +58,6 @@ impl IntoResponse for CorrelationLayerMissing {
             "Correlation layer missing",
             "the server extracts a correlation id but no CorrelationLayer wraps this route",
         );
-        let mut response = Response::new(axum_core::body::Body::from(problem.to_bytes()));
-        *response.status_mut() = problem.status();
-        response
-            .headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        response
+        problem.into_response_with(axum_core::body::Body::from)
     }
 }

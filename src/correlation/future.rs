@@ -10,7 +10,7 @@ use tokio::task::futures::TaskLocalFuture;
 use tracing::Span;
 
 use super::CorrelationId;
-use crate::body::ResponseBody;
+use crate::body::Body;
 
 pin_project! {
     /// Response future of [`Correlation`](super::Correlation).
@@ -31,7 +31,7 @@ pin_project! {
             header: HeaderName,
         },
         Refused {
-            response: Option<Response<ResponseBody<B>>>,
+            response: Option<Response<Body<B>>>,
         },
     }
 }
@@ -54,7 +54,7 @@ impl<F, B> ResponseFuture<F, B> {
     }
 
     pub(super) fn refused(
-        mut response: Response<ResponseBody<B>>,
+        mut response: Response<Body<B>>,
         id: CorrelationId,
         header: HeaderName,
     ) -> Self {
@@ -71,7 +71,7 @@ impl<F, B, E> Future for ResponseFuture<F, B>
 where
     F: Future<Output = Result<Response<B>, E>>,
 {
-    type Output = Result<Response<ResponseBody<B>>, E>;
+    type Output = Result<Response<Body<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
@@ -82,7 +82,7 @@ where
                 header,
             } => {
                 let _entered = span.enter();
-                let mut response = ready!(future.poll(cx))?.map(ResponseBody::inner);
+                let mut response = ready!(future.poll(cx))?.map(Body::inner);
                 echo(&mut response, id, header.clone());
                 Poll::Ready(Ok(response))
             }

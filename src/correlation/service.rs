@@ -12,7 +12,7 @@ use super::{
     CorrelationId, DefaultMakeSpan, DefaultValidator, InvalidCorrelationId, MakeCorrelationId,
     MakeSpan, MakeUuidV7, ValidateCorrelationId,
 };
-use crate::{body::ResponseBody, problem::Problem};
+use crate::{body::Body, problem::Problem};
 
 /// Middleware that gives every request a correlation ID.
 ///
@@ -109,7 +109,7 @@ where
     V: ValidateCorrelationId,
     P: MakeSpan<ReqBody>,
 {
-    type Response = Response<ResponseBody<ResBody>>;
+    type Response = Response<Body<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, ResBody>;
 
@@ -259,7 +259,7 @@ mod tests {
     async fn seen_by_handler(
         layer: CorrelationLayer,
         request: Request<()>,
-    ) -> Response<ResponseBody<String>> {
+    ) -> Response<Body<String>> {
         let service = tower_layer::Layer::layer(
             &layer,
             service_fn(|request: Request<()>| async move {

@@ -62,20 +62,29 @@ pub async fn send(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Reply {
+    try_send(client, method, url, headers, body).await.unwrap()
+}
+
+/// As [`send`], but a connection that fails or closes early is an `Err`.
+pub async fn try_send(
+    client: &HttpClient,
+    method: &str,
+    url: String,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
     let mut request = Request::builder().method(method).uri(url);
     for (name, value) in headers {
         request = request.header(*name, *value);
     }
-    let request = request
-        .body(Full::new(Bytes::from(body.to_owned())))
-        .unwrap();
-    let response = client.request(request).await.unwrap();
+    let request = request.body(Full::new(Bytes::from(body.to_owned())))?;
+    let response = client.request(request).await?;
     let (parts, body) = response.into_parts();
-    Reply {
+    Ok(Reply {
         status: parts.status,
         headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
-    }
+        body: body.collect().await?.to_bytes(),
+    })
 }
 
 /// Captured JSON log lines, one object each, with the current span's fields under

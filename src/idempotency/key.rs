@@ -1,0 +1,269 @@
+use std::{fmt, sync::Arc};
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+/// Longest idempotency key accepted, in characters: enough for any UUID, ULID or
+/// derived digest, and a bound on what one key costs the store.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// Longest attempt ID accepted: a counter or a UUID fits many times over.
+pub const MAX_ATTEMPT_ID_LEN: usize = 128;
+
+/// `Idempotency-Key`, the IETF draft's header.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// `X-Idempotency-Key`, accepted too, as older clients send it.
+pub const X_IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("x-idempotency-key");
+
+/// `Attempt-Id`: the client's name for one attempt; echoed, never part of deduplication.
+pub const ATTEMPT_ID: HeaderName = HeaderName::from_static("attempt-id");
+
+/// A client's idempotency key: opaque, 1 to [`MAX_KEY_LEN`] visible ASCII characters.
+///
+/// Parsed from a bare token (`abc-123`) or the draft's structured-field string
+/// (`"abc-123"`); both name the same key. Cheap to clone.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(Arc<str>);
+
+impl IdempotencyKey {
+    /// Parses a header value: a bare token, or a quoted structured-field string with
+    /// `\"` and `\\` escapes.
+    pub fn parse(raw: &[u8]) -> Result<Self, InvalidIdempotencyKey> {
+        let raw = trim_ows(raw);
+        let text = match raw.first() {
+            Some(b'"') => unquote(raw)?,
+            _ => String::from_utf8(raw.to_vec()).map_err(|_| KeyError::NotVisibleAscii)?,
+        };
+        check_visible(&text, MAX_KEY_LEN)?;
+        Ok(Self(text.into()))
+    }
+
+    /// The key as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Reads the key from `Idempotency-Key` or `X-Idempotency-Key`.
+    ///
+    /// `Ok(None)` when neither is present. Two values (both headers, or one header
+    /// twice) must name the same key, else the request is refused as ambiguous.
+    pub(crate) fn from_headers(
+        headers: &HeaderMap,
+        names: &[HeaderName],
+    ) -> Result<Option<Self>, InvalidIdempotencyKey> {
+        let mut found: Option<Self> = None;
+        for name in names {
+            for value in headers.get_all(name) {
+                let key = Self::parse(value.as_bytes())?;
+                match &found {
+                    Some(previous) if *previous != key => {
+                        return Err(KeyError::Conflicting.into());
+                    }
+                    _ => found = Some(key),
+                }
+            }
+        }
+        Ok(found)
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("IdempotencyKey").field(&&*self.0).finish()
+    }
+}
+
+/// The client's attempt ID (`attempt-id`): 1 to [`MAX_ATTEMPT_ID_LEN`] visible ASCII
+/// characters, echoed on the response and never used to decide a duplicate.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AttemptId(HeaderValue);
+
+impl AttemptId {
+    pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, InvalidIdempotencyKey> {
+        let mut values = headers.get_all(ATTEMPT_ID).iter();
+        let Some(value) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            return Err(KeyError::AttemptId.into());
+        }
+        let text = std::str::from_utf8(value.as_bytes()).map_err(|_| KeyError::AttemptId)?;
+        check_visible(text, MAX_ATTEMPT_ID_LEN).map_err(|_| KeyError::AttemptId)?;
+        Ok(Some(Self(value.clone())))
+    }
+
+    /// Wraps a stored attempt ID.
+    pub fn from_header_value(value: HeaderValue) -> Self {
+        Self(value)
+    }
+
+    /// The attempt ID as text.
+    pub fn as_str(&self) -> &str {
+        self.0.to_str().unwrap_or_default()
+    }
+
+    /// The attempt ID as a header value.
+    pub fn to_header_value(&self) -> HeaderValue {
+        self.0.clone()
+    }
+}
+
+impl fmt::Debug for AttemptId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("AttemptId").field(&self.as_str()).finish()
+    }
+}
+
+fn trim_ows(mut raw: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = raw {
+        raw = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = raw {
+        raw = rest;
+    }
+    raw
+}
+
+/// An RFC 8941 sf-string: `"` chars `"`, where chars are printable ASCII and `\` only
+/// escapes `"` or `\`.
+fn unquote(raw: &[u8]) -> Result<String, KeyError> {
+    let inner = raw
+        .strip_prefix(b"\"")
+        .and_then(|r| r.strip_suffix(b"\""))
+        .ok_or(KeyError::MalformedString)?;
+    let mut text = String::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&escaped @ (b'"' | b'\\')) => text.push(char::from(escaped)),
+                _ => return Err(KeyError::MalformedString),
+            },
+            b'"' => return Err(KeyError::MalformedString),
+            0x20..=0x7e => text.push(char::from(b)),
+            _ => return Err(KeyError::NotVisibleAscii),
+        }
+    }
+    Ok(text)
+}
+
+fn check_visible(text: &str, max_len: usize) -> Result<(), KeyError> {
+    if text.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if text.len() > max_len {
+        return Err(KeyError::TooLong { len: text.len() });
+    }
+    if !text.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+        return Err(KeyError::NotVisibleAscii);
+    }
+    Ok(())
+}
+
+/// Why an idempotency key (or attempt ID) was refused; the layer answers `400`.
+///
+/// Neither `Display` nor [`code`](Self::code) repeats the value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidIdempotencyKey(KeyError);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum KeyError {
+    Empty,
+    TooLong { len: usize },
+    NotVisibleAscii,
+    MalformedString,
+    Conflicting,
+    AttemptId,
+}
+
+impl From<KeyError> for InvalidIdempotencyKey {
+    fn from(error: KeyError) -> Self {
+        Self(error)
+    }
+}
+
+impl InvalidIdempotencyKey {
+    /// A stable code: `empty`, `too_long`, `not_visible_ascii`, `malformed_string`,
+    /// `conflicting` (two different keys in one request) or `invalid_attempt_id`.
+    pub fn code(&self) -> &'static str {
+        match self.0 {
+            KeyError::Empty => "empty",
+            KeyError::TooLong { .. } => "too_long",
+            KeyError::NotVisibleAscii => "not_visible_ascii",
+            KeyError::MalformedString => "malformed_string",
+            KeyError::Conflicting => "conflicting",
+            KeyError::AttemptId => "invalid_attempt_id",
+        }
+    }
+}
+
+impl fmt::Display for InvalidIdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            KeyError::Empty => f.write_str("the idempotency key is empty"),
+            KeyError::TooLong { len } => write!(
+                f,
+                "the idempotency key is {len} characters long, more than the {MAX_KEY_LEN} allowed"
+            ),
+            KeyError::NotVisibleAscii => f.write_str(
+                "the idempotency key holds a space, a control character or a non-ASCII byte",
+            ),
+            KeyError::MalformedString => f.write_str(
+                "the idempotency key starts with a quote but is not a valid structured-field string",
+            ),
+            KeyError::Conflicting => f.write_str(
+                "the request carries two different idempotency keys (Idempotency-Key and X-Idempotency-Key must agree)",
+            ),
+            KeyError::AttemptId => write!(
+                f,
+                "the attempt-id header must appear once, with 1 to {MAX_ATTEMPT_ID_LEN} visible ASCII characters"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for InvalidIdempotencyKey {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_and_quoted_forms_name_the_same_key() {
+        let bare = IdempotencyKey::parse(b"abc-123").unwrap();
+        let quoted = IdempotencyKey::parse(b"\"abc-123\"").unwrap();
+        assert_eq!(bare, quoted);
+        assert_eq!(
+            IdempotencyKey::parse(br#""a\"b\\c""#).unwrap().as_str(),
+            r#"a"b\c"#
+        );
+    }
+
+    #[test]
+    fn refusals_have_codes() {
+        let long = "k".repeat(MAX_KEY_LEN + 1);
+        for (raw, code) in [
+            (&b""[..], "empty"),
+            (b"\"\"", "empty"),
+            (long.as_bytes(), "too_long"),
+            (b"has space", "not_visible_ascii"),
+            (b"\"has space\"", "not_visible_ascii"),
+            (b"\"unterminated", "malformed_string"),
+            (br#""bad\escape""#, "malformed_string"),
+            (b"caf\xc3\xa9", "not_visible_ascii"),
+        ] {
+            assert_eq!(
+                IdempotencyKey::parse(raw).unwrap_err().code(),
+                code,
+                "{raw:?}"
+            );
+        }
+        assert!(IdempotencyKey::parse("k".repeat(MAX_KEY_LEN).as_bytes()).is_ok());
+    }
+}

@@ -1,0 +1,302 @@
+use std::{fmt, sync::Arc, time::Duration};
+
+use http::{header, HeaderName, Method, StatusCode};
+use tower_layer::Layer;
+
+use super::{
+    store::{IdempotencyStore, MokaStore},
+    Idempotency, NoClient, ATTEMPT_ID, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY,
+};
+use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
+
+/// How long a stored outcome is replayed: 24 hours, as Stripe's keys, covering a
+/// client's retries across a working day and a restart.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// How long a request in flight holds its key if its worker is lost: 60 seconds,
+/// longer than any handler should run and far shorter than the TTL, so a crashed
+/// worker never locks a key for a day.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+
+/// The largest request body read to fingerprint: 1 MiB; larger is `413`.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
+
+/// The largest response kept for replay: 1 MiB; larger is streamed on, never stored.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
+/// `Retry-After` on a `409` for a request in flight: 1 second.
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// What a duplicate does while the first request is still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlight {
+    /// Answer `409 Conflict` with `Retry-After` (the default).
+    Reject {
+        /// The `Retry-After` to send.
+        retry_after: Duration,
+    },
+    /// Wait up to `timeout` for the first outcome and replay it; past the timeout,
+    /// answer `409` as `Reject` does with a `Retry-After` of one second.
+    Wait {
+        /// The longest wait.
+        timeout: Duration,
+    },
+}
+
+/// What to do when the store cannot answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreFailure {
+    /// Answer `503` and run nothing (the default): no duplicate can slip through.
+    FailClosed,
+    /// Run the request without deduplication and log a WARN: availability over safety.
+    FailOpen,
+}
+
+pub(super) type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+
+#[derive(Clone)]
+pub(super) struct Settings {
+    pub(super) key_headers: Vec<HeaderName>,
+    pub(super) methods: Vec<Method>,
+    pub(super) require_key: bool,
+    pub(super) include_query: bool,
+    pub(super) ttl: Duration,
+    pub(super) lease: Duration,
+    pub(super) max_request_bytes: usize,
+    pub(super) max_response_bytes: usize,
+    pub(super) in_flight: InFlight,
+    pub(super) store_failure: StoreFailure,
+    pub(super) not_replayed: Vec<HeaderName>,
+    pub(super) per_attempt: Vec<HeaderName>,
+    pub(super) store_if: StorePredicate,
+}
+
+/// The default storage rule: everything but 5xx, `408` and `429`, whose retry should
+/// run again.
+pub fn default_store_if(status: StatusCode) -> bool {
+    !(status.is_server_error()
+        || status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS)
+}
+
+/// Applies [`Idempotency`] to a service: one execution per key, full-response replay.
+///
+/// See the [module docs](crate::idempotency) for the contract, the headers and the
+/// status codes. Configure one layer per route (`MethodRouter::layer` in axum).
+///
+/// # Clone
+///
+/// Clones share the store and the settings (behind `Arc`s).
+#[must_use]
+pub struct IdempotencyLayer<St = MokaStore, C = NoClient> {
+    pub(super) store: Arc<St>,
+    pub(super) identify: C,
+    pub(super) settings: Arc<Settings>,
+}
+
+impl IdempotencyLayer {
+    /// A layer with its own in-memory store ([`MokaStore::new`]) and the defaults.
+    pub fn new() -> Self {
+        Self::with_store(MokaStore::new())
+    }
+}
+
+impl Default for IdempotencyLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<St> IdempotencyLayer<St> {
+    /// A layer over `store`, with the defaults: keys from `Idempotency-Key` (and
+    /// `X-Idempotency-Key`) on `POST` and `PATCH`, optional, global (no client), TTL
+    /// 24 h, lease 60 s, 1 MiB bodies, `409` for requests in flight, fail closed.
+    ///
+    /// Share one store between layers (per route) by passing clones of one store, or
+    /// an `Arc` of it to [`with_shared_store`](Self::with_shared_store).
+    pub fn with_store(store: St) -> Self {
+        Self::with_shared_store(Arc::new(store))
+    }
+
+    /// A layer over a store already behind an `Arc`.
+    pub fn with_shared_store(store: Arc<St>) -> Self {
+        Self {
+            store,
+            identify: NoClient,
+            settings: Arc::new(Settings {
+                key_headers: vec![IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY],
+                methods: vec![Method::POST, Method::PATCH],
+                require_key: false,
+                include_query: false,
+                ttl: DEFAULT_TTL,
+                lease: DEFAULT_LEASE,
+                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+                in_flight: InFlight::Reject {
+                    retry_after: DEFAULT_RETRY_AFTER,
+                },
+                store_failure: StoreFailure::FailClosed,
+                not_replayed: vec![header::SET_COOKIE],
+                per_attempt: vec![
+                    X_CORRELATION_ID,
+                    ATTEMPT_ID,
+                    header::DATE,
+                    super::ORIGINAL_ATTEMPT_ID,
+                    super::IDEMPOTENT_REPLAYED,
+                    super::IDEMPOTENCY_FIRST_SEEN,
+                    super::IDEMPOTENCY_REQUEST_COUNT,
+                ],
+                store_if: Arc::new(default_store_if),
+            }),
+        }
+    }
+}
+
+impl<St, C> IdempotencyLayer<St, C> {
+    fn settings(&mut self) -> &mut Settings {
+        Arc::make_mut(&mut self.settings)
+    }
+
+    /// Scope keys by the client `identify` names (an API key header, the
+    /// `Authorization` credentials, an auth layer's extension). Default: none, keys
+    /// are global.
+    pub fn client<C2>(self, identify: C2) -> IdempotencyLayer<St, C2> {
+        IdempotencyLayer {
+            store: self.store,
+            identify,
+            settings: self.settings,
+        }
+    }
+
+    /// Answer `400` to a covered request without a key. Default: let it through
+    /// untouched.
+    pub fn require_key(mut self, require: bool) -> Self {
+        self.settings().require_key = require;
+        self
+    }
+
+    /// The methods whose requests are deduplicated. Default `POST` and `PATCH`.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.settings().methods = methods.into_iter().collect();
+        self
+    }
+
+    /// The headers the key is read from, in order. Default `Idempotency-Key` and
+    /// `X-Idempotency-Key`; when several are present they must agree.
+    pub fn key_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.settings().key_headers = names.into_iter().collect();
+        self
+    }
+
+    /// Make the query string part of the scope: `?a=1` and `?a=2` with one key are
+    /// two requests. Default off (the query is always part of the fingerprint, so the
+    /// same key with another query is a `422`).
+    pub fn scope_query(mut self, include: bool) -> Self {
+        self.settings().include_query = include;
+        self
+    }
+
+    /// How long an outcome is replayed. Default [`DEFAULT_TTL`].
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.settings().ttl = ttl;
+        self
+    }
+
+    /// How long a request in flight holds its key if never finished. Default
+    /// [`DEFAULT_LEASE`]. A handler running longer than the lease can be run again by
+    /// a retry; its late outcome is then not stored (the newer claim wins).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.settings().lease = lease;
+        self
+    }
+
+    /// The largest request body read. Default [`DEFAULT_MAX_REQUEST_BYTES`].
+    pub fn max_request_bytes(mut self, max: usize) -> Self {
+        self.settings().max_request_bytes = max;
+        self
+    }
+
+    /// The largest response kept. Default [`DEFAULT_MAX_RESPONSE_BYTES`].
+    pub fn max_response_bytes(mut self, max: usize) -> Self {
+        self.settings().max_response_bytes = max;
+        self
+    }
+
+    /// What a duplicate does while the first is running. Default
+    /// [`InFlight::Reject`] with [`DEFAULT_RETRY_AFTER`].
+    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
+        self.settings().in_flight = in_flight;
+        self
+    }
+
+    /// What to do when the store fails. Default [`StoreFailure::FailClosed`].
+    pub fn on_store_failure(mut self, failure: StoreFailure) -> Self {
+        self.settings().store_failure = failure;
+        self
+    }
+
+    /// Keep `name` out of replays (it is still stored). Default: `Set-Cookie` only.
+    pub fn not_replayed(mut self, name: HeaderName) -> Self {
+        self.settings().not_replayed.push(name);
+        self
+    }
+
+    /// Replay `Set-Cookie` too (off by default: a replay should not hand one client's
+    /// fresh session cookie to another attempt).
+    pub fn replay_set_cookie(mut self, replay: bool) -> Self {
+        let settings = self.settings();
+        settings
+            .not_replayed
+            .retain(|name| name != header::SET_COOKIE);
+        if !replay {
+            settings.not_replayed.push(header::SET_COOKIE);
+        }
+        self
+    }
+
+    /// Which responses are stored; the others release the key so a retry runs again.
+    /// Default [`default_store_if`]: all but 5xx, `408` and `429`.
+    pub fn store_if(
+        mut self,
+        predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.settings().store_if = Arc::new(predicate);
+        self
+    }
+}
+
+impl<St, C: Clone> Clone for IdempotencyLayer<St, C> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            identify: self.identify.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+impl<St, C> fmt::Debug for IdempotencyLayer<St, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("methods", &self.settings.methods)
+            .field("require_key", &self.settings.require_key)
+            .field("ttl", &self.settings.ttl)
+            .field("lease", &self.settings.lease)
+            .field("in_flight", &self.settings.in_flight)
+            .field("store_failure", &self.settings.store_failure)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St: IdempotencyStore, C: Clone> Layer<S> for IdempotencyLayer<St, C> {
+    type Service = Idempotency<S, St, C>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency {
+            inner,
+            store: self.store.clone(),
+            identify: self.identify.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+}

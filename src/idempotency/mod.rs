@@ -1,0 +1,162 @@
+//! Idempotency keys: run each user action once, replay its response to every retry.
+//!
+//! The client sends an `Idempotency-Key` that stays the same across every retry of one
+//! action (and a new correlation ID, and optionally an `attempt-id`, per attempt). The
+//! first request runs; its full response (status, every header, body) is stored; every
+//! duplicate within the TTL gets that response back, byte for byte, without reaching
+//! the handler. The contract follows the IETF Idempotency-Key draft and Stripe.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use axum::{routing::{get, post}, Router};
+//! use http::HeaderName;
+//! use tower_ids::{
+//!     correlation::CorrelationLayer,
+//!     idempotency::{ClientFromHeader, IdempotencyLayer, MokaStore},
+//! };
+//!
+//! async fn create() -> &'static str { "created" }
+//! async fn list() -> &'static str { "[]" }
+//!
+//! # async fn run() {
+//! let store = MokaStore::new(); // one store, shared by every route that uses it
+//! let idempotent = IdempotencyLayer::with_store(store)
+//!     .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
+//!     .require_key(true);
+//!
+//! let app: Router = Router::new()
+//!     .route("/commands", post(create).layer(idempotent).get(list))
+//!     .layer(CorrelationLayer::new()); // outermost: its span covers the idempotency events
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+//! axum::serve(listener, app).await.unwrap();
+//! # }
+//! ```
+//!
+//! # The contract
+//!
+//! - **Key**: `Idempotency-Key`, or `X-Idempotency-Key` (both present and different:
+//!   `400`). A bare token or the draft's quoted structured-field string (`"abc"` and
+//!   `abc` are one key). Opaque, 1 to 255 visible ASCII characters, else `400`.
+//!   Covered methods: `POST` and `PATCH` by default. With
+//!   [`require_key`](IdempotencyLayer::require_key) a covered request without a key is
+//!   `400`; otherwise it passes through untouched.
+//! - **Scope**: client + method + path (+ the query, with
+//!   [`scope_query`](IdempotencyLayer::scope_query)) + key, hashed. The client comes
+//!   from an [`IdentifyClient`] (an API key header, the `Authorization` credentials, an
+//!   auth layer's extension), hashed, never stored raw, and never the IP address or
+//!   `User-Agent`. Without a client the key is global to the route: clients should
+//!   then send UUIDv7 (or v4) keys, because anyone who can guess another client's key
+//!   can make that client's request look like a duplicate.
+//! - **Fingerprint**: SHA-256 of method, path, query, content type and body. The same
+//!   key with another fingerprint is `422`, never a replay, never a second run. The body
+//!   is read up to 1 MiB (more: `413`) and handed on unchanged.
+//! - **First request**: runs; the response is read up to 1 MiB and stored with its
+//!   status, every header in order (repeats kept), body, arrival time and attempt ID.
+//!   5xx, `408` and `429` are not stored ([`store_if`](IdempotencyLayer::store_if)):
+//!   the key is released so a retry runs again. A response over the limit is streamed
+//!   to this client and not stored; the request is recorded as run, and later
+//!   duplicates get `410 Gone` (`idempotency.not_replayable`) rather than a truncated
+//!   replay or a second run.
+//! - **Duplicate**: the stored status, headers and body; the per-attempt headers
+//!   (correlation ID, `attempt-id`, `Date`) are this attempt's. `Set-Cookie` is stored
+//!   but not replayed (see [`not_replayed`](IdempotencyLayer::not_replayed)).
+//! - **In flight**: a duplicate of a request still running gets `409` with
+//!   `Retry-After`, or, with [`InFlight::Wait`], waits for the outcome and replays it.
+//!   Either way the handler runs once.
+//! - **The client goes away**: once started, the handler runs to completion in its own
+//!   task even if the client disconnects, and its outcome is stored for the retry. A
+//!   handler that panics or fails releases the key; waiters get `409`
+//!   `idempotency.original_failed`.
+//! - **TTL** 24 h ([`DEFAULT_TTL`]); a **lease** of 60 s ([`DEFAULT_LEASE`]) on requests
+//!   in flight, so a lost worker never locks a key for a day. Expired keys run again.
+//! - **Store failure**: `503` and nothing runs (fail closed, the default), or run
+//!   without deduplication with a WARN ([`StoreFailure::FailOpen`]).
+//!
+//! # Headers
+//!
+//! | Header | On | Meaning |
+//! |---|---|---|
+//! | `Idempotency-Key` / `X-Idempotency-Key` | request | the key, stable across retries |
+//! | `attempt-id` | request | the client's name for this attempt; never used to decide a duplicate |
+//! | `idempotent-replayed` | every response of the layer | `true` on a replay, else `false` |
+//! | `attempt-id` | response | this request's attempt ID, echoed |
+//! | `original-attempt-id` | replay | the attempt ID of the request that ran |
+//! | `idempotency-first-seen` | replay, `409`, `410` | when the original request arrived (HTTP-date) |
+//! | `idempotency-request-count` | replay, `409`, `410` | requests seen with this key, this one included |
+//! | `Retry-After` | `409`, `503` | seconds to wait before retrying |
+//!
+//! # Status codes
+//!
+//! All are `application/problem+json` (RFC 9457) with a stable `code`:
+//!
+//! | Status | `code` | When |
+//! |---|---|---|
+//! | `400` | `idempotency.key_missing` | `require_key` and no key |
+//! | `400` | `idempotency.key_invalid` | empty, too long, not visible ASCII, malformed quoted string |
+//! | `400` | `idempotency.keys_disagree` | `Idempotency-Key` and `X-Idempotency-Key` differ |
+//! | `400` | `idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
+//! | `400` | `idempotency.body_unreadable` | the request body failed mid-read |
+//! | `409` | `idempotency.in_flight` | a request with this key is running |
+//! | `409` | `idempotency.original_failed` | the request waited on failed; retry |
+//! | `410` | `idempotency.not_replayable` | the request ran but its response was too large to keep |
+//! | `413` | `idempotency.body_too_large` | request body over the limit |
+//! | `422` | `idempotency.fingerprint_mismatch` | the key was used with another request |
+//! | `500` | `idempotency.response_failed` | the handler's response body failed mid-read |
+//! | `503` | `idempotency.store_unavailable` | the store failed (fail closed) |
+//!
+//! # Events
+//!
+//! Every event is inside an `idempotency` span (fields `idempotency_key`, `scope`,
+//! `client`: hashes, never raw credentials), itself inside the request's correlation
+//! span. `event` codes: `idempotency.accepted` (DEBUG), `idempotency.replayed`,
+//! `idempotency.stored`, `idempotency.released`, `idempotency.in_flight`,
+//! `idempotency.not_replayable`, `idempotency.original_failed` (INFO),
+//! `idempotency.rejected` (400), `idempotency.conflict` (422),
+//! `idempotency.body_too_large`, `idempotency.response_too_large`,
+//! `idempotency.lease_lost`, `idempotency.store_failed` (WARN).
+//!
+//! # Layer order
+//!
+//! Put [`CorrelationLayer`](crate::correlation::CorrelationLayer) outside (it gives
+//! every attempt, replays included, its own ID and span); put the idempotency layer on
+//! the routes it protects, after authentication if the client comes from an auth
+//! layer's extension. `GET` routes need no idempotency layer.
+
+mod key;
+mod layer;
+mod scope;
+mod service;
+pub mod store;
+
+use http::HeaderName;
+
+pub use self::{
+    key::{
+        AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY,
+        MAX_ATTEMPT_ID_LEN, MAX_KEY_LEN, X_IDEMPOTENCY_KEY,
+    },
+    layer::{
+        default_store_if, IdempotencyLayer, InFlight, StoreFailure, DEFAULT_LEASE,
+        DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+    },
+    scope::{
+        ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,
+        IdentifyClient, NoClient, ScopeKey,
+    },
+    service::{Idempotency, ResponseFuture},
+    store::{IdempotencyStore, MokaStore},
+};
+
+/// `idempotent-replayed`: `true` on a replay, `false` on every other response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// `idempotency-first-seen`: when the original request arrived, as an HTTP-date.
+pub const IDEMPOTENCY_FIRST_SEEN: HeaderName = HeaderName::from_static("idempotency-first-seen");
+
+/// `idempotency-request-count`: requests seen with this key, this one included.
+pub const IDEMPOTENCY_REQUEST_COUNT: HeaderName =
+    HeaderName::from_static("idempotency-request-count");
+
+/// `original-attempt-id`: on a replay, the attempt ID of the request that ran.
+pub const ORIGINAL_ATTEMPT_ID: HeaderName = HeaderName::from_static("original-attempt-id");

@@ -1,0 +1,225 @@
+use std::{fmt, marker::PhantomData};
+
+use http::{header, HeaderName, Method, Request};
+use sha2::{Digest, Sha256};
+
+use super::IdempotencyKey;
+
+/// A client's identity, hashed: the raw credential never reaches the store or a log.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClientId([u8; 32]);
+
+impl ClientId {
+    /// Hashes `raw` (an API key, a token, a user ID) under a domain-separation prefix.
+    pub fn new(raw: impl AsRef<[u8]>) -> Self {
+        let mut digest = Sha256::new();
+        digest.update(b"tower-ids.client.v1\0");
+        digest.update(raw.as_ref());
+        Self(digest.finalize().into())
+    }
+
+    /// The first 8 bytes in hex: enough to tell clients apart in a log line.
+    pub fn short(&self) -> String {
+        hex::encode(&self.0[..8])
+    }
+}
+
+impl fmt::Debug for ClientId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ClientId({})", self.short())
+    }
+}
+
+/// Tells which client sent a request, so keys are scoped per client.
+///
+/// Return `None` for a request with no identifiable client: its key is then global
+/// (see the [module docs](crate::idempotency#scope)). Never identify a client by IP
+/// address or `User-Agent`: neither is unique to a client nor stable across its
+/// retries. Implemented for closures `Fn(&Request<B>) -> Option<ClientId>`.
+pub trait IdentifyClient<B> {
+    /// The client of `request`, if known.
+    fn identify_client(&self, request: &Request<B>) -> Option<ClientId>;
+}
+
+impl<B, F> IdentifyClient<B> for F
+where
+    F: Fn(&Request<B>) -> Option<ClientId>,
+{
+    fn identify_client(&self, request: &Request<B>) -> Option<ClientId> {
+        self(request)
+    }
+}
+
+/// No client identity: keys are global to the route.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoClient;
+
+impl<B> IdentifyClient<B> for NoClient {
+    fn identify_client(&self, _request: &Request<B>) -> Option<ClientId> {
+        None
+    }
+}
+
+/// The client is the value of a header, such as an API key in `x-api-key`.
+#[derive(Debug, Clone)]
+pub struct ClientFromHeader(HeaderName);
+
+impl ClientFromHeader {
+    /// Identifies clients by the value of `name`.
+    pub fn new(name: HeaderName) -> Self {
+        Self(name)
+    }
+}
+
+impl<B> IdentifyClient<B> for ClientFromHeader {
+    fn identify_client(&self, request: &Request<B>) -> Option<ClientId> {
+        request
+            .headers()
+            .get(&self.0)
+            .map(|value| ClientId::new(value.as_bytes()))
+    }
+}
+
+/// The client is whoever holds the `Authorization` credentials (a bearer token, say):
+/// the whole header value is hashed. Use an auth layer's extension
+/// ([`ClientFromExtension`]) instead when tokens rotate but the subject stays.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClientFromAuthorization;
+
+impl<B> IdentifyClient<B> for ClientFromAuthorization {
+    fn identify_client(&self, request: &Request<B>) -> Option<ClientId> {
+        request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .map(|value| ClientId::new(value.as_bytes()))
+    }
+}
+
+/// The client is an extension an authentication layer put on the request, such as the
+/// authenticated user's ID.
+pub struct ClientFromExtension<T>(PhantomData<fn() -> T>);
+
+impl<T> ClientFromExtension<T> {
+    /// Identifies clients by the `T` extension.
+    pub fn new() -> Self {
+        Self(PhantomData)
+    }
+}
+
+impl<T> Default for ClientFromExtension<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> Clone for ClientFromExtension<T> {
+    fn clone(&self) -> Self {
+        Self::new()
+    }
+}
+
+impl<T> fmt::Debug for ClientFromExtension<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ClientFromExtension")
+    }
+}
+
+impl<B, T> IdentifyClient<B> for ClientFromExtension<T>
+where
+    T: AsRef<[u8]> + Send + Sync + 'static,
+{
+    fn identify_client(&self, request: &Request<B>) -> Option<ClientId> {
+        request.extensions().get::<T>().map(ClientId::new)
+    }
+}
+
+/// The digest that names one idempotent request: client, method, path, optionally the
+/// query, and the key. Stores index records by it; it holds nothing raw.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ScopeKey([u8; 32]);
+
+impl ScopeKey {
+    pub(crate) fn new(
+        client: Option<&ClientId>,
+        method: &Method,
+        path: &str,
+        query: Option<&str>,
+        key: &IdempotencyKey,
+    ) -> Self {
+        let mut digest = Sha256::new();
+        digest.update(b"tower-ids.scope.v1\0");
+        field(&mut digest, client.map_or(&[][..], |c| &c.0[..]));
+        field(&mut digest, method.as_str().as_bytes());
+        field(&mut digest, path.as_bytes());
+        field(&mut digest, query.unwrap_or("").as_bytes());
+        field(&mut digest, key.as_str().as_bytes());
+        Self(digest.finalize().into())
+    }
+
+    /// The digest's bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Rebuilds a scope from stored bytes.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The first 8 bytes in hex, for log lines.
+    pub fn short(&self) -> String {
+        hex::encode(&self.0[..8])
+    }
+}
+
+impl fmt::Debug for ScopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScopeKey({})", hex::encode(self.0))
+    }
+}
+
+/// A digest of what the request asks for: method, path, query, content type and body.
+/// The same key with another fingerprint is a conflict, never a replay.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    pub(crate) fn new(
+        method: &Method,
+        path: &str,
+        query: Option<&str>,
+        content_type: Option<&[u8]>,
+        body: &[u8],
+    ) -> Self {
+        let mut digest = Sha256::new();
+        digest.update(b"tower-ids.fingerprint.v1\0");
+        field(&mut digest, method.as_str().as_bytes());
+        field(&mut digest, path.as_bytes());
+        field(&mut digest, query.unwrap_or("").as_bytes());
+        field(&mut digest, content_type.unwrap_or(b""));
+        field(&mut digest, body);
+        Self(digest.finalize().into())
+    }
+
+    /// The digest's bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Rebuilds a fingerprint from stored bytes.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", hex::encode(&self.0[..8]))
+    }
+}
+
+/// Length-prefixed, so no two different field lists hash the same bytes.
+fn field(digest: &mut Sha256, bytes: &[u8]) {
+    digest.update((bytes.len() as u64).to_be_bytes());
+    digest.update(bytes);
+}

@@ -1,0 +1,827 @@
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::{Duration, SystemTime},
+};
+
+use bytes::{Bytes, BytesMut};
+use http::{header, HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use tower_service::Service;
+use tracing::Instrument as _;
+
+use super::{
+    layer::{InFlight, Settings, StoreFailure},
+    store::{Begin, Claim, IdempotencyStore, Lease, MokaStore, Record, Settled, StoredResponse},
+    AttemptId, ClientId, Fingerprint, IdempotencyKey, IdentifyClient, NoClient, ScopeKey,
+    ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
+    ORIGINAL_ATTEMPT_ID,
+};
+use crate::{body::Body, correlation::CorrelationId, problem::Problem};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Middleware that runs each idempotent request once and replays its response.
+///
+/// Made by [`IdempotencyLayer`](super::IdempotencyLayer); see the
+/// [module docs](crate::idempotency).
+pub struct Idempotency<S, St = MokaStore, C = NoClient> {
+    pub(super) inner: S,
+    pub(super) store: Arc<St>,
+    pub(super) identify: C,
+    pub(super) settings: Arc<Settings>,
+}
+
+impl<S: Clone, St, C: Clone> Clone for Idempotency<S, St, C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            store: self.store.clone(),
+            identify: self.identify.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, St, C> std::fmt::Debug for Idempotency<S, St, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<Body<B>>, E>> + Send>>;
+
+/// Response future of [`Idempotency`].
+///
+/// Boxed: the work is several awaits on the store and the body, which no hand-written
+/// state machine would make clearer.
+pub struct ResponseFuture<B, E> {
+    inner: BoxFuture<B, E>,
+}
+
+impl<B, E> Future for ResponseFuture<B, E> {
+    type Output = Result<Response<Body<B>>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<B, E> std::fmt::Debug for ResponseFuture<B, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+/// What one protected request is, once its headers are read.
+struct Protected {
+    key: IdempotencyKey,
+    client: Option<ClientId>,
+    scope: ScopeKey,
+    attempt: Option<AttemptId>,
+}
+
+impl<S, St, C, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, C>
+where
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    C: IdentifyClient<ReqBody>,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    ResBody::Error: std::fmt::Display,
+{
+    type Response = Response<Body<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The ready service goes into the future; a fresh clone stays for the next call.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let settings = self.settings.clone();
+
+        if !settings.methods.contains(request.method()) {
+            return boxed(pass_through(inner, request, None));
+        }
+        let attempt = match AttemptId::from_headers(request.headers()) {
+            Ok(attempt) => attempt,
+            Err(error) => return boxed(ready(reject_key(&error, None))),
+        };
+        let key = match IdempotencyKey::from_headers(request.headers(), &settings.key_headers) {
+            Ok(Some(key)) => key,
+            Ok(None) if settings.require_key => {
+                tracing::warn!(
+                    event = "idempotency.rejected",
+                    reason = "missing",
+                    status = 400,
+                    "request refused: no idempotency key"
+                );
+                let problem = Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "idempotency.key_missing",
+                    "Missing idempotency key",
+                    "this route requires an Idempotency-Key header, the same on every retry",
+                );
+                return boxed(ready(finish(problem.into_response(), attempt.as_ref())));
+            }
+            Ok(None) => return boxed(pass_through(inner, request, attempt)),
+            Err(error) => return boxed(ready(reject_key(&error, attempt.as_ref()))),
+        };
+        let client = self.identify.identify_client(&request);
+        let uri = request.uri();
+        let query = if settings.include_query {
+            uri.query()
+        } else {
+            None
+        };
+        let scope = ScopeKey::new(client.as_ref(), request.method(), uri.path(), query, &key);
+        let protected = Protected {
+            key,
+            client,
+            scope,
+            attempt,
+        };
+        boxed(run(inner, self.store.clone(), settings, request, protected))
+    }
+}
+
+fn boxed<B, E>(
+    future: impl Future<Output = Result<Response<Body<B>>, E>> + Send + 'static,
+) -> ResponseFuture<B, E> {
+    ResponseFuture {
+        inner: Box::pin(future),
+    }
+}
+
+fn ready<B, E>(response: Response<Body<B>>) -> impl Future<Output = Result<Response<Body<B>>, E>> {
+    std::future::ready(Ok(response))
+}
+
+async fn pass_through<S, ReqBody, ResBody>(
+    mut inner: S,
+    request: Request<ReqBody>,
+    attempt: Option<AttemptId>,
+) -> Result<Response<Body<ResBody>>, S::Error>
+where
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>>,
+{
+    let response = inner.call(request.map(Body::inner)).await?;
+    Ok(finish(response.map(Body::inner), attempt.as_ref()))
+}
+
+fn reject_key<B>(
+    error: &super::InvalidIdempotencyKey,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    tracing::warn!(
+        event = "idempotency.rejected",
+        reason = error.code(),
+        detail = %error,
+        status = 400,
+        "request refused: invalid idempotency key"
+    );
+    let (code, title) = match error.code() {
+        "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
+        "conflicting" => (
+            "idempotency.keys_disagree",
+            "Two different idempotency keys",
+        ),
+        _ => ("idempotency.key_invalid", "Invalid idempotency key"),
+    };
+    let problem = Problem::new(StatusCode::BAD_REQUEST, code, title, error.to_string());
+    finish(problem.into_response(), attempt)
+}
+
+/// The headers every response of a protected route carries when it is not a replay.
+fn finish<B>(mut response: Response<B>, attempt: Option<&AttemptId>) -> Response<B> {
+    let headers = response.headers_mut();
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("false"));
+    if let Some(attempt) = attempt {
+        headers.insert(ATTEMPT_ID, attempt.to_header_value());
+    }
+    response
+}
+
+fn with_retry_after<B>(mut response: Response<B>, retry_after: Duration) -> Response<B> {
+    let seconds = retry_after
+        .as_secs()
+        .max(u64::from(retry_after.subsec_nanos() > 0));
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    response
+}
+
+async fn run<S, St, ReqBody, ResBody>(
+    inner: S,
+    store: Arc<St>,
+    settings: Arc<Settings>,
+    request: Request<ReqBody>,
+    protected: Protected,
+) -> Result<Response<Body<ResBody>>, S::Error>
+where
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    ResBody::Error: std::fmt::Display,
+{
+    let attempt = protected.attempt.clone();
+    let attempt = attempt.as_ref();
+    let key = protected.key.as_str();
+    let scope_short = protected.scope.short();
+    let client = protected.client.as_ref().map(ClientId::short);
+    let span = tracing::info_span!(
+        "idempotency",
+        idempotency_key = key,
+        scope = scope_short.as_str(),
+        client = client.as_deref().unwrap_or("none"),
+    );
+    async move {
+        let request = match read_body(request, settings.max_request_bytes).await {
+            Ok(request) => request,
+            Err(problem) => return Ok(finish(problem.into_response(), attempt)),
+        };
+        let fingerprint = fingerprint(&request);
+        let claim = Claim {
+            fingerprint,
+            lease: settings.lease,
+        };
+        let begin = match store.begin(&protected.scope, claim).await {
+            Ok(begin) => begin,
+            Err(error) => {
+                return match settings.store_failure {
+                    StoreFailure::FailClosed => {
+                        tracing::warn!(
+                            event = "idempotency.store_failed",
+                            error = %error,
+                            mode = "fail_closed",
+                            status = 503,
+                            "idempotency store failed; request refused"
+                        );
+                        Ok(finish(store_unavailable(), attempt))
+                    }
+                    StoreFailure::FailOpen => {
+                        tracing::warn!(
+                            event = "idempotency.store_failed",
+                            error = %error,
+                            mode = "fail_open",
+                            "idempotency store failed; running the request without deduplication"
+                        );
+                        let mut inner = inner;
+                        let response = inner.call(request).await?;
+                        Ok(finish(response.map(Body::inner), attempt))
+                    }
+                };
+            }
+        };
+        match begin {
+            Begin::Claimed { lease } => {
+                tracing::debug!(event = "idempotency.accepted", "idempotency key accepted; running the request");
+                execute(inner, store, settings.clone(), request, protected.scope, lease, fingerprint, protected.attempt.clone()).await
+            }
+            Begin::Completed {
+                record,
+                request_count,
+            } => Ok(settled(&record, fingerprint, request_count, attempt, &settings)),
+            Begin::InFlight {
+                fingerprint: running,
+                first_seen,
+                request_count,
+            } => {
+                if running != fingerprint {
+                    return Ok(conflict(attempt));
+                }
+                match settings.in_flight {
+                    InFlight::Reject { retry_after } => {
+                        Ok(in_flight(first_seen, request_count, retry_after, attempt))
+                    }
+                    InFlight::Wait { timeout } => {
+                        match store.wait(&protected.scope, timeout).await {
+                            Ok(Settled::Completed { record }) => {
+                                Ok(settled(&record, fingerprint, request_count, attempt, &settings))
+                            }
+                            Ok(Settled::TimedOut) => Ok(in_flight(
+                                first_seen,
+                                request_count,
+                                Duration::from_secs(1),
+                                attempt,
+                            )),
+                            Ok(Settled::Released) => {
+                                tracing::info!(
+                                    event = "idempotency.original_failed",
+                                    status = 409,
+                                    "the request this one waited for did not complete; retry"
+                                );
+                                let problem = Problem::new(
+                                    StatusCode::CONFLICT,
+                                    "idempotency.original_failed",
+                                    "Original request failed",
+                                    "the request with this key that was running failed and stored nothing; retry to run it again",
+                                );
+                                Ok(finish(
+                                    with_retry_after(problem.into_response(), Duration::from_secs(1)),
+                                    attempt,
+                                ))
+                            }
+                            Err(error) => {
+                                tracing::warn!(
+                                    event = "idempotency.store_failed",
+                                    error = %error,
+                                    status = 503,
+                                    "idempotency store failed while waiting"
+                                );
+                                Ok(finish(store_unavailable(), attempt))
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+fn store_unavailable<B>() -> Response<Body<B>> {
+    let problem = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency.store_unavailable",
+        "Idempotency store unavailable",
+        "the server cannot check this idempotency key now, so it ran nothing; retry later",
+    );
+    with_retry_after(problem.into_response(), Duration::from_secs(1))
+}
+
+fn conflict<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
+    tracing::warn!(
+        event = "idempotency.conflict",
+        status = 422,
+        "idempotency key reused with another request"
+    );
+    let problem = Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency.fingerprint_mismatch",
+        "Idempotency key reused",
+        "this idempotency key was used with a different request (method, path, query, content type or body); use a new key for a new request",
+    );
+    finish(problem.into_response(), attempt)
+}
+
+fn in_flight<B>(
+    first_seen: SystemTime,
+    request_count: u64,
+    retry_after: Duration,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    tracing::info!(
+        event = "idempotency.in_flight",
+        request_count,
+        status = 409,
+        "a request with this idempotency key is still running"
+    );
+    let problem = Problem::new(
+        StatusCode::CONFLICT,
+        "idempotency.in_flight",
+        "Request in progress",
+        "a request with this idempotency key is still running; retry after the delay to get its response",
+    );
+    let mut response = with_retry_after(problem.into_response(), retry_after);
+    let headers = response.headers_mut();
+    headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(first_seen));
+    headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
+    finish(response, attempt)
+}
+
+/// The answer to a duplicate of a completed request.
+fn settled<B>(
+    record: &Record,
+    fingerprint: Fingerprint,
+    request_count: u64,
+    attempt: Option<&AttemptId>,
+    settings: &Settings,
+) -> Response<Body<B>> {
+    if record.fingerprint != fingerprint {
+        return conflict(attempt);
+    }
+    let Some(stored) = &record.response else {
+        tracing::info!(
+            event = "idempotency.not_replayable",
+            request_count,
+            status = 410,
+            "the request ran but its response was too large to keep"
+        );
+        let problem = Problem::new(
+            StatusCode::GONE,
+            "idempotency.not_replayable",
+            "Response not replayable",
+            "the request with this idempotency key ran, but its response was too large to keep for replay; it will not run again",
+        );
+        let mut response = problem.into_response();
+        replay_headers(response.headers_mut(), record, request_count);
+        return finish(response, attempt);
+    };
+    tracing::info!(
+        event = "idempotency.replayed",
+        request_count,
+        status = stored.status.as_u16(),
+        original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
+        "replayed the stored response"
+    );
+    let mut response = Response::new(Body::complete(stored.body.clone()));
+    *response.status_mut() = stored.status;
+    let headers = response.headers_mut();
+    headers.reserve(stored.headers.len() + 5);
+    for (name, value) in &stored.headers {
+        if !settings.not_replayed.contains(name) {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+    replay_headers(headers, record, request_count);
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    if let Some(attempt) = attempt {
+        headers.insert(ATTEMPT_ID, attempt.to_header_value());
+    }
+    response
+}
+
+/// What a duplicate learns of the original: when it came, how many came, which attempt.
+fn replay_headers(headers: &mut HeaderMap, record: &Record, request_count: u64) {
+    headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(record.first_seen));
+    headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
+    if let Some(original) = &record.original_attempt {
+        headers.insert(ORIGINAL_ATTEMPT_ID, original.to_header_value());
+    }
+}
+
+fn http_date(time: SystemTime) -> HeaderValue {
+    HeaderValue::from_str(&httpdate::fmt_http_date(time))
+        .unwrap_or_else(|_| HeaderValue::from_static("Thu, 01 Jan 1970 00:00:00 GMT"))
+}
+
+/// Reads the whole body (up to `max` bytes) so it can be fingerprinted, and hands it
+/// on unchanged.
+async fn read_body<B>(request: Request<B>, max: usize) -> Result<Request<Body<B>>, Problem>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let too_large = || {
+        tracing::warn!(
+            event = "idempotency.body_too_large",
+            max_bytes = max,
+            status = 413,
+            "request body over the idempotency limit"
+        );
+        Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "idempotency.body_too_large",
+            "Request body too large",
+            format!("an idempotent request body may be at most {max} bytes"),
+        )
+    };
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > max as u64) {
+        return Err(too_large());
+    }
+    let (parts, body) = request.into_parts();
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(Request::from_parts(
+            parts,
+            Body::complete(collected.to_bytes()),
+        )),
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(error) => {
+            tracing::warn!(
+                event = "idempotency.body_unreadable",
+                error = %error,
+                status = 400,
+                "request body could not be read"
+            );
+            Err(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "idempotency.body_unreadable",
+                "Request body unreadable",
+                "the request body could not be read to the end",
+            ))
+        }
+    }
+}
+
+fn fingerprint<B>(request: &Request<Body<B>>) -> Fingerprint
+where
+    B: http_body::Body<Data = Bytes>,
+{
+    let body = buffered(request.body());
+    Fingerprint::new(
+        request.method(),
+        request.uri().path(),
+        request.uri().query(),
+        request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(HeaderValue::as_bytes),
+        &body,
+    )
+}
+
+/// The bytes of a body `read_body` completed.
+fn buffered<B>(body: &Body<B>) -> Bytes {
+    body.complete_bytes().unwrap_or_default()
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn execute<S, St, ReqBody, ResBody>(
+    mut inner: S,
+    store: Arc<St>,
+    settings: Arc<Settings>,
+    request: Request<Body<ReqBody>>,
+    scope: ScopeKey,
+    lease: Lease,
+    fingerprint: Fingerprint,
+    attempt: Option<AttemptId>,
+) -> Result<Response<Body<ResBody>>, S::Error>
+where
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    ReqBody: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    ResBody::Error: std::fmt::Display,
+{
+    let guard = LeaseGuard {
+        store,
+        scope,
+        lease: Some(lease),
+    };
+    let echo = attempt.clone();
+    // Once started, the handler runs to the end in its own task even if this client
+    // goes away, and its outcome is stored for the retry.
+    let task = async move {
+        let outcome = inner.call(request).await;
+        match outcome {
+            Err(error) => {
+                let mut guard = guard;
+                guard.release("handler_error").await;
+                Err(error)
+            }
+            Ok(response) => Ok(keep(response, guard, &settings, fingerprint, attempt).await),
+        }
+    }
+    .instrument(tracing::Span::current());
+    let handle = match CorrelationId::current() {
+        Some(id) => tokio::spawn(id.task_local(task)),
+        None => tokio::spawn(task),
+    };
+    match handle.await {
+        Ok(outcome) => outcome.map(|response| finish(response, echo.as_ref())),
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        Err(_cancelled) => Ok(finish(store_unavailable(), echo.as_ref())),
+    }
+}
+
+/// Buffers the response, stores it or releases the key, and returns what the client
+/// gets.
+async fn keep<St, B>(
+    response: Response<B>,
+    mut guard: LeaseGuard<St>,
+    settings: &Settings,
+    fingerprint: Fingerprint,
+    attempt: Option<AttemptId>,
+) -> Response<Body<B>>
+where
+    St: IdempotencyStore,
+    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: std::fmt::Display,
+{
+    let (parts, body) = response.into_parts();
+    let storable = (settings.store_if)(parts.status);
+    let body = match collect_up_to(body, settings.max_response_bytes).await {
+        Collected::Complete(body) => body,
+        Collected::TooLarge { prefix, rest } => {
+            if storable {
+                tracing::warn!(
+                    event = "idempotency.response_too_large",
+                    max_bytes = settings.max_response_bytes,
+                    "response over the idempotency limit: streamed, not stored; duplicates get 410"
+                );
+                let record = Record {
+                    fingerprint,
+                    first_seen: guard.first_seen(),
+                    original_attempt: attempt,
+                    response: None,
+                };
+                guard.complete(record, settings.ttl).await;
+            } else {
+                guard.release("not_stored").await;
+            }
+            return Response::from_parts(parts, Body::prefixed(prefix, rest));
+        }
+        Collected::Failed(error) => {
+            tracing::warn!(
+                event = "idempotency.response_failed",
+                error = %error,
+                status = 500,
+                "the response body failed while being read"
+            );
+            guard.release("response_failed").await;
+            let problem = Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "idempotency.response_failed",
+                "Response failed",
+                "the response could not be produced; nothing was stored, so a retry runs again",
+            );
+            return problem.into_response();
+        }
+    };
+    if storable {
+        let headers = parts
+            .headers
+            .iter()
+            .filter(|(name, _)| !settings.per_attempt.contains(name))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        let record = Record {
+            fingerprint,
+            first_seen: guard.first_seen(),
+            original_attempt: attempt,
+            response: Some(StoredResponse {
+                status: parts.status,
+                headers,
+                body: body.clone(),
+            }),
+        };
+        guard.complete(record, settings.ttl).await;
+    } else {
+        guard.release("not_stored").await;
+    }
+    Response::from_parts(parts, Body::complete(body))
+}
+
+enum Collected<B> {
+    Complete(Bytes),
+    TooLarge {
+        prefix: Bytes,
+        rest: B,
+    },
+    /// The body's error, as text: the body's error type need not be `Send`.
+    Failed(String),
+}
+
+/// Reads `body` whole if it fits in `max` bytes; a single-frame body is kept without
+/// a copy.
+async fn collect_up_to<B>(mut body: B, max: usize) -> Collected<B>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let data = match frame {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => data,
+                // Trailers are not kept: replays carry the body only.
+                Err(_trailers) => continue,
+            },
+            Err(error) => return Collected::Failed(error.to_string()),
+        };
+        len += data.len();
+        if len > max {
+            let mut prefix =
+                joined.unwrap_or_else(|| BytesMut::from(first.take().unwrap_or_default()));
+            prefix.extend_from_slice(&data);
+            return Collected::TooLarge {
+                prefix: prefix.freeze(),
+                rest: body,
+            };
+        }
+        match (&mut first, &mut joined) {
+            (None, None) => first = Some(data),
+            (Some(_), None) => {
+                let mut buf = BytesMut::from(first.take().unwrap_or_default());
+                buf.extend_from_slice(&data);
+                joined = Some(buf);
+            }
+            (_, Some(buf)) => buf.extend_from_slice(&data),
+        }
+    }
+    Collected::Complete(joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze))
+}
+
+/// Holds a claimed lease; released on drop unless completed, so a handler that panics
+/// or a task that is cancelled never leaves its key locked until the lease runs out.
+struct LeaseGuard<St: IdempotencyStore> {
+    store: Arc<St>,
+    scope: ScopeKey,
+    lease: Option<Lease>,
+}
+
+impl<St: IdempotencyStore> LeaseGuard<St> {
+    fn first_seen(&self) -> SystemTime {
+        self.lease
+            .as_ref()
+            .map_or_else(SystemTime::now, |lease| lease.first_seen)
+    }
+
+    async fn complete(&mut self, record: Record, ttl: Duration) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let status = record.response.as_ref().map(|r| r.status.as_u16());
+        let bytes = record.weight();
+        match self.store.complete(&self.scope, &lease, record, ttl).await {
+            Ok(true) => tracing::info!(
+                event = "idempotency.stored",
+                status,
+                bytes,
+                ttl_secs = ttl.as_secs(),
+                "stored the response for replay"
+            ),
+            Ok(false) => tracing::warn!(
+                event = "idempotency.lease_lost",
+                "the lease ran out before the request finished; its outcome was not stored"
+            ),
+            Err(error) => {
+                tracing::warn!(
+                    event = "idempotency.store_failed",
+                    error = %error,
+                    phase = "complete",
+                    "could not store the response; releasing the key"
+                );
+                self.lease = Some(lease);
+                self.release("store_failed").await;
+            }
+        }
+    }
+
+    async fn release(&mut self, reason: &'static str) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        release(&*self.store, &self.scope, &lease, reason).await;
+    }
+}
+
+async fn release<St: IdempotencyStore>(
+    store: &St,
+    scope: &ScopeKey,
+    lease: &Lease,
+    reason: &'static str,
+) {
+    match store.release(scope, lease).await {
+        Ok(_) => tracing::info!(
+            event = "idempotency.released",
+            reason,
+            "released the idempotency key; a retry runs again"
+        ),
+        Err(error) => tracing::warn!(
+            event = "idempotency.store_failed",
+            error = %error,
+            phase = "release",
+            "could not release the key; it frees itself when the lease runs out"
+        ),
+    }
+}
+
+impl<St: IdempotencyStore> Drop for LeaseGuard<St> {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.store.clone();
+        let scope = self.scope;
+        let reason = if std::thread::panicking() {
+            "handler_panicked"
+        } else {
+            "abandoned"
+        };
+        runtime.spawn(
+            async move { release(&*store, &scope, &lease, reason).await }
+                .instrument(tracing::Span::current()),
+        );
+    }
+}

@@ -1,0 +1,248 @@
+//! Where the idempotency layer keeps its records: the [`IdempotencyStore`] trait and
+//! its embedded implementation, [`MokaStore`].
+
+mod moka;
+
+use std::{
+    future::Future,
+    sync::{Arc, Mutex, PoisonError},
+    time::{Duration, SystemTime},
+};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, StatusCode};
+
+pub use self::moka::{MokaStore, MokaStoreBuilder, DEFAULT_MAX_BYTES, ENTRY_OVERHEAD_BYTES};
+use super::{AttemptId, Fingerprint, ScopeKey};
+
+/// A record store for the idempotency layer, shared behind an `Arc`.
+///
+/// Every state change is atomic per scope: of any number of concurrent [`begin`]s for
+/// one scope, exactly one gets [`Begin::Claimed`]; [`complete`] and [`release`] succeed
+/// only for the lease that claim returned, so a worker whose lease ran out can never
+/// overwrite the record of the one that took over.
+///
+/// [`begin`]: Self::begin
+/// [`complete`]: Self::complete
+/// [`release`]: Self::release
+pub trait IdempotencyStore: Send + Sync + 'static {
+    /// Counts one more request for `scope` and claims it if no live record exists.
+    fn begin(
+        &self,
+        scope: &ScopeKey,
+        claim: Claim,
+    ) -> impl Future<Output = Result<Begin, StoreError>> + Send;
+
+    /// Stores the outcome of the claimed request for `ttl`; `Ok(false)` if `lease` no
+    /// longer holds the scope (it expired and another request claimed it).
+    fn complete(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+        record: Record,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Gives the scope up so a retry runs again; `Ok(false)` if `lease` no longer
+    /// holds it.
+    fn release(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Waits up to `timeout` for the request in flight on `scope` to settle.
+    fn wait(
+        &self,
+        scope: &ScopeKey,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Settled, StoreError>> + Send;
+}
+
+/// What [`IdempotencyStore::begin`] is asked to claim.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// The request's fingerprint, kept to refuse the key with another payload.
+    pub fingerprint: Fingerprint,
+    /// How long the claim holds the scope if it is never completed or released.
+    pub lease: Duration,
+}
+
+/// The answer of [`IdempotencyStore::begin`].
+#[derive(Debug, Clone)]
+pub enum Begin {
+    /// This request holds the scope: run it, then complete or release the lease.
+    Claimed {
+        /// Proof of the claim, for `complete` and `release`.
+        lease: Lease,
+    },
+    /// Another request holds the scope and has not finished.
+    InFlight {
+        /// The fingerprint of the request in flight.
+        fingerprint: Fingerprint,
+        /// When the request in flight arrived.
+        first_seen: SystemTime,
+        /// Requests seen for this scope, this one included.
+        request_count: u64,
+    },
+    /// The scope has a stored outcome.
+    Completed {
+        /// The outcome.
+        record: Arc<Record>,
+        /// Requests seen for this scope, this one included.
+        request_count: u64,
+    },
+}
+
+/// A claim on a scope, unique to one [`Begin::Claimed`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The claim's unique value (a fencing token).
+    pub token: u64,
+    /// When the claiming request arrived.
+    pub first_seen: SystemTime,
+}
+
+/// The outcome of an executed request, as stored.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// The fingerprint of the request that ran.
+    pub fingerprint: Fingerprint,
+    /// When it arrived.
+    pub first_seen: SystemTime,
+    /// Its attempt ID, if it sent one.
+    pub original_attempt: Option<AttemptId>,
+    /// The response to replay; `None` when it was too large to keep (the request ran,
+    /// and duplicates are told so rather than run it again).
+    pub response: Option<StoredResponse>,
+}
+
+impl Record {
+    /// Bytes the record holds: body, header names and values.
+    pub fn weight(&self) -> usize {
+        self.response.as_ref().map_or(0, StoredResponse::weight)
+    }
+}
+
+/// A response kept for replay: status, every header in order (repeats kept), body.
+#[derive(Debug, Clone)]
+pub struct StoredResponse {
+    /// The status.
+    pub status: StatusCode,
+    /// Every header, in the order the response listed them.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The whole body.
+    pub body: Bytes,
+}
+
+impl StoredResponse {
+    /// Bytes held: body, header names and values.
+    pub fn weight(&self) -> usize {
+        self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(name, value)| name.as_str().len() + value.len())
+                .sum::<usize>()
+    }
+}
+
+/// How a wait on a request in flight ended.
+#[derive(Debug, Clone)]
+pub enum Settled {
+    /// It completed; here is its record.
+    Completed {
+        /// The outcome.
+        record: Arc<Record>,
+    },
+    /// It was released (failed, panicked, or was not storable): a retry runs again.
+    Released,
+    /// It is still running.
+    TimedOut,
+}
+
+/// A store that could not answer.
+#[derive(Debug)]
+pub struct StoreError {
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl StoreError {
+    /// An error described by `message`.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// An error caused by `source`.
+    pub fn with_source(
+        message: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self {
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// The time the store reads to decide expiry; injectable so tests need not sleep.
+pub trait Clock: Send + Sync + 'static {
+    /// Now.
+    fn now(&self) -> SystemTime;
+}
+
+/// The system clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> SystemTime {
+        SystemTime::now()
+    }
+}
+
+/// A clock that moves only when told to, for tests of TTL and leases.
+#[derive(Debug, Clone)]
+pub struct ManualClock(Arc<Mutex<SystemTime>>);
+
+impl ManualClock {
+    /// A clock stopped at the current system time.
+    pub fn new() -> Self {
+        Self(Arc::new(Mutex::new(SystemTime::now())))
+    }
+
+    /// Moves the clock forward by `by`.
+    pub fn advance(&self, by: Duration) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) += by;
+    }
+}
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> SystemTime {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}

@@ -1,0 +1,331 @@
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant, SystemTime},
+};
+
+use moka::{future::Cache, ops::compute::Op, Expiry};
+use tokio::sync::watch;
+
+use super::{
+    Begin, Claim, Clock, IdempotencyStore, Lease, Record, Settled, StoreError, SystemClock,
+};
+use crate::idempotency::{Fingerprint, ScopeKey};
+
+/// Default bound on what the store holds: 64 MiB of weighed entries.
+///
+/// Room for about 50,000 records of 1 KiB responses; set it to what a TTL's worth of
+/// protected requests needs. moka evicts the least useful entries past the bound.
+pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
+
+/// What an entry weighs beyond its response bytes: the 32-byte scope key, the record
+/// (fingerprint, times, attempt ID, status, header vector) and moka's own bookkeeping.
+/// Counted into every entry's weight, so the byte bound holds whatever the responses.
+pub const ENTRY_OVERHEAD_BYTES: u32 = 512;
+
+/// The embedded store: a [`moka`] cache bounded in bytes, with per-entry expiry (the
+/// lease for requests in flight, the TTL for stored outcomes).
+///
+/// # Memory
+///
+/// Each entry weighs its response (body, header names and values) plus
+/// [`ENTRY_OVERHEAD_BYTES`]; the cache holds at most
+/// [`max_bytes`](MokaStoreBuilder::max_bytes) of weight (default
+/// [`DEFAULT_MAX_BYTES`]). A response larger than the whole bound is never stored.
+///
+/// # Clone
+///
+/// Clones share one cache.
+#[derive(Clone)]
+pub struct MokaStore {
+    cache: Cache<ScopeKey, Slot>,
+    clock: Arc<dyn Clock>,
+    next_token: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for MokaStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MokaStore")
+            .field("entries", &self.cache.entry_count())
+            .field("weighted_bytes", &self.cache.weighted_size())
+            .finish()
+    }
+}
+
+/// Builds a [`MokaStore`].
+#[must_use]
+pub struct MokaStoreBuilder {
+    max_bytes: u64,
+    clock: Arc<dyn Clock>,
+}
+
+impl MokaStoreBuilder {
+    /// The bound on the weight of all entries. Default [`DEFAULT_MAX_BYTES`].
+    pub fn max_bytes(mut self, max_bytes: u64) -> Self {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    /// The clock that decides expiry. Default the system clock; tests pass a
+    /// [`ManualClock`](super::ManualClock).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The store.
+    pub fn build(self) -> MokaStore {
+        let cache = Cache::builder()
+            .max_capacity(self.max_bytes)
+            .weigher(|_scope: &ScopeKey, slot: &Slot| slot.weight)
+            .expire_after(SlotExpiry)
+            .build();
+        MokaStore {
+            cache,
+            clock: self.clock,
+            next_token: Arc::new(AtomicU64::new(1)),
+        }
+    }
+}
+
+impl MokaStore {
+    /// A store with the defaults.
+    pub fn new() -> Self {
+        Self::builder().build()
+    }
+
+    /// A builder for a store with other bounds or another clock.
+    pub fn builder() -> MokaStoreBuilder {
+        MokaStoreBuilder {
+            max_bytes: DEFAULT_MAX_BYTES,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// Entries held (approximate until moka's pending tasks run).
+    pub fn entry_count(&self) -> u64 {
+        self.cache.entry_count()
+    }
+
+    /// Weighted bytes held (approximate until moka's pending tasks run).
+    pub fn weighted_bytes(&self) -> u64 {
+        self.cache.weighted_size()
+    }
+
+    /// Runs moka's pending maintenance, so counts and evictions are up to date.
+    pub async fn run_pending_tasks(&self) {
+        self.cache.run_pending_tasks().await;
+    }
+
+    fn live(&self, slot: Option<Slot>, now: SystemTime) -> Option<Slot> {
+        slot.filter(|slot| slot.expires_at > now)
+    }
+}
+
+impl Default for MokaStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[derive(Clone)]
+struct Slot {
+    state: State,
+    request_count: u64,
+    expires_at: SystemTime,
+    /// `expires_at` as a duration from when the slot was written, for moka's timer.
+    ttl: Duration,
+    weight: u32,
+}
+
+#[derive(Clone)]
+enum State {
+    InFlight {
+        token: u64,
+        fingerprint: Fingerprint,
+        first_seen: SystemTime,
+        /// Sends once when the request settles; waiters subscribe.
+        settled: Arc<watch::Sender<()>>,
+    },
+    Completed(Arc<Record>),
+}
+
+impl Slot {
+    fn with_expiry(mut self, expires_at: SystemTime, now: SystemTime) -> Self {
+        self.expires_at = expires_at;
+        self.ttl = expires_at.duration_since(now).unwrap_or_default();
+        self
+    }
+}
+
+struct SlotExpiry;
+
+impl Expiry<ScopeKey, Slot> for SlotExpiry {
+    fn expire_after_create(&self, _: &ScopeKey, slot: &Slot, _: Instant) -> Option<Duration> {
+        Some(slot.ttl)
+    }
+
+    fn expire_after_update(
+        &self,
+        _: &ScopeKey,
+        slot: &Slot,
+        _: Instant,
+        _: Option<Duration>,
+    ) -> Option<Duration> {
+        Some(slot.ttl)
+    }
+}
+
+impl IdempotencyStore for MokaStore {
+    async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
+        let now = self.clock.now();
+        let mut answer = None;
+        self.cache
+            .entry(*scope)
+            .and_compute_with(|existing| {
+                let existing = self.live(existing.map(|entry| entry.into_value()), now);
+                let (op, begin) = match existing {
+                    None => {
+                        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+                        let (settled, _) = watch::channel(());
+                        let slot = Slot {
+                            state: State::InFlight {
+                                token,
+                                fingerprint: claim.fingerprint,
+                                first_seen: now,
+                                settled: Arc::new(settled),
+                            },
+                            request_count: 1,
+                            expires_at: now,
+                            ttl: Duration::ZERO,
+                            weight: ENTRY_OVERHEAD_BYTES,
+                        }
+                        .with_expiry(now + claim.lease, now);
+                        let lease = Lease {
+                            token,
+                            first_seen: now,
+                        };
+                        (Op::Put(slot), Begin::Claimed { lease })
+                    }
+                    Some(mut slot) => {
+                        slot.request_count += 1;
+                        let expires_at = slot.expires_at;
+                        let slot = slot.with_expiry(expires_at, now);
+                        let begin = match &slot.state {
+                            State::InFlight {
+                                fingerprint,
+                                first_seen,
+                                ..
+                            } => Begin::InFlight {
+                                fingerprint: *fingerprint,
+                                first_seen: *first_seen,
+                                request_count: slot.request_count,
+                            },
+                            State::Completed(record) => Begin::Completed {
+                                record: record.clone(),
+                                request_count: slot.request_count,
+                            },
+                        };
+                        (Op::Put(slot), begin)
+                    }
+                };
+                answer = Some(begin);
+                std::future::ready(op)
+            })
+            .await;
+        answer.ok_or_else(|| StoreError::new("the cache skipped the claim"))
+    }
+
+    async fn complete(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+        record: Record,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let now = self.clock.now();
+        let weight = u32::try_from(record.weight())
+            .unwrap_or(u32::MAX)
+            .saturating_add(ENTRY_OVERHEAD_BYTES);
+        let record = Arc::new(record);
+        let mut completed = false;
+        self.cache
+            .entry(*scope)
+            .and_compute_with(|existing| {
+                let existing = self.live(existing.map(|entry| entry.into_value()), now);
+                let op = match existing {
+                    Some(Slot {
+                        state: State::InFlight { token, settled, .. },
+                        request_count,
+                        ..
+                    }) if token == lease.token => {
+                        completed = true;
+                        settled.send_replace(());
+                        let slot = Slot {
+                            state: State::Completed(record),
+                            request_count,
+                            expires_at: now,
+                            ttl: Duration::ZERO,
+                            weight,
+                        }
+                        .with_expiry(now + ttl, now);
+                        Op::Put(slot)
+                    }
+                    _ => Op::Nop,
+                };
+                std::future::ready(op)
+            })
+            .await;
+        Ok(completed)
+    }
+
+    async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
+        let now = self.clock.now();
+        let mut released = false;
+        self.cache
+            .entry(*scope)
+            .and_compute_with(|existing| {
+                let existing = self.live(existing.map(|entry| entry.into_value()), now);
+                let op = match existing {
+                    Some(Slot {
+                        state: State::InFlight { token, settled, .. },
+                        ..
+                    }) if token == lease.token => {
+                        released = true;
+                        settled.send_replace(());
+                        Op::Remove
+                    }
+                    _ => Op::Nop,
+                };
+                std::future::ready(op)
+            })
+            .await;
+        Ok(released)
+    }
+
+    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let now = self.clock.now();
+            let slot = self.live(self.cache.get(scope).await, now);
+            let mut settled = match slot.map(|slot| slot.state) {
+                None => return Ok(Settled::Released),
+                Some(State::Completed(record)) => return Ok(Settled::Completed { record }),
+                Some(State::InFlight { settled, .. }) => settled.subscribe(),
+            };
+            // The request may have settled between the read and the subscription: look
+            // again before sleeping, so no wake-up is missed.
+            if let Some(State::InFlight { .. }) = self
+                .live(self.cache.get(scope).await, now)
+                .map(|slot| slot.state)
+            {
+                match tokio::time::timeout_at(deadline, settled.changed()).await {
+                    Err(_elapsed) => return Ok(Settled::TimedOut),
+                    Ok(_) => continue,
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,705 @@
+//! The idempotency layer through real axum servers on 127.0.0.1, counting how many
+//! times the handler ran.
+#![allow(missing_docs)]
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod stress;
+
+use std::{
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use axum::{
+    extract::State,
+    http::{HeaderMap, Method},
+    response::Response,
+    routing::post,
+    Router,
+};
+use bytes::Bytes;
+use http::{HeaderName, StatusCode};
+use serde_json::json;
+use support::{client, send, serve, try_send, HttpClient, Logs, Reply};
+use tower_ids::{
+    correlation::CorrelationLayer,
+    idempotency::{
+        store::{Begin, Claim, IdempotencyStore, Lease, ManualClock, Record, Settled, StoreError},
+        ClientFromHeader, IdempotencyLayer, IdentifyClient, InFlight, MokaStore, ScopeKey,
+        StoreFailure,
+    },
+};
+
+/// How many times the handler ran.
+#[derive(Clone, Default)]
+pub struct Runs(Arc<AtomicUsize>);
+
+impl Runs {
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// The handler under test. Request headers steer it (they are not part of the
+/// fingerprint, so a retry can steer it differently): `x-delay-ms`, `x-status`,
+/// `x-panic`, `x-big` (body size).
+async fn handler(
+    State(runs): State<Runs>,
+    method: Method,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let run = runs.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let directive = |name: &str| headers.get(name).map(|v| v.to_str().unwrap().to_owned());
+    if let Some(ms) = directive("x-delay-ms") {
+        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+    }
+    if directive("x-panic").is_some() {
+        panic!("the handler panicked on purpose");
+    }
+    let status = directive("x-status").map_or(201, |s| s.parse().unwrap());
+    let body = match directive("x-big") {
+        Some(size) => "x".repeat(size.parse().unwrap()),
+        None => json!({
+            "run": run,
+            "method": method.as_str(),
+            "echo": String::from_utf8_lossy(&body),
+        })
+        .to_string(),
+    };
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .header("x-multi", "one")
+        .header("set-cookie", "session=abc")
+        .header("x-multi", "two")
+        .header("set-cookie", "theme=dark")
+        .header("x-run", run)
+        .body(axum::body::Body::from(body))
+        .unwrap()
+}
+
+struct App {
+    url: String,
+    runs: Runs,
+    client: HttpClient,
+}
+
+impl App {
+    async fn post(&self, path: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+        send(
+            &self.client,
+            "POST",
+            format!("{}{path}", self.url),
+            headers,
+            body,
+        )
+        .await
+    }
+}
+
+async fn start<St, C>(layer: IdempotencyLayer<St, C>) -> App
+where
+    St: IdempotencyStore,
+    C: IdentifyClient<axum::body::Body> + Clone + Send + Sync + 'static,
+{
+    let runs = Runs::default();
+    let router = Router::new()
+        .route(
+            "/commands",
+            post(handler).patch(handler).layer(layer.clone()),
+        )
+        .route("/other", post(handler).layer(layer))
+        .with_state(runs.clone())
+        .layer(CorrelationLayer::new());
+    let addr = serve(router).await;
+    App {
+        url: format!("http://{addr}"),
+        runs,
+        client: client(),
+    }
+}
+
+const KEY: (&str, &str) = ("idempotency-key", "0193c4a2-7b1e-7cc0-9a51-3f2d6c1e8b47");
+const BODY: &str = r#"{"device_id":"d-1","name":"reboot"}"#;
+
+fn all(reply: &Reply, name: &str) -> Vec<String> {
+    reply
+        .headers
+        .get_all(name)
+        .iter()
+        .map(|v| v.to_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_duplicate_gets_the_original_response_byte_for_byte() {
+    let (logs, _guard) = Logs::capture();
+    let app = start(IdempotencyLayer::new()).await;
+
+    let first = app
+        .post("/commands", &[KEY, ("attempt-id", "1")], BODY)
+        .await;
+    let second = app
+        .post("/commands", &[KEY, ("attempt-id", "2")], BODY)
+        .await;
+    let third = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(app.runs.get(), 1);
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.header("idempotent-replayed"), Some("false"));
+    assert_eq!(first.header("attempt-id"), Some("1"));
+    assert_eq!(first.header("idempotency-first-seen"), None);
+
+    assert_eq!(second.status, first.status);
+    assert_eq!(second.body, first.body, "byte for byte");
+    assert_eq!(second.header("idempotent-replayed"), Some("true"));
+    assert_eq!(second.header("attempt-id"), Some("2"), "this attempt's ID");
+    assert_eq!(second.header("original-attempt-id"), Some("1"));
+    assert_eq!(second.header("idempotency-request-count"), Some("2"));
+    assert_eq!(third.header("idempotency-request-count"), Some("3"));
+    let first_seen =
+        httpdate::parse_http_date(second.header("idempotency-first-seen").unwrap()).unwrap();
+    let age = std::time::SystemTime::now()
+        .duration_since(first_seen)
+        .unwrap();
+    assert!(age < Duration::from_secs(5));
+
+    // Every header the handler set, repeats in order, except Set-Cookie.
+    assert_eq!(all(&second, "x-multi"), ["one", "two"]);
+    assert_eq!(all(&first, "set-cookie"), ["session=abc", "theme=dark"]);
+    assert!(all(&second, "set-cookie").is_empty());
+    assert_eq!(second.header("content-type"), Some("application/json"));
+    assert_eq!(second.header("x-run"), Some("1"));
+    assert_eq!(
+        second.header("content-length"),
+        first.header("content-length")
+    );
+
+    // Per-attempt headers are this attempt's.
+    let first_id = first.header("x-correlation-id").unwrap();
+    let second_id = second.header("x-correlation-id").unwrap();
+    assert_ne!(first_id, second_id, "a retry is a new attempt");
+    assert!(second.header("date").is_some());
+
+    let stored = &logs.events("idempotency.stored")[0];
+    assert_eq!(stored["span"]["name"], "idempotency");
+    assert_eq!(
+        stored["spans"][0]["correlation_id"], first_id,
+        "inside the correlation span"
+    );
+    let replayed = &logs.events("idempotency.replayed")[0];
+    assert_eq!(replayed["spans"][0]["correlation_id"], second_id);
+    assert_eq!(replayed["span"]["idempotency_key"], KEY.1);
+}
+
+#[tokio::test]
+async fn the_quoted_and_bare_forms_and_the_x_header_are_one_key() {
+    let app = start(IdempotencyLayer::new()).await;
+
+    app.post("/commands", &[("idempotency-key", "abc")], BODY)
+        .await;
+    let quoted = app
+        .post("/commands", &[("idempotency-key", "\"abc\"")], BODY)
+        .await;
+    let x_header = app
+        .post("/commands", &[("x-idempotency-key", "abc")], BODY)
+        .await;
+    let both_agree = app
+        .post(
+            "/commands",
+            &[("idempotency-key", "abc"), ("x-idempotency-key", "\"abc\"")],
+            BODY,
+        )
+        .await;
+
+    assert_eq!(app.runs.get(), 1);
+    for reply in [quoted, x_header, both_agree] {
+        assert_eq!(reply.header("idempotent-replayed"), Some("true"));
+    }
+}
+
+#[tokio::test]
+async fn scope_is_client_method_and_path() {
+    let layer =
+        IdempotencyLayer::new().client(ClientFromHeader::new(HeaderName::from_static("x-api-key")));
+    let app = start(layer).await;
+    let alice = ("x-api-key", "alice-secret");
+    let bob = ("x-api-key", "bob-secret");
+
+    let alice_first = app.post("/commands", &[KEY, alice], BODY).await;
+    let bob_same_key = app.post("/commands", &[KEY, bob], BODY).await;
+    let other_path = app.post("/other", &[KEY, alice], BODY).await;
+    let other_method = send(
+        &app.client,
+        "PATCH",
+        format!("{}/commands", app.url),
+        &[KEY, alice],
+        BODY,
+    )
+    .await;
+    assert_eq!(app.runs.get(), 4, "four different requests");
+    for reply in [&bob_same_key, &other_path, &other_method] {
+        assert_eq!(reply.header("idempotent-replayed"), Some("false"));
+        assert_ne!(
+            reply.body, alice_first.body,
+            "never another request's response"
+        );
+    }
+
+    let alice_retry = app.post("/commands", &[KEY, alice], BODY).await;
+    let bob_retry = app.post("/commands", &[KEY, bob], BODY).await;
+    assert_eq!(app.runs.get(), 4);
+    assert_eq!(alice_retry.body, alice_first.body);
+    assert_eq!(bob_retry.body, bob_same_key.body);
+}
+
+#[tokio::test]
+async fn bad_keys_are_400_problems() {
+    let (logs, _guard) = Logs::capture();
+    let app = start(IdempotencyLayer::new().require_key(true)).await;
+    let oversized = "k".repeat(256);
+    let cases: [(&[(&str, &str)], &str); 6] = [
+        (&[], "idempotency.key_missing"),
+        (&[("idempotency-key", "")], "idempotency.key_invalid"),
+        (
+            &[("idempotency-key", &oversized)],
+            "idempotency.key_invalid",
+        ),
+        (
+            &[("idempotency-key", "\"unterminated")],
+            "idempotency.key_invalid",
+        ),
+        (
+            &[("idempotency-key", "one"), ("x-idempotency-key", "two")],
+            "idempotency.keys_disagree",
+        ),
+        (
+            &[KEY, ("attempt-id", "has space")],
+            "idempotency.attempt_id_invalid",
+        ),
+    ];
+    for (headers, code) in cases {
+        let reply = app.post("/commands", headers, BODY).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{code}");
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(reply.header("idempotent-replayed"), Some("false"));
+        assert_eq!(reply.json()["code"], code);
+        assert_eq!(reply.json()["status"], 400);
+    }
+    assert_eq!(app.runs.get(), 0);
+    let rejected = logs.events("idempotency.rejected");
+    assert_eq!(rejected.len(), 6);
+    assert!(rejected.iter().all(|line| line["level"] == "WARN"));
+    assert!(!logs.raw().contains(&oversized));
+
+    // The longest key allowed is fine.
+    let longest = "k".repeat(255);
+    let ok = app
+        .post("/commands", &[("idempotency-key", &longest)], BODY)
+        .await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn an_optional_key_lets_requests_without_one_through() {
+    let app = start(IdempotencyLayer::new()).await;
+
+    let first = app.post("/commands", &[], BODY).await;
+    let second = app.post("/commands", &[], BODY).await;
+
+    assert_eq!(app.runs.get(), 2);
+    assert_eq!(first.header("idempotent-replayed"), Some("false"));
+    assert_eq!(second.header("idempotent-replayed"), Some("false"));
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_payload_is_422() {
+    let (logs, _guard) = Logs::capture();
+    let app = start(IdempotencyLayer::new()).await;
+
+    app.post("/commands", &[KEY], BODY).await;
+    let changed = app
+        .post("/commands", &[KEY], r#"{"device_id":"d-2"}"#)
+        .await;
+    let changed_type = app
+        .post("/commands", &[KEY, ("content-type", "text/plain")], BODY)
+        .await;
+
+    assert_eq!(app.runs.get(), 1, "never a second execution");
+    for reply in [changed, changed_type] {
+        assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(reply.json()["code"], "idempotency.fingerprint_mismatch");
+    }
+    assert_eq!(logs.events("idempotency.conflict")[0]["level"], "WARN");
+}
+
+#[tokio::test]
+async fn an_oversized_request_body_is_413_and_runs_nothing() {
+    let app = start(IdempotencyLayer::new().max_request_bytes(1024)).await;
+
+    let big = "x".repeat(1025);
+    let reply = app.post("/commands", &[KEY], &big).await;
+
+    assert_eq!(reply.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(reply.json()["code"], "idempotency.body_too_large");
+    assert_eq!(app.runs.get(), 0);
+    let fits = app.post("/commands", &[KEY], &"x".repeat(1024)).await;
+    assert_eq!(fits.status, StatusCode::CREATED);
+    assert!(
+        fits.text().contains(&"x".repeat(1024)),
+        "the body reached the handler unchanged"
+    );
+}
+
+/// Waits until the handler has started `n` times.
+async fn until_runs(runs: &Runs, n: usize) {
+    for _ in 0..500 {
+        if runs.get() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the handler never ran {n} times");
+}
+
+#[tokio::test]
+async fn a_duplicate_in_flight_is_409_with_retry_after() {
+    let app = Arc::new(start(IdempotencyLayer::new()).await);
+
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move {
+            app.post("/commands", &[KEY, ("x-delay-ms", "300")], BODY)
+                .await
+        }
+    });
+    until_runs(&app.runs, 1).await;
+    let duplicate = app
+        .post("/commands", &[KEY, ("attempt-id", "2")], BODY)
+        .await;
+
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    assert_eq!(duplicate.header("retry-after"), Some("1"));
+    assert_eq!(duplicate.header("idempotent-replayed"), Some("false"));
+    assert_eq!(duplicate.header("attempt-id"), Some("2"));
+    assert_eq!(duplicate.json()["code"], "idempotency.in_flight");
+
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = app.post("/commands", &[KEY], BODY).await;
+    assert_eq!(retry.body, first.body);
+    assert_eq!(app.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn waiting_mode_replays_the_first_outcome() {
+    let layer = IdempotencyLayer::new().in_flight(InFlight::Wait {
+        timeout: Duration::from_secs(5),
+    });
+    let app = Arc::new(start(layer).await);
+
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move {
+            app.post("/commands", &[KEY, ("x-delay-ms", "200")], BODY)
+                .await
+        }
+    });
+    until_runs(&app.runs, 1).await;
+    let waiter = app.post("/commands", &[KEY], BODY).await;
+    let first = first.await.unwrap();
+
+    assert_eq!(app.runs.get(), 1);
+    assert_eq!(waiter.status, StatusCode::CREATED);
+    assert_eq!(waiter.body, first.body);
+    assert_eq!(waiter.header("idempotent-replayed"), Some("true"));
+}
+
+#[tokio::test]
+async fn waiting_mode_times_out_into_409() {
+    let layer = IdempotencyLayer::new().in_flight(InFlight::Wait {
+        timeout: Duration::from_millis(50),
+    });
+    let app = Arc::new(start(layer).await);
+
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move {
+            app.post("/commands", &[KEY, ("x-delay-ms", "400")], BODY)
+                .await
+        }
+    });
+    until_runs(&app.runs, 1).await;
+    let waiter = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(waiter.status, StatusCode::CONFLICT);
+    assert_eq!(waiter.header("retry-after"), Some("1"));
+    first.await.unwrap();
+    assert_eq!(app.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn server_errors_are_not_stored_and_the_retry_runs_again() {
+    let (logs, _guard) = Logs::capture();
+    let app = start(IdempotencyLayer::new()).await;
+
+    let failed = app
+        .post("/commands", &[KEY, ("x-status", "503")], BODY)
+        .await;
+    let throttled = app
+        .post("/commands", &[KEY, ("x-status", "429")], BODY)
+        .await;
+    let retry = app.post("/commands", &[KEY], BODY).await;
+    let replay = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(throttled.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("false"));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.runs.get(), 3);
+    let released = logs.events("idempotency.released");
+    assert_eq!(released.len(), 2);
+    assert_eq!(released[0]["fields"]["reason"], "not_stored");
+}
+
+#[tokio::test]
+async fn a_client_error_is_stored_and_replayed() {
+    let app = start(IdempotencyLayer::new()).await;
+
+    app.post("/commands", &[KEY, ("x-status", "404")], BODY)
+        .await;
+    let replay = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(replay.status, StatusCode::NOT_FOUND);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn keys_expire_after_the_ttl() {
+    let clock = ManualClock::new();
+    let store = MokaStore::builder().clock(clock.clone()).build();
+    let app = start(IdempotencyLayer::with_store(store).ttl(Duration::from_secs(3600))).await;
+
+    app.post("/commands", &[KEY], BODY).await;
+    clock.advance(Duration::from_secs(3599));
+    let within = app.post("/commands", &[KEY], BODY).await;
+    clock.advance(Duration::from_secs(2));
+    let after = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(within.header("idempotent-replayed"), Some("true"));
+    assert_eq!(after.header("idempotent-replayed"), Some("false"));
+    assert_eq!(app.runs.get(), 2, "an expired key runs again");
+}
+
+#[tokio::test]
+async fn a_lost_lease_frees_the_key_and_the_late_outcome_is_not_stored() {
+    let clock = ManualClock::new();
+    let store = MokaStore::builder().clock(clock.clone()).build();
+    let layer = IdempotencyLayer::with_store(store).lease(Duration::from_secs(60));
+    let app = Arc::new(start(layer).await);
+
+    let slow = tokio::spawn({
+        let app = app.clone();
+        async move {
+            app.post("/commands", &[KEY, ("x-delay-ms", "300")], BODY)
+                .await
+        }
+    });
+    until_runs(&app.runs, 1).await;
+    clock.advance(Duration::from_secs(61));
+    let takeover = app.post("/commands", &[KEY], BODY).await;
+    slow.await.unwrap();
+    let replay = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(app.runs.get(), 2);
+    assert_eq!(
+        replay.body, takeover.body,
+        "the newer claim's record stands"
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_still_gets_the_replay() {
+    let (logs, _guard) = Logs::capture();
+    let app = start(IdempotencyLayer::new()).await;
+
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        app.post("/commands", &[KEY, ("x-delay-ms", "300")], BODY),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the client hung up before the response");
+    assert_eq!(app.runs.get(), 1);
+
+    // The handler finishes on its own and its outcome is stored.
+    for _ in 0..100 {
+        if !logs.events("idempotency.stored").is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let retry = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(app.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn a_panicking_handler_releases_the_key() {
+    let (logs, _guard) = Logs::capture();
+    let layer = IdempotencyLayer::new().in_flight(InFlight::Wait {
+        timeout: Duration::from_secs(5),
+    });
+    let app = Arc::new(start(layer).await);
+
+    let panicking = tokio::spawn({
+        let app = app.clone();
+        async move {
+            try_send(
+                &app.client,
+                "POST",
+                format!("{}/commands", app.url),
+                &[KEY, ("x-panic", "1"), ("x-delay-ms", "100")],
+                BODY,
+            )
+            .await
+        }
+    });
+    until_runs(&app.runs, 1).await;
+    let waiter = app.post("/commands", &[KEY], BODY).await;
+    assert!(
+        panicking.await.unwrap().is_err(),
+        "the panic closes that connection"
+    );
+
+    assert_eq!(waiter.status, StatusCode::CONFLICT);
+    assert_eq!(waiter.json()["code"], "idempotency.original_failed");
+    assert_eq!(waiter.header("retry-after"), Some("1"));
+    let released = logs.events("idempotency.released");
+    assert_eq!(released[0]["fields"]["reason"], "handler_panicked");
+
+    let retry = app.post("/commands", &[KEY], BODY).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(app.runs.get(), 2, "released, so the retry runs");
+}
+
+#[tokio::test]
+async fn a_response_too_large_to_keep_is_streamed_once_and_never_rerun() {
+    let app = start(IdempotencyLayer::new().max_response_bytes(1024)).await;
+
+    let first = app.post("/commands", &[KEY, ("x-big", "4096")], BODY).await;
+    let duplicate = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body.len(), 4096, "the first client gets all of it");
+    assert_eq!(duplicate.status, StatusCode::GONE);
+    assert_eq!(duplicate.json()["code"], "idempotency.not_replayable");
+    assert_eq!(
+        duplicate.header("idempotent-replayed"),
+        Some("false"),
+        "not a replay"
+    );
+    assert_eq!(duplicate.header("idempotency-request-count"), Some("2"));
+    assert_eq!(app.runs.get(), 1);
+}
+
+/// A store whose every call fails, as an unreachable database would.
+struct BrokenStore;
+
+impl IdempotencyStore for BrokenStore {
+    async fn begin(&self, _: &ScopeKey, _: Claim) -> Result<Begin, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+    async fn complete(
+        &self,
+        _: &ScopeKey,
+        _: &Lease,
+        _: Record,
+        _: Duration,
+    ) -> Result<bool, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+    async fn release(&self, _: &ScopeKey, _: &Lease) -> Result<bool, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+    async fn wait(&self, _: &ScopeKey, _: Duration) -> Result<Settled, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+}
+
+#[tokio::test]
+async fn a_failing_store_fails_closed_by_default() {
+    let (logs, _guard) = Logs::capture();
+    let app = start(IdempotencyLayer::with_store(BrokenStore)).await;
+
+    let reply = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        reply.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(reply.json()["code"], "idempotency.store_unavailable");
+    assert!(reply.header("retry-after").is_some());
+    assert_eq!(app.runs.get(), 0, "nothing runs");
+    let failed = &logs.events("idempotency.store_failed")[0];
+    assert_eq!(failed["level"], "WARN");
+    assert_eq!(failed["fields"]["mode"], "fail_closed");
+}
+
+#[tokio::test]
+async fn a_failing_store_can_fail_open() {
+    let (logs, _guard) = Logs::capture();
+    let layer = IdempotencyLayer::with_store(BrokenStore).on_store_failure(StoreFailure::FailOpen);
+    let app = start(layer).await;
+
+    let reply = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert_eq!(reply.header("idempotent-replayed"), Some("false"));
+    assert_eq!(app.runs.get(), 1);
+    assert_eq!(
+        logs.events("idempotency.store_failed")[0]["fields"]["mode"],
+        "fail_open"
+    );
+}
+
+#[tokio::test]
+async fn uncovered_methods_pass_through() {
+    let runs = Runs::default();
+    let router = Router::new()
+        .route("/commands", axum::routing::get(handler).post(handler))
+        .with_state(runs.clone())
+        .layer(IdempotencyLayer::new());
+    let addr = serve(router).await;
+    let client = client();
+
+    for _ in 0..2 {
+        let reply = send(
+            &client,
+            "GET",
+            format!("http://{addr}/commands"),
+            &[KEY],
+            "",
+        )
+        .await;
+        assert_eq!(reply.header("idempotent-replayed"), Some("false"));
+    }
+    assert_eq!(runs.get(), 2, "GET is not deduplicated");
+}
