@@ -1,5 +1,5 @@
 //! The Command Service, in memory: tower-ids' demo of correlation IDs across an HTTP
-//! request and the queue message it sends.
+//! request and the queue message it sends, and of idempotency keys on its `POST` routes.
 //!
 //! A client asks for a command to be sent to a device; the service stores it as
 //! `queued`, answers `201`, and puts a message on a queue (an in-process tokio channel
@@ -13,12 +13,21 @@
 //! (`<id>.Aq9`, see [`CorrelationId::extend_redelivery`]), so one search finds the
 //! request and everything it caused.
 //!
+//! The two `POST` routes carry an [`IdempotencyLayer`] each, sharing one [`MokaStore`]:
+//! `POST /commands` requires an `Idempotency-Key`, `POST /commands/{id}/cancel` takes
+//! one if sent. Keys are scoped by the `x-api-key` header (the client), so two clients
+//! may use the same key; a request without `x-api-key` shares one global scope. A retry
+//! with the same key and the same request gets the first response back
+//! (`idempotent-replayed: true`) and creates nothing; the `GET` routes have no
+//! idempotency layer. See [`tower_ids::idempotency`] for the whole contract.
+//!
 //! # Run
 //!
 //! ```sh
 //! cargo run --release --example commands
 //! cargo run --release --example commands -- \
 //!     --addr 127.0.0.1:0 --log-format json --publish-delay-ms 1000
+//! cargo run --release --example commands -- --handler-delay-ms 2000
 //! RUST_LOG=debug cargo run --release --example commands
 //! ```
 //!
@@ -27,6 +36,8 @@
 //! | `--addr` | `127.0.0.1:3000` | address to bind; port `0` picks a free one |
 //! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with span fields) |
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
+//! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request |
+//! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
 //! script can start it on port `0` and grep the log for the URL. `RUST_LOG` sets the
@@ -36,29 +47,75 @@
 //! # Try it
 //!
 //! ```sh
+//! BODY='{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
+//!
 //! # Create a command; the response echoes the correlation ID.
+//! # -> 201, idempotent-replayed: false, attempt-id: <fresh>, {"id": ID, "status": "queued", ...}
 //! curl -si localhost:3000/commands \
 //!     -H 'content-type: application/json' -H 'x-correlation-id: demo-1' \
-//!     -d '{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' -d "$BODY"
 //!
-//! # List all commands (oldest first), fetch one, cancel one.
+//! # The client did not see the answer and retries: same key, same body, new attempt.
+//! # -> 201, idempotent-replayed: true, the same ID, original-attempt-id,
+//! #    idempotency-first-seen, idempotency-request-count: 2; no second command.
+//! curl -si localhost:3000/commands \
+//!     -H 'content-type: application/json' -H 'x-correlation-id: demo-2' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' -d "$BODY"
+//!
+//! # Another client may use the same key: a new command.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-b' -H 'idempotency-key: create-1' -d "$BODY"
+//!
+//! # The same key with another body: 422 idempotency.fingerprint_mismatch, nothing runs.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' \
+//!     -d '{"device_id":"thermostat-42","name":"reboot","payload":{}}'
+//!
+//! # No key: 400 idempotency.key_missing.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-a' -d "$BODY"
+//!
+//! # With --handler-delay-ms 2000, a retry while the first is still running:
+//! # the first answers 201 after 2 s, the overlapping one 409 idempotency.in_flight
+//! # with Retry-After: 1; retried after that, it is a replay.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-2' -d "$BODY" &
+//! sleep 0.5
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-2' -d "$BODY"
+//!
+//! # List all commands (oldest first), fetch one: no idempotency headers on GET.
 //! curl -s localhost:3000/commands
 //! curl -s localhost:3000/commands/$ID
-//! curl -s -X POST localhost:3000/commands/$ID/cancel
+//!
+//! # Cancel one, with a key (a retry replays the answer) or without (runs each time;
+//! # cancelling twice is not an error).
+//! curl -si -X POST localhost:3000/commands/$ID/cancel \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: cancel-1'
+//! curl -si -X POST localhost:3000/commands/$ID/cancel
 //!
 //! # Errors are RFC 9457 problem details.
-//! curl -si localhost:3000/commands -H 'content-type: application/json' -d '{"device_id":'
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'idempotency-key: bad-json-1' -d '{"device_id":'
 //! curl -si localhost:3000/commands/0190b6c4-0000-7000-8000-000000000000
 //! ```
 //!
 //! # Routes
 //!
-//! | Route | Success | Errors (`application/problem+json`, `code`) |
-//! |---|---|---|
-//! | `POST /commands` | `201` the new command, `status: "queued"` | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields`, `413` `body.unreadable`, `503` `commands.publisher_stopped` |
-//! | `GET /commands` | `200` every command, oldest first | |
-//! | `GET /commands/{id}` | `200` the command | `404` `commands.not_found` |
-//! | `POST /commands/{id}/cancel` | `200` the command, `status: "cancelled"` | `404` `commands.not_found`, `409` `commands.already_sent` |
+//! | Route | Idempotency key | Success | Errors (`application/problem+json`, `code`) |
+//! |---|---|---|---|
+//! | `POST /commands` | required | `201` the new command, `status: "queued"`; a replay of the first answer | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields`, `413` `body.unreadable`, `503` `commands.publisher_stopped`; idempotency: `400` `idempotency.key_missing` / `idempotency.key_invalid`, `409` `idempotency.in_flight` (with `Retry-After`), `422` `idempotency.fingerprint_mismatch`, `413` `idempotency.body_too_large` |
+//! | `GET /commands` | none | `200` every command, oldest first | |
+//! | `GET /commands/{id}` | none | `200` the command | `404` `commands.not_found` |
+//! | `POST /commands/{id}/cancel` | optional | `200` the command, `status: "cancelled"`; a replay of the first answer | `404` `commands.not_found`, `409` `commands.already_sent`; idempotency: as `POST /commands`, less `key_missing` |
+//!
+//! Every response of a `POST` route carries `idempotent-replayed` (`true` on a replay,
+//! else `false`) and `attempt-id`; a replay, a `409` and a `410` also carry
+//! `idempotency-first-seen` and `idempotency-request-count`, and a replay
+//! `original-attempt-id`. A replay is the first response byte for byte (status, headers,
+//! body) except for the per-attempt headers (`x-correlation-id`, `attempt-id`, `date`).
+//! Only answers below 500 (and not `408` or `429`) are kept: after a `503` the retry
+//! runs again. A cancel sent without a key runs every time.
 //!
 //! A command is `{"id", "device_id", "name", "payload", "status", "created_at"}`: `id` is
 //! the command's own UUID (not the correlation ID, which names one attempt), `status` is
@@ -75,6 +132,10 @@
 //! | `commands.publish_skipped` | INFO | the publisher found the command cancelled |
 //! | `commands.bad_request` | WARN | a create request's body was refused (the body is never logged) |
 //! | `commands.not_found` | INFO | an unknown command ID was asked for |
+//!
+//! The idempotency layer adds its own events (`idempotency.replayed`,
+//! `idempotency.stored`, `idempotency.in_flight`, `idempotency.conflict`, ...), inside
+//! the request's correlation span; see [`tower_ids::idempotency`].
 
 use std::{
     collections::HashMap,
@@ -96,6 +157,7 @@ use time::OffsetDateTime;
 use tokio::{net::TcpListener, sync::mpsc, time::Instant};
 use tower_ids::{
     correlation::{CorrelationId, CorrelationLayer},
+    idempotency::{ClientFromHeader, IdempotencyLayer, MokaStore},
     PROBLEM_JSON,
 };
 use tracing_subscriber::{filter::LevelFilter, EnvFilter};
@@ -118,6 +180,15 @@ struct Args {
     /// Milliseconds from queueing a command to publishing it.
     #[arg(long, default_value_t = 200)]
     publish_delay_ms: u64,
+
+    /// Milliseconds the POST handlers sleep before doing anything, so that a retry can
+    /// overlap the first request (and get 409).
+    #[arg(long, default_value_t = 0)]
+    handler_delay_ms: u64,
+
+    /// Seconds an idempotency key's outcome is replayed.
+    #[arg(long, default_value_t = 86_400)]
+    idempotency_ttl_secs: u64,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -145,8 +216,13 @@ async fn main() -> std::io::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(event = "commands.listening", %addr, "listening on http://{addr}");
 
-    let state = AppState { commands, queue };
-    axum::serve(listener, app(state))
+    let state = AppState {
+        commands,
+        queue,
+        handler_delay: Duration::from_millis(args.handler_delay_ms),
+    };
+    let app = app(state, Duration::from_secs(args.idempotency_ttl_secs));
+    axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
 
@@ -177,13 +253,30 @@ fn init_tracing(format: LogFormat) {
 /// The service's routes, wrapped in the correlation layer.
 ///
 /// `CorrelationLayer` is applied last, so it is outermost: every handler, extractor
-/// rejection and inner layer runs inside its span. Per-route layers (such as an
-/// idempotency layer on the `POST` routes) go on the method routers here.
-fn app(state: AppState) -> Router {
+/// rejection and inner layer runs inside its span, and every attempt (replays
+/// included) gets its own correlation ID. The idempotency layers go on the `POST`
+/// method routers only: `MethodRouter::layer` wraps the methods added before it, so
+/// the `GET` added after it on `/commands` is not covered. Both layers share one
+/// store (clones of a `MokaStore` share its cache); the routes' paths keep their keys
+/// apart.
+fn app(state: AppState, idempotency_ttl: Duration) -> Router {
+    let store = MokaStore::new();
+    let idempotent = IdempotencyLayer::with_store(store.clone())
+        .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
+        .ttl(idempotency_ttl);
+
     Router::new()
-        .route("/commands", post(create_command).get(list_commands))
+        .route(
+            "/commands",
+            post(create_command)
+                .layer(idempotent.clone().require_key(true))
+                .get(list_commands),
+        )
         .route("/commands/{id}", get(get_command))
-        .route("/commands/{id}/cancel", post(cancel_command))
+        .route(
+            "/commands/{id}/cancel",
+            post(cancel_command).layer(idempotent),
+        )
         .fallback(unknown_route)
         .with_state(state)
         .layer(CorrelationLayer::new().accept(HeaderName::from_static("x-request-id")))
@@ -195,6 +288,8 @@ struct AppState {
     commands: Commands,
     /// The broker, as far as the handlers know.
     queue: mpsc::Sender<Publish>,
+    /// How long the `POST` handlers sleep first (`--handler-delay-ms`).
+    handler_delay: Duration,
 }
 
 /// A queue message: publish this command. The correlation ID travels with it, as it
@@ -235,6 +330,15 @@ enum Status {
     Cancelled,
 }
 
+impl AppState {
+    /// Sleeps `--handler-delay-ms`, standing in for a slow downstream call.
+    async fn simulate_work(&self) {
+        if !self.handler_delay.is_zero() {
+            tokio::time::sleep(self.handler_delay).await;
+        }
+    }
+}
+
 /// The command store: commands in creation order, indexed by ID.
 #[derive(Clone, Default)]
 struct Commands(Arc<Mutex<Store>>);
@@ -272,6 +376,7 @@ async fn create_command(
     correlation_id: CorrelationId,
     body: Result<Json<NewCommand>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Command>), ApiError> {
+    state.simulate_work().await;
     let Json(new) = body.map_err(ApiError::bad_request)?;
     // Take a queue slot first, so a stored command is always queued.
     let slot = state
@@ -329,6 +434,7 @@ async fn cancel_command(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Command>, ApiError> {
+    state.simulate_work().await;
     let id = parse_id(&id)?;
     let mut store = state.commands.lock();
     let command = store.get_mut(id).ok_or_else(|| ApiError::not_found(id))?;

@@ -77,13 +77,24 @@ fn start_demo() -> Demo {
 }
 
 impl Demo {
-    fn events(&self, code: &str) -> Vec<Value> {
-        let lines = self.lines.lock().unwrap();
-        lines
-            .iter()
-            .filter(|l| l["fields"]["event"] == code)
-            .cloned()
-            .collect()
+    /// The lines with `event` = `code`, waiting up to 5 s for the first: the log is read
+    /// on another thread.
+    async fn events(&self, code: &str) -> Vec<Value> {
+        for _ in 0..500 {
+            let found: Vec<Value> = {
+                let lines = self.lines.lock().unwrap();
+                lines
+                    .iter()
+                    .filter(|l| l["fields"]["event"] == code)
+                    .cloned()
+                    .collect()
+            };
+            if !found.is_empty() {
+                return found;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no {code} event in the demo's log");
     }
 }
 
@@ -101,12 +112,34 @@ async fn the_demo_tells_one_story_per_correlation_id() {
         &[
             ("content-type", "application/json"),
             ("x-correlation-id", "demo-attempt-1"),
+            ("x-api-key", "demo-client"),
+            ("idempotency-key", "create-1"),
         ],
         body,
     )
     .await;
     assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
     assert_eq!(created.header("x-correlation-id"), Some("demo-attempt-1"));
+    assert_eq!(created.header("idempotent-replayed"), Some("false"));
+
+    // The retry of the same action: a new attempt, the same key, the same command.
+    let retried = send(
+        &client,
+        "POST",
+        format!("{}/commands", demo.url),
+        &[
+            ("content-type", "application/json"),
+            ("x-correlation-id", "demo-attempt-2"),
+            ("x-api-key", "demo-client"),
+            ("idempotency-key", "create-1"),
+        ],
+        body,
+    )
+    .await;
+    assert_eq!(retried.status, StatusCode::CREATED);
+    assert_eq!(retried.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retried.header("x-correlation-id"), Some("demo-attempt-2"));
+    assert_eq!(retried.body, created.body);
     let command = created.json();
     assert_eq!(command["status"], "queued");
     assert_eq!(command["payload"], json!({"celsius": 21.5}));
@@ -157,7 +190,10 @@ async fn the_demo_tells_one_story_per_correlation_id() {
         &client,
         "POST",
         format!("{}/commands", demo.url),
-        &[("content-type", "application/json")],
+        &[
+            ("content-type", "application/json"),
+            ("idempotency-key", "malformed-1"),
+        ],
         r#"{"device_id":"#,
     )
     .await;
@@ -168,9 +204,13 @@ async fn the_demo_tells_one_story_per_correlation_id() {
     );
 
     // The request's lines and the delivery's lines share the ID as a prefix.
-    let created_log = &demo.events("commands.created")[0];
-    assert_eq!(created_log["span"]["correlation_id"], "demo-attempt-1");
-    let published = &demo.events("commands.published")[0];
+    // (The outermost span is the correlation span; the idempotency span nests in it.)
+    let created_log = &demo.events("commands.created").await[0];
+    assert_eq!(created_log["spans"][0]["correlation_id"], "demo-attempt-1");
+    assert_eq!(demo.events("commands.created").await.len(), 1, "created once");
+    let replayed = &demo.events("idempotency.replayed").await[0];
+    assert_eq!(replayed["spans"][0]["correlation_id"], "demo-attempt-2");
+    let published = &demo.events("commands.published").await[0];
     let delivery = published["span"]["correlation_id"].as_str().unwrap();
     assert!(delivery.starts_with("demo-attempt-1."), "{delivery}");
     assert_eq!(published["fields"]["command_id"], id.as_str());

@@ -23,8 +23,12 @@ pub const DEFAULT_MAX_LEN: usize = 128;
 /// Separator between a correlation ID and an extension (`abcd.1`, `abcd.1.Qz4`).
 pub const EXTENSION_SEPARATOR: char = '.';
 
-/// Random bits in [`CorrelationId::extend_random`]: 24 bits give less than one chance in
-/// a million of two siblings colliding among ten, and encode to 4 base64url characters.
+/// The smallest length bound a layer accepts: a generated UUIDv7 (36 bytes) must fit.
+pub const MIN_MAX_LEN: usize = 36;
+
+/// Random bits in [`CorrelationId::extend_random`]: among ten siblings the chance of any
+/// two colliding is 45 in 2^24, about one in 370,000; they encode to 4 base64url
+/// characters.
 pub const RANDOM_EXTENSION_BITS: u32 = 24;
 
 /// Seconds per tick of the coarse clock in [`CorrelationId::extend_redelivery`]. A queue
@@ -207,8 +211,9 @@ impl CorrelationId {
     /// the low 8 bits of a 30-second clock ([`REDELIVERY_TICK_SECS`]) and 10 random
     /// bits, 3 base64url characters (`id.Aq9`).
     ///
-    /// Deliveries in different ticks never collide; within one tick (about two hours of
-    /// distinct ticks in all) two deliveries collide with a chance of one in 1,024.
+    /// The 8-bit tick wraps every 256 ticks (2 h 8 min): deliveries in different ticks
+    /// of one such window never collide, two in the same tick collide with a chance of
+    /// one in 1,024, and so do two exactly a whole window apart.
     pub fn extend_redelivery(&self) -> Self {
         let secs = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -278,9 +283,23 @@ impl CorrelationId {
 
     /// Combines several units of work into one: a fresh ID, and the replace pair of
     /// events once for each incoming ID, all naming the same new ID.
+    ///
+    /// An ID given twice is announced once. The new ID takes the largest length bound
+    /// among the incoming ones (the default bound when there are none).
     pub fn combine<'a>(ids: impl IntoIterator<Item = &'a CorrelationId>) -> Self {
-        let new = Self::new();
-        for old in ids {
+        let mut incoming: Vec<&CorrelationId> = Vec::new();
+        for id in ids {
+            if !incoming.contains(&id) {
+                incoming.push(id);
+            }
+        }
+        let max_len = incoming
+            .iter()
+            .map(|id| id.max_len())
+            .max()
+            .unwrap_or(DEFAULT_MAX_LEN);
+        let new = Self::new_with_max_len(max_len);
+        for old in incoming {
             announce_replacement(old.as_str(), new.as_str(), "combined");
         }
         new
@@ -617,10 +636,14 @@ mod tests {
 
     #[test]
     fn a_custom_bound_applies_to_extensions() {
-        let parent = CorrelationId::parse_with("abc", 6, &DefaultValidator).unwrap();
-        assert_eq!(parent.next_child(), "abc.1");
-        assert_eq!(parent.max_len(), 6);
-        // "abc.10" would fit, "abc.2" fits; a 4-character suffix does not.
-        assert_ne!(parent.extend("long").unwrap().as_str(), "abc.long");
+        let parent = CorrelationId::parse_with(&"p".repeat(38), 40, &DefaultValidator).unwrap();
+        assert_eq!(parent.max_len(), 40);
+        assert_eq!(parent.next_child().as_str().len(), 40, "`.1` still fits");
+        let replaced = parent.extend("ab").unwrap();
+        assert!(
+            Uuid::parse_str(replaced.as_str()).is_ok(),
+            "past the bound: a fresh UUID"
+        );
+        assert_eq!(replaced.max_len(), 40, "which keeps the bound");
     }
 }

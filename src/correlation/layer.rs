@@ -77,7 +77,16 @@ impl<M, V, P> CorrelationLayer<M, V, P> {
 
     /// The longest ID accepted from outside, in bytes; extensions respect it too.
     /// Default [`DEFAULT_MAX_LEN`].
+    ///
+    /// # Panics
+    ///
+    /// If `max_len` is below [`MIN_MAX_LEN`](super::MIN_MAX_LEN) (36): a generated
+    /// UUIDv7 must fit, or every generated ID would break the bound.
     pub fn max_len(mut self, max_len: usize) -> Self {
+        assert!(
+            max_len >= super::MIN_MAX_LEN,
+            "a correlation id bound of {max_len} bytes cannot hold a UUID (36 bytes)"
+        );
         Arc::make_mut(&mut self.settings).max_len = max_len;
         self
     }

@@ -155,7 +155,8 @@ pub use self::{
     future::ResponseFuture,
     id::{
         CorrelationId, DefaultValidator, InvalidCorrelationId, ValidateCorrelationId,
-        DEFAULT_MAX_LEN, EXTENSION_SEPARATOR, RANDOM_EXTENSION_BITS, REDELIVERY_TICK_SECS,
+        DEFAULT_MAX_LEN, EXTENSION_SEPARATOR, MIN_MAX_LEN, RANDOM_EXTENSION_BITS,
+        REDELIVERY_TICK_SECS,
     },
     layer::CorrelationLayer,
     make::{DefaultMakeSpan, MakeCorrelationId, MakeSpan, MakeUuidV7},

@@ -142,6 +142,11 @@ where
             }
             Incoming::Invalid { error, header } => {
                 let id = generate(make_id, &mut request, settings);
+                // The refused value never travels further than this layer: a fallback
+                // header that held it carries the effective ID too.
+                request
+                    .headers_mut()
+                    .insert(header.clone(), id.to_header_value());
                 (id, Some(Refused::Invalid { error, header }))
             }
         };
@@ -273,6 +278,12 @@ mod tests {
         service.oneshot(request).await.unwrap()
     }
 
+    #[test]
+    #[should_panic(expected = "cannot hold a UUID")]
+    fn a_bound_below_a_uuid_is_refused() {
+        let _ = CorrelationLayer::new().max_len(35);
+    }
+
     #[tokio::test]
     async fn the_handler_and_the_response_carry_the_id() {
         let request = Request::builder()
@@ -289,21 +300,23 @@ mod tests {
     async fn a_custom_header_and_bound() {
         let layer = CorrelationLayer::new()
             .header(HeaderName::from_static("x-trace"))
-            .max_len(4);
+            .max_len(40);
+        let too_long = "a".repeat(41);
         let request = Request::builder()
-            .header("x-trace", "abcde")
+            .header("x-trace", &too_long)
             .body(())
             .unwrap();
         let response = seen_by_handler(layer.clone(), request).await;
         let generated = response.headers()["x-trace"].to_str().unwrap();
         assert_eq!(generated.len(), 36, "too long for the bound: replaced");
 
+        let fits = "a".repeat(40);
         let request = Request::builder()
-            .header("x-trace", "abcd")
+            .header("x-trace", &fits)
             .body(())
             .unwrap();
         let response = seen_by_handler(layer, request).await;
-        assert_eq!(response.headers()["x-trace"], "abcd");
+        assert_eq!(response.headers()["x-trace"], fits.as_str());
         assert!(!response.headers().contains_key("x-correlation-id"));
     }
 }

@@ -43,11 +43,12 @@ impl IdempotencyKey {
         &self.0
     }
 
-    /// Reads the key from `Idempotency-Key` or `X-Idempotency-Key`.
+    /// Reads the key from the headers `names` (the layer's are `Idempotency-Key` and
+    /// `X-Idempotency-Key`).
     ///
-    /// `Ok(None)` when neither is present. Two values (both headers, or one header
-    /// twice) must name the same key, else the request is refused as ambiguous.
-    pub(crate) fn from_headers(
+    /// `Ok(None)` when none is present. Two values (both headers, or one header twice)
+    /// must name the same key, else the request is refused as ambiguous.
+    pub fn from_headers(
         headers: &HeaderMap,
         names: &[HeaderName],
     ) -> Result<Option<Self>, InvalidIdempotencyKey> {
@@ -85,7 +86,9 @@ impl fmt::Debug for IdempotencyKey {
 pub struct AttemptId(HeaderValue);
 
 impl AttemptId {
-    pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, InvalidIdempotencyKey> {
+    /// Reads `attempt-id`: `Ok(None)` when absent; refused when repeated or not 1 to
+    /// [`MAX_ATTEMPT_ID_LEN`] visible ASCII characters.
+    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, InvalidIdempotencyKey> {
         let mut values = headers.get_all(ATTEMPT_ID).iter();
         let Some(value) = values.next() else {
             return Ok(None);
@@ -265,5 +268,51 @@ mod tests {
             );
         }
         assert!(IdempotencyKey::parse("k".repeat(MAX_KEY_LEN).as_bytes()).is_ok());
+    }
+
+    fn quote(text: &str) -> String {
+        let mut quoted = String::from("\"");
+        for c in text.chars() {
+            if c == '"' || c == '\\' {
+                quoted.push('\\');
+            }
+            quoted.push(c);
+        }
+        quoted.push('"');
+        quoted
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_visible_token_is_its_own_key(text in "[!#-~][!-~]{0,254}") {
+            // Starts with anything visible but a quote: a bare token.
+            let key = IdempotencyKey::parse(text.as_bytes()).unwrap();
+            proptest::prop_assert_eq!(key.as_str(), text.as_str());
+        }
+
+        #[test]
+        fn quoting_round_trips(text in "[!-~]{1,255}") {
+            let key = IdempotencyKey::parse(quote(&text).as_bytes()).unwrap();
+            proptest::prop_assert_eq!(key.as_str(), text.as_str());
+        }
+
+        #[test]
+        fn anything_else_is_refused_with_a_code(raw in proptest::collection::vec(proptest::num::u8::ANY, 0..300)) {
+            match IdempotencyKey::parse(&raw) {
+                Ok(key) => {
+                    let len = key.as_str().len();
+                    proptest::prop_assert!((1..=MAX_KEY_LEN).contains(&len));
+                    proptest::prop_assert!(key.as_str().bytes().all(|b| (0x21..=0x7e).contains(&b)));
+                }
+                Err(error) => {
+                    proptest::prop_assert!(!error.code().is_empty());
+                }
+            }
+        }
+
+        #[test]
+        fn too_long_is_refused(text in "[!#-~]{256,400}") {
+            proptest::prop_assert_eq!(IdempotencyKey::parse(text.as_bytes()).unwrap_err().code(), "too_long");
+        }
     }
 }

@@ -139,7 +139,10 @@ where
 pub struct ScopeKey([u8; 32]);
 
 impl ScopeKey {
-    pub(crate) fn new(
+    /// The scope of a request: SHA-256 over the client's hash, method, path, query
+    /// (pass `None` unless the layer scopes by query) and key, each length-prefixed so
+    /// no two different requests share one.
+    pub fn new(
         client: Option<&ClientId>,
         method: &Method,
         path: &str,
@@ -184,7 +187,9 @@ impl fmt::Debug for ScopeKey {
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
-    pub(crate) fn new(
+    /// The fingerprint of a request: SHA-256 over method, path, query, content type
+    /// and body, each length-prefixed.
+    pub fn new(
         method: &Method,
         path: &str,
         query: Option<&str>,
@@ -222,4 +227,74 @@ impl fmt::Debug for Fingerprint {
 fn field(digest: &mut Sha256, bytes: &[u8]) {
     digest.update((bytes.len() as u64).to_be_bytes());
     digest.update(bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    use http::Method;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn scope(
+        client: Option<&str>,
+        method: &Method,
+        path: &str,
+        query: Option<&str>,
+        key: &str,
+    ) -> ScopeKey {
+        let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
+        ScopeKey::new(
+            client.map(ClientId::new).as_ref(),
+            method,
+            path,
+            query,
+            &key,
+        )
+    }
+
+    fn method() -> impl Strategy<Value = Method> {
+        prop_oneof![Just(Method::POST), Just(Method::PATCH), Just(Method::PUT)]
+    }
+
+    proptest! {
+        #[test]
+        fn the_same_request_has_the_same_scope(
+            client in proptest::option::of("[a-z]{0,8}"),
+            method in method(),
+            path in "/[a-z/]{0,12}",
+            query in proptest::option::of("[a-z=&]{0,8}"),
+            key in "[!#-~][!-~]{0,15}",
+        ) {
+            let a = scope(client.as_deref(), &method, &path, query.as_deref(), &key);
+            let b = scope(client.as_deref(), &method, &path, query.as_deref(), &key);
+            prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn any_difference_is_another_scope(
+            a in (proptest::option::of("[a-z]{0,3}"), method(), "/[a-z]{0,3}", proptest::option::of("[a-z]{0,3}"), "[a-c]{1,3}"),
+            b in (proptest::option::of("[a-z]{0,3}"), method(), "/[a-z]{0,3}", proptest::option::of("[a-z]{0,3}"), "[a-c]{1,3}"),
+        ) {
+            // An absent query and an empty one are one query.
+            let same = a.0 == b.0 && a.1 == b.1 && a.2 == b.2
+                && a.3.as_deref().unwrap_or("") == b.3.as_deref().unwrap_or("") && a.4 == b.4;
+            let scope_a = scope(a.0.as_deref(), &a.1, &a.2, a.3.as_deref(), &a.4);
+            let scope_b = scope(b.0.as_deref(), &b.1, &b.2, b.3.as_deref(), &b.4);
+            prop_assert_eq!(scope_a == scope_b, same);
+        }
+    }
+
+    #[test]
+    fn field_boundaries_matter() {
+        // Without length prefixes these would hash the same bytes.
+        let a = scope(None, &Method::POST, "/ab", None, "c");
+        let b = scope(None, &Method::POST, "/a", None, "bc");
+        assert_ne!(a, b);
+        // No client and a client whose credential is empty are different clients.
+        assert_ne!(
+            scope(None, &Method::POST, "/a", None, "k"),
+            scope(Some(""), &Method::POST, "/a", None, "k")
+        );
+    }
 }

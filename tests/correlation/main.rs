@@ -245,6 +245,44 @@ async fn accepts_fallback_headers_in_order() {
 }
 
 #[tokio::test]
+async fn an_invalid_fallback_header_is_replaced_too() {
+    let (logs, _guard) = Logs::capture();
+    let request_id_echo = Router::new()
+        .route(
+            "/",
+            get(|headers: HeaderMap| async move {
+                Json(json!({
+                    "x-request-id": headers.get("x-request-id").map(|v| v.to_str().unwrap()),
+                    "x-correlation-id": headers.get(X_CORRELATION_ID).map(|v| v.to_str().unwrap()),
+                }))
+            }),
+        )
+        .layer(CorrelationLayer::new().accept(HeaderName::from_static("x-request-id")));
+    let addr = serve(request_id_echo).await;
+
+    let reply = send(
+        &client(),
+        "GET",
+        format!("http://{addr}/"),
+        &[("x-request-id", "bad|value")],
+        "",
+    )
+    .await;
+
+    let fresh = reply.header(X_CORRELATION_ID).unwrap();
+    assert_uuid_v7(fresh);
+    assert_eq!(
+        reply.json(),
+        json!({"x-request-id": fresh, "x-correlation-id": fresh})
+    );
+    assert_eq!(
+        logs.events("correlation.invalid")[0]["fields"]["header"],
+        "x-request-id"
+    );
+    assert!(!logs.raw().contains("bad|value"));
+}
+
+#[tokio::test]
 async fn works_alongside_tower_http_request_id() {
     let x_request_id = HeaderName::from_static("x-request-id");
     let app = Router::new().route("/", get(report)).layer(

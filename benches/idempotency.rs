@@ -1,0 +1,329 @@
+//! Per-request cost of the idempotency layer on an axum route, side by side with the
+//! bare handler and the `axum-idempotent` crate, at 1 KiB and 64 KiB response bodies.
+//!
+//! Rows (`idempotency/<row>/<size>`):
+//! - `bare`: the handler alone.
+//! - `tower_ids/first`: `IdempotencyLayer::new()`, a fresh key every iteration: read and
+//!   fingerprint the request, claim the key, run the handler (in its own task), buffer
+//!   and store the response.
+//! - `tower_ids/replay`: the same layer, the same key every iteration: a replay.
+//! - `axum_idempotent/first`, `axum_idempotent/replay`: the same two paths through
+//!   `axum-idempotent` 0.6 on `ruts`' moka session store.
+//!
+//! Every row builds the same request in the loop (POST, a small JSON body,
+//! `content-type`, `idempotency-key`, a session `cookie`), sends it with `oneshot` on a
+//! current-thread tokio runtime and collects the response body. Before a row is
+//! measured, one request checks its response (201, the body, replayed or not, the
+//! handler's run count); after it, the handler's run count is checked again, so no row
+//! can silently measure error responses or a second run.
+//!
+//! How `axum-idempotent` is configured, and what differs from `tower_ids`:
+//! - Direct key mode (`use_idempotency_key_header(Some("idempotency-key"), false)`), TTL
+//!   24 h (`expire_after`), the session cookie's `Max-Age` 24 h too (the cache entry
+//!   lives for the shorter of the two), default 1 MiB response cap. Its replay marker is
+//!   `idempotency-replayed: true` (ours: `idempotent-replayed: true`).
+//! - It stores responses in the caller's session, so it needs `CookieManagerLayer` and
+//!   `ruts::SessionLayer` around it and a session cookie on every request (a request
+//!   without a session is never cached). Keys are therefore scoped per session; ours
+//!   are global here (`NoClient`), scoped by method + path + key.
+//! - In direct key mode it neither reads nor hashes the request body: the same key with
+//!   another body gets the old response. Ours reads the body and fingerprints it
+//!   (SHA-256 of method, path, query, content type, body) and answers 422 on a mismatch.
+//! - It has no in-flight claim: two concurrent requests with one key both run. Ours
+//!   claims the key in the store before running, and runs the handler in a spawned task
+//!   so a client disconnect cannot cancel it.
+//! - It serialises status, headers and body into one byte vector, bincode-encodes it
+//!   into the session's field map, and on replay decodes and copies it back out. Ours
+//!   stores `Bytes` behind an `Arc` and replays without copying the body, but a replay
+//!   is a store write (it counts requests per key).
+//! - `ruts`' moka store keeps one `HashMap` of fields per session and sweeps it for
+//!   expired fields on every write, so its first-execution cost grows with the keys a
+//!   session holds. `axum_idempotent/first` therefore starts a fresh session every
+//!   [`KEYS_PER_SESSION`] keys (outside the timing) and deletes the old one; ours writes
+//!   fresh keys into one store bounded at 64 MiB, which evicts.
+//!
+//! Run: `cargo bench --bench idempotency`
+#![allow(missing_docs)]
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{body::Body, response::Response, routing::post, Router};
+use axum_idempotent::{IdempotentLayer, IdempotentOptions};
+use bytes::Bytes;
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkGroup, Criterion};
+use http::{header, HeaderMap, HeaderValue, Request, StatusCode};
+use http_body_util::BodyExt;
+use ruts::{
+    store::{moka::MokaStore as SessionMokaStore, SessionStore, Ttl},
+    CookieOptions, Session, SessionLayer,
+};
+use tower::ServiceExt;
+use tower_cookies::CookieManagerLayer;
+use tower_ids::idempotency::{IdempotencyLayer, IDEMPOTENT_REPLAYED};
+
+const SIZES: [(&str, usize); 2] = [("1KiB", 1024), ("64KiB", 64 * 1024)];
+const PATH: &str = "/commands";
+const REQUEST_BODY: &str = r#"{"command":"transfer","from":"acc-1","to":"acc-2","amount":100}"#;
+const KEY_HEADER: &str = "idempotency-key";
+/// axum-idempotent's default replay marker.
+const THEIR_REPLAYED: &str = "idempotency-replayed";
+const SESSION_COOKIE: &str = "session";
+/// What the rows without sessions send in `cookie`, so every row builds the same request.
+const DUMMY_COOKIE: &str = "session=AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+const TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// Keys written into one session before `axum_idempotent/first` moves to a fresh one.
+const KEYS_PER_SESSION: u64 = 64;
+/// The key every replay iteration sends.
+const REPLAY_KEY: u64 = u64::MAX;
+
+type Group<'a> = BenchmarkGroup<'a, criterion::measurement::WallTime>;
+
+/// A fresh key per `n`: the same formatting work in every row.
+fn key(n: u64) -> HeaderValue {
+    HeaderValue::try_from(format!("bench-{n:016x}")).expect("visible ASCII")
+}
+
+fn request(key: HeaderValue, cookie: &HeaderValue) -> Request<Body> {
+    Request::post(PATH)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(KEY_HEADER, key)
+        .header(header::COOKIE, cookie.clone())
+        .body(Body::from(REQUEST_BODY))
+        .expect("valid request")
+}
+
+/// Sends one request and reads the whole response body.
+async fn send(app: &Router, request: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
+    let response: Response = app.clone().oneshot(request).await.expect("infallible");
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    (parts.status, parts.headers, body)
+}
+
+/// The handler: reads the JSON body, counts its runs, answers 201 with `size` bytes.
+fn route(size: usize) -> (axum::routing::MethodRouter, Arc<AtomicU64>) {
+    let runs = Arc::new(AtomicU64::new(0));
+    let counter = runs.clone();
+    let body = Bytes::from(vec![b'x'; size]);
+    let handler = post(move |request: Bytes| {
+        let runs = counter.clone();
+        let body = body.clone();
+        async move {
+            assert_eq!(request.len(), REQUEST_BODY.len(), "request body intact");
+            runs.fetch_add(1, Ordering::Relaxed);
+            (
+                StatusCode::CREATED,
+                [(header::CONTENT_TYPE, "application/octet-stream")],
+                body,
+            )
+        }
+    });
+    (handler, runs)
+}
+
+/// Checks one response: 201, the full body, and the replay marker `marker` as expected
+/// (`Some("true")` on a replay; ours says `false` on a first run, theirs sends nothing).
+fn check(
+    row: &str,
+    (status, headers, body): &(StatusCode, HeaderMap, Bytes),
+    size: usize,
+    marker: (&str, Option<&str>),
+) {
+    assert_eq!(*status, StatusCode::CREATED, "{row}: status");
+    assert_eq!(body.len(), size, "{row}: body length");
+    assert!(body.iter().all(|&b| b == b'x'), "{row}: body bytes");
+    let (name, expected) = marker;
+    let actual = headers.get(name).map(|v| v.to_str().expect("ASCII"));
+    assert_eq!(actual, expected, "{row}: {name}");
+}
+
+fn bare(c: &mut Group<'_>, runtime: &tokio::runtime::Runtime, label: &str, size: usize) {
+    let (handler, runs) = route(size);
+    let app = Router::new().route(PATH, handler);
+    let cookie = HeaderValue::from_static(DUMMY_COOKIE);
+    let row = format!("bare/{label}");
+
+    let response = runtime.block_on(send(&app, request(key(0), &cookie)));
+    check(&row, &response, size, (IDEMPOTENT_REPLAYED.as_str(), None));
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+
+    c.bench_function(&row, |b| {
+        b.to_async(runtime)
+            .iter(|| async { black_box(send(&app, request(key(REPLAY_KEY), &cookie)).await) })
+    });
+}
+
+fn tower_ids(c: &mut Group<'_>, runtime: &tokio::runtime::Runtime, label: &str, size: usize) {
+    let cookie = HeaderValue::from_static(DUMMY_COOKIE);
+    let marker = IDEMPOTENT_REPLAYED;
+    let marker = marker.as_str();
+
+    // First execution: a fresh key every iteration; the handler runs every time.
+    let (handler, runs) = route(size);
+    let app = Router::new().route(PATH, handler.layer(IdempotencyLayer::new()));
+    let next = AtomicU64::new(0);
+    let row = format!("tower_ids/first/{label}");
+    let first = |n| runtime.block_on(send(&app, request(key(n), &cookie)));
+    let n = next.fetch_add(1, Ordering::Relaxed);
+    check(&row, &first(n), size, (marker, Some("false")));
+    check(&row, &first(n), size, (marker, Some("true")));
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+    c.bench_function(&row, |b| {
+        b.to_async(runtime).iter(|| async {
+            let n = next.fetch_add(1, Ordering::Relaxed);
+            black_box(send(&app, request(key(n), &cookie)).await)
+        })
+    });
+    assert_eq!(
+        runs.load(Ordering::Relaxed),
+        next.load(Ordering::Relaxed),
+        "{row}: one run per key"
+    );
+
+    // Replay: one warm-up request runs; every iteration replays it.
+    let (handler, runs) = route(size);
+    let app = Router::new().route(PATH, handler.layer(IdempotencyLayer::new()));
+    let row = format!("tower_ids/replay/{label}");
+    let once = || runtime.block_on(send(&app, request(key(REPLAY_KEY), &cookie)));
+    check(&row, &once(), size, (marker, Some("false")));
+    check(&row, &once(), size, (marker, Some("true")));
+    c.bench_function(&row, |b| {
+        b.to_async(runtime)
+            .iter(|| async { black_box(send(&app, request(key(REPLAY_KEY), &cookie)).await) })
+    });
+    check(&row, &once(), size, (marker, Some("true")));
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+}
+
+/// The app as axum-idempotent's README sets it up, plus a route that starts a session.
+fn their_app(size: usize) -> (Router, Arc<SessionMokaStore>, Arc<AtomicU64>) {
+    let (handler, runs) = route(size);
+    let store = Arc::new(SessionMokaStore::builder().build());
+    let options = IdempotentOptions::default()
+        .use_idempotency_key_header(Some(KEY_HEADER), false)
+        .expire_after(TTL.as_secs() as i64);
+    let cookie = CookieOptions::build()
+        .name(SESSION_COOKIE)
+        .max_age(TTL.as_secs())
+        .path("/");
+    let app = Router::new()
+        .route(PATH, handler)
+        .route(
+            "/session",
+            post(|session: Session<SessionMokaStore>| async move {
+                let ttl = Ttl::new(TTL.as_secs() as i64).expect("valid TTL");
+                session.set("user", &"bench", ttl, None).await.expect("set");
+                StatusCode::NO_CONTENT
+            }),
+        )
+        .layer(IdempotentLayer::<SessionMokaStore>::new(options))
+        .layer(SessionLayer::new(store.clone()).with_cookie_options(cookie))
+        .layer(CookieManagerLayer::new());
+    (app, store, runs)
+}
+
+/// Logs in: a request that writes a session field; returns the `cookie` to send.
+async fn start_session(app: &Router) -> HeaderValue {
+    let request = Request::post("/session")
+        .body(Body::empty())
+        .expect("valid");
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::NO_CONTENT, "session started");
+    let set_cookie = response
+        .headers()
+        .get_all(header::SET_COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.starts_with("session="))
+        .expect("session cookie");
+    let pair = set_cookie.split(';').next().expect("name=value");
+    HeaderValue::from_str(pair).expect("cookie")
+}
+
+async fn end_session(store: &SessionMokaStore, cookie: &HeaderValue) {
+    let id = cookie.to_str().expect("ASCII")[SESSION_COOKIE.len() + 1..]
+        .parse()
+        .expect("session id");
+    store.delete(&id).await.expect("delete");
+}
+
+fn axum_idempotent(c: &mut Group<'_>, runtime: &tokio::runtime::Runtime, label: &str, size: usize) {
+    let marker = THEIR_REPLAYED;
+
+    // First execution: a fresh key every iteration, a fresh session every
+    // KEYS_PER_SESSION keys (set up and torn down outside the timing).
+    let (app, store, runs) = their_app(size);
+    let next = Arc::new(AtomicU64::new(0));
+    let row = format!("axum_idempotent/first/{label}");
+    let cookie = runtime.block_on(start_session(&app));
+    let n = next.fetch_add(1, Ordering::Relaxed);
+    let first = || runtime.block_on(send(&app, request(key(n), &cookie)));
+    check(&row, &first(), size, (marker, None));
+    check(&row, &first(), size, (marker, Some("true")));
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+    runtime.block_on(end_session(&store, &cookie));
+    c.bench_function(&row, |b| {
+        b.to_async(runtime).iter_custom(|iters| {
+            let (app, store, next) = (app.clone(), store.clone(), next.clone());
+            async move {
+                let mut elapsed = Duration::ZERO;
+                let mut left = iters;
+                while left > 0 {
+                    let batch = left.min(KEYS_PER_SESSION);
+                    let cookie = start_session(&app).await;
+                    let start = Instant::now();
+                    for _ in 0..batch {
+                        let n = next.fetch_add(1, Ordering::Relaxed);
+                        black_box(send(&app, request(key(n), &cookie)).await);
+                    }
+                    elapsed += start.elapsed();
+                    end_session(&store, &cookie).await;
+                    left -= batch;
+                }
+                elapsed
+            }
+        })
+    });
+    assert_eq!(
+        runs.load(Ordering::Relaxed),
+        next.load(Ordering::Relaxed),
+        "{row}: one run per key"
+    );
+
+    // Replay: one session, one warm-up request runs; every iteration replays it.
+    let (app, _store, runs) = their_app(size);
+    let row = format!("axum_idempotent/replay/{label}");
+    let cookie = runtime.block_on(start_session(&app));
+    let once = || runtime.block_on(send(&app, request(key(REPLAY_KEY), &cookie)));
+    check(&row, &once(), size, (marker, None));
+    check(&row, &once(), size, (marker, Some("true")));
+    c.bench_function(&row, |b| {
+        b.to_async(runtime)
+            .iter(|| async { black_box(send(&app, request(key(REPLAY_KEY), &cookie)).await) })
+    });
+    check(&row, &once(), size, (marker, Some("true")));
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+}
+
+fn idempotency(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut group = c.benchmark_group("idempotency");
+    for (label, size) in SIZES {
+        bare(&mut group, &runtime, label, size);
+        tower_ids(&mut group, &runtime, label, size);
+        axum_idempotent(&mut group, &runtime, label, size);
+    }
+    group.finish();
+}
+
+criterion_group!(benches, idempotency);
+criterion_main!(benches);
