@@ -36,7 +36,7 @@
 //! | `--addr` | `127.0.0.1:3000` | address to bind; port `0` picks a free one |
 //! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with span fields) |
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
-//! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request |
+//! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
@@ -49,18 +49,22 @@
 //! ```sh
 //! BODY='{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
 //!
-//! # Create a command; the response echoes the correlation ID.
-//! # -> 201, idempotent-replayed: false, attempt-id: <fresh>, {"id": ID, "status": "queued", ...}
+//! # Create a command; the response echoes the correlation ID (and the optional
+//! # attempt-id). -> 201, idempotent-replayed: false, attempt-id: a1,
+//! #    {"id": ID, "status": "queued", ...}
 //! curl -si localhost:3000/commands \
 //!     -H 'content-type: application/json' -H 'x-correlation-id: demo-1' \
-//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' -d "$BODY"
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' -H 'attempt-id: a1' \
+//!     -d "$BODY"
 //!
 //! # The client did not see the answer and retries: same key, same body, new attempt.
-//! # -> 201, idempotent-replayed: true, the same ID, original-attempt-id,
-//! #    idempotency-first-seen, idempotency-request-count: 2; no second command.
+//! # -> 201, idempotent-replayed: true, the same body (same ID), attempt-id: a2,
+//! #    original-attempt-id: a1, idempotency-first-seen: <HTTP-date>,
+//! #    idempotency-request-count: 2; no second command is created.
 //! curl -si localhost:3000/commands \
 //!     -H 'content-type: application/json' -H 'x-correlation-id: demo-2' \
-//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' -d "$BODY"
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' -H 'attempt-id: a2' \
+//!     -d "$BODY"
 //!
 //! # Another client may use the same key: a new command.
 //! curl -si localhost:3000/commands -H 'content-type: application/json' \
@@ -110,12 +114,13 @@
 //! | `POST /commands/{id}/cancel` | optional | `200` the command, `status: "cancelled"`; a replay of the first answer | `404` `commands.not_found`, `409` `commands.already_sent`; idempotency: as `POST /commands`, less `key_missing` |
 //!
 //! Every response of a `POST` route carries `idempotent-replayed` (`true` on a replay,
-//! else `false`) and `attempt-id`; a replay, a `409` and a `410` also carry
-//! `idempotency-first-seen` and `idempotency-request-count`, and a replay
-//! `original-attempt-id`. A replay is the first response byte for byte (status, headers,
-//! body) except for the per-attempt headers (`x-correlation-id`, `attempt-id`, `date`).
-//! Only answers below 500 (and not `408` or `429`) are kept: after a `503` the retry
-//! runs again. A cancel sent without a key runs every time.
+//! else `false`), and echoes `attempt-id` when the client sent one; a replay, a `409`
+//! and a `410` also carry `idempotency-first-seen` and `idempotency-request-count`, and
+//! a replay `original-attempt-id` when the first attempt sent an `attempt-id`. A replay
+//! is the first response byte for byte (status, headers, body) except for the
+//! per-attempt headers (`x-correlation-id`, `attempt-id`, `date`). Only answers below
+//! 500 (and not `408` or `429`) are kept: after a `503` the retry runs again. A cancel
+//! sent without a key runs every time.
 //!
 //! A command is `{"id", "device_id", "name", "payload", "status", "created_at"}`: `id` is
 //! the command's own UUID (not the correlation ID, which names one attempt), `status` is

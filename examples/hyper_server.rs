@@ -8,6 +8,11 @@
 //! no client scoping), around a `service_fn` handler. hyper-util's
 //! `TowerToHyperService` turns the tower service into a hyper one.
 //!
+//! Without a router, the layer wraps every path: a `POST` anywhere needs a key (a `POST`
+//! to an unknown path without one is `400`, not `404`), and every response, `GET`s
+//! included, carries `idempotent-replayed: false` unless it is a replay. With axum, put
+//! the layer on the method routers it protects instead (see the `commands` example).
+//!
 //! Types to note: the handler receives `Request<tower_ids::body::Body<Incoming>>` (the
 //! idempotency layer reads the body to fingerprint it and hands it on as a
 //! `tower_ids::body::Body`), and the layered service answers

@@ -207,7 +207,11 @@ async fn the_demo_tells_one_story_per_correlation_id() {
     // (The outermost span is the correlation span; the idempotency span nests in it.)
     let created_log = &demo.events("commands.created").await[0];
     assert_eq!(created_log["spans"][0]["correlation_id"], "demo-attempt-1");
-    assert_eq!(demo.events("commands.created").await.len(), 1, "created once");
+    assert_eq!(
+        demo.events("commands.created").await.len(),
+        1,
+        "created once"
+    );
     let replayed = &demo.events("idempotency.replayed").await[0];
     assert_eq!(replayed["spans"][0]["correlation_id"], "demo-attempt-2");
     let published = &demo.events("commands.published").await[0];

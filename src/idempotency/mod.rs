@@ -107,9 +107,11 @@
 //!
 //! # Events
 //!
-//! Every event is inside an `idempotency` span (fields `idempotency_key`, `scope`,
-//! `client`: hashes, never raw credentials), itself inside the request's correlation
-//! span. `event` codes: `idempotency.accepted` (DEBUG), `idempotency.replayed`,
+//! Every event is inside an `idempotency` span, itself inside the request's correlation
+//! span. Its fields: `idempotency_key`, the key as sent (already checked to be 1 to 255
+//! visible ASCII characters, so safe in a log line, and what a log search for a user
+//! action needs), and `scope` and `client`, short hex prefixes of hashes: the client's
+//! credential never reaches a log line. `event` codes: `idempotency.accepted` (DEBUG), `idempotency.replayed`,
 //! `idempotency.stored`, `idempotency.released`, `idempotency.in_flight`,
 //! `idempotency.not_replayable`, `idempotency.original_failed` (INFO),
 //! `idempotency.rejected` (400), `idempotency.conflict` (422),

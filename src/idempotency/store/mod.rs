@@ -118,7 +118,7 @@ pub struct Record {
 }
 
 impl Record {
-    /// Bytes the record holds: body, header names and values.
+    /// Bytes the record holds for its response (see [`StoredResponse::weight`]).
     pub fn weight(&self) -> usize {
         self.response.as_ref().map_or(0, StoredResponse::weight)
     }
@@ -136,13 +136,15 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// Bytes held: body, header names and values.
+    /// Bytes held: the body, and per header its slot in the vector plus its name and
+    /// value bytes.
     pub fn weight(&self) -> usize {
+        let slot = std::mem::size_of::<(HeaderName, HeaderValue)>();
         self.body.len()
             + self
                 .headers
                 .iter()
-                .map(|(name, value)| name.as_str().len() + value.len())
+                .map(|(name, value)| slot + name.as_str().len() + value.len())
                 .sum::<usize>()
     }
 }

@@ -1,0 +1,92 @@
+//! What a stored entry really costs, counted by a global allocator, against the weight
+//! the moka store charges for it (`ENTRY_OVERHEAD_BYTES` plus the response bytes).
+
+use std::{
+    alloc::System,
+    time::{Duration, SystemTime},
+};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Method, StatusCode};
+use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
+use tower_ids::idempotency::{
+    store::{Begin, Claim, IdempotencyStore, Record, StoredResponse, ENTRY_OVERHEAD_BYTES},
+    Fingerprint, IdempotencyKey, MokaStore, ScopeKey,
+};
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+const ENTRIES: usize = 5_000;
+
+/// Stores `ENTRIES` completed records whose responses hold `body` and two headers, and
+/// returns the live bytes per entry beyond the response's weight, and that weight.
+async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
+    let headers = vec![
+        (
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        ),
+        (
+            HeaderName::from_static("x-run"),
+            HeaderValue::from_static("1"),
+        ),
+    ];
+    let response_bytes = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: headers.clone(),
+        body: body.clone(),
+    }
+    .weight();
+    let fingerprint = Fingerprint::new(&Method::POST, "/commands", None, None, b"");
+    let region = Region::new(GLOBAL);
+    for i in 0..ENTRIES {
+        let key = IdempotencyKey::parse(format!("key-{i}").as_bytes()).unwrap();
+        let scope = ScopeKey::new(None, &Method::POST, "/commands", None, &key);
+        let claim = Claim {
+            fingerprint,
+            lease: Duration::from_secs(60),
+        };
+        let Begin::Claimed { lease } = store.begin(&scope, claim).await.unwrap() else {
+            panic!("a fresh key is claimed");
+        };
+        let record = Record {
+            fingerprint,
+            first_seen: SystemTime::now(),
+            original_attempt: None,
+            response: Some(StoredResponse {
+                status: StatusCode::CREATED,
+                headers: headers.clone(),
+                // Each record its own copy, as each response would be.
+                body: Bytes::copy_from_slice(body),
+            }),
+        };
+        assert!(store
+            .complete(&scope, &lease, record, Duration::from_secs(3600))
+            .await
+            .unwrap());
+    }
+    store.run_pending_tasks().await;
+    let change = region.change();
+    assert_eq!(store.entry_count(), ENTRIES as u64, "nothing evicted");
+    let live = change.bytes_allocated as isize - change.bytes_deallocated as isize
+        + change.bytes_reallocated;
+    let per_entry = live as f64 / ENTRIES as f64;
+    (per_entry - response_bytes as f64, response_bytes)
+}
+
+#[tokio::test]
+async fn the_weight_charged_per_entry_covers_what_it_really_costs() {
+    for size in [0usize, 1024] {
+        let store = MokaStore::new();
+        let body = Bytes::from(vec![b'x'; size]);
+        let (overhead, response_bytes) = overhead_per_entry(&store, &body).await;
+        println!(
+            "memory: body of {size} bytes, response weight {response_bytes}: {overhead:.0} bytes of overhead per entry (charged {ENTRY_OVERHEAD_BYTES})"
+        );
+        assert!(
+            overhead <= f64::from(ENTRY_OVERHEAD_BYTES),
+            "an entry costs {overhead:.0} bytes beyond its response, more than the {ENTRY_OVERHEAD_BYTES} charged"
+        );
+    }
+}
