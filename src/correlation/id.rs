@@ -215,7 +215,13 @@ impl CorrelationId {
     /// of one such window never collide, two in the same tick collide with a chance of
     /// one in 1,024, and so do two exactly a whole window apart.
     pub fn extend_redelivery(&self) -> Self {
-        let secs = SystemTime::now()
+        self.extend_redelivery_at(SystemTime::now())
+    }
+
+    /// [`extend_redelivery`](Self::extend_redelivery) at a given time, for tests and
+    /// for consumers that read the delivery time from the message.
+    pub fn extend_redelivery_at(&self, delivered_at: SystemTime) -> Self {
+        let secs = delivered_at
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let tick = (secs / REDELIVERY_TICK_SECS) & 0xff;

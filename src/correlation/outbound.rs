@@ -111,6 +111,21 @@ impl<S> OutboundCorrelation<S> {
     pub fn layer() -> OutboundCorrelationLayer {
         OutboundCorrelationLayer::new()
     }
+
+    /// The wrapped client.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped client, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the client.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S, B> Service<Request<B>> for OutboundCorrelation<S>

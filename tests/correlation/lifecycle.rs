@@ -149,6 +149,39 @@ fn random_and_redelivery_extensions_are_short_and_valid() {
     );
 }
 
+#[test]
+fn the_redelivery_suffix_carries_the_tick() {
+    use base64::Engine as _;
+    let parent = id("msg-1");
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(30 * 0x1a5);
+    for _ in 0..32 {
+        let child = parent.extend_redelivery_at(at);
+        let suffix = child.as_str().strip_prefix("msg-1.").unwrap();
+        // Put back the leading `A` (six zero bits) and decode the 18 bits.
+        let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(format!("A{suffix}"))
+            .unwrap();
+        let bits = (u32::from(bytes[0]) << 16) | (u32::from(bytes[1]) << 8) | u32::from(bytes[2]);
+        assert_eq!(bits >> 10, 0xa5, "the low 8 bits of the 30-second tick");
+    }
+}
+
+#[test]
+fn an_extension_that_just_fits_is_kept() {
+    let parent = id(&"y".repeat(126));
+    let child = parent.next_child();
+    assert_eq!(child.as_str().len(), 128);
+    assert!(child.as_str().ends_with(".1"));
+    // The next level would pass the bound: replaced, and the lineage starts again.
+    let grandchild = child.next_child();
+    assert_eq!(grandchild.as_str().len(), 36);
+    assert_eq!(
+        grandchild.next_child().as_str().len(),
+        38,
+        "a replaced ID extends again"
+    );
+}
+
 #[tokio::test]
 async fn scope_carries_the_id_into_a_spawned_task() {
     let (logs, _guard) = Logs::capture();
