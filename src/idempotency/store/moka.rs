@@ -124,6 +124,43 @@ impl MokaStore {
     fn live(&self, slot: Option<Slot>, now: SystemTime) -> Option<Slot> {
         slot.filter(|slot| slot.expires_at > now)
     }
+
+    /// Ends the request in flight on `scope` with `op` (given its request count) if
+    /// `lease` still holds it, then wakes its waiters; `false` if the lease was lost.
+    async fn settle(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+        now: SystemTime,
+        op: impl FnOnce(u64) -> Op<Slot>,
+    ) -> bool {
+        let mut waiters = None;
+        self.cache
+            .entry(*scope)
+            .and_compute_with(|existing| {
+                let op = match self.live(existing.map(|entry| entry.into_value()), now) {
+                    Some(Slot {
+                        state: State::InFlight { token, settled, .. },
+                        request_count,
+                        ..
+                    }) if token == lease.token => {
+                        waiters = Some(settled);
+                        op(request_count)
+                    }
+                    _ => Op::Nop,
+                };
+                std::future::ready(op)
+            })
+            .await;
+        // Only now is the new state in the cache for a woken waiter to read.
+        match waiters {
+            Some(settled) => {
+                settled.send_replace(());
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 impl Default for MokaStore {
@@ -252,59 +289,23 @@ impl IdempotencyStore for MokaStore {
             .unwrap_or(u32::MAX)
             .saturating_add(ENTRY_OVERHEAD_BYTES);
         let record = Arc::new(record);
-        let mut completed = false;
-        self.cache
-            .entry(*scope)
-            .and_compute_with(|existing| {
-                let existing = self.live(existing.map(|entry| entry.into_value()), now);
-                let op = match existing {
-                    Some(Slot {
-                        state: State::InFlight { token, settled, .. },
-                        request_count,
-                        ..
-                    }) if token == lease.token => {
-                        completed = true;
-                        settled.send_replace(());
-                        let slot = Slot {
-                            state: State::Completed(record),
-                            request_count,
-                            expires_at: now,
-                            ttl: Duration::ZERO,
-                            weight,
-                        }
-                        .with_expiry(now + ttl, now);
-                        Op::Put(slot)
-                    }
-                    _ => Op::Nop,
+        Ok(self
+            .settle(scope, lease, now, |request_count| {
+                let slot = Slot {
+                    state: State::Completed(record),
+                    request_count,
+                    expires_at: now,
+                    ttl: Duration::ZERO,
+                    weight,
                 };
-                std::future::ready(op)
+                Op::Put(slot.with_expiry(now + ttl, now))
             })
-            .await;
-        Ok(completed)
+            .await)
     }
 
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
         let now = self.clock.now();
-        let mut released = false;
-        self.cache
-            .entry(*scope)
-            .and_compute_with(|existing| {
-                let existing = self.live(existing.map(|entry| entry.into_value()), now);
-                let op = match existing {
-                    Some(Slot {
-                        state: State::InFlight { token, settled, .. },
-                        ..
-                    }) if token == lease.token => {
-                        released = true;
-                        settled.send_replace(());
-                        Op::Remove
-                    }
-                    _ => Op::Nop,
-                };
-                std::future::ready(op)
-            })
-            .await;
-        Ok(released)
+        Ok(self.settle(scope, lease, now, |_| Op::Remove).await)
     }
 
     async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
