@@ -332,3 +332,86 @@ impl IdempotencyStore for MokaStore {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use http::Method;
+
+    use super::*;
+    use crate::idempotency::IdempotencyKey;
+
+    fn scope(key: &str) -> ScopeKey {
+        let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
+        ScopeKey::new(None, &Method::POST, "/", None, &key)
+    }
+
+    fn claim() -> Claim {
+        Claim {
+            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+            lease: Duration::from_secs(60),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn of_concurrent_begins_exactly_one_claims() {
+        let store = MokaStore::new();
+        let begins: Vec<_> = (0..64)
+            .map(|_| {
+                let store = store.clone();
+                tokio::spawn(async move { store.begin(&scope("k"), claim()).await.unwrap() })
+            })
+            .collect();
+        let mut claimed = 0;
+        let mut counts = Vec::new();
+        for begin in begins {
+            match begin.await.unwrap() {
+                Begin::Claimed { .. } => claimed += 1,
+                Begin::InFlight { request_count, .. } => counts.push(request_count),
+                Begin::Completed { .. } => panic!("nothing was completed"),
+            }
+        }
+        assert_eq!(claimed, 1);
+        counts.sort_unstable();
+        assert_eq!(
+            counts,
+            (2..=64).collect::<Vec<u64>>(),
+            "every request counted once"
+        );
+    }
+
+    #[tokio::test]
+    async fn only_the_lease_holder_settles() {
+        let store = MokaStore::new();
+        let Begin::Claimed { lease } = store.begin(&scope("k"), claim()).await.unwrap() else {
+            panic!("claimed");
+        };
+        let stranger = Lease {
+            token: lease.token + 1000,
+            first_seen: lease.first_seen,
+        };
+        let record = Record {
+            fingerprint: claim().fingerprint,
+            first_seen: lease.first_seen,
+            original_attempt: None,
+            response: None,
+        };
+        assert!(!store.release(&scope("k"), &stranger).await.unwrap());
+        let ttl = Duration::from_secs(60);
+        assert!(!store
+            .complete(&scope("k"), &stranger, record.clone(), ttl)
+            .await
+            .unwrap());
+        assert!(store.release(&scope("k"), &lease).await.unwrap());
+        assert!(
+            !store
+                .complete(&scope("k"), &lease, record, ttl)
+                .await
+                .unwrap(),
+            "released"
+        );
+        assert!(matches!(
+            store.begin(&scope("k"), claim()).await.unwrap(),
+            Begin::Claimed { .. }
+        ));
+    }
+}
