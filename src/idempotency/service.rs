@@ -59,19 +59,47 @@ type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<Body<B>>, E>>
 ///
 /// Boxed: the work is several awaits on the store and the body, which no hand-written
 /// state machine would make clearer.
-pub struct ResponseFuture<B, E> {
-    inner: BoxFuture<B, E>,
+///
+/// Dropped before it finishes (the client went away), it hands the rest of its work to
+/// a task of its own, in the same span and with the same correlation ID: a handler that
+/// started runs to completion and its outcome is stored for the client's retry.
+pub struct ResponseFuture<B: 'static, E: 'static> {
+    inner: Option<BoxFuture<B, E>>,
 }
 
 impl<B, E> Future for ResponseFuture<B, E> {
     type Output = Result<Response<Body<B>>, E>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
+        let Some(inner) = self.inner.as_mut() else {
+            panic!("ResponseFuture polled after completion");
+        };
+        let output = std::task::ready!(inner.as_mut().poll(cx));
+        self.inner = None;
+        Poll::Ready(output)
     }
 }
 
-impl<B, E> std::fmt::Debug for ResponseFuture<B, E> {
+impl<B: 'static, E: 'static> Drop for ResponseFuture<B, E> {
+    fn drop(&mut self) {
+        let Some(unfinished) = self.inner.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let rest = async move {
+            let _ = unfinished.await;
+        };
+        // Dropped inside the correlation layer's scope, so the ID is still current.
+        match CorrelationId::current() {
+            Some(id) => runtime.spawn(id.task_local(rest)),
+            None => runtime.spawn(rest),
+        };
+    }
+}
+
+impl<B: 'static, E: 'static> std::fmt::Debug for ResponseFuture<B, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
     }
@@ -160,7 +188,7 @@ fn boxed<B, E>(
     future: impl Future<Output = Result<Response<Body<B>>, E>> + Send + 'static,
 ) -> ResponseFuture<B, E> {
     ResponseFuture {
-        inner: Box::pin(future),
+        inner: Some(Box::pin(future)),
     }
 }
 
@@ -292,7 +320,18 @@ where
         match begin {
             Begin::Claimed { lease } => {
                 tracing::debug!(event = "idempotency.accepted", "idempotency key accepted; running the request");
-                execute(inner, store, settings.clone(), request, protected.scope, lease, fingerprint, protected.attempt.clone()).await
+                // Boxed, so the replay path's future stays small.
+                Box::pin(execute(
+                    inner,
+                    store,
+                    settings.clone(),
+                    request,
+                    protected.scope,
+                    lease,
+                    fingerprint,
+                    protected.attempt.clone(),
+                ))
+                .await
             }
             Begin::Completed {
                 record,
@@ -574,29 +613,17 @@ where
         lease: Some(lease),
     };
     let echo = attempt.clone();
-    // Once started, the handler runs to the end in its own task even if this client
-    // goes away, and its outcome is stored for the retry.
-    let task = async move {
-        let outcome = inner.call(request).await;
-        match outcome {
-            Err(error) => {
-                let mut guard = guard;
-                guard.release("handler_error").await;
-                Err(error)
-            }
-            Ok(response) => Ok(keep(response, guard, &settings, fingerprint, attempt).await),
+    // Runs in the caller's task; if the caller goes away, `ResponseFuture`'s drop moves
+    // this work to a task of its own, so it still completes and is stored.
+    let response = match inner.call(request).await {
+        Err(error) => {
+            let mut guard = guard;
+            guard.release("handler_error").await;
+            return Err(error);
         }
-    }
-    .instrument(tracing::Span::current());
-    let handle = match CorrelationId::current() {
-        Some(id) => tokio::spawn(id.task_local(task)),
-        None => tokio::spawn(task),
+        Ok(response) => keep(response, guard, &settings, fingerprint, attempt).await,
     };
-    match handle.await {
-        Ok(outcome) => outcome.map(|response| finish(response, echo.as_ref())),
-        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-        Err(_cancelled) => Ok(finish(store_unavailable(), echo.as_ref())),
-    }
+    Ok(finish(response, echo.as_ref()))
 }
 
 /// Buffers the response, stores it or releases the key, and returns what the client

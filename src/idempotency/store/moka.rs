@@ -1,4 +1,5 @@
 use std::{
+    hash::{BuildHasherDefault, Hasher},
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -42,7 +43,7 @@ pub const ENTRY_OVERHEAD_BYTES: u32 = 768;
 /// Clones share one cache.
 #[derive(Clone)]
 pub struct MokaStore {
-    cache: Cache<ScopeKey, Slot>,
+    cache: Cache<ScopeKey, Slot, BuildScopeHasher>,
     clock: Arc<dyn Clock>,
     next_token: Arc<AtomicU64>,
 }
@@ -83,7 +84,7 @@ impl MokaStoreBuilder {
             .max_capacity(self.max_bytes)
             .weigher(|_scope: &ScopeKey, slot: &Slot| slot.weight)
             .expire_after(SlotExpiry)
-            .build();
+            .build_with_hasher(BuildScopeHasher::default());
         MokaStore {
             cache,
             clock: self.clock,
@@ -125,14 +126,14 @@ impl MokaStore {
         slot.filter(|slot| slot.expires_at > now)
     }
 
-    /// Ends the request in flight on `scope` with `op` (given its request count) if
+    /// Ends the request in flight on `scope` with `op` (given its request counter) if
     /// `lease` still holds it, then wakes its waiters; `false` if the lease was lost.
     async fn settle(
         &self,
         scope: &ScopeKey,
         lease: &Lease,
         now: SystemTime,
-        op: impl FnOnce(u64) -> Op<Slot>,
+        op: impl FnOnce(Arc<AtomicU64>) -> Op<Slot>,
     ) -> bool {
         let mut waiters = None;
         self.cache
@@ -169,10 +170,36 @@ impl Default for MokaStore {
     }
 }
 
+/// Hashes a [`ScopeKey`] by taking 8 of its bytes: it is already a SHA-256 digest,
+/// so running SipHash over it again would buy nothing.
+#[derive(Default)]
+struct ScopeHasher(u64);
+
+impl Hasher for ScopeHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached by a key type other than `ScopeKey`; FNV-1a keeps it correct.
+        for &byte in bytes {
+            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type BuildScopeHasher = BuildHasherDefault<ScopeHasher>;
+
 #[derive(Clone)]
 struct Slot {
     state: State,
-    request_count: u64,
+    /// Shared by the slot's clones and carried from the claim to the record, so a
+    /// duplicate is counted without writing to the cache.
+    request_count: Arc<AtomicU64>,
     expires_at: SystemTime,
     /// `expires_at` as a duration from when the slot was written, for moka's timer.
     ttl: Duration,
@@ -192,6 +219,26 @@ enum State {
 }
 
 impl Slot {
+    /// Counts one more request and says what the scope holds.
+    fn count_and_describe(&self) -> Begin {
+        let request_count = self.request_count.fetch_add(1, Ordering::Relaxed) + 1;
+        match &self.state {
+            State::InFlight {
+                fingerprint,
+                first_seen,
+                ..
+            } => Begin::InFlight {
+                fingerprint: *fingerprint,
+                first_seen: *first_seen,
+                request_count,
+            },
+            State::Completed(record) => Begin::Completed {
+                record: record.clone(),
+                request_count,
+            },
+        }
+    }
+
     fn with_expiry(mut self, expires_at: SystemTime, now: SystemTime) -> Self {
         self.expires_at = expires_at;
         self.ttl = expires_at.duration_since(now).unwrap_or_default();
@@ -220,12 +267,20 @@ impl Expiry<ScopeKey, Slot> for SlotExpiry {
 impl IdempotencyStore for MokaStore {
     async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
         let now = self.clock.now();
+        // A live slot only needs its counter bumped: a read, no cache write.
+        if let Some(slot) = self.live(self.cache.get(scope).await, now) {
+            return Ok(slot.count_and_describe());
+        }
         let mut answer = None;
         self.cache
             .entry(*scope)
             .and_compute_with(|existing| {
-                let existing = self.live(existing.map(|entry| entry.into_value()), now);
-                let (op, begin) = match existing {
+                let op = match self.live(existing.map(|entry| entry.into_value()), now) {
+                    // Claimed by another request since the read above.
+                    Some(slot) => {
+                        answer = Some(slot.count_and_describe());
+                        Op::Nop
+                    }
                     None => {
                         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
                         let (settled, _) = watch::channel(());
@@ -236,7 +291,7 @@ impl IdempotencyStore for MokaStore {
                                 first_seen: now,
                                 settled: Arc::new(settled),
                             },
-                            request_count: 1,
+                            request_count: Arc::new(AtomicU64::new(1)),
                             expires_at: now,
                             ttl: Duration::ZERO,
                             weight: ENTRY_OVERHEAD_BYTES,
@@ -246,31 +301,10 @@ impl IdempotencyStore for MokaStore {
                             token,
                             first_seen: now,
                         };
-                        (Op::Put(slot), Begin::Claimed { lease })
-                    }
-                    Some(mut slot) => {
-                        slot.request_count += 1;
-                        let expires_at = slot.expires_at;
-                        let slot = slot.with_expiry(expires_at, now);
-                        let begin = match &slot.state {
-                            State::InFlight {
-                                fingerprint,
-                                first_seen,
-                                ..
-                            } => Begin::InFlight {
-                                fingerprint: *fingerprint,
-                                first_seen: *first_seen,
-                                request_count: slot.request_count,
-                            },
-                            State::Completed(record) => Begin::Completed {
-                                record: record.clone(),
-                                request_count: slot.request_count,
-                            },
-                        };
-                        (Op::Put(slot), begin)
+                        answer = Some(Begin::Claimed { lease });
+                        Op::Put(slot)
                     }
                 };
-                answer = Some(begin);
                 std::future::ready(op)
             })
             .await;
