@@ -24,6 +24,13 @@ impl ClientId {
     }
 }
 
+/// The first 8 bytes in hex, as [`short`](Self::short), written without allocating.
+impl fmt::Display for ClientId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0[..8].iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
 impl fmt::Debug for ClientId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "ClientId({})", self.short())
@@ -181,6 +188,13 @@ impl ScopeKey {
     /// The first 8 bytes in hex, for log lines.
     pub fn short(&self) -> String {
         hex::encode(&self.0[..8])
+    }
+}
+
+/// The first 8 bytes in hex, as [`short`](Self::short), written without allocating.
+impl fmt::Display for ScopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0[..8].iter().try_for_each(|b| write!(f, "{b:02x}"))
     }
 }
 

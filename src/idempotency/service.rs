@@ -8,7 +8,7 @@ use std::{
 
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderValue, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use tower_service::Service;
 use tracing::Instrument as _;
 
@@ -120,10 +120,10 @@ where
     S::Error: Send + 'static,
     St: IdempotencyStore,
     C: IdentifyClient<ReqBody>,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ResBody::Error: std::fmt::Display,
+    ResBody::Error: Into<BoxError>,
 {
     type Response = Response<Body<ResBody>>;
     type Error = S::Error;
@@ -263,21 +263,24 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     St: IdempotencyStore,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ResBody::Error: std::fmt::Display,
+    ResBody::Error: Into<BoxError>,
 {
     let attempt = protected.attempt.clone();
     let attempt = attempt.as_ref();
     let key = protected.key.as_str();
-    let scope_short = protected.scope.short();
-    let client = protected.client.as_ref().map(ClientId::short);
+    // Formatted only if a subscriber records the span.
+    let client: &(dyn std::fmt::Display + Sync) = match &protected.client {
+        Some(client) => client,
+        None => &"none",
+    };
     let span = tracing::info_span!(
         "idempotency",
         idempotency_key = key,
-        scope = scope_short.as_str(),
-        client = client.as_deref().unwrap_or("none"),
+        scope = %protected.scope,
+        client = %client,
     );
     async move {
         let request = match read_body(request, settings.max_request_bytes).await {
@@ -507,16 +510,32 @@ fn replay_headers(headers: &mut HeaderMap, record: &Record, request_count: u64) 
     }
 }
 
+/// `time` as an HTTP-date; the last one formatted on this thread is reused, as replays
+/// of one record ask for the same date again and again.
 fn http_date(time: SystemTime) -> HeaderValue {
-    HeaderValue::from_str(&httpdate::fmt_http_date(time))
-        .unwrap_or_else(|_| HeaderValue::from_static("Thu, 01 Jan 1970 00:00:00 GMT"))
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(SystemTime, HeaderValue)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        if let Some((cached, value)) = last.as_ref() {
+            if *cached == time {
+                return value.clone();
+            }
+        }
+        let value = HeaderValue::from_str(&httpdate::fmt_http_date(time))
+            .unwrap_or_else(|_| HeaderValue::from_static("Thu, 01 Jan 1970 00:00:00 GMT"));
+        *last = Some((time, value.clone()));
+        value
+    })
 }
 
 /// Reads the whole body (up to `max` bytes) so it can be fingerprinted, and hands it
 /// on unchanged.
 async fn read_body<B>(request: Request<B>, max: usize) -> Result<Request<Body<B>>, Problem>
 where
-    B: http_body::Body<Data = Bytes>,
+    B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
     let too_large = || {
@@ -542,13 +561,10 @@ where
         return Err(too_large());
     }
     let (parts, body) = request.into_parts();
-    match Limited::new(body, max).collect().await {
-        Ok(collected) => Ok(Request::from_parts(
-            parts,
-            Body::complete(collected.to_bytes()),
-        )),
-        Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(error) => {
+    match collect_up_to(body, max).await {
+        Collected::Complete(bytes) => Ok(Request::from_parts(parts, Body::complete(bytes))),
+        Collected::TooLarge { .. } => Err(too_large()),
+        Collected::Failed(error) => {
             tracing::warn!(
                 event = "idempotency.body_unreadable",
                 error = %error,
@@ -605,7 +621,7 @@ where
     St: IdempotencyStore,
     ReqBody: Send + 'static,
     ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ResBody::Error: std::fmt::Display,
+    ResBody::Error: Into<BoxError>,
 {
     let guard = LeaseGuard {
         store,
@@ -638,7 +654,7 @@ async fn keep<St, B>(
 where
     St: IdempotencyStore,
     B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    B::Error: std::fmt::Display,
+    B::Error: Into<BoxError>,
 {
     let (parts, body) = response.into_parts();
     let storable = (settings.store_if)(parts.status);
@@ -719,7 +735,7 @@ enum Collected<B> {
 async fn collect_up_to<B>(mut body: B, max: usize) -> Collected<B>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Display,
+    B::Error: Into<BoxError>,
 {
     let mut first: Option<Bytes> = None;
     let mut joined: Option<BytesMut> = None;
@@ -731,7 +747,7 @@ where
                 // Trailers are not kept: replays carry the body only.
                 Err(_trailers) => continue,
             },
-            Err(error) => return Collected::Failed(error.to_string()),
+            Err(error) => return Collected::Failed(error.into().to_string()),
         };
         len += data.len();
         if len > max {

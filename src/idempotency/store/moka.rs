@@ -80,7 +80,11 @@ impl MokaStoreBuilder {
 
     /// The store.
     pub fn build(self) -> MokaStore {
+        // Buckets for as many 1 KiB records as the bound holds, so the table does not
+        // rehash its way up while the store fills.
+        let expected_entries = self.max_bytes / (u64::from(ENTRY_OVERHEAD_BYTES) + 1024);
         let cache = Cache::builder()
+            .initial_capacity(usize::try_from(expected_entries.min(1 << 20)).unwrap_or(1 << 20))
             .max_capacity(self.max_bytes)
             .weigher(|_scope: &ScopeKey, slot: &Slot| slot.weight)
             .expire_after(SlotExpiry)
