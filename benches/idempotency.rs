@@ -4,8 +4,8 @@
 //! Rows (`idempotency/<row>/<size>`):
 //! - `bare`: the handler alone.
 //! - `tower_ids/first`: `IdempotencyLayer::new()`, a fresh key every iteration: read and
-//!   fingerprint the request, claim the key, run the handler (in its own task), buffer
-//!   and store the response.
+//!   fingerprint the request, claim the key, run the handler, buffer and store the
+//!   response.
 //! - `tower_ids/replay`: the same layer, the same key every iteration: a replay.
 //! - `axum_idempotent/first`, `axum_idempotent/replay`: the same two paths through
 //!   `axum-idempotent` 0.6 on `ruts`' moka session store.
@@ -30,12 +30,12 @@
 //!   another body gets the old response. Ours reads the body and fingerprints it
 //!   (SHA-256 of method, path, query, content type, body) and answers 422 on a mismatch.
 //! - It has no in-flight claim: two concurrent requests with one key both run. Ours
-//!   claims the key in the store before running, and runs the handler in a spawned task
-//!   so a client disconnect cannot cancel it.
+//!   claims the key in the store before running, and moves the rest of the work to a
+//!   task of its own if the client goes away, so a disconnect cannot cancel it.
 //! - It serialises status, headers and body into one byte vector, bincode-encodes it
 //!   into the session's field map, and on replay decodes and copies it back out. Ours
-//!   stores `Bytes` behind an `Arc` and replays without copying the body, but a replay
-//!   is a store write (it counts requests per key).
+//!   stores `Bytes` behind an `Arc` and replays without copying the body; a replay is a
+//!   store read (the per-key request count is an atomic shared by the entry).
 //! - `ruts`' moka store keeps one `HashMap` of fields per session and sweeps it for
 //!   expired fields on every write, so its first-execution cost grows with the keys a
 //!   session holds. `axum_idempotent/first` therefore starts a fresh session every
