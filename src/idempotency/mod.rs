@@ -64,10 +64,11 @@
 //! - **In flight**: a duplicate of a request still running gets `409` with
 //!   `Retry-After`, or, with [`InFlight::Wait`], waits for the outcome and replays it.
 //!   Either way the handler runs once.
-//! - **The client goes away**: once started, the handler runs to completion in its own
-//!   task even if the client disconnects, and its outcome is stored for the retry. A
-//!   handler that panics or fails releases the key; waiters get `409`
-//!   `idempotency.original_failed`.
+//! - **The client goes away**: the handler runs in the request's own task; if the
+//!   client disconnects and the response future is dropped mid-handler, the rest of the
+//!   work moves to a task of its own (same span, same correlation ID), runs to
+//!   completion, and its outcome is stored for the retry. A handler that panics or
+//!   fails releases the key; waiters get `409` `idempotency.original_failed`.
 //! - **TTL** 24 h ([`DEFAULT_TTL`]); a **lease** of 60 s ([`DEFAULT_LEASE`]) on requests
 //!   in flight, so a lost worker never locks a key for a day. Expired keys run again.
 //! - **Store failure**: `503` and nothing runs (fail closed, the default), or run
