@@ -244,7 +244,11 @@ fn init_tracing(format: LogFormat) {
     let filter = EnvFilter::builder()
         .with_default_directive(LevelFilter::INFO.into())
         .from_env_lossy();
-    let subscriber = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colours only for a terminal: a log file or a pipe gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi);
     match format {
         LogFormat::Pretty => subscriber.init(),
         LogFormat::Json => subscriber
