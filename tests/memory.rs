@@ -46,6 +46,7 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
         let claim = Claim {
             fingerprint,
             lease: Duration::from_secs(60),
+            epoch: None,
         };
         let Begin::Claimed { lease } = store.begin(&scope, claim).await.unwrap() else {
             panic!("a fresh key is claimed");
@@ -54,6 +55,7 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
             fingerprint,
             first_seen: SystemTime::now(),
             original_attempt: None,
+            epoch: None,
             response: Some(StoredResponse {
                 status: StatusCode::CREATED,
                 headers: headers.clone(),

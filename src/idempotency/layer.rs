@@ -5,7 +5,7 @@ use tower_layer::Layer;
 
 use super::{
     store::{IdempotencyStore, MokaStore},
-    Idempotency, NoClient, ATTEMPT_ID, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY,
+    Idempotency, NoClient, NoEpoch, ATTEMPT_ID, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY,
 };
 use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
 
@@ -88,9 +88,10 @@ pub fn default_store_if(status: StatusCode) -> bool {
 ///
 /// Clones share the store and the settings (behind `Arc`s).
 #[must_use]
-pub struct IdempotencyLayer<St = MokaStore, C = NoClient> {
+pub struct IdempotencyLayer<St = MokaStore, C = NoClient, E = NoEpoch> {
     pub(super) store: Arc<St>,
     pub(super) identify: C,
+    pub(super) epoch: E,
     pub(super) settings: Arc<Settings>,
 }
 
@@ -123,6 +124,7 @@ impl<St> IdempotencyLayer<St> {
         Self {
             store,
             identify: NoClient,
+            epoch: NoEpoch,
             settings: Arc::new(Settings {
                 key_headers: vec![IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY],
                 methods: vec![Method::POST, Method::PATCH],
@@ -152,7 +154,7 @@ impl<St> IdempotencyLayer<St> {
     }
 }
 
-impl<St, C> IdempotencyLayer<St, C> {
+impl<St, C, E> IdempotencyLayer<St, C, E> {
     fn settings(&mut self) -> &mut Settings {
         Arc::make_mut(&mut self.settings)
     }
@@ -160,10 +162,28 @@ impl<St, C> IdempotencyLayer<St, C> {
     /// Scope keys by the client `identify` names (an API key header, the
     /// `Authorization` credentials, an auth layer's extension). Default: none, keys
     /// are global.
-    pub fn client<C2>(self, identify: C2) -> IdempotencyLayer<St, C2> {
+    pub fn client<C2>(self, identify: C2) -> IdempotencyLayer<St, C2, E> {
         IdempotencyLayer {
             store: self.store,
             identify,
+            epoch: self.epoch,
+            settings: self.settings,
+        }
+    }
+
+    /// Bind keys to the control epoch `epoch` reads ([`EpochFromExtension`] for the
+    /// server's current epoch, [`EpochFromHeader`] for one the client declares): a key
+    /// first seen in one epoch is refused in another with `422
+    /// idempotency.epoch_mismatch`. 422, not 409: no retry of that request can succeed,
+    /// the client must derive a new key in the current epoch. Default: no binding.
+    ///
+    /// [`EpochFromExtension`]: super::EpochFromExtension
+    /// [`EpochFromHeader`]: super::EpochFromHeader
+    pub fn epoch<E2>(self, epoch: E2) -> IdempotencyLayer<St, C, E2> {
+        IdempotencyLayer {
+            store: self.store,
+            identify: self.identify,
+            epoch,
             settings: self.settings,
         }
     }
@@ -265,17 +285,18 @@ impl<St, C> IdempotencyLayer<St, C> {
     }
 }
 
-impl<St, C: Clone> Clone for IdempotencyLayer<St, C> {
+impl<St, C: Clone, E: Clone> Clone for IdempotencyLayer<St, C, E> {
     fn clone(&self) -> Self {
         Self {
             store: self.store.clone(),
             identify: self.identify.clone(),
+            epoch: self.epoch.clone(),
             settings: self.settings.clone(),
         }
     }
 }
 
-impl<St, C> fmt::Debug for IdempotencyLayer<St, C> {
+impl<St, C, E> fmt::Debug for IdempotencyLayer<St, C, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
             .field("methods", &self.settings.methods)
@@ -288,14 +309,15 @@ impl<St, C> fmt::Debug for IdempotencyLayer<St, C> {
     }
 }
 
-impl<S, St: IdempotencyStore, C: Clone> Layer<S> for IdempotencyLayer<St, C> {
-    type Service = Idempotency<S, St, C>;
+impl<S, St: IdempotencyStore, C: Clone, E: Clone> Layer<S> for IdempotencyLayer<St, C, E> {
+    type Service = Idempotency<S, St, C, E>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency {
             inner,
             store: self.store.clone(),
             identify: self.identify.clone(),
+            epoch: self.epoch.clone(),
             settings: self.settings.clone(),
         }
     }

@@ -73,6 +73,9 @@
 //!   in flight, so a lost worker never locks a key for a day. Expired keys run again.
 //! - **Store failure**: `503` and nothing runs (fail closed, the default), or run
 //!   without deduplication with a WARN ([`StoreFailure::FailOpen`]).
+//! - **Epoch binding** (optional, [`epoch`](IdempotencyLayer::epoch)): the control
+//!   epoch a key is first seen in is stored with it; the same key in another epoch is
+//!   `422 idempotency.epoch_mismatch`, never replayed and never run.
 //!
 //! # Headers
 //!
@@ -102,7 +105,9 @@
 //! | `409` | `idempotency.original_failed` | the request waited on failed; retry |
 //! | `410` | `idempotency.not_replayable` | the request ran but its response was too large to keep |
 //! | `413` | `idempotency.body_too_large` | request body over the limit |
+//! | `400` | `idempotency.epoch_invalid` | with [`epoch`](IdempotencyLayer::epoch): the epoch header is not one decimal number |
 //! | `422` | `idempotency.fingerprint_mismatch` | the key was used with another request |
+//! | `422` | `idempotency.epoch_mismatch` | with [`epoch`](IdempotencyLayer::epoch): the key was first seen in another epoch |
 //! | `500` | `idempotency.response_failed` | the handler's response body failed mid-read |
 //! | `503` | `idempotency.store_unavailable` | the store failed (fail closed) |
 //!
@@ -117,7 +122,8 @@
 //! `idempotency.not_replayable`, `idempotency.original_failed` (INFO),
 //! `idempotency.rejected` (400), `idempotency.conflict` (422),
 //! `idempotency.body_too_large`, `idempotency.response_too_large`,
-//! `idempotency.lease_lost`, `idempotency.store_failed` (WARN).
+//! `idempotency.lease_lost`, `idempotency.store_failed`, `idempotency.epoch_mismatch`
+//! (WARN).
 //!
 //! # Layer order
 //!
@@ -126,6 +132,7 @@
 //! the routes it protects, after authentication if the client comes from an auth
 //! layer's extension. `GET` routes need no idempotency layer.
 
+mod epoch;
 mod key;
 mod layer;
 mod scope;
@@ -135,6 +142,9 @@ pub mod store;
 use http::HeaderName;
 
 pub use self::{
+    epoch::{
+        EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch, IDEMPOTENCY_EPOCH,
+    },
     key::{
         AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY,
         MAX_ATTEMPT_ID_LEN, MAX_KEY_LEN, X_IDEMPOTENCY_KEY,

@@ -15,9 +15,9 @@ use tracing::Instrument as _;
 use super::{
     layer::{InFlight, Settings, StoreFailure},
     store::{Begin, Claim, IdempotencyStore, Lease, MokaStore, Record, Settled, StoredResponse},
-    AttemptId, ClientId, Fingerprint, IdempotencyKey, IdentifyClient, NoClient, ScopeKey,
-    ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
-    ORIGINAL_ATTEMPT_ID,
+    AttemptId, ClientId, ExtractEpoch, Fingerprint, IdempotencyKey, IdentifyClient, NoClient,
+    NoEpoch, ScopeKey, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT,
+    IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
 };
 use crate::{body::Body, correlation::CorrelationId, problem::Problem};
 
@@ -27,25 +27,27 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 ///
 /// Made by [`IdempotencyLayer`](super::IdempotencyLayer); see the
 /// [module docs](crate::idempotency).
-pub struct Idempotency<S, St = MokaStore, C = NoClient> {
+pub struct Idempotency<S, St = MokaStore, C = NoClient, E = NoEpoch> {
     pub(super) inner: S,
     pub(super) store: Arc<St>,
     pub(super) identify: C,
+    pub(super) epoch: E,
     pub(super) settings: Arc<Settings>,
 }
 
-impl<S: Clone, St, C: Clone> Clone for Idempotency<S, St, C> {
+impl<S: Clone, St, C: Clone, E: Clone> Clone for Idempotency<S, St, C, E> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
             store: self.store.clone(),
             identify: self.identify.clone(),
+            epoch: self.epoch.clone(),
             settings: self.settings.clone(),
         }
     }
 }
 
-impl<S: std::fmt::Debug, St, C> std::fmt::Debug for Idempotency<S, St, C> {
+impl<S: std::fmt::Debug, St, C, E> std::fmt::Debug for Idempotency<S, St, C, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
@@ -111,15 +113,17 @@ struct Protected {
     client: Option<ClientId>,
     scope: ScopeKey,
     attempt: Option<AttemptId>,
+    epoch: Option<u64>,
 }
 
-impl<S, St, C, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, C>
+impl<S, St, C, E, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, C, E>
 where
     S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     St: IdempotencyStore,
     C: IdentifyClient<ReqBody>,
+    E: ExtractEpoch<ReqBody>,
     ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
@@ -166,6 +170,24 @@ where
             Ok(None) => return boxed(pass_through(inner, request, attempt)),
             Err(error) => return boxed(ready(reject_key(&error, attempt.as_ref()))),
         };
+        let epoch = match self.epoch.extract_epoch(&request) {
+            Ok(epoch) => epoch,
+            Err(error) => {
+                tracing::warn!(
+                    event = "idempotency.rejected",
+                    reason = "epoch_invalid",
+                    status = 400,
+                    "request refused: unreadable epoch"
+                );
+                let problem = Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "idempotency.epoch_invalid",
+                    "Invalid epoch",
+                    error.to_string(),
+                );
+                return boxed(ready(finish(problem.into_response(), attempt.as_ref())));
+            }
+        };
         let client = self.identify.identify_client(&request);
         let uri = request.uri();
         let query = if settings.include_query {
@@ -179,6 +201,7 @@ where
             client,
             scope,
             attempt,
+            epoch,
         };
         boxed(run(inner, self.store.clone(), settings, request, protected))
     }
@@ -291,6 +314,7 @@ where
         let claim = Claim {
             fingerprint,
             lease: settings.lease,
+            epoch: protected.epoch,
         };
         let begin = match store.begin(&protected.scope, claim).await {
             Ok(begin) => begin,
@@ -333,18 +357,28 @@ where
                     lease,
                     fingerprint,
                     protected.attempt.clone(),
+                    protected.epoch,
                 ))
                 .await
             }
             Begin::Completed {
                 record,
                 request_count,
-            } => Ok(settled(&record, fingerprint, request_count, attempt, &settings)),
+            } => {
+                if record.epoch != protected.epoch {
+                    return Ok(epoch_mismatch(record.epoch, protected.epoch, attempt));
+                }
+                Ok(settled(&record, fingerprint, request_count, attempt, &settings))
+            }
             Begin::InFlight {
                 fingerprint: running,
                 first_seen,
+                epoch,
                 request_count,
             } => {
+                if epoch != protected.epoch {
+                    return Ok(epoch_mismatch(epoch, protected.epoch, attempt));
+                }
                 if running != fingerprint {
                     return Ok(conflict(attempt));
                 }
@@ -420,6 +454,32 @@ fn conflict<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
         "idempotency.fingerprint_mismatch",
         "Idempotency key reused",
         "this idempotency key was used with a different request (method, path, query, content type or body); use a new key for a new request",
+    );
+    finish(problem.into_response(), attempt)
+}
+
+fn epoch_mismatch<B>(
+    recorded: Option<u64>,
+    requested: Option<u64>,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    tracing::warn!(
+        event = "idempotency.epoch_mismatch",
+        recorded_epoch = recorded,
+        request_epoch = requested,
+        status = 422,
+        "idempotency key used in another epoch"
+    );
+    let describe = |epoch: Option<u64>| epoch.map_or_else(|| "none".to_owned(), |e| e.to_string());
+    let problem = Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency.epoch_mismatch",
+        "Idempotency key from another epoch",
+        format!(
+            "this idempotency key belongs to epoch {}, the request to epoch {}; derive a new key in the current epoch",
+            describe(recorded),
+            describe(requested)
+        ),
     );
     finish(problem.into_response(), attempt)
 }
@@ -613,6 +673,7 @@ async fn execute<S, St, ReqBody, ResBody>(
     lease: Lease,
     fingerprint: Fingerprint,
     attempt: Option<AttemptId>,
+    epoch: Option<u64>,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
     S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
@@ -637,7 +698,7 @@ where
             guard.release("handler_error").await;
             return Err(error);
         }
-        Ok(response) => keep(response, guard, &settings, fingerprint, attempt).await,
+        Ok(response) => keep(response, guard, &settings, fingerprint, attempt, epoch).await,
     };
     Ok(finish(response, echo.as_ref()))
 }
@@ -650,6 +711,7 @@ async fn keep<St, B>(
     settings: &Settings,
     fingerprint: Fingerprint,
     attempt: Option<AttemptId>,
+    epoch: Option<u64>,
 ) -> Response<Body<B>>
 where
     St: IdempotencyStore,
@@ -671,6 +733,7 @@ where
                     fingerprint,
                     first_seen: guard.first_seen(),
                     original_attempt: attempt,
+                    epoch,
                     response: None,
                 };
                 guard.complete(record, settings.ttl).await;
@@ -707,6 +770,7 @@ where
             fingerprint,
             first_seen: guard.first_seen(),
             original_attempt: attempt,
+            epoch,
             response: Some(StoredResponse {
                 status: parts.status,
                 headers,

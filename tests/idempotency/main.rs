@@ -30,8 +30,8 @@ use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
         store::{Begin, Claim, IdempotencyStore, Lease, ManualClock, Record, Settled, StoreError},
-        ClientFromHeader, IdempotencyLayer, IdentifyClient, InFlight, MokaStore, ScopeKey,
-        StoreFailure,
+        ClientFromHeader, EpochFromExtension, EpochFromHeader, ExtractEpoch, IdempotencyLayer,
+        IdentifyClient, InFlight, MokaStore, ScopeKey, StoreFailure,
     },
 };
 
@@ -103,10 +103,24 @@ impl App {
     }
 }
 
-async fn start<St, C>(layer: IdempotencyLayer<St, C>) -> App
+async fn start<St, C, E>(layer: IdempotencyLayer<St, C, E>) -> App
 where
     St: IdempotencyStore,
     C: IdentifyClient<axum::body::Body> + Clone + Send + Sync + 'static,
+    E: ExtractEpoch<axum::body::Body> + Clone + Send + Sync + 'static,
+{
+    start_with(layer, |router| router).await
+}
+
+/// As [`start`], with `outer` wrapping the routes (inside the correlation layer).
+async fn start_with<St, C, E>(
+    layer: IdempotencyLayer<St, C, E>,
+    outer: impl FnOnce(Router) -> Router,
+) -> App
+where
+    St: IdempotencyStore,
+    C: IdentifyClient<axum::body::Body> + Clone + Send + Sync + 'static,
+    E: ExtractEpoch<axum::body::Body> + Clone + Send + Sync + 'static,
 {
     let runs = Runs::default();
     let router = Router::new()
@@ -115,9 +129,8 @@ where
             post(handler).patch(handler).layer(layer.clone()),
         )
         .route("/other", post(handler).layer(layer))
-        .with_state(runs.clone())
-        .layer(CorrelationLayer::new());
-    let addr = serve(router).await;
+        .with_state(runs.clone());
+    let addr = serve(outer(router).layer(CorrelationLayer::new())).await;
     App {
         url: format!("http://{addr}"),
         runs,
@@ -702,4 +715,78 @@ async fn uncovered_methods_pass_through() {
         assert_eq!(reply.header("idempotent-replayed"), Some("false"));
     }
     assert_eq!(runs.get(), 2, "GET is not deduplicated");
+}
+
+/// The server's current control epoch, as a control layer would put it on requests.
+#[derive(Clone, Copy)]
+struct ControlEpoch(u64);
+
+impl From<ControlEpoch> for u64 {
+    fn from(epoch: ControlEpoch) -> u64 {
+        epoch.0
+    }
+}
+
+#[tokio::test]
+async fn a_key_from_another_epoch_is_refused_not_replayed() {
+    let (logs, _guard) = Logs::capture();
+    let current = Arc::new(std::sync::atomic::AtomicU64::new(7));
+    let epoch_source = current.clone();
+    let layer = IdempotencyLayer::new().epoch(EpochFromExtension::<ControlEpoch>::new());
+    let app = start_with(layer, move |router| {
+        router.layer(axum::middleware::map_request(
+            move |mut request: axum::extract::Request| {
+                let epoch = ControlEpoch(epoch_source.load(Ordering::SeqCst));
+                async move {
+                    request.extensions_mut().insert(epoch);
+                    request
+                }
+            },
+        ))
+    })
+    .await;
+
+    let first = app.post("/commands", &[KEY], BODY).await;
+    let same_epoch = app.post("/commands", &[KEY], BODY).await;
+    current.store(8, Ordering::SeqCst);
+    let next_epoch = app.post("/commands", &[KEY], BODY).await;
+    let new_key = app
+        .post("/commands", &[("idempotency-key", "epoch-8-key")], BODY)
+        .await;
+
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(same_epoch.header("idempotent-replayed"), Some("true"));
+    assert_eq!(next_epoch.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        next_epoch.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(next_epoch.json()["code"], "idempotency.epoch_mismatch");
+    assert_eq!(next_epoch.header("idempotent-replayed"), Some("false"));
+    assert_eq!(new_key.status, StatusCode::CREATED);
+    assert_eq!(app.runs.get(), 2, "the stale key never ran again");
+    let mismatch = &logs.events("idempotency.epoch_mismatch")[0];
+    assert_eq!(mismatch["fields"]["recorded_epoch"], 7);
+    assert_eq!(mismatch["fields"]["request_epoch"], 8);
+}
+
+#[tokio::test]
+async fn an_unreadable_epoch_header_is_400() {
+    let app = start(IdempotencyLayer::new().epoch(EpochFromHeader::default())).await;
+
+    let bad = app
+        .post("/commands", &[KEY, ("idempotency-epoch", "seven")], BODY)
+        .await;
+    let good = app
+        .post("/commands", &[KEY, ("idempotency-epoch", "7")], BODY)
+        .await;
+    let other = app
+        .post("/commands", &[KEY, ("idempotency-epoch", "8")], BODY)
+        .await;
+
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(bad.json()["code"], "idempotency.epoch_invalid");
+    assert_eq!(good.status, StatusCode::CREATED);
+    assert_eq!(other.json()["code"], "idempotency.epoch_mismatch");
+    assert_eq!(app.runs.get(), 1);
 }

@@ -66,6 +66,8 @@ pub struct Claim {
     pub fingerprint: Fingerprint,
     /// How long the claim holds the scope if it is never completed or released.
     pub lease: Duration,
+    /// The control epoch the request belongs to, when the layer binds keys to one.
+    pub epoch: Option<u64>,
 }
 
 /// The answer of [`IdempotencyStore::begin`].
@@ -82,6 +84,8 @@ pub enum Begin {
         fingerprint: Fingerprint,
         /// When the request in flight arrived.
         first_seen: SystemTime,
+        /// The epoch of the request in flight.
+        epoch: Option<u64>,
         /// Requests seen for this scope, this one included.
         request_count: u64,
     },
@@ -112,6 +116,8 @@ pub struct Record {
     pub first_seen: SystemTime,
     /// Its attempt ID, if it sent one.
     pub original_attempt: Option<AttemptId>,
+    /// The control epoch it ran in, when the layer binds keys to one.
+    pub epoch: Option<u64>,
     /// The response to replay; `None` when it was too large to keep (the request ran,
     /// and duplicates are told so rather than run it again).
     pub response: Option<StoredResponse>,

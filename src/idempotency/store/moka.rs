@@ -216,6 +216,7 @@ enum State {
         token: u64,
         fingerprint: Fingerprint,
         first_seen: SystemTime,
+        epoch: Option<u64>,
         /// Sends once when the request settles; waiters subscribe.
         settled: Arc<watch::Sender<()>>,
     },
@@ -230,10 +231,12 @@ impl Slot {
             State::InFlight {
                 fingerprint,
                 first_seen,
+                epoch,
                 ..
             } => Begin::InFlight {
                 fingerprint: *fingerprint,
                 first_seen: *first_seen,
+                epoch: *epoch,
                 request_count,
             },
             State::Completed(record) => Begin::Completed {
@@ -293,6 +296,7 @@ impl IdempotencyStore for MokaStore {
                                 token,
                                 fingerprint: claim.fingerprint,
                                 first_seen: now,
+                                epoch: claim.epoch,
                                 settled: Arc::new(settled),
                             },
                             request_count: Arc::new(AtomicU64::new(1)),
@@ -387,6 +391,7 @@ mod tests {
         Claim {
             fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
             lease: Duration::from_secs(60),
+            epoch: None,
         }
     }
 
@@ -431,6 +436,7 @@ mod tests {
             fingerprint: claim().fingerprint,
             first_seen: lease.first_seen,
             original_attempt: None,
+            epoch: None,
             response: None,
         };
         assert!(!store.release(&scope("k"), &stranger).await.unwrap());
