@@ -1,13 +1,14 @@
 use std::{
+    collections::HashMap,
     hash::{BuildHasherDefault, Hasher},
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc,
+        Arc, Mutex, MutexGuard, PoisonError,
     },
     time::{Duration, Instant, SystemTime},
 };
 
-use moka::{future::Cache, ops::compute::Op, Expiry};
+use moka::{future::Cache, Expiry};
 use tokio::sync::watch;
 
 use super::{
@@ -17,33 +18,49 @@ use crate::idempotency::{Fingerprint, ScopeKey};
 
 /// Default bound on what the store holds: 64 MiB of weighed entries.
 ///
-/// Room for about 50,000 records of 1 KiB responses; set it to what a TTL's worth of
+/// Room for about 34,000 records of 1 KiB responses; set it to what a TTL's worth of
 /// protected requests needs. moka evicts the least useful entries past the bound.
 pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 
-/// What an entry weighs beyond its response ([`Record::weight`]): the scope key, the
-/// record (fingerprint, times, attempt ID, status), the slot, and moka's own
+/// What a stored record weighs beyond its response ([`Record::weight`]): the scope key,
+/// the record (fingerprint, times, attempt ID, status), the slot, and moka's own
 /// bookkeeping (key copy, access and write deques, timer wheel, frequency sketch).
 /// Measured at under 600 bytes by `tests/memory.rs` (a counting global allocator), and
 /// charged to every entry, so the byte bound holds whatever the responses.
 pub const ENTRY_OVERHEAD_BYTES: u32 = 768;
 
-/// The embedded store: a [`moka`] cache bounded in bytes, with per-entry expiry (the
-/// lease for requests in flight, the TTL for stored outcomes).
+/// Shards of the map of requests in flight: enough that two workers rarely wait on one
+/// lock, few enough to cost nothing idle.
+const IN_FLIGHT_SHARDS: usize = 64;
+
+/// A shard sweeps out claims whose lease ran out once it holds this many.
+const IN_FLIGHT_SWEEP_AT: usize = 1024;
+
+/// The embedded store: stored outcomes in a [`moka`] cache bounded in bytes, with the
+/// TTL as per-entry expiry; requests in flight in a small sharded map beside it, each
+/// claim holding its key for the lease.
+///
+/// Claiming, completing and releasing a key take a shard's lock for a few map
+/// operations, never across an await; the record is written to moka once, when the
+/// request completes. A duplicate of a stored record is a cache read and an atomic
+/// increment of its request count.
 ///
 /// # Memory
 ///
-/// Each entry weighs its response (body, header names and values) plus
+/// Each stored record weighs its response ([`Record::weight`]) plus
 /// [`ENTRY_OVERHEAD_BYTES`]; the cache holds at most
 /// [`max_bytes`](MokaStoreBuilder::max_bytes) of weight (default
-/// [`DEFAULT_MAX_BYTES`]). A response larger than the whole bound is never stored.
+/// [`DEFAULT_MAX_BYTES`]). A response larger than the whole bound is never stored. A
+/// request in flight holds about 150 bytes outside that bound until it settles, so
+/// that part is bounded by how many requests run at once.
 ///
 /// # Clone
 ///
-/// Clones share one cache.
+/// Clones share one cache and one map of requests in flight.
 #[derive(Clone)]
 pub struct MokaStore {
     cache: Cache<ScopeKey, Slot, BuildScopeHasher>,
+    in_flight: Arc<[Mutex<HashMap<ScopeKey, InFlight, BuildScopeHasher>>]>,
     clock: Arc<dyn Clock>,
     next_token: Arc<AtomicU64>,
 }
@@ -65,7 +82,7 @@ pub struct MokaStoreBuilder {
 }
 
 impl MokaStoreBuilder {
-    /// The bound on the weight of all entries. Default [`DEFAULT_MAX_BYTES`].
+    /// The bound on the weight of all stored records. Default [`DEFAULT_MAX_BYTES`].
     pub fn max_bytes(mut self, max_bytes: u64) -> Self {
         self.max_bytes = max_bytes;
         self
@@ -80,17 +97,17 @@ impl MokaStoreBuilder {
 
     /// The store.
     pub fn build(self) -> MokaStore {
-        // Buckets for as many 1 KiB records as the bound holds, so the table does not
-        // rehash its way up while the store fills.
-        let expected_entries = self.max_bytes / (u64::from(ENTRY_OVERHEAD_BYTES) + 1024);
         let cache = Cache::builder()
-            .initial_capacity(usize::try_from(expected_entries.min(1 << 20)).unwrap_or(1 << 20))
             .max_capacity(self.max_bytes)
             .weigher(|_scope: &ScopeKey, slot: &Slot| slot.weight)
             .expire_after(SlotExpiry)
             .build_with_hasher(BuildScopeHasher::default());
+        let in_flight = (0..IN_FLIGHT_SHARDS)
+            .map(|_| Mutex::new(HashMap::default()))
+            .collect();
         MokaStore {
             cache,
+            in_flight,
             clock: self.clock,
             next_token: Arc::new(AtomicU64::new(1)),
         }
@@ -111,12 +128,13 @@ impl MokaStore {
         }
     }
 
-    /// Entries held (approximate until moka's pending tasks run).
+    /// Stored records (approximate until moka's pending tasks run).
     pub fn entry_count(&self) -> u64 {
         self.cache.entry_count()
     }
 
-    /// Weighted bytes held (approximate until moka's pending tasks run).
+    /// Weighted bytes of the stored records (approximate until moka's pending tasks
+    /// run).
     pub fn weighted_bytes(&self) -> u64 {
         self.cache.weighted_size()
     }
@@ -126,44 +144,32 @@ impl MokaStore {
         self.cache.run_pending_tasks().await;
     }
 
-    fn live(&self, slot: Option<Slot>, now: SystemTime) -> Option<Slot> {
-        slot.filter(|slot| slot.expires_at > now)
+    /// The live stored record of `scope`.
+    async fn record(&self, scope: &ScopeKey, now: SystemTime) -> Option<Slot> {
+        self.cache
+            .get(scope)
+            .await
+            .filter(|slot| slot.expires_at > now)
     }
 
-    /// Ends the request in flight on `scope` with `op` (given its request counter) if
-    /// `lease` still holds it, then wakes its waiters; `false` if the lease was lost.
-    async fn settle(
+    /// The shard of the map of requests in flight that holds `scope`.
+    fn shard(
         &self,
         scope: &ScopeKey,
-        lease: &Lease,
-        now: SystemTime,
-        op: impl FnOnce(Arc<AtomicU64>) -> Op<Slot>,
-    ) -> bool {
-        let mut waiters = None;
-        self.cache
-            .entry(*scope)
-            .and_compute_with(|existing| {
-                let op = match self.live(existing.map(|entry| entry.into_value()), now) {
-                    Some(Slot {
-                        state: State::InFlight { token, settled, .. },
-                        request_count,
-                        ..
-                    }) if token == lease.token => {
-                        waiters = Some(settled);
-                        op(request_count)
-                    }
-                    _ => Op::Nop,
-                };
-                std::future::ready(op)
-            })
-            .await;
-        // Only now is the new state in the cache for a woken waiter to read.
-        match waiters {
-            Some(settled) => {
-                settled.send_replace(());
-                true
-            }
-            None => false,
+    ) -> MutexGuard<'_, HashMap<ScopeKey, InFlight, BuildScopeHasher>> {
+        // The scope is a digest: any of its bytes picks a shard uniformly.
+        let index = usize::from(scope.as_bytes()[31]) % self.in_flight.len();
+        self.in_flight[index]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Removes the claim `lease` holds on `scope`, if it still holds it, and returns it.
+    fn remove_claim(&self, scope: &ScopeKey, lease: &Lease) -> Option<InFlight> {
+        let mut shard = self.shard(scope);
+        match shard.get(scope) {
+            Some(claim) if claim.token == lease.token => shard.remove(scope),
+            _ => None,
         }
     }
 }
@@ -198,11 +204,48 @@ impl Hasher for ScopeHasher {
 
 type BuildScopeHasher = BuildHasherDefault<ScopeHasher>;
 
+/// A request in flight.
+struct InFlight {
+    token: u64,
+    fingerprint: Fingerprint,
+    first_seen: SystemTime,
+    epoch: Option<u64>,
+    expires_at: SystemTime,
+    /// Set while the outcome is written to the cache: the claim cannot be taken over
+    /// then, even if its lease runs out in that instant (until one more lease passes,
+    /// in case the writer was cancelled).
+    completing: bool,
+    lease: Duration,
+    /// Carried to the record, so requests are counted across claim and replay.
+    request_count: Arc<AtomicU64>,
+    /// Sends once when the request settles; waiters subscribe.
+    settled: Arc<watch::Sender<()>>,
+}
+
+impl InFlight {
+    fn holds(&self, now: SystemTime) -> bool {
+        if self.completing {
+            self.expires_at + self.lease > now
+        } else {
+            self.expires_at > now
+        }
+    }
+
+    fn count_and_describe(&self) -> Begin {
+        Begin::InFlight {
+            fingerprint: self.fingerprint,
+            first_seen: self.first_seen,
+            epoch: self.epoch,
+            request_count: self.request_count.fetch_add(1, Ordering::Relaxed) + 1,
+        }
+    }
+}
+
+/// A stored record.
 #[derive(Clone)]
 struct Slot {
-    state: State,
-    /// Shared by the slot's clones and carried from the claim to the record, so a
-    /// duplicate is counted without writing to the cache.
+    record: Arc<Record>,
+    /// Shared by the slot's clones, so a duplicate is counted without a cache write.
     request_count: Arc<AtomicU64>,
     expires_at: SystemTime,
     /// `expires_at` as a duration from when the slot was written, for moka's timer.
@@ -210,46 +253,12 @@ struct Slot {
     weight: u32,
 }
 
-#[derive(Clone)]
-enum State {
-    InFlight {
-        token: u64,
-        fingerprint: Fingerprint,
-        first_seen: SystemTime,
-        epoch: Option<u64>,
-        /// Sends once when the request settles; waiters subscribe.
-        settled: Arc<watch::Sender<()>>,
-    },
-    Completed(Arc<Record>),
-}
-
 impl Slot {
-    /// Counts one more request and says what the scope holds.
     fn count_and_describe(&self) -> Begin {
-        let request_count = self.request_count.fetch_add(1, Ordering::Relaxed) + 1;
-        match &self.state {
-            State::InFlight {
-                fingerprint,
-                first_seen,
-                epoch,
-                ..
-            } => Begin::InFlight {
-                fingerprint: *fingerprint,
-                first_seen: *first_seen,
-                epoch: *epoch,
-                request_count,
-            },
-            State::Completed(record) => Begin::Completed {
-                record: record.clone(),
-                request_count,
-            },
+        Begin::Completed {
+            record: self.record.clone(),
+            request_count: self.request_count.fetch_add(1, Ordering::Relaxed) + 1,
         }
-    }
-
-    fn with_expiry(mut self, expires_at: SystemTime, now: SystemTime) -> Self {
-        self.expires_at = expires_at;
-        self.ttl = expires_at.duration_since(now).unwrap_or_default();
-        self
     }
 }
 
@@ -274,49 +283,53 @@ impl Expiry<ScopeKey, Slot> for SlotExpiry {
 impl IdempotencyStore for MokaStore {
     async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
         let now = self.clock.now();
-        // A live slot only needs its counter bumped: a read, no cache write.
-        if let Some(slot) = self.live(self.cache.get(scope).await, now) {
+        // A duplicate of a stored record: a read and an atomic increment.
+        if let Some(slot) = self.record(scope, now).await {
             return Ok(slot.count_and_describe());
         }
-        let mut answer = None;
-        self.cache
-            .entry(*scope)
-            .and_compute_with(|existing| {
-                let op = match self.live(existing.map(|entry| entry.into_value()), now) {
-                    // Claimed by another request since the read above.
-                    Some(slot) => {
-                        answer = Some(slot.count_and_describe());
-                        Op::Nop
-                    }
-                    None => {
-                        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-                        let (settled, _) = watch::channel(());
-                        let slot = Slot {
-                            state: State::InFlight {
-                                token,
-                                fingerprint: claim.fingerprint,
-                                first_seen: now,
-                                epoch: claim.epoch,
-                                settled: Arc::new(settled),
-                            },
-                            request_count: Arc::new(AtomicU64::new(1)),
-                            expires_at: now,
-                            ttl: Duration::ZERO,
-                            weight: ENTRY_OVERHEAD_BYTES,
-                        }
-                        .with_expiry(now + claim.lease, now);
-                        let lease = Lease {
-                            token,
-                            first_seen: now,
-                        };
-                        answer = Some(Begin::Claimed { lease });
-                        Op::Put(slot)
-                    }
-                };
-                std::future::ready(op)
-            })
-            .await;
-        answer.ok_or_else(|| StoreError::new("the cache skipped the claim"))
+        let lease = {
+            let mut shard = self.shard(scope);
+            let carried = match shard.get(scope) {
+                Some(running) if running.holds(now) => return Ok(running.count_and_describe()),
+                // A lost worker's claim: taken over, its requests still counted.
+                Some(lost) => lost.request_count.clone(),
+                None => Arc::new(AtomicU64::new(0)),
+            };
+            carried.fetch_add(1, Ordering::Relaxed);
+            if shard.len() >= IN_FLIGHT_SWEEP_AT {
+                shard.retain(|_, claim| claim.holds(now));
+            }
+            let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+            let (settled, _) = watch::channel(());
+            shard.insert(
+                *scope,
+                InFlight {
+                    token,
+                    fingerprint: claim.fingerprint,
+                    first_seen: now,
+                    epoch: claim.epoch,
+                    expires_at: now + claim.lease,
+                    completing: false,
+                    lease: claim.lease,
+                    request_count: carried,
+                    settled: Arc::new(settled),
+                },
+            );
+            Lease {
+                token,
+                first_seen: now,
+            }
+        };
+        // A request may have completed between the read above and the claim (its
+        // record is written before its claim is removed): look again, and give the
+        // claim back if so, so the request is replayed rather than run twice.
+        if let Some(slot) = self.record(scope, now).await {
+            if let Some(claim) = self.remove_claim(scope, &lease) {
+                claim.settled.send_replace(());
+            }
+            return Ok(slot.count_and_describe());
+        }
+        Ok(Begin::Claimed { lease })
     }
 
     async fn complete(
@@ -327,49 +340,74 @@ impl IdempotencyStore for MokaStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let now = self.clock.now();
+        let request_count = {
+            let mut shard = self.shard(scope);
+            match shard.get_mut(scope) {
+                Some(claim) if claim.token == lease.token => {
+                    claim.completing = true;
+                    claim.request_count.clone()
+                }
+                _ => return Ok(false),
+            }
+        };
         let weight = u32::try_from(record.weight())
             .unwrap_or(u32::MAX)
             .saturating_add(ENTRY_OVERHEAD_BYTES);
-        let record = Arc::new(record);
-        Ok(self
-            .settle(scope, lease, now, |request_count| {
-                let slot = Slot {
-                    state: State::Completed(record),
-                    request_count,
-                    expires_at: now,
-                    ttl: Duration::ZERO,
-                    weight,
-                };
-                Op::Put(slot.with_expiry(now + ttl, now))
-            })
-            .await)
+        let slot = Slot {
+            record: Arc::new(record),
+            request_count,
+            expires_at: now + ttl,
+            ttl,
+            weight,
+        };
+        // The record first, then the claim goes: a request that finds no claim finds
+        // the record.
+        self.cache.insert(*scope, slot).await;
+        if let Some(claim) = self.remove_claim(scope, lease) {
+            claim.settled.send_replace(());
+        }
+        Ok(true)
     }
 
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
-        let now = self.clock.now();
-        Ok(self.settle(scope, lease, now, |_| Op::Remove).await)
+        Ok(match self.remove_claim(scope, lease) {
+            Some(claim) => {
+                claim.settled.send_replace(());
+                true
+            }
+            None => false,
+        })
     }
 
     async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let now = self.clock.now();
-            let slot = self.live(self.cache.get(scope).await, now);
-            let mut settled = match slot.map(|slot| slot.state) {
-                None => return Ok(Settled::Released),
-                Some(State::Completed(record)) => return Ok(Settled::Completed { record }),
-                Some(State::InFlight { settled, .. }) => settled.subscribe(),
+            if let Some(slot) = self.record(scope, now).await {
+                return Ok(Settled::Completed {
+                    record: slot.record,
+                });
+            }
+            let settled = {
+                let shard = self.shard(scope);
+                shard
+                    .get(scope)
+                    .filter(|claim| claim.holds(now))
+                    .map(|claim| claim.settled.subscribe())
             };
-            // The request may have settled between the read and the subscription: look
-            // again before sleeping, so no wake-up is missed.
-            if let Some(State::InFlight { .. }) = self
-                .live(self.cache.get(scope).await, now)
-                .map(|slot| slot.state)
-            {
-                match tokio::time::timeout_at(deadline, settled.changed()).await {
-                    Err(_elapsed) => return Ok(Settled::TimedOut),
-                    Ok(_) => continue,
-                }
+            let Some(mut settled) = settled else {
+                // No claim: either settled (a completed record is written before its
+                // claim goes) or released.
+                return Ok(match self.record(scope, now).await {
+                    Some(slot) => Settled::Completed {
+                        record: slot.record,
+                    },
+                    None => Settled::Released,
+                });
+            };
+            match tokio::time::timeout_at(deadline, settled.changed()).await {
+                Err(_elapsed) => return Ok(Settled::TimedOut),
+                Ok(_) => continue,
             }
         }
     }
