@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use moka::{future::Cache, Expiry};
+use moka::{future::Cache, policy::EvictionPolicy, Expiry};
 use tokio::sync::watch;
 
 use super::{
@@ -19,7 +19,7 @@ use crate::idempotency::{Fingerprint, ScopeKey};
 /// Default bound on what the store holds: 64 MiB of weighed entries.
 ///
 /// Room for about 34,000 records of 1 KiB responses; set it to what a TTL's worth of
-/// protected requests needs. moka evicts the least useful entries past the bound.
+/// protected requests needs. Past the bound the least recently used records go.
 pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 
 /// What a stored record weighs beyond its response ([`Record::weight`]): the scope key,
@@ -98,6 +98,10 @@ impl MokaStoreBuilder {
     /// The store.
     pub fn build(self) -> MokaStore {
         let cache = Cache::builder()
+            // Least recently used goes first: retries come soon after the request they
+            // repeat, so the newest records matter most. (moka's default, TinyLFU, can
+            // refuse a brand-new record in favour of an old one seen twice.)
+            .eviction_policy(EvictionPolicy::lru())
             .max_capacity(self.max_bytes)
             .weigher(|_scope: &ScopeKey, slot: &Slot| slot.weight)
             .expire_after(SlotExpiry)
@@ -495,5 +499,81 @@ mod tests {
             store.begin(&scope("k"), claim()).await.unwrap(),
             Begin::Claimed { .. }
         ));
+    }
+}
+
+#[cfg(test)]
+mod eviction_tests {
+    use http::Method;
+
+    use super::*;
+    use crate::idempotency::IdempotencyKey;
+
+    fn scope(key: &str) -> ScopeKey {
+        let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
+        ScopeKey::new(None, &Method::POST, "/", None, &key)
+    }
+
+    async fn store_one(store: &MokaStore, key: &str) {
+        let claim = Claim {
+            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+            lease: Duration::from_secs(60),
+            epoch: None,
+        };
+        let Begin::Claimed { lease } = store.begin(&scope(key), claim.clone()).await.unwrap()
+        else {
+            panic!("{key} is new");
+        };
+        let record = Record {
+            fingerprint: claim.fingerprint,
+            first_seen: lease.first_seen,
+            original_attempt: None,
+            epoch: None,
+            response: None,
+        };
+        let ttl = Duration::from_secs(3600);
+        assert!(store
+            .complete(&scope(key), &lease, record, ttl)
+            .await
+            .unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_full_store_keeps_the_newest_record_for_its_retry() {
+        // Room for about 100 records.
+        let store = MokaStore::builder()
+            .max_bytes(100 * u64::from(ENTRY_OVERHEAD_BYTES))
+            .build();
+        for i in 0..100 {
+            store_one(&store, &format!("old-{i}")).await;
+        }
+        // The old records are popular: each retried twice.
+        for _ in 0..2 {
+            for i in 0..100 {
+                let claim = Claim {
+                    fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+                    lease: Duration::from_secs(60),
+                    epoch: None,
+                };
+                store
+                    .begin(&scope(&format!("old-{i}")), claim)
+                    .await
+                    .unwrap();
+            }
+        }
+        store_one(&store, "new").await;
+        store.run_pending_tasks().await;
+
+        let claim = Claim {
+            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+            lease: Duration::from_secs(60),
+            epoch: None,
+        };
+        let retry = store.begin(&scope("new"), claim).await.unwrap();
+        assert!(
+            matches!(retry, Begin::Completed { .. }),
+            "the newest record was evicted before its retry: {retry:?}"
+        );
+        assert!(store.weighted_bytes() <= 100 * u64::from(ENTRY_OVERHEAD_BYTES));
     }
 }
