@@ -78,6 +78,32 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
 }
 
 #[tokio::test]
+async fn a_request_in_flight_costs_under_a_kibibyte() {
+    let store = MokaStore::new();
+    let fingerprint = Fingerprint::new(&Method::POST, "/commands", None, None, b"");
+    let mut leases = Vec::with_capacity(ENTRIES);
+    let region = Region::new(GLOBAL);
+    for i in 0..ENTRIES {
+        let key = IdempotencyKey::parse(format!("flight-{i}").as_bytes()).unwrap();
+        let scope = ScopeKey::new(None, &Method::POST, "/commands", None, &key);
+        let claim = Claim {
+            fingerprint,
+            lease: Duration::from_secs(60),
+            epoch: None,
+        };
+        leases.push(store.begin(&scope, claim).await.unwrap());
+    }
+    let change = region.change();
+    let live = change.bytes_allocated as isize - change.bytes_deallocated as isize
+        + change.bytes_reallocated;
+    // Less the vector of answers this test keeps.
+    let kept = (leases.capacity() * std::mem::size_of::<Begin>()) as isize;
+    let per_claim = (live - kept) as f64 / ENTRIES as f64;
+    println!("memory: {per_claim:.0} bytes per request in flight");
+    assert!(per_claim < 1024.0, "a claim costs {per_claim:.0} bytes");
+}
+
+#[tokio::test]
 async fn the_weight_charged_per_entry_covers_what_it_really_costs() {
     for size in [0usize, 1024] {
         let store = MokaStore::new();
