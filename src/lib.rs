@@ -7,6 +7,9 @@
 //! - An **idempotency key** stays the same across every retry of one user action, so
 //!   the server runs the action once and replays its response to every retry. See
 //!   [`idempotency`].
+//! - On the calling side, a **retry layer** for HTTP clients sends one idempotency key
+//!   across every attempt, a new correlation ID and `attempt-id` per attempt, and backs
+//!   off as the server asks. See [`client`].
 //!
 //! Every error a layer answers with is an RFC 9457 `application/problem+json` body with
 //! a stable `code`.
@@ -14,6 +17,8 @@
 
 #[cfg(feature = "correlation")]
 pub mod body;
+#[cfg(feature = "client")]
+pub mod client;
 #[cfg(feature = "correlation")]
 pub mod correlation;
 #[cfg(feature = "idempotency")]
@@ -24,6 +29,8 @@ mod problem;
 #[cfg(feature = "correlation")]
 pub use problem::PROBLEM_JSON;
 
+#[cfg(feature = "client")]
+pub use client::RetryLayer;
 #[cfg(feature = "correlation")]
 pub use correlation::{CorrelationId, CorrelationLayer, OutboundCorrelationLayer};
 #[cfg(feature = "idempotency")]
