@@ -67,17 +67,24 @@ type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<Body<B>>, E>>
 /// started runs to completion and its outcome is stored for the client's retry.
 pub struct ResponseFuture<B: 'static, E: 'static> {
     inner: Option<BoxFuture<B, E>>,
+    /// Set while the work is polled: if that poll panics (the handler panicked), the
+    /// work must not be resumed elsewhere; its lease guard has already let the key go.
+    unwinding: bool,
 }
 
 impl<B, E> Future for ResponseFuture<B, E> {
     type Output = Result<Response<Body<B>>, E>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(inner) = self.inner.as_mut() else {
+        let this = &mut *self;
+        let Some(inner) = this.inner.as_mut() else {
             panic!("ResponseFuture polled after completion");
         };
-        let output = std::task::ready!(inner.as_mut().poll(cx));
-        self.inner = None;
+        this.unwinding = true;
+        let poll = inner.as_mut().poll(cx);
+        this.unwinding = false;
+        let output = std::task::ready!(poll);
+        this.inner = None;
         Poll::Ready(output)
     }
 }
@@ -87,6 +94,9 @@ impl<B: 'static, E: 'static> Drop for ResponseFuture<B, E> {
         let Some(unfinished) = self.inner.take() else {
             return;
         };
+        if self.unwinding {
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -212,6 +222,7 @@ fn boxed<B, E>(
 ) -> ResponseFuture<B, E> {
     ResponseFuture {
         inner: Some(Box::pin(future)),
+        unwinding: false,
     }
 }
 

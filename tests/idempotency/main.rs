@@ -573,8 +573,25 @@ async fn a_client_that_hangs_up_still_gets_the_replay() {
     assert_eq!(app.runs.get(), 1);
 }
 
+/// Every panic message seen by this test binary, with the default hook still printing.
+fn panic_messages() -> &'static std::sync::Mutex<Vec<String>> {
+    static MESSAGES: std::sync::OnceLock<std::sync::Mutex<Vec<String>>> =
+        std::sync::OnceLock::new();
+    MESSAGES.get_or_init(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if let Some(messages) = MESSAGES.get() {
+                messages.lock().unwrap().push(info.to_string());
+            }
+            default(info);
+        }));
+        std::sync::Mutex::new(Vec::new())
+    })
+}
+
 #[tokio::test]
 async fn a_panicking_handler_releases_the_key() {
+    let panics = panic_messages();
     let (logs, _guard) = Logs::capture();
     let layer = IdempotencyLayer::new().in_flight(InFlight::Wait {
         timeout: Duration::from_secs(5),
@@ -610,6 +627,12 @@ async fn a_panicking_handler_releases_the_key() {
     let retry = app.post("/commands", &[KEY], BODY).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(app.runs.get(), 2, "released, so the retry runs");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let panics = panics.lock().unwrap();
+    assert!(
+        !panics.iter().any(|m| m.contains("resumed after panicking")),
+        "the panicked work was resumed: {panics:?}"
+    );
 }
 
 #[tokio::test]
