@@ -77,7 +77,14 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
     (per_entry - response_bytes as f64, response_bytes)
 }
 
+/// One test for both counts: the allocator counts every thread, so two tests running
+/// at once would count each other.
 #[tokio::test]
+async fn what_stored_records_and_requests_in_flight_cost() {
+    stored_records_cost_no_more_than_charged().await;
+    a_request_in_flight_costs_under_a_kibibyte().await;
+}
+
 async fn a_request_in_flight_costs_under_a_kibibyte() {
     let store = MokaStore::new();
     let fingerprint = Fingerprint::new(&Method::POST, "/commands", None, None, b"");
@@ -103,8 +110,7 @@ async fn a_request_in_flight_costs_under_a_kibibyte() {
     assert!(per_claim < 1024.0, "a claim costs {per_claim:.0} bytes");
 }
 
-#[tokio::test]
-async fn the_weight_charged_per_entry_covers_what_it_really_costs() {
+async fn stored_records_cost_no_more_than_charged() {
     for size in [0usize, 1024] {
         let store = MokaStore::new();
         let body = Bytes::from(vec![b'x'; size]);
