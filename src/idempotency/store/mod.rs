@@ -2,6 +2,8 @@
 //! its embedded implementation, [`MokaStore`].
 
 mod moka;
+#[cfg(feature = "redis")]
+mod redis;
 
 use std::{
     future::Future,
@@ -13,6 +15,10 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
 pub use self::moka::{MokaStore, MokaStoreBuilder, DEFAULT_MAX_BYTES, ENTRY_OVERHEAD_BYTES};
+#[cfg(feature = "redis")]
+pub use self::redis::{
+    RedisStore, RedisStoreBuilder, DEFAULT_COMMAND_TIMEOUT, DEFAULT_REDIS_PREFIX,
+};
 use super::{AttemptId, Fingerprint, ScopeKey};
 
 /// A record store for the idempotency layer, shared behind an `Arc`.
@@ -101,8 +107,9 @@ pub enum Begin {
 /// A claim on a scope, unique to one [`Begin::Claimed`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
-    /// The claim's unique value (a fencing token).
-    pub token: u64,
+    /// The claim's unique value (a fencing token): a counter in memory, 128 random
+    /// bits in Redis.
+    pub token: u128,
     /// When the claiming request arrived.
     pub first_seen: SystemTime,
 }

@@ -210,7 +210,7 @@ type BuildScopeHasher = BuildHasherDefault<ScopeHasher>;
 
 /// A request in flight.
 struct InFlight {
-    token: u64,
+    token: u128,
     fingerprint: Fingerprint,
     first_seen: SystemTime,
     epoch: Option<u64>,
@@ -303,7 +303,7 @@ impl IdempotencyStore for MokaStore {
             if shard.len() >= IN_FLIGHT_SWEEP_AT {
                 shard.retain(|_, claim| claim.holds(now));
             }
-            let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+            let token = u128::from(self.next_token.fetch_add(1, Ordering::Relaxed));
             let (settled, _) = watch::channel(());
             shard.insert(
                 *scope,

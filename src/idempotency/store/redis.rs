@@ -1,0 +1,629 @@
+use std::{
+    sync::Arc,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, StatusCode};
+use moka::{future::Cache, policy::EvictionPolicy, Expiry};
+use redis::{
+    aio::{ConnectionManager, ConnectionManagerConfig},
+    Script,
+};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    Begin, Claim, Clock, IdempotencyStore, Lease, Record, Settled, StoreError, StoredResponse,
+    SystemClock,
+};
+use crate::idempotency::{AttemptId, Fingerprint, ScopeKey};
+
+/// Default prefix of the store's Redis keys.
+pub const DEFAULT_REDIS_PREFIX: &str = "tower-ids:idem:";
+
+/// Default bound on one Redis command: 250 ms. Redis answers in well under a
+/// millisecond on a healthy network; past this the store is failing, and the layer
+/// answers by its store-failure rule rather than hang the request.
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// Bytes of fencing token at the head of a claim's value.
+const TOKEN_LEN: usize = 16;
+
+/// Claims the scope unless a record or a live claim holds it; counts the request.
+/// KEYS: record, claim, count. ARGV: claim value, lease ms.
+/// Returns {kind, value, count, record ms left}: kind 0 claimed, 1 record, 2 in flight.
+const BEGIN: &str = r"
+local record = redis.call('GET', KEYS[1])
+if record then
+  local n = redis.call('INCR', KEYS[3])
+  return {1, record, n, redis.call('PTTL', KEYS[1])}
+end
+local claim = redis.call('GET', KEYS[2])
+if claim then
+  return {2, claim, redis.call('INCR', KEYS[3]), 0}
+end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+local n = redis.call('INCR', KEYS[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
+return {0, '', n, 0}
+";
+
+/// Stores the record if the claim still carries this token.
+/// KEYS: record, claim, count. ARGV: token, record, ttl ms.
+const COMPLETE: &str = r"
+local claim = redis.call('GET', KEYS[2])
+if not claim or string.sub(claim, 1, 16) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('DEL', KEYS[2])
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+return 1
+";
+
+/// Drops the claim if it still carries this token.
+/// KEYS: claim. ARGV: token.
+const RELEASE: &str = r"
+local claim = redis.call('GET', KEYS[1])
+if not claim or string.sub(claim, 1, 16) ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+return 1
+";
+
+/// A store in Redis (or Valkey), shared by every replica of a service, so a retry that
+/// lands on another replica is still a duplicate.
+///
+/// Every state change is one Lua script, atomic on the server: claiming a key (a claim
+/// key with the lease as its expiry, holding a random 128-bit fencing token),
+/// completing it and releasing it (both only while the claim still carries the
+/// worker's token, so a worker whose lease ran out can never overwrite the record of
+/// the one that took over), and counting requests. Records are encoded with postcard
+/// (binary: status, every header in order, body, first-seen time, attempt ID, epoch,
+/// fingerprint) and expire with the TTL. Keys are
+/// `{prefix}{<scope digest in hex>}:r|c|n`: the scope digest, never the client's
+/// identity or the raw key; the braces keep one scope's keys in one cluster slot.
+///
+/// Waiting for a request in flight polls with backoff (5 ms doubling to 100 ms) up to
+/// the wait timeout, so it works across replicas without a subscription.
+///
+/// Every command is bounded by [`command_timeout`](RedisStoreBuilder::command_timeout);
+/// a timeout or a lost connection is a [`StoreError`], and the connection manager
+/// reconnects by itself when Redis comes back.
+///
+/// # Clone
+///
+/// Clones share one connection manager and the optional local cache.
+#[derive(Clone)]
+pub struct RedisStore {
+    connection: ConnectionManager,
+    prefix: Arc<str>,
+    command_timeout: Duration,
+    local: Option<Cache<ScopeKey, Local>>,
+    clock: Arc<dyn Clock>,
+    begin: Arc<Script>,
+    complete: Arc<Script>,
+    release: Arc<Script>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .field("command_timeout", &self.command_timeout)
+            .field("local_cache", &self.local.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`RedisStore`].
+#[must_use]
+pub struct RedisStoreBuilder {
+    url: String,
+    prefix: String,
+    command_timeout: Duration,
+    local_cache_bytes: Option<u64>,
+    clock: Arc<dyn Clock>,
+}
+
+impl RedisStoreBuilder {
+    /// The prefix of every key the store writes. Default [`DEFAULT_REDIS_PREFIX`].
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest a Redis command may take. Default [`DEFAULT_COMMAND_TIMEOUT`].
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// Keep completed records in a local moka cache of at most `max_bytes` (weighed as
+    /// the [`MokaStore`](super::MokaStore) weighs them), so a replay on this replica
+    /// skips fetching and decoding the record; the request is still counted in Redis.
+    /// A completed record never changes, so the cache is never stale; an entry lives no
+    /// longer than the record's TTL in Redis. Off by default.
+    pub fn local_cache(mut self, max_bytes: u64) -> Self {
+        self.local_cache_bytes = Some(max_bytes);
+        self
+    }
+
+    /// The clock for first-seen times. Default the system clock. (Expiry is Redis's
+    /// own.)
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Connects. Fails if the URL is invalid or Redis cannot be reached now; once
+    /// connected, the store reconnects by itself.
+    pub async fn build(self) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(self.url.as_str())
+            .map_err(|e| StoreError::with_source("invalid Redis URL", e))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.command_timeout))
+            .set_response_timeout(Some(self.command_timeout))
+            .set_max_delay(Duration::from_secs(1));
+        let connection = tokio::time::timeout(
+            self.command_timeout * 4,
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| StoreError::new("timed out connecting to Redis"))?
+        .map_err(|e| StoreError::with_source("could not connect to Redis", e))?;
+        let local = self.local_cache_bytes.map(|max_bytes| {
+            Cache::builder()
+                .eviction_policy(EvictionPolicy::lru())
+                .max_capacity(max_bytes)
+                .weigher(|_: &ScopeKey, local: &Local| local.weight)
+                .expire_after(LocalExpiry)
+                .build()
+        });
+        Ok(RedisStore {
+            connection,
+            prefix: self.prefix.into(),
+            command_timeout: self.command_timeout,
+            local,
+            clock: self.clock,
+            begin: Arc::new(Script::new(BEGIN)),
+            complete: Arc::new(Script::new(COMPLETE)),
+            release: Arc::new(Script::new(RELEASE)),
+        })
+    }
+}
+
+impl RedisStore {
+    /// A builder for a store at `url` (`redis://host:port/db`).
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            url: url.into(),
+            prefix: DEFAULT_REDIS_PREFIX.to_owned(),
+            command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            local_cache_bytes: None,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// Connects to `url` with the defaults.
+    pub async fn connect(url: impl Into<String>) -> Result<Self, StoreError> {
+        Self::builder(url).build().await
+    }
+
+    fn keys(&self, scope: &ScopeKey) -> [String; 3] {
+        let base = format!("{}{{{}}}", self.prefix, hex::encode(scope.as_bytes()));
+        [
+            format!("{base}:r"),
+            format!("{base}:c"),
+            format!("{base}:n"),
+        ]
+    }
+
+    /// Runs one command under the command timeout.
+    async fn bounded<T>(
+        &self,
+        what: &'static str,
+        command: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.command_timeout, command).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => Err(StoreError::with_source(what, error)),
+            Err(_) => Err(StoreError::new(format!(
+                "{what}: timed out after {:?}",
+                self.command_timeout
+            ))),
+        }
+    }
+
+    fn remember(&self, scope: &ScopeKey, record: &Arc<Record>, ttl: Duration) {
+        if let Some(local) = &self.local {
+            let entry = Local {
+                record: record.clone(),
+                expires_at: Instant::now() + ttl,
+                weight: u32::try_from(record.weight())
+                    .unwrap_or(u32::MAX)
+                    .saturating_add(super::ENTRY_OVERHEAD_BYTES),
+            };
+            let local = local.clone();
+            let scope = *scope;
+            // Filling the cache never delays the request.
+            tokio::spawn(async move { local.insert(scope, entry).await });
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Local {
+    record: Arc<Record>,
+    expires_at: Instant,
+    weight: u32,
+}
+
+struct LocalExpiry;
+
+impl Expiry<ScopeKey, Local> for LocalExpiry {
+    fn expire_after_create(&self, _: &ScopeKey, local: &Local, now: Instant) -> Option<Duration> {
+        Some(local.expires_at.saturating_duration_since(now))
+    }
+}
+
+impl IdempotencyStore for RedisStore {
+    async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
+        let [record_key, claim_key, count_key] = self.keys(scope);
+        let mut connection = self.connection.clone();
+        if let Some(local) = &self.local {
+            if let Some(hit) = local.get(scope).await {
+                let request_count: u64 = self
+                    .bounded(
+                        "counting a request in Redis",
+                        redis::cmd("INCR")
+                            .arg(&count_key)
+                            .query_async(&mut connection),
+                    )
+                    .await?;
+                return Ok(Begin::Completed {
+                    record: hit.record,
+                    request_count,
+                });
+            }
+        }
+        let now = self.clock.now();
+        let token: u128 = rand::random();
+        let mut value = token.to_be_bytes().to_vec();
+        value.extend(encode(&ClaimInfo {
+            fingerprint: *claim.fingerprint.as_bytes(),
+            first_seen_ms: millis(now),
+            epoch: claim.epoch,
+        })?);
+        let lease_ms = claim.lease.as_millis().max(1) as u64;
+        let (kind, data, request_count, record_ms): (i64, Vec<u8>, u64, i64) = self
+            .bounded(
+                "claiming a key in Redis",
+                self.begin
+                    .key(&record_key)
+                    .key(&claim_key)
+                    .key(&count_key)
+                    .arg(&value)
+                    .arg(lease_ms)
+                    .invoke_async(&mut connection),
+            )
+            .await?;
+        match kind {
+            0 => Ok(Begin::Claimed {
+                lease: Lease {
+                    token,
+                    first_seen: now,
+                },
+            }),
+            1 => {
+                let record = Arc::new(decode_record(&data)?);
+                let ttl = Duration::from_millis(u64::try_from(record_ms).unwrap_or(0));
+                self.remember(scope, &record, ttl);
+                Ok(Begin::Completed {
+                    record,
+                    request_count,
+                })
+            }
+            _ => {
+                let info: ClaimInfo = decode(data.get(TOKEN_LEN..).unwrap_or_default())?;
+                Ok(Begin::InFlight {
+                    fingerprint: Fingerprint::from_bytes(info.fingerprint),
+                    first_seen: from_millis(info.first_seen_ms),
+                    epoch: info.epoch,
+                    request_count,
+                })
+            }
+        }
+    }
+
+    async fn complete(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+        record: Record,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let [record_key, claim_key, count_key] = self.keys(scope);
+        let encoded = encode_record(&record)?;
+        let mut connection = self.connection.clone();
+        let stored: i64 = self
+            .bounded(
+                "storing a record in Redis",
+                self.complete
+                    .key(&record_key)
+                    .key(&claim_key)
+                    .key(&count_key)
+                    .arg(lease_token(lease))
+                    .arg(encoded)
+                    .arg(ttl.as_millis().max(1) as u64)
+                    .invoke_async(&mut connection),
+            )
+            .await?;
+        if stored == 1 {
+            self.remember(scope, &Arc::new(record), ttl);
+        }
+        Ok(stored == 1)
+    }
+
+    async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
+        let [_, claim_key, _] = self.keys(scope);
+        let mut connection = self.connection.clone();
+        let released: i64 = self
+            .bounded(
+                "releasing a key in Redis",
+                self.release
+                    .key(&claim_key)
+                    .arg(lease_token(lease))
+                    .invoke_async(&mut connection),
+            )
+            .await?;
+        Ok(released == 1)
+    }
+
+    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
+        let [record_key, claim_key, _] = self.keys(scope);
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut pause = Duration::from_millis(5);
+        loop {
+            let mut connection = self.connection.clone();
+            let (record, claim): (Option<Vec<u8>>, Option<Vec<u8>>) = self
+                .bounded(
+                    "polling a key in Redis",
+                    redis::cmd("MGET")
+                        .arg(&record_key)
+                        .arg(&claim_key)
+                        .query_async(&mut connection),
+                )
+                .await?;
+            match (record, claim) {
+                (Some(record), _) => {
+                    return Ok(Settled::Completed {
+                        record: Arc::new(decode_record(&record)?),
+                    })
+                }
+                (None, None) => return Ok(Settled::Released),
+                (None, Some(_)) => {}
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(Settled::TimedOut);
+            }
+            tokio::time::sleep(pause.min(deadline - now)).await;
+            pause = (pause * 2).min(Duration::from_millis(100));
+        }
+    }
+}
+
+/// The lease's fencing token as the 16 bytes the claim starts with.
+fn lease_token(lease: &Lease) -> Vec<u8> {
+    lease.token.to_be_bytes().to_vec()
+}
+
+#[derive(Serialize, Deserialize)]
+struct ClaimInfo {
+    fingerprint: [u8; 32],
+    first_seen_ms: u64,
+    epoch: Option<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct EncodedRecord {
+    fingerprint: [u8; 32],
+    first_seen_ms: u64,
+    original_attempt: Option<Vec<u8>>,
+    epoch: Option<u64>,
+    response: Option<EncodedResponse>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct EncodedResponse {
+    status: u16,
+    headers: Vec<(Vec<u8>, Vec<u8>)>,
+    body: Vec<u8>,
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
+    postcard::to_stdvec(value).map_err(|e| StoreError::with_source("could not encode", e))
+}
+
+fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, StoreError> {
+    postcard::from_bytes(bytes).map_err(|e| StoreError::with_source("corrupt value in Redis", e))
+}
+
+fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
+    encode(&EncodedRecord {
+        fingerprint: *record.fingerprint.as_bytes(),
+        first_seen_ms: millis(record.first_seen),
+        original_attempt: record
+            .original_attempt
+            .as_ref()
+            .map(|a| a.to_header_value().as_bytes().to_vec()),
+        epoch: record.epoch,
+        response: record.response.as_ref().map(|response| EncodedResponse {
+            status: response.status.as_u16(),
+            headers: response
+                .headers
+                .iter()
+                .map(|(name, value)| (name.as_str().as_bytes().to_vec(), value.as_bytes().to_vec()))
+                .collect(),
+            body: response.body.to_vec(),
+        }),
+    })
+}
+
+fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
+    let encoded: EncodedRecord = decode(bytes)?;
+    let corrupt = |what: &str| StoreError::new(format!("corrupt record in Redis: {what}"));
+    let response = match encoded.response {
+        None => None,
+        Some(response) => Some(StoredResponse {
+            status: StatusCode::from_u16(response.status).map_err(|_| corrupt("status"))?,
+            headers: response
+                .headers
+                .into_iter()
+                .map(|(name, value)| {
+                    Ok((
+                        HeaderName::from_bytes(&name).map_err(|_| corrupt("header name"))?,
+                        HeaderValue::from_bytes(&value).map_err(|_| corrupt("header value"))?,
+                    ))
+                })
+                .collect::<Result<_, StoreError>>()?,
+            body: Bytes::from(response.body),
+        }),
+    };
+    let original_attempt = match encoded.original_attempt {
+        None => None,
+        Some(bytes) => Some(AttemptId::from_header_value(
+            HeaderValue::from_bytes(&bytes).map_err(|_| corrupt("attempt id"))?,
+        )),
+    };
+    Ok(Record {
+        fingerprint: Fingerprint::from_bytes(encoded.fingerprint),
+        first_seen: from_millis(encoded.first_seen_ms),
+        original_attempt,
+        epoch: encoded.epoch,
+        response,
+    })
+}
+
+fn millis(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn from_millis(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use http::Method;
+
+    use super::*;
+    use crate::idempotency::IdempotencyKey;
+
+    #[test]
+    fn records_round_trip_through_the_encoding() {
+        let record = Record {
+            fingerprint: Fingerprint::new(&Method::POST, "/a", Some("q=1"), None, b"body"),
+            first_seen: from_millis(1_795_000_000_123),
+            original_attempt: Some(AttemptId::from_header_value(HeaderValue::from_static("2"))),
+            epoch: Some(7),
+            response: Some(StoredResponse {
+                status: StatusCode::CREATED,
+                headers: vec![
+                    (
+                        HeaderName::from_static("set-cookie"),
+                        HeaderValue::from_static("a=1"),
+                    ),
+                    (
+                        HeaderName::from_static("x-multi"),
+                        HeaderValue::from_static("one"),
+                    ),
+                    (
+                        HeaderName::from_static("set-cookie"),
+                        HeaderValue::from_static("b=2"),
+                    ),
+                ],
+                body: Bytes::from_static(b"{\"id\":1}"),
+            }),
+        };
+        let encoded = encode_record(&record).unwrap();
+        let decoded = decode_record(&encoded).unwrap();
+        assert_eq!(decoded.fingerprint, record.fingerprint);
+        assert_eq!(decoded.first_seen, record.first_seen);
+        assert_eq!(decoded.epoch, Some(7));
+        assert_eq!(decoded.original_attempt.unwrap().as_str(), "2");
+        let response = decoded.response.unwrap();
+        assert_eq!(response.status, StatusCode::CREATED);
+        assert_eq!(response.headers, record.response.as_ref().unwrap().headers);
+        assert_eq!(response.body, Bytes::from_static(b"{\"id\":1}"));
+        // Compact: a few bytes of framing around the content.
+        assert!(
+            encoded.len() < 32 + 8 + 2 + 1 + 2 + 40 + 8 + 20,
+            "{} bytes",
+            encoded.len()
+        );
+        assert!(decode_record(&encoded[..encoded.len() - 1]).is_err());
+    }
+
+    /// Runs against the Redis at `TOWER_IDS_REDIS_URL` when it is set; the full suite
+    /// with its own redis-server is `tests/redis`.
+    #[tokio::test]
+    async fn claim_complete_replay_against_a_live_redis() {
+        let Ok(url) = std::env::var("TOWER_IDS_REDIS_URL") else {
+            return;
+        };
+        let store = RedisStore::builder(url)
+            .prefix("unit:")
+            .build()
+            .await
+            .unwrap();
+        let key = IdempotencyKey::parse(format!("k-{}", rand::random::<u64>()).as_bytes()).unwrap();
+        let scope = ScopeKey::new(None, &Method::POST, "/", None, &key);
+        let claim = Claim {
+            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+            lease: Duration::from_secs(5),
+            epoch: None,
+        };
+        let Begin::Claimed { lease } = store.begin(&scope, claim.clone()).await.unwrap() else {
+            panic!("claimed");
+        };
+        assert!(matches!(
+            store.begin(&scope, claim.clone()).await.unwrap(),
+            Begin::InFlight {
+                request_count: 2,
+                ..
+            }
+        ));
+        let record = Record {
+            fingerprint: claim.fingerprint,
+            first_seen: lease.first_seen,
+            original_attempt: None,
+            epoch: None,
+            response: None,
+        };
+        let stranger = Lease {
+            token: lease.token ^ 1,
+            first_seen: lease.first_seen,
+        };
+        let ttl = Duration::from_secs(5);
+        assert!(!store
+            .complete(&scope, &stranger, record.clone(), ttl)
+            .await
+            .unwrap());
+        assert!(store.complete(&scope, &lease, record, ttl).await.unwrap());
+        assert!(matches!(
+            store.begin(&scope, claim).await.unwrap(),
+            Begin::Completed {
+                request_count: 3,
+                ..
+            }
+        ));
+        assert!(matches!(
+            store.wait(&scope, Duration::from_millis(10)).await.unwrap(),
+            Settled::Completed { .. }
+        ));
+    }
+}
