@@ -71,6 +71,8 @@
 //!   fails releases the key; waiters get `409` `idempotency.original_failed`.
 //! - **TTL** 24 h ([`DEFAULT_TTL`]); a **lease** of 60 s ([`DEFAULT_LEASE`]) on requests
 //!   in flight, so a lost worker never locks a key for a day. Expired keys run again.
+//! - **Stores**: [`MokaStore`] in process (the default), or `RedisStore` (feature
+//!   `redis`) for a service that runs as several replicas.
 //! - **Store failure**: `503` and nothing runs (fail closed, the default), or run
 //!   without deduplication with a WARN ([`StoreFailure::FailOpen`]).
 //! - **Epoch binding** (optional, [`epoch`](IdempotencyLayer::epoch)): the control
