@@ -1,0 +1,580 @@
+//! The Redis store through real `redis-server` processes and real axum servers on
+//! 127.0.0.1: two replicas sharing one Redis, a lease that runs out, Redis killed and
+//! restarted under a running layer, and records that expire in Redis.
+//!
+//! Each test starts its own `redis-server` from `PATH` on a free loopback port in a
+//! temporary directory, without persistence, and kills it when the test ends. Without
+//! `redis-server` the tests print `SKIPPED` and pass, except in CI (the `CI` variable
+//! set), where they must run and fail instead.
+#![allow(missing_docs)]
+
+#[path = "../support/mod.rs"]
+mod support;
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant, SystemTime},
+};
+
+use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, StatusCode};
+use serde_json::json;
+use support::{client, send, serve, try_send, HttpClient, Reply};
+use tower_ids::{
+    correlation::CorrelationLayer,
+    idempotency::{
+        store::{Begin, Claim, IdempotencyStore, Record, RedisStore, StoredResponse},
+        Fingerprint, IdempotencyLayer, InFlight, ScopeKey, StoreFailure,
+    },
+};
+
+/// A `redis-server` child process on 127.0.0.1, killed (and its directory removed) on
+/// drop.
+struct RedisServer {
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+/// How long a starting `redis-server` has to accept connections.
+const STARTUP: Duration = Duration::from_secs(10);
+
+impl RedisServer {
+    /// Starts one, or returns `None` (after saying so loudly) when `redis-server` is
+    /// not on `PATH` and this is not CI.
+    fn start() -> Option<Self> {
+        let found = Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success());
+        if !found {
+            if std::env::var_os("CI").is_some() {
+                panic!("redis-server is not on PATH, and CI is set: the Redis tests must run");
+            }
+            eprintln!("SKIPPED: redis-server not on PATH; these tests did not run");
+            return None;
+        }
+
+        // A free port can be taken between our probe and redis binding it: try again
+        // with another.
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let dir = std::env::temp_dir().join(format!(
+                "tower-ids-redis-{}-{port}-{}",
+                std::process::id(),
+                SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos()
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut server = Self {
+                port,
+                dir,
+                child: None,
+            };
+            match server.spawn() {
+                Ok(()) => return Some(server),
+                Err(error) => last_error = error,
+            }
+        }
+        panic!("redis-server did not start: {last_error}");
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the process on `self.port` and waits until it answers `PING`.
+    fn spawn(&mut self) -> Result<(), String> {
+        assert!(self.child.is_none(), "already running");
+        let mut child = Command::new("redis-server")
+            .arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot spawn redis-server: {e}"))?;
+        let deadline = Instant::now() + STARTUP;
+        while Instant::now() < deadline {
+            if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+                return Err(format!("redis-server exited with {status}"));
+            }
+            if ping(self.port) {
+                self.child = Some(child);
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        Err(format!(
+            "redis-server did not answer PING within {STARTUP:?}"
+        ))
+    }
+
+    /// Kills the process (SIGKILL: no shutdown, connections just drop).
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port, empty.
+    fn restart(&mut self) {
+        self.kill();
+        // The old socket may linger for a moment; redis binds with SO_REUSEADDR, but
+        // give a failed bind a few more tries.
+        let mut last_error = String::new();
+        for _ in 0..20 {
+            match self.spawn() {
+                Ok(()) => return,
+                Err(error) => last_error = error,
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!(
+            "redis-server did not restart on port {}: {last_error}",
+            self.port
+        );
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Whether a Redis on `port` answers `PING` with `+PONG`.
+fn ping(port: u16) -> bool {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_millis(100)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut reply = [0; 7];
+    stream.write_all(b"PING\r\n").is_ok()
+        && stream.read_exact(&mut reply).is_ok()
+        && &reply == b"+PONG\r\n"
+}
+
+/// How many times the handler ran, shared by every replica.
+#[derive(Clone, Default)]
+struct Runs(Arc<AtomicUsize>);
+
+impl Runs {
+    fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// The handler: counts its run, sleeps `x-delay-ms` if sent, answers 201 with
+/// repeated headers and a body naming the run and the replica.
+async fn handler(
+    State((runs, replica)): State<(Runs, &'static str)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let run = runs.0.fetch_add(1, Ordering::SeqCst) + 1;
+    if let Some(ms) = headers.get("x-delay-ms") {
+        let ms = ms.to_str().unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let body = json!({
+        "run": run,
+        "replica": replica,
+        "echo": String::from_utf8_lossy(&body),
+    })
+    .to_string();
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .header("x-multi", "one")
+        .header("x-replica", replica)
+        .header("x-multi", "two")
+        .header("x-multi", "three")
+        .header("x-run", run)
+        .body(axum::body::Body::from(body))
+        .unwrap()
+}
+
+/// A replica: its own `RedisStore` built from `url`, its own axum server.
+struct Replica {
+    url: String,
+    client: HttpClient,
+}
+
+impl Replica {
+    async fn start(
+        redis_url: &str,
+        runs: &Runs,
+        name: &'static str,
+        configure: impl Fn(IdempotencyLayer<RedisStore>) -> IdempotencyLayer<RedisStore>,
+    ) -> Self {
+        let store = RedisStore::builder(redis_url)
+            .command_timeout(Duration::from_millis(250))
+            .build()
+            .await
+            .expect("Redis is up");
+        let layer = configure(IdempotencyLayer::with_store(store));
+        let router = Router::new()
+            .route("/commands", post(handler).layer(layer.clone()))
+            .route(
+                "/open",
+                post(handler).layer(layer.on_store_failure(StoreFailure::FailOpen)),
+            )
+            .with_state((runs.clone(), name))
+            .layer(CorrelationLayer::new());
+        let addr = serve(router).await;
+        Self {
+            url: format!("http://{addr}"),
+            client: client(),
+        }
+    }
+
+    async fn post(&self, path: &str, key: &str) -> Reply {
+        self.post_with(path, key, &[]).await
+    }
+
+    async fn post_with(&self, path: &str, key: &str, extra: &[(&str, &str)]) -> Reply {
+        let mut headers = vec![
+            ("idempotency-key", key),
+            ("content-type", "application/json"),
+        ];
+        headers.extend_from_slice(extra);
+        send(
+            &self.client,
+            "POST",
+            format!("{}{path}", self.url),
+            &headers,
+            BODY,
+        )
+        .await
+    }
+}
+
+const BODY: &str = r#"{"device_id":"d-1","name":"reboot"}"#;
+
+fn all(reply: &Reply, name: &str) -> Vec<String> {
+    reply
+        .headers
+        .get_all(name)
+        .iter()
+        .map(|v| v.to_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Every header but the per-attempt ones, in order, repeats kept.
+fn stored_headers(reply: &Reply) -> Vec<(String, String)> {
+    const PER_ATTEMPT: [&str; 7] = [
+        "x-correlation-id",
+        "attempt-id",
+        "date",
+        "idempotent-replayed",
+        "idempotency-first-seen",
+        "idempotency-request-count",
+        "original-attempt-id",
+    ];
+    reply
+        .headers
+        .iter()
+        .filter(|(name, _)| !PER_ATTEMPT.contains(&name.as_str()))
+        .map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_owned()))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_retry_on_another_replica_replays_the_first_response() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let runs = Runs::default();
+    let a = Replica::start(&redis.url(), &runs, "a", |layer| layer).await;
+    let b = Replica::start(&redis.url(), &runs, "b", |layer| layer).await;
+    let key = "0193c4a2-7b1e-7cc0-9a51-3f2d6c1e8b47";
+
+    let first = a.post_with("/commands", key, &[("attempt-id", "1")]).await;
+    let retry = b.post_with("/commands", key, &[("attempt-id", "2")]).await;
+    let again = a.post("/commands", key).await;
+
+    assert_eq!(runs.get(), 1, "the handler ran once across both replicas");
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.header("idempotent-replayed"), Some("false"));
+    assert_eq!(first.header("x-replica"), Some("a"));
+
+    assert_eq!(retry.status, first.status);
+    assert_eq!(retry.body, first.body, "byte for byte");
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.header("x-replica"), Some("a"), "A's response, from B");
+    assert_eq!(all(&retry, "x-multi"), ["one", "two", "three"]);
+    assert_eq!(stored_headers(&retry), stored_headers(&first));
+    assert_eq!(retry.header("original-attempt-id"), Some("1"));
+    assert_eq!(retry.header("attempt-id"), Some("2"));
+    assert_eq!(retry.header("idempotency-request-count"), Some("2"));
+    let first_seen =
+        httpdate::parse_http_date(retry.header("idempotency-first-seen").unwrap()).unwrap();
+    let age = SystemTime::now().duration_since(first_seen).unwrap();
+    assert!(age < Duration::from_secs(5), "first seen {age:?} ago");
+
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(again.header("idempotency-request-count"), Some("3"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_over_both_replicas_run_once() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let runs = Runs::default();
+    let wait = |layer: IdempotencyLayer<RedisStore>| {
+        layer.in_flight(InFlight::Wait {
+            timeout: Duration::from_secs(10),
+        })
+    };
+    let replicas = Arc::new([
+        Replica::start(&redis.url(), &runs, "a", wait).await,
+        Replica::start(&redis.url(), &runs, "b", wait).await,
+    ]);
+    const KEYS: usize = 20;
+    const REQUESTS: usize = 200;
+
+    let tasks: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let replicas = replicas.clone();
+            tokio::spawn(async move {
+                let key = format!("burst-{}", i % KEYS);
+                let reply = replicas[(i / KEYS) % 2]
+                    .post_with("/commands", &key, &[("x-delay-ms", "100")])
+                    .await;
+                (i % KEYS, reply)
+            })
+        })
+        .collect();
+    let mut by_key: Vec<Vec<Reply>> = (0..KEYS).map(|_| Vec::new()).collect();
+    for task in tasks {
+        let (key, reply) = task.await.unwrap();
+        by_key[key].push(reply);
+    }
+
+    assert_eq!(runs.get(), KEYS, "one execution per key");
+    for (key, replies) in by_key.iter().enumerate() {
+        assert_eq!(replies.len(), REQUESTS / KEYS);
+        let original: Vec<_> = replies
+            .iter()
+            .filter(|r| r.header("idempotent-replayed") == Some("false"))
+            .collect();
+        assert_eq!(original.len(), 1, "key {key}: one original response");
+        for reply in replies {
+            assert_eq!(reply.status, StatusCode::CREATED, "key {key}: {reply:?}");
+            assert_eq!(reply.body, original[0].body, "key {key}: same body");
+            assert_eq!(stored_headers(reply), stored_headers(original[0]));
+        }
+    }
+}
+
+fn response(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: vec![
+            (
+                HeaderName::from_static("x-multi"),
+                HeaderValue::from_static("one"),
+            ),
+            (
+                HeaderName::from_static("x-multi"),
+                HeaderValue::from_static("two"),
+            ),
+        ],
+        body: Bytes::from_static(body.as_bytes()),
+    }
+}
+
+#[tokio::test]
+async fn a_worker_whose_lease_ran_out_cannot_clobber_the_new_record() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::connect(redis.url()).await.unwrap();
+    let scope = ScopeKey::from_bytes([7; 32]);
+    let fingerprint = Fingerprint::from_bytes([1; 32]);
+    let claim = Claim {
+        fingerprint,
+        lease: Duration::from_millis(200),
+        epoch: None,
+    };
+    let record = |body| Record {
+        fingerprint,
+        first_seen: SystemTime::now(),
+        original_attempt: None,
+        epoch: None,
+        response: Some(response(body)),
+    };
+    let ttl = Duration::from_secs(60);
+
+    let Begin::Claimed { lease: stale } = store.begin(&scope, claim.clone()).await.unwrap() else {
+        panic!("the first begin claims");
+    };
+    match store.begin(&scope, claim.clone()).await.unwrap() {
+        Begin::InFlight { request_count, .. } => assert_eq!(request_count, 2),
+        other => panic!("within the lease the scope is in flight: {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let Begin::Claimed { lease: fresh } = store.begin(&scope, claim.clone()).await.unwrap() else {
+        panic!("after the lease ran out, a second worker claims");
+    };
+    assert_ne!(stale.token, fresh.token, "every claim has its own token");
+    assert!(store
+        .complete(&scope, &fresh, record("second"), ttl)
+        .await
+        .unwrap());
+    assert!(
+        !store
+            .complete(&scope, &stale, record("first"), ttl)
+            .await
+            .unwrap(),
+        "the stale worker's complete is refused"
+    );
+    assert!(
+        !store.release(&scope, &stale).await.unwrap(),
+        "and so is its release"
+    );
+
+    match store.begin(&scope, claim).await.unwrap() {
+        Begin::Completed { record, .. } => {
+            let stored = record.response.as_ref().unwrap();
+            assert_eq!(stored.body, "second", "the second worker's record stands");
+            assert_eq!(stored.status, StatusCode::CREATED);
+            let headers: Vec<_> = stored
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
+                .collect();
+            assert_eq!(headers, [("x-multi", "one"), ("x-multi", "two")]);
+        }
+        other => panic!("a third begin sees the record: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_fails_within_the_timeout_and_the_layer_recovers() {
+    let Some(mut redis) = RedisServer::start() else {
+        return;
+    };
+    let runs = Runs::default();
+    let replica = Replica::start(&redis.url(), &runs, "a", |layer| layer).await;
+
+    let up = replica.post("/commands", "before").await;
+    assert_eq!(up.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1);
+
+    redis.kill();
+    for i in 0..3 {
+        let started = Instant::now();
+        let closed = replica.post("/commands", &format!("down-{i}")).await;
+        let elapsed = started.elapsed();
+        assert_eq!(
+            closed.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "fail closed"
+        );
+        assert_eq!(closed.json()["code"], "idempotency.store_unavailable");
+        assert!(elapsed < Duration::from_secs(2), "503 after {elapsed:?}");
+
+        let started = Instant::now();
+        let open = replica.post("/open", &format!("down-open-{i}")).await;
+        let elapsed = started.elapsed();
+        assert_eq!(open.status, StatusCode::CREATED, "fail open: it runs");
+        assert!(elapsed < Duration::from_secs(2), "ran after {elapsed:?}");
+    }
+    assert_eq!(runs.get(), 1 + 3, "only the fail-open requests ran");
+
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let back = loop {
+        let started = Instant::now();
+        let reply = try_send(
+            &replica.client,
+            "POST",
+            format!("{}/commands", replica.url),
+            &[
+                ("idempotency-key", "after"),
+                ("content-type", "application/json"),
+            ],
+            BODY,
+        )
+        .await
+        .expect("the server answers");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        if reply.status == StatusCode::CREATED || Instant::now() > deadline {
+            break reply;
+        }
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        back.status,
+        StatusCode::CREATED,
+        "the layer works again within 5 s of Redis coming back"
+    );
+    assert_eq!(back.header("idempotent-replayed"), Some("false"));
+    let replay = replica.post("/commands", "after").await;
+    assert_eq!(
+        replay.header("idempotent-replayed"),
+        Some("true"),
+        "{back:?}\n{replay:?}"
+    );
+    assert_eq!(replay.body, back.body);
+    assert_eq!(runs.get(), 1 + 3 + 1);
+}
+
+#[tokio::test]
+async fn a_record_expires_in_redis_after_the_ttl() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let runs = Runs::default();
+    let replica = Replica::start(&redis.url(), &runs, "a", |layer| {
+        layer.ttl(Duration::from_secs(1))
+    })
+    .await;
+
+    let first = replica.post("/commands", "short-lived").await;
+    let within = replica.post("/commands", "short-lived").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let after = replica.post("/commands", "short-lived").await;
+
+    assert_eq!(first.header("idempotent-replayed"), Some("false"));
+    assert_eq!(within.header("idempotent-replayed"), Some("true"));
+    assert_eq!(after.status, StatusCode::CREATED);
+    assert_eq!(after.header("idempotent-replayed"), Some("false"));
+    assert_ne!(after.body, first.body, "it ran again");
+    assert_eq!(runs.get(), 2, "an expired record runs again");
+}
