@@ -13,7 +13,8 @@
 //! (`<id>.Aq9`, see [`CorrelationId::extend_redelivery`]), so one search finds the
 //! request and everything it caused.
 //!
-//! The two `POST` routes carry an [`IdempotencyLayer`] each, sharing one [`MokaStore`]:
+//! The two `POST` routes carry an [`IdempotencyLayer`] each, sharing one [`MokaStore`]
+//! (or, with `--redis-url`, one `RedisStore`, so that several replicas share records):
 //! `POST /commands` requires an `Idempotency-Key`, `POST /commands/{id}/cancel` takes
 //! one if sent. Keys are scoped by the `x-api-key` header (the client), so two clients
 //! may use the same key; a request without `x-api-key` shares one global scope. A retry
@@ -29,6 +30,13 @@
 //!     --addr 127.0.0.1:0 --log-format json --publish-delay-ms 1000
 //! cargo run --release --example commands -- --handler-delay-ms 2000
 //! RUST_LOG=debug cargo run --release --example commands
+//!
+//! # Two replicas sharing one Redis: a retry on either replays the first answer.
+//! redis-server --port 6379 --save '' --appendonly no &
+//! cargo run --release --example commands --features redis -- \
+//!     --addr 127.0.0.1:3000 --redis-url redis://127.0.0.1:6379
+//! cargo run --release --example commands --features redis -- \
+//!     --addr 127.0.0.1:3001 --redis-url redis://127.0.0.1:6379
 //! ```
 //!
 //! | Flag | Default | Meaning |
@@ -38,6 +46,7 @@
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
+//! | `--redis-url` | none (in memory) | with `--features redis`: keep idempotency records in this Redis (or Valkey), shared by every replica started with the same URL; if it cannot be reached at start the service exits, if it goes away later the `POST` routes answer `503` until it is back |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
 //! script can start it on port `0` and grep the log for the URL. `RUST_LOG` sets the
@@ -131,6 +140,7 @@
 //! | `event` | Level | When |
 //! |---|---|---|
 //! | `commands.listening` | INFO | the listener is bound |
+//! | `commands.store` | INFO | where idempotency records are kept: `store` = `memory` or `redis` |
 //! | `commands.created` | INFO | a command was stored and queued |
 //! | `commands.cancelled` | INFO | a command was cancelled |
 //! | `commands.published` | INFO | the publisher sent a command |
@@ -162,7 +172,7 @@ use time::OffsetDateTime;
 use tokio::{net::TcpListener, sync::mpsc, time::Instant};
 use tower_ids::{
     correlation::{CorrelationId, CorrelationLayer},
-    idempotency::{ClientFromHeader, IdempotencyLayer, MokaStore},
+    idempotency::{ClientFromHeader, IdempotencyLayer, IdempotencyStore, MokaStore},
     PROBLEM_JSON,
 };
 use tracing_subscriber::{filter::LevelFilter, EnvFilter};
@@ -194,6 +204,12 @@ struct Args {
     /// Seconds an idempotency key's outcome is replayed.
     #[arg(long, default_value_t = 86_400)]
     idempotency_ttl_secs: u64,
+
+    /// Redis (or Valkey) URL for the idempotency records, shared by every replica
+    /// started with it (`redis://HOST:PORT`); without it, records are kept in memory.
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "URL")]
+    redis_url: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -208,6 +224,17 @@ enum LogFormat {
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
     init_tracing(args.log_format);
+
+    // Connect first: a replica that cannot reach its Redis should not start listening.
+    #[cfg(feature = "redis")]
+    let redis = match &args.redis_url {
+        Some(url) => Some(
+            tower_ids::idempotency::store::RedisStore::connect(url.as_str())
+                .await
+                .map_err(std::io::Error::other)?,
+        ),
+        None => None,
+    };
 
     let commands = Commands::default();
     let (queue, deliveries) = mpsc::channel(QUEUE_CAPACITY);
@@ -226,7 +253,14 @@ async fn main() -> std::io::Result<()> {
         queue,
         handler_delay: Duration::from_millis(args.handler_delay_ms),
     };
-    let app = app(state, Duration::from_secs(args.idempotency_ttl_secs));
+    let ttl = Duration::from_secs(args.idempotency_ttl_secs);
+    #[cfg(feature = "redis")]
+    let app = match redis {
+        Some(store) => app(state, ttl, store, "redis"),
+        None => app(state, ttl, MokaStore::new(), "memory"),
+    };
+    #[cfg(not(feature = "redis"))]
+    let app = app(state, ttl, MokaStore::new(), "memory");
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
@@ -266,11 +300,21 @@ fn init_tracing(format: LogFormat) {
 /// included) gets its own correlation ID. The idempotency layers go on the `POST`
 /// method routers only: `MethodRouter::layer` wraps the methods added before it, so
 /// the `GET` added after it on `/commands` is not covered. Both layers share one
-/// store (clones of a `MokaStore` share its cache); the routes' paths keep their keys
-/// apart.
-fn app(state: AppState, idempotency_ttl: Duration) -> Router {
-    let store = MokaStore::new();
-    let idempotent = IdempotencyLayer::with_store(store.clone())
+/// store (clones of the layer share it, a `MokaStore`'s cache or a `RedisStore`'s
+/// connection); the routes' paths keep their keys apart. `kind` names the store in the
+/// `commands.store` event.
+fn app<St: IdempotencyStore>(
+    state: AppState,
+    idempotency_ttl: Duration,
+    store: St,
+    kind: &'static str,
+) -> Router {
+    tracing::info!(
+        event = "commands.store",
+        store = kind,
+        "idempotency records kept in {kind}"
+    );
+    let idempotent = IdempotencyLayer::with_store(store)
         .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
         .ttl(idempotency_ttl);
 
