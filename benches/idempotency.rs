@@ -9,6 +9,12 @@
 //! - `tower_ids/replay`: the same layer, the same key every iteration: a replay.
 //! - `axum_idempotent/first`, `axum_idempotent/replay`: the same two paths through
 //!   `axum-idempotent` 0.6 on `ruts`' moka session store.
+//! - `tower_ids_redis/first`, `tower_ids_redis/replay`: the `tower_ids` rows with a
+//!   `RedisStore` (defaults, no local cache) on a `redis-server` this bench starts on a
+//!   free loopback port and kills at the end; only with `--features redis` and
+//!   `redis-server` on `PATH` (otherwise a message says the rows were skipped). That
+//!   Redis is capped at 512 MiB with LRU eviction, so `first` at 64 KiB cannot fill
+//!   the machine's memory.
 //!
 //! Every row builds the same request in the loop (POST, a small JSON body,
 //! `content-type`, `idempotency-key`, a session `cookie`), sends it with `oneshot` on a
@@ -42,7 +48,7 @@
 //!   [`KEYS_PER_SESSION`] keys (outside the timing) and deletes the old one; ours writes
 //!   fresh keys into one store bounded at 64 MiB, which evicts.
 //!
-//! Run: `cargo bench --bench idempotency`
+//! Run: `cargo bench --bench idempotency` (add `--features redis` for the Redis rows)
 #![allow(missing_docs)]
 
 use std::{
@@ -316,13 +322,167 @@ fn idempotency(c: &mut Criterion) {
         .enable_all()
         .build()
         .expect("runtime");
+    #[cfg(feature = "redis")]
+    let redis = redis_rows::RedisServer::start();
     let mut group = c.benchmark_group("idempotency");
     for (label, size) in SIZES {
         bare(&mut group, &runtime, label, size);
         tower_ids(&mut group, &runtime, label, size);
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &redis {
+            redis_rows::tower_ids_redis(&mut group, &runtime, label, size, &redis.url());
+        }
         axum_idempotent(&mut group, &runtime, label, size);
     }
     group.finish();
+}
+
+/// The `tower_ids_redis` rows and the `redis-server` they run against.
+#[cfg(feature = "redis")]
+mod redis_rows {
+    use std::{
+        io::{Read, Write},
+        net::{TcpListener, TcpStream},
+        path::PathBuf,
+        process::{Child, Command, Stdio},
+        sync::atomic::{AtomicU64, Ordering},
+        time::{Duration, Instant},
+    };
+
+    use axum::Router;
+    use criterion::black_box;
+    use http::HeaderValue;
+    use tower_ids::idempotency::{store::RedisStore, IdempotencyLayer, IDEMPOTENT_REPLAYED};
+
+    use super::{check, key, request, route, send, Group, DUMMY_COOKIE, PATH, REPLAY_KEY};
+
+    /// A `redis-server` on a free loopback port, without persistence, killed on drop.
+    pub(super) struct RedisServer {
+        port: u16,
+        dir: PathBuf,
+        child: Child,
+    }
+
+    impl RedisServer {
+        /// Starts one, or says why not and returns `None`.
+        pub(super) fn start() -> Option<Self> {
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port();
+            let dir = std::env::temp_dir().join(format!(
+                "tower-ids-bench-redis-{}-{port}",
+                std::process::id()
+            ));
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let child = Command::new("redis-server")
+                .arg("--port")
+                .arg(port.to_string())
+                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(["--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"])
+                .arg("--dir")
+                .arg(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
+            let child = match child {
+                Ok(child) => child,
+                Err(error) => {
+                    eprintln!("SKIPPED tower_ids_redis rows: cannot start redis-server ({error})");
+                    let _ = std::fs::remove_dir_all(&dir);
+                    return None;
+                }
+            };
+            let server = Self { port, dir, child };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !server.ping() {
+                assert!(
+                    Instant::now() < deadline,
+                    "redis-server did not answer PING"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Some(server)
+        }
+
+        pub(super) fn url(&self) -> String {
+            format!("redis://127.0.0.1:{}", self.port)
+        }
+
+        fn ping(&self) -> bool {
+            let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) else {
+                return false;
+            };
+            let mut reply = [0; 7];
+            stream.write_all(b"PING\r\n").is_ok()
+                && stream.read_exact(&mut reply).is_ok()
+                && &reply == b"+PONG\r\n"
+        }
+    }
+
+    impl Drop for RedisServer {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    /// As `tower_ids`, with a `RedisStore` (one per row, on a fresh key prefix).
+    pub(super) fn tower_ids_redis(
+        c: &mut Group<'_>,
+        runtime: &tokio::runtime::Runtime,
+        label: &str,
+        size: usize,
+        url: &str,
+    ) {
+        let cookie = HeaderValue::from_static(DUMMY_COOKIE);
+        let marker = IDEMPOTENT_REPLAYED;
+        let marker = marker.as_str();
+        let store = |row: &str| {
+            runtime
+                .block_on(RedisStore::builder(url).prefix(format!("{row}:")).build())
+                .expect("Redis store")
+        };
+
+        // First execution: a fresh key every iteration; the handler runs every time.
+        let row = format!("tower_ids_redis/first/{label}");
+        let (handler, runs) = route(size);
+        let layer = IdempotencyLayer::with_store(store(&row));
+        let app = Router::new().route(PATH, handler.layer(layer));
+        let next = AtomicU64::new(0);
+        let first = |n| runtime.block_on(send(&app, request(key(n), &cookie)));
+        let n = next.fetch_add(1, Ordering::Relaxed);
+        check(&row, &first(n), size, (marker, Some("false")));
+        check(&row, &first(n), size, (marker, Some("true")));
+        assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+        c.bench_function(&row, |b| {
+            b.to_async(runtime).iter(|| async {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                black_box(send(&app, request(key(n), &cookie)).await)
+            })
+        });
+        assert_eq!(
+            runs.load(Ordering::Relaxed),
+            next.load(Ordering::Relaxed),
+            "{row}: one run per key"
+        );
+
+        // Replay: one warm-up request runs; every iteration replays it from Redis.
+        let row = format!("tower_ids_redis/replay/{label}");
+        let (handler, runs) = route(size);
+        let layer = IdempotencyLayer::with_store(store(&row));
+        let app = Router::new().route(PATH, handler.layer(layer));
+        let once = || runtime.block_on(send(&app, request(key(REPLAY_KEY), &cookie)));
+        check(&row, &once(), size, (marker, Some("false")));
+        check(&row, &once(), size, (marker, Some("true")));
+        c.bench_function(&row, |b| {
+            b.to_async(runtime)
+                .iter(|| async { black_box(send(&app, request(key(REPLAY_KEY), &cookie)).await) })
+        });
+        check(&row, &once(), size, (marker, Some("true")));
+        assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+    }
 }
 
 criterion_group!(benches, idempotency);
