@@ -578,3 +578,58 @@ async fn a_record_expires_in_redis_after_the_ttl() {
     assert_ne!(after.body, first.body, "it ran again");
     assert_eq!(runs.get(), 2, "an expired record runs again");
 }
+
+#[tokio::test]
+async fn the_local_cache_replays_and_counts_in_redis() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let cached = RedisStore::builder(redis.url())
+        .local_cache(1024 * 1024)
+        .build()
+        .await
+        .unwrap();
+    let other_replica = RedisStore::connect(redis.url()).await.unwrap();
+    let scope = ScopeKey::from_bytes([9; 32]);
+    let fingerprint = Fingerprint::from_bytes([2; 32]);
+    let claim = Claim {
+        fingerprint,
+        lease: Duration::from_secs(5),
+        epoch: None,
+    };
+    let Begin::Claimed { lease } = cached.begin(&scope, claim.clone()).await.unwrap() else {
+        panic!("claimed");
+    };
+    let record = Record {
+        fingerprint,
+        first_seen: SystemTime::now(),
+        original_attempt: None,
+        epoch: None,
+        response: Some(response("cached")),
+    };
+    assert!(cached
+        .complete(&scope, &lease, record, Duration::from_secs(60))
+        .await
+        .unwrap());
+    // The local insert happens in the background.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let mut counts = Vec::new();
+    for store in [&cached, &other_replica, &cached] {
+        match store.begin(&scope, claim.clone()).await.unwrap() {
+            Begin::Completed {
+                record,
+                request_count,
+            } => {
+                assert_eq!(record.response.as_ref().unwrap().body, "cached");
+                counts.push(request_count);
+            }
+            other => panic!("a completed record replays: {other:?}"),
+        }
+    }
+    assert_eq!(
+        counts,
+        [2, 3, 4],
+        "every replay is counted in Redis, cached or not"
+    );
+}

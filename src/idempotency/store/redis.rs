@@ -61,6 +61,17 @@ redis.call('PEXPIRE', KEYS[3], ARGV[3])
 return 1
 ";
 
+/// Counts a request for a record this replica already holds; a count key that expired
+/// or was evicted is recreated with the record's remaining time, never without expiry.
+/// KEYS: count. ARGV: ms the record has left.
+const COUNT: &str = r"
+local n = redis.call('INCR', KEYS[1])
+if redis.call('PTTL', KEYS[1]) < 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+return n
+";
+
 /// Drops the claim if it still carries this token.
 /// KEYS: claim. ARGV: token.
 const RELEASE: &str = r"
@@ -105,6 +116,7 @@ pub struct RedisStore {
     begin: Arc<Script>,
     complete: Arc<Script>,
     release: Arc<Script>,
+    count: Arc<Script>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -190,6 +202,7 @@ impl RedisStoreBuilder {
             begin: Arc::new(Script::new(BEGIN)),
             complete: Arc::new(Script::new(COMPLETE)),
             release: Arc::new(Script::new(RELEASE)),
+            count: Arc::new(Script::new(COUNT)),
         })
     }
 }
@@ -274,12 +287,14 @@ impl IdempotencyStore for RedisStore {
         let mut connection = self.connection.clone();
         if let Some(local) = &self.local {
             if let Some(hit) = local.get(scope).await {
+                let left = hit.expires_at.saturating_duration_since(Instant::now());
                 let request_count: u64 = self
                     .bounded(
                         "counting a request in Redis",
-                        redis::cmd("INCR")
-                            .arg(&count_key)
-                            .query_async(&mut connection),
+                        self.count
+                            .key(&count_key)
+                            .arg(left.as_millis().max(1) as u64)
+                            .invoke_async(&mut connection),
                     )
                     .await?;
                 return Ok(Begin::Completed {
@@ -387,15 +402,14 @@ impl IdempotencyStore for RedisStore {
         let mut pause = Duration::from_millis(5);
         loop {
             let mut connection = self.connection.clone();
-            let (record, claim): (Option<Vec<u8>>, Option<Vec<u8>>) = self
-                .bounded(
-                    "polling a key in Redis",
-                    redis::cmd("MGET")
-                        .arg(&record_key)
-                        .arg(&claim_key)
-                        .query_async(&mut connection),
-                )
-                .await?;
+            let mut mget = redis::cmd("MGET");
+            mget.arg(&record_key).arg(&claim_key);
+            let poll = self.bounded("polling a key in Redis", mget.query_async(&mut connection));
+            // The wait ends at its deadline even if Redis is slow to answer.
+            let Ok(polled) = tokio::time::timeout_at(deadline, poll).await else {
+                return Ok(Settled::TimedOut);
+            };
+            let (record, claim): (Option<Vec<u8>>, Option<Vec<u8>>) = polled?;
             match (record, claim) {
                 (Some(record), _) => {
                     return Ok(Settled::Completed {
@@ -431,15 +445,18 @@ struct ClaimInfo {
 struct EncodedRecord {
     fingerprint: [u8; 32],
     first_seen_ms: u64,
-    original_attempt: Option<Vec<u8>>,
+    original_attempt: Option<serde_bytes::ByteBuf>,
     epoch: Option<u64>,
     response: Option<EncodedResponse>,
 }
 
+/// Byte fields as byte strings (`serde_bytes`): one copy each, not a sequence of
+/// single bytes.
 #[derive(Serialize, Deserialize)]
 struct EncodedResponse {
     status: u16,
-    headers: Vec<(Vec<u8>, Vec<u8>)>,
+    headers: Vec<(serde_bytes::ByteBuf, serde_bytes::ByteBuf)>,
+    #[serde(with = "serde_bytes")]
     body: Vec<u8>,
 }
 
@@ -458,14 +475,19 @@ fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
         original_attempt: record
             .original_attempt
             .as_ref()
-            .map(|a| a.to_header_value().as_bytes().to_vec()),
+            .map(|a| serde_bytes::ByteBuf::from(a.to_header_value().as_bytes())),
         epoch: record.epoch,
         response: record.response.as_ref().map(|response| EncodedResponse {
             status: response.status.as_u16(),
             headers: response
                 .headers
                 .iter()
-                .map(|(name, value)| (name.as_str().as_bytes().to_vec(), value.as_bytes().to_vec()))
+                .map(|(name, value)| {
+                    (
+                        serde_bytes::ByteBuf::from(name.as_str().as_bytes()),
+                        serde_bytes::ByteBuf::from(value.as_bytes()),
+                    )
+                })
                 .collect(),
             body: response.body.to_vec(),
         }),
