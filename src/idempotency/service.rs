@@ -163,19 +163,13 @@ where
         let key = match IdempotencyKey::from_headers(request.headers(), &settings.key_headers) {
             Ok(Some(key)) => key,
             Ok(None) if settings.require_key => {
-                tracing::warn!(
-                    event = "idempotency.rejected",
-                    reason = "missing",
-                    status = 400,
-                    "request refused: no idempotency key"
-                );
-                let problem = Problem::new(
-                    StatusCode::BAD_REQUEST,
+                return boxed(ready(refuse(
+                    "missing",
                     "idempotency.key_missing",
                     "Missing idempotency key",
-                    "this route requires an Idempotency-Key header, the same on every retry",
-                );
-                return boxed(ready(finish(problem.into_response(), attempt.as_ref())));
+                    "this route requires an Idempotency-Key header, the same on every retry".into(),
+                    attempt.as_ref(),
+                )));
             }
             Ok(None) => return boxed(pass_through(inner, request, attempt)),
             Err(error) => return boxed(ready(reject_key(&error, attempt.as_ref()))),
@@ -183,19 +177,13 @@ where
         let epoch = match self.epoch.extract_epoch(&request) {
             Ok(epoch) => epoch,
             Err(error) => {
-                tracing::warn!(
-                    event = "idempotency.rejected",
-                    reason = "epoch_invalid",
-                    status = 400,
-                    "request refused: unreadable epoch"
-                );
-                let problem = Problem::new(
-                    StatusCode::BAD_REQUEST,
+                return boxed(ready(refuse(
+                    "epoch_invalid",
                     "idempotency.epoch_invalid",
                     "Invalid epoch",
                     error.to_string(),
-                );
-                return boxed(ready(finish(problem.into_response(), attempt.as_ref())));
+                    attempt.as_ref(),
+                )));
             }
         };
         let client = self.identify.identify_client(&request);
@@ -246,13 +234,6 @@ fn reject_key<B>(
     error: &super::InvalidIdempotencyKey,
     attempt: Option<&AttemptId>,
 ) -> Response<Body<B>> {
-    tracing::warn!(
-        event = "idempotency.rejected",
-        reason = error.code(),
-        detail = %error,
-        status = 400,
-        "request refused: invalid idempotency key"
-    );
     let (code, title) = match error.code() {
         "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
         "conflicting" => (
@@ -261,7 +242,25 @@ fn reject_key<B>(
         ),
         _ => ("idempotency.key_invalid", "Invalid idempotency key"),
     };
-    let problem = Problem::new(StatusCode::BAD_REQUEST, code, title, error.to_string());
+    refuse(error.code(), code, title, error.to_string(), attempt)
+}
+
+/// A `400` for a request whose headers the layer cannot accept, with its WARN event.
+fn refuse<B>(
+    reason: &'static str,
+    code: &'static str,
+    title: &'static str,
+    detail: String,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    tracing::warn!(
+        event = "idempotency.rejected",
+        reason,
+        detail = detail.as_str(),
+        status = 400,
+        "request refused: {title}"
+    );
+    let problem = Problem::new(StatusCode::BAD_REQUEST, code, title, detail);
     finish(problem.into_response(), attempt)
 }
 

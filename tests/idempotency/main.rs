@@ -141,15 +141,6 @@ where
 const KEY: (&str, &str) = ("idempotency-key", "0193c4a2-7b1e-7cc0-9a51-3f2d6c1e8b47");
 const BODY: &str = r#"{"device_id":"d-1","name":"reboot"}"#;
 
-fn all(reply: &Reply, name: &str) -> Vec<String> {
-    reply
-        .headers
-        .get_all(name)
-        .iter()
-        .map(|v| v.to_str().unwrap().to_owned())
-        .collect()
-}
-
 #[tokio::test]
 async fn a_duplicate_gets_the_original_response_byte_for_byte() {
     let (logs, _guard) = Logs::capture();
@@ -184,9 +175,9 @@ async fn a_duplicate_gets_the_original_response_byte_for_byte() {
     assert!(age < Duration::from_secs(5));
 
     // Every header the handler set, repeats in order, except Set-Cookie.
-    assert_eq!(all(&second, "x-multi"), ["one", "two"]);
-    assert_eq!(all(&first, "set-cookie"), ["session=abc", "theme=dark"]);
-    assert!(all(&second, "set-cookie").is_empty());
+    assert_eq!(second.all("x-multi"), ["one", "two"]);
+    assert_eq!(first.all("set-cookie"), ["session=abc", "theme=dark"]);
+    assert!(second.all("set-cookie").is_empty());
     assert_eq!(second.header("content-type"), Some("application/json"));
     assert_eq!(second.header("x-run"), Some("1"));
     assert_eq!(

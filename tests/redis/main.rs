@@ -281,15 +281,6 @@ impl Replica {
 
 const BODY: &str = r#"{"device_id":"d-1","name":"reboot"}"#;
 
-fn all(reply: &Reply, name: &str) -> Vec<String> {
-    reply
-        .headers
-        .get_all(name)
-        .iter()
-        .map(|v| v.to_str().unwrap().to_owned())
-        .collect()
-}
-
 /// Every header but the per-attempt ones, in order, repeats kept.
 fn stored_headers(reply: &Reply) -> Vec<(String, String)> {
     const PER_ATTEMPT: [&str; 7] = [
@@ -332,7 +323,7 @@ async fn a_retry_on_another_replica_replays_the_first_response() {
     assert_eq!(retry.body, first.body, "byte for byte");
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
     assert_eq!(retry.header("x-replica"), Some("a"), "A's response, from B");
-    assert_eq!(all(&retry, "x-multi"), ["one", "two", "three"]);
+    assert_eq!(retry.all("x-multi"), ["one", "two", "three"]);
     assert_eq!(stored_headers(&retry), stored_headers(&first));
     assert_eq!(retry.header("original-attempt-id"), Some("1"));
     assert_eq!(retry.header("attempt-id"), Some("2"));

@@ -45,6 +45,15 @@ impl Reply {
         self.headers.get(name).map(|v| v.to_str().unwrap())
     }
 
+    /// Every value of header `name`, in order.
+    pub fn all(&self, name: &str) -> Vec<String> {
+        self.headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.to_str().unwrap().to_owned())
+            .collect()
+    }
+
     pub fn text(&self) -> &str {
         std::str::from_utf8(&self.body).unwrap()
     }

@@ -543,7 +543,6 @@ mod tests {
     use http::Method;
 
     use super::*;
-    use crate::idempotency::IdempotencyKey;
 
     #[test]
     fn records_round_trip_through_the_encoding() {
@@ -588,64 +587,5 @@ mod tests {
             encoded.len()
         );
         assert!(decode_record(&encoded[..encoded.len() - 1]).is_err());
-    }
-
-    /// Runs against the Redis at `TOWER_IDS_REDIS_URL` when it is set; the full suite
-    /// with its own redis-server is `tests/redis`.
-    #[tokio::test]
-    async fn claim_complete_replay_against_a_live_redis() {
-        let Ok(url) = std::env::var("TOWER_IDS_REDIS_URL") else {
-            return;
-        };
-        let store = RedisStore::builder(url)
-            .prefix("unit:")
-            .build()
-            .await
-            .unwrap();
-        let key = IdempotencyKey::parse(format!("k-{}", rand::random::<u64>()).as_bytes()).unwrap();
-        let scope = ScopeKey::new(None, &Method::POST, "/", None, &key);
-        let claim = Claim {
-            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
-            lease: Duration::from_secs(5),
-            epoch: None,
-        };
-        let Begin::Claimed { lease } = store.begin(&scope, claim.clone()).await.unwrap() else {
-            panic!("claimed");
-        };
-        assert!(matches!(
-            store.begin(&scope, claim.clone()).await.unwrap(),
-            Begin::InFlight {
-                request_count: 2,
-                ..
-            }
-        ));
-        let record = Record {
-            fingerprint: claim.fingerprint,
-            first_seen: lease.first_seen,
-            original_attempt: None,
-            epoch: None,
-            response: None,
-        };
-        let stranger = Lease {
-            token: lease.token ^ 1,
-            first_seen: lease.first_seen,
-        };
-        let ttl = Duration::from_secs(5);
-        assert!(!store
-            .complete(&scope, &stranger, record.clone(), ttl)
-            .await
-            .unwrap());
-        assert!(store.complete(&scope, &lease, record, ttl).await.unwrap());
-        assert!(matches!(
-            store.begin(&scope, claim).await.unwrap(),
-            Begin::Completed {
-                request_count: 3,
-                ..
-            }
-        ));
-        assert!(matches!(
-            store.wait(&scope, Duration::from_millis(10)).await.unwrap(),
-            Settled::Completed { .. }
-        ));
     }
 }
