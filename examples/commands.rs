@@ -46,6 +46,7 @@
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
+//! | `--load-routes` | off | also serve `POST /load/bare` (no layer), `POST /load/correlated` (correlation layer), `POST /load/idempotent` (both layers, key required) and `GET /load/executions` (handler runs so far), one trivial handler behind each, for `benches/load.sh` |
 //! | `--redis-url` | none (in memory) | with `--features redis`: keep idempotency records in this Redis (or Valkey), shared by every replica started with the same URL; if it cannot be reached at start the service exits, if it goes away later the `POST` routes answer `503` until it is back |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
@@ -155,12 +156,16 @@
 use std::{
     collections::HashMap,
     net::SocketAddr,
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex, MutexGuard, PoisonError,
+    },
     time::Duration,
 };
 
 use axum::{
-    extract::{rejection::JsonRejection, Path, State},
+    body::Bytes,
+    extract::{rejection::JsonRejection, Path, Query, State},
     http::{header, HeaderName, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post},
@@ -210,6 +215,11 @@ struct Args {
     #[cfg(feature = "redis")]
     #[arg(long, value_name = "URL")]
     redis_url: Option<String>,
+
+    /// Also serve the `/load/*` routes that `benches/load.sh` drives: one trivial
+    /// handler behind no layer, the correlation layer, and both layers.
+    #[arg(long)]
+    load_routes: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -254,13 +264,14 @@ async fn main() -> std::io::Result<()> {
         handler_delay: Duration::from_millis(args.handler_delay_ms),
     };
     let ttl = Duration::from_secs(args.idempotency_ttl_secs);
+    let load = args.load_routes;
     #[cfg(feature = "redis")]
     let app = match redis {
-        Some(store) => app(state, ttl, store, "redis"),
-        None => app(state, ttl, MokaStore::new(), "memory"),
+        Some(store) => app(state, ttl, store, "redis", load),
+        None => app(state, ttl, MokaStore::new(), "memory", load),
     };
     #[cfg(not(feature = "redis"))]
-    let app = app(state, ttl, MokaStore::new(), "memory");
+    let app = app(state, ttl, MokaStore::new(), "memory", load);
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
@@ -302,12 +313,13 @@ fn init_tracing(format: LogFormat) {
 /// the `GET` added after it on `/commands` is not covered. Both layers share one
 /// store (clones of the layer share it, a `MokaStore`'s cache or a `RedisStore`'s
 /// connection); the routes' paths keep their keys apart. `kind` names the store in the
-/// `commands.store` event.
+/// `commands.store` event; `load_routes` adds the `/load/*` routes ([`LoadState`]).
 fn app<St: IdempotencyStore>(
     state: AppState,
     idempotency_ttl: Duration,
     store: St,
     kind: &'static str,
+    load_routes: bool,
 ) -> Router {
     tracing::info!(
         event = "commands.store",
@@ -318,7 +330,8 @@ fn app<St: IdempotencyStore>(
         .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
         .ttl(idempotency_ttl);
 
-    Router::new()
+    let load = LoadState::default();
+    let mut routes = Router::new()
         .route(
             "/commands",
             post(create_command)
@@ -328,11 +341,73 @@ fn app<St: IdempotencyStore>(
         .route("/commands/{id}", get(get_command))
         .route(
             "/commands/{id}/cancel",
-            post(cancel_command).layer(idempotent),
+            post(cancel_command).layer(idempotent.clone()),
         )
         .fallback(unknown_route)
-        .with_state(state)
-        .layer(CorrelationLayer::new().accept(HeaderName::from_static("x-request-id")))
+        .with_state(state);
+    if load_routes {
+        routes = routes.merge(
+            Router::new()
+                .route("/load/correlated", post(load_handler))
+                .route(
+                    "/load/idempotent",
+                    post(load_handler).layer(idempotent.require_key(true)),
+                )
+                .with_state(load.clone()),
+        );
+    }
+    let routes =
+        routes.layer(CorrelationLayer::new().accept(HeaderName::from_static("x-request-id")));
+    if !load_routes {
+        return routes;
+    }
+    // Merged after the correlation layer, so outside it: no layer at all.
+    routes.merge(
+        Router::new()
+            .route("/load/bare", post(load_handler))
+            .route("/load/executions", get(load_executions))
+            .with_state(load),
+    )
+}
+
+/// The `/load/*` routes, for `benches/load.sh` (`--load-routes`): the same handler three
+/// times, so that the difference between two routes is the layers around it.
+///
+/// | Route | Layers |
+/// |---|---|
+/// | `POST /load/bare` | none |
+/// | `POST /load/correlated` | `CorrelationLayer` |
+/// | `POST /load/idempotent` | `CorrelationLayer`, then `IdempotencyLayer` (key required, client `x-api-key`, the commands' store) |
+/// | `GET /load/executions` | none; how many times the handler has run, in total |
+///
+/// The handler reads the whole request body, sleeps `?sleep_ms=` if given (so that a
+/// burst of duplicates overlaps the first run), counts the run and answers `201` with a
+/// small JSON body naming the run.
+#[derive(Clone, Default)]
+struct LoadState {
+    executions: Arc<AtomicU64>,
+}
+
+#[derive(Deserialize)]
+struct LoadParams {
+    sleep_ms: Option<u64>,
+}
+
+async fn load_handler(
+    State(load): State<LoadState>,
+    Query(params): Query<LoadParams>,
+    body: Bytes,
+) -> (StatusCode, Json<serde_json::Value>) {
+    if let Some(ms) = params.sleep_ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let run = load.executions.fetch_add(1, Ordering::Relaxed) + 1;
+    let answer = serde_json::json!({ "run": run, "received_bytes": body.len() });
+    (StatusCode::CREATED, Json(answer))
+}
+
+async fn load_executions(State(load): State<LoadState>) -> String {
+    load.executions.load(Ordering::Relaxed).to_string()
 }
 
 /// What every handler shares.

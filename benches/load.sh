@@ -1,0 +1,262 @@
+#!/usr/bin/env bash
+# Load test: the `commands` example in release mode on 127.0.0.1, driven by wrk.
+#
+# Measures requests per second and p50/p99 latency for five workloads on one server,
+# each run against the same trivial handler (see `--load-routes` in
+# examples/commands.rs), so the difference between two rows is the layers around it:
+#
+#   bare        POST /load/bare          no layer
+#   correlated  POST /load/correlated    CorrelationLayer (no incoming ID: one generated)
+#   first       POST /load/idempotent    both layers, a fresh Idempotency-Key per request
+#   replay      POST /load/idempotent    both layers, one key (run once beforehand)
+#   burst       POST /load/idempotent    BURST_CONNECTIONS connections sending one new key
+#                                        at once, the handler sleeping 200 ms: it must run
+#                                        exactly once; the others get 409 then replays
+#
+# The first four run ROUNDS times, interleaved (bare, correlated, first, replay, bare,
+# ...), DURATION seconds each, after a short warm-up; the table gives the median of the
+# rounds, and throughput as the median of each round's ratio to that round's bare run.
+# wrk is a closed loop (each connection waits for its answer), so latencies are
+# per-request service times under that load, not open-loop latencies.
+#
+# Usage: benches/load.sh        (about 2.5 minutes with the defaults)
+# Settings (environment):
+#   DURATION=10          seconds per run
+#   ROUNDS=3             rounds of the four steady workloads
+#   THREADS=2            wrk threads
+#   CONNECTIONS=32       wrk connections for the steady workloads
+#   BURST_CONNECTIONS=256
+#   SERVER_LOG=warn      RUST_LOG for the server (its own events stay at info, for
+#                        the address it listens on); `info` logs a line per idempotent
+#                        request (idempotency.stored / idempotency.replayed) to a file
+#   WORKER_THREADS=      tokio worker threads of the server (default: one per core)
+#
+# wrk: taken from PATH; when missing and this runs as root with apt-get, it is installed
+# from the distribution (`apt-get install wrk`); otherwise the script says how to get it
+# (Debian/Ubuntu: `sudo apt-get install wrk`; macOS: `brew install wrk`) and stops.
+#
+# Exit status: 0 when every run answered as expected (no socket errors, no unexpected
+# status, the handler run once per fresh key, never on replays, once for the burst);
+# 1 otherwise. Missing a throughput goal is reported, not an error.
+set -euo pipefail
+
+DURATION=${DURATION:-10}
+ROUNDS=${ROUNDS:-3}
+THREADS=${THREADS:-2}
+CONNECTIONS=${CONNECTIONS:-32}
+BURST_CONNECTIONS=${BURST_CONNECTIONS:-256}
+SERVER_LOG=${SERVER_LOG:-warn}
+BURST_SLEEP_MS=200
+
+cd "$(dirname "$0")/.."
+
+if ! command -v wrk >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "wrk not found: installing it with apt-get" >&2
+        apt-get install -y wrk >/dev/null 2>&1 ||
+            { apt-get update >/dev/null 2>&1 && apt-get install -y wrk >/dev/null 2>&1; }
+    fi
+fi
+if ! command -v wrk >/dev/null; then
+    echo "benches/load.sh needs wrk: 'sudo apt-get install wrk' (Debian, Ubuntu)," \
+        "'brew install wrk' (macOS), or build it from https://github.com/wg/wrk" >&2
+    exit 1
+fi
+
+work=$(mktemp -d)
+server_pid=
+cleanup() {
+    if [ -n "$server_pid" ]; then
+        kill "$server_pid" 2>/dev/null || true
+        wait "$server_pid" 2>/dev/null || true
+    fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+echo "building the commands example (release)..." >&2
+cargo build --quiet --release --example commands
+binary=$(cargo metadata --format-version 1 --no-deps |
+    sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/examples/commands
+
+# Every request carries the same JSON body and client; wrk formats it once, except for
+# `fresh.lua`, which sets a new key per request.
+cat >"$work/common.lua" <<'EOF'
+wrk.method = "POST"
+wrk.body = '{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
+wrk.headers["content-type"] = "application/json"
+wrk.headers["x-api-key"] = "load-client"
+local key = os.getenv("LOAD_KEY")
+if key and key ~= "" then wrk.headers["idempotency-key"] = key end
+
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    "RESULT requests=%d duration_us=%d p50_us=%d p99_us=%d non2xx=%d socket_errors=%d\n",
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    e.status, e.connect + e.read + e.write + e.timeout))
+end
+EOF
+cat >"$work/fresh.lua" <<EOF
+dofile("$work/common.lua")
+local started = 0
+function setup(thread)
+  started = started + 1
+  thread:set("thread_number", started)
+end
+local prefix, counter
+function init(args)
+  prefix = os.getenv("LOAD_NONCE") .. "-" .. thread_number .. "-"
+  counter = 0
+end
+function request()
+  counter = counter + 1
+  wrk.headers["idempotency-key"] = prefix .. counter
+  return wrk.format()
+end
+EOF
+
+env RUST_LOG="$SERVER_LOG,commands=info" ${WORKER_THREADS:+TOKIO_WORKER_THREADS="$WORKER_THREADS"} \
+    "$binary" --addr 127.0.0.1:0 --load-routes --log-format json >"$work/server.log" 2>&1 &
+server_pid=$!
+base=
+for _ in $(seq 100); do
+    base=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$work/server.log" | head -n1 || true)
+    [ -n "$base" ] && break
+    sleep 0.1
+done
+[ -n "$base" ] || { echo "the server did not start:" >&2; cat "$work/server.log" >&2; exit 1; }
+
+failed=0
+executions() { curl -sf "$base/load/executions"; }
+
+# run NAME WRK_ARGS...: one wrk run; appends "NAME requests=... ..." to results.
+run() {
+    local name=$1
+    shift
+    local out
+    out=$(wrk --latency -t "$THREADS" "$@") || { echo "wrk failed: $out" >&2; exit 1; }
+    local result
+    result=$(grep '^RESULT ' <<<"$out") || { echo "no result from wrk: $out" >&2; exit 1; }
+    echo "$name ${result#RESULT }" >>"$work/results"
+    echo "$name ${result#RESULT }" >&2
+}
+
+field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" <<<"$2"; }
+
+# check NAME LINE EXPECTED_NON2XX: no socket errors and the expected statuses.
+check() {
+    local errors non2xx
+    errors=$(field socket_errors "$2")
+    non2xx=$(field non2xx "$2")
+    if [ "$errors" != 0 ] || { [ "$3" = 0 ] && [ "$non2xx" != 0 ]; }; then
+        echo "FAIL $1: $errors socket errors, $non2xx non-2xx answers" >&2
+        failed=1
+    fi
+}
+
+nonce=$(date +%s%N)
+curl -sf -o /dev/null -X POST "$base/load/idempotent" -H 'content-type: application/json' \
+    -H 'x-api-key: load-client' -H "idempotency-key: replay-$nonce" \
+    -d '{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
+
+echo "warming up..." >&2
+for route in bare correlated; do
+    wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/common.lua" "$base/load/$route" >/dev/null
+done
+LOAD_NONCE="warm-$nonce" wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/fresh.lua" \
+    "$base/load/idempotent" >/dev/null
+: >"$work/results"
+
+steady=(-c "$CONNECTIONS" -d "${DURATION}s")
+for round in $(seq "$ROUNDS"); do
+    echo "round $round of $ROUNDS" >&2
+    run bare "${steady[@]}" -s "$work/common.lua" "$base/load/bare"
+    check bare "$(tail -n1 "$work/results")" 0
+    run correlated "${steady[@]}" -s "$work/common.lua" "$base/load/correlated"
+    check correlated "$(tail -n1 "$work/results")" 0
+
+    before=$(executions)
+    LOAD_NONCE="fresh-$nonce-$round" run first "${steady[@]}" -s "$work/fresh.lua" \
+        "$base/load/idempotent"
+    line=$(tail -n1 "$work/results")
+    check first "$line" 0
+    ran=$(($(executions) - before))
+    answered=$(field requests "$line")
+    # wrk counts the answers it read before the deadline; a connection's last request may
+    # have run without its answer being counted.
+    if [ "$ran" -lt "$answered" ] || [ "$ran" -gt $((answered + CONNECTIONS)) ]; then
+        echo "FAIL first: $answered fresh keys answered, the handler ran $ran times" >&2
+        failed=1
+    fi
+
+    before=$(executions)
+    LOAD_KEY="replay-$nonce" run replay "${steady[@]}" -s "$work/common.lua" \
+        "$base/load/idempotent"
+    check replay "$(tail -n1 "$work/results")" 0
+    ran=$(($(executions) - before))
+    if [ "$ran" != 0 ]; then
+        echo "FAIL replay: the handler ran $ran times" >&2
+        failed=1
+    fi
+done
+
+echo "burst: $BURST_CONNECTIONS connections, one new key, handler sleeping ${BURST_SLEEP_MS} ms" >&2
+before=$(executions)
+LOAD_KEY="burst-$nonce" run burst -c "$BURST_CONNECTIONS" -d 3s -s "$work/common.lua" \
+    "$base/load/idempotent?sleep_ms=$BURST_SLEEP_MS"
+burst_line=$(tail -n1 "$work/results")
+check burst "$burst_line" 409
+burst_ran=$(($(executions) - before))
+if [ "$burst_ran" != 1 ]; then
+    echo "FAIL burst: the handler ran $burst_ran times for one key" >&2
+    failed=1
+fi
+
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -n1)
+echo
+echo "machine: $(nproc) cores${cpu:+, $cpu}, $(uname -sr); $(wrk -v 2>&1 | head -n1 | cut -d' ' -f1-2)"
+echo "wrk: $THREADS threads, $CONNECTIONS connections, ${DURATION} s x $ROUNDS rounds;" \
+    "server: RUST_LOG=$SERVER_LOG, log to a file"
+echo
+awk -v rounds="$ROUNDS" -v burst_ran="$burst_ran" '
+function median(values, n,    i, j, t) {
+    for (i = 2; i <= n; i++)
+        for (j = i; j > 1 && values[j - 1] > values[j]; j--) {
+            t = values[j]; values[j] = values[j - 1]; values[j - 1] = t
+        }
+    return n % 2 ? values[(n + 1) / 2] : (values[n / 2] + values[n / 2 + 1]) / 2
+}
+{
+    name = $1
+    for (i = 2; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
+    rps = f["requests"] / (f["duration_us"] / 1e6)
+    if (name == "bare") round++
+    n[name]++
+    rate[name, n[name]] = rps
+    if (name == "bare") bare_rate[round] = rps
+    else ratio[name, n[name]] = rps / bare_rate[round]
+    p50[name, n[name]] = f["p50_us"]; p99[name, n[name]] = f["p99_us"]
+    requests[name] = f["requests"]; non2xx[name] = f["non2xx"]
+}
+END {
+    printf "%-11s %10s %8s %9s %9s  %s\n", "workload", "req/s", "vs bare", "p50", "p99", "notes"
+    split("bare correlated first replay burst", order, " ")
+    for (k = 1; k <= 5; k++) {
+        name = order[k]
+        m = n[name]
+        for (i = 1; i <= m; i++) { a[i] = rate[name, i]; b[i] = p50[name, i]; c[i] = p99[name, i]; d[i] = ratio[name, i] }
+        r = median(a, m); l50 = median(b, m); l99 = median(c, m)
+        vs = name == "bare" ? "1.000" : (name == "burst" ? "-" : sprintf("%.3f", median(d, m)))
+        note = ""
+        if (name == "correlated") note = sprintf("goal >= 0.970: %s", median(d, m) >= 0.97 ? "met" : "MISSED")
+        if (name == "replay") note = sprintf("goal >= 0.900: %s", median(d, m) >= 0.90 ? "met" : "MISSED")
+        if (name == "burst") note = sprintf("%d answers, %d of them 409; handler ran %d time(s)", requests[name], non2xx[name], burst_ran)
+        printf "%-11s %10.0f %8s %7.2f ms %6.2f ms  %s\n", name, r, vs, l50 / 1000, l99 / 1000, note
+    }
+}' "$work/results"
+
+if [ "$failed" != 0 ]; then
+    echo "some runs did not answer as expected (see FAIL above)" >&2
+fi
+exit "$failed"
