@@ -17,7 +17,9 @@
 # ...), DURATION seconds each, after a short warm-up; the table gives the median of the
 # rounds, and throughput as the median of each round's ratio to that round's bare run.
 # wrk is a closed loop (each connection waits for its answer), so latencies are
-# per-request service times under that load, not open-loop latencies.
+# per-request service times under that load, not open-loop latencies. "server CPU" is
+# the server's user + system CPU time (from /proc) over the run divided by the requests
+# answered: the cost of a request, which wrk's share of the cores does not blur.
 #
 # Usage: benches/load.sh        (about 2.5 minutes with the defaults)
 # Settings (environment):
@@ -130,16 +132,22 @@ done
 failed=0
 executions() { curl -sf "$base/load/executions"; }
 
+# The server's CPU time so far (user + system), in clock ticks: with the request count,
+# its CPU cost per request, which the load generator sharing the cores does not blur.
+ticks_per_second=$(getconf CLK_TCK)
+server_ticks() { awk '{ print $14 + $15 }' "/proc/$server_pid/stat"; }
+
 # run NAME WRK_ARGS...: one wrk run; appends "NAME requests=... ..." to results.
 run() {
     local name=$1
     shift
-    local out
+    local out ticks_before result
+    ticks_before=$(server_ticks)
     out=$(wrk --latency -t "$THREADS" "$@") || { echo "wrk failed: $out" >&2; exit 1; }
-    local result
     result=$(grep '^RESULT ' <<<"$out") || { echo "no result from wrk: $out" >&2; exit 1; }
-    echo "$name ${result#RESULT }" >>"$work/results"
-    echo "$name ${result#RESULT }" >&2
+    result="$name ${result#RESULT } server_cpu_us=$((($(server_ticks) - ticks_before) * 1000000 / ticks_per_second))"
+    echo "$result" >>"$work/results"
+    echo "$result" >&2
 }
 
 field() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" <<<"$2"; }
@@ -237,22 +245,25 @@ function median(values, n,    i, j, t) {
     if (name == "bare") bare_rate[round] = rps
     else ratio[name, n[name]] = rps / bare_rate[round]
     p50[name, n[name]] = f["p50_us"]; p99[name, n[name]] = f["p99_us"]
+    cpu[name, n[name]] = f["server_cpu_us"] / f["requests"]
     requests[name] = f["requests"]; non2xx[name] = f["non2xx"]
 }
 END {
-    printf "%-11s %10s %8s %9s %9s  %s\n", "workload", "req/s", "vs bare", "p50", "p99", "notes"
+    printf "%-11s %10s %8s %9s %9s %13s  %s\n", "workload", "req/s", "vs bare", "p50", "p99", "server CPU", "notes"
     split("bare correlated first replay burst", order, " ")
     for (k = 1; k <= 5; k++) {
         name = order[k]
         m = n[name]
-        for (i = 1; i <= m; i++) { a[i] = rate[name, i]; b[i] = p50[name, i]; c[i] = p99[name, i]; d[i] = ratio[name, i] }
-        r = median(a, m); l50 = median(b, m); l99 = median(c, m)
+        for (i = 1; i <= m; i++) {
+            a[i] = rate[name, i]; b[i] = p50[name, i]; c[i] = p99[name, i]; d[i] = ratio[name, i]; e[i] = cpu[name, i]
+        }
+        r = median(a, m); l50 = median(b, m); l99 = median(c, m); per = median(e, m)
         vs = name == "bare" ? "1.000" : (name == "burst" ? "-" : sprintf("%.3f", median(d, m)))
         note = ""
         if (name == "correlated") note = sprintf("goal >= 0.970: %s", median(d, m) >= 0.97 ? "met" : "MISSED")
         if (name == "replay") note = sprintf("goal >= 0.900: %s", median(d, m) >= 0.90 ? "met" : "MISSED")
         if (name == "burst") note = sprintf("%d answers, %d of them 409; handler ran %d time(s)", requests[name], non2xx[name], burst_ran)
-        printf "%-11s %10.0f %8s %7.2f ms %6.2f ms  %s\n", name, r, vs, l50 / 1000, l99 / 1000, note
+        printf "%-11s %10.0f %8s %6.2f ms %6.2f ms %7.1f us/req  %s\n", name, r, vs, l50 / 1000, l99 / 1000, per, note
     }
 }' "$work/results"
 
