@@ -19,48 +19,56 @@ use crate::idempotency::{Fingerprint, ScopeKey};
 /// Default bound on what the store holds: 64 MiB of weighed entries.
 ///
 /// Room for about 34,000 records of 1 KiB responses; set it to what a TTL's worth of
-/// protected requests needs. Past the bound the least recently used records go.
+/// protected requests needs. Past the bound the oldest records go.
 pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 
-/// What a stored record weighs beyond its response ([`Record::weight`]): the scope key,
-/// the record (fingerprint, times, attempt ID, status), the slot, and moka's own
-/// bookkeeping (key copy, access and write deques, timer wheel, frequency sketch).
-/// Measured at 522 bytes by `tests/memory.rs` (a counting global allocator), and
-/// charged to every entry, so the byte bound holds whatever the responses.
+/// What a stored record weighs beyond its response ([`Record::weight`]): the scope key
+/// (in the map and in the index), the record (fingerprint, times, attempt ID, status),
+/// its slot in the map, and moka's bookkeeping for the index entry (key copy, access
+/// and write deques, timer wheel). Measured with a counting global allocator at 602
+/// bytes with 5,000 records (`tests/memory.rs`) and 634 with 1,000,000
+/// (`benches/scale.rs`), and charged to every entry, so the byte bound holds whatever
+/// the responses.
 pub const ENTRY_OVERHEAD_BYTES: u32 = 768;
 
-/// Shards of the map of requests in flight: enough that two workers rarely wait on one
-/// lock, few enough to cost nothing idle.
-const IN_FLIGHT_SHARDS: usize = 64;
+/// Shards of the map of scopes: enough that two workers rarely wait on one lock, few
+/// enough to cost nothing idle.
+const SHARDS: usize = 64;
 
-/// A shard sweeps out claims whose lease ran out once it holds this many.
+/// A shard sweeps out claims whose lease ran out (and records past their TTL) once it
+/// holds this many claims, or twice as many as were left after its last sweep.
 const IN_FLIGHT_SWEEP_AT: usize = 1024;
 
-/// The embedded store: stored outcomes in a [`moka`] cache bounded in bytes, with the
-/// TTL as per-entry expiry; requests in flight in a small sharded map beside it, each
-/// claim holding its key for the lease.
+/// The embedded store: requests in flight and stored outcomes in one sharded map, and a
+/// [`moka`] cache beside it as the index that bounds the stored outcomes in bytes and
+/// expires them at their TTL.
 ///
 /// Claiming, completing and releasing a key take a shard's lock for a few map
-/// operations, never across an await; the record is written to moka once, when the
-/// request completes. A duplicate of a stored record is a cache read and an atomic
-/// increment of its request count.
+/// operations, never across an await. A duplicate of a stored record is one map read
+/// under that lock; moka is not involved, so a replay costs the same with a thousand
+/// records stored or a million. Completing a request turns its claim into its record
+/// under the same lock (a duplicate sees one or the other, never neither), then writes
+/// the record's weight and TTL to moka; when moka evicts or expires that entry, its
+/// eviction listener removes the record.
 ///
 /// # Memory
 ///
 /// Each stored record weighs its response ([`Record::weight`]) plus
-/// [`ENTRY_OVERHEAD_BYTES`]; the cache holds at most
+/// [`ENTRY_OVERHEAD_BYTES`]; the store holds at most
 /// [`max_bytes`](MokaStoreBuilder::max_bytes) of weight (default
-/// [`DEFAULT_MAX_BYTES`]). A response larger than the whole bound is never stored. A
-/// request in flight holds about 600 bytes outside that bound until it settles, so
-/// that part is bounded by how many requests run at once.
+/// [`DEFAULT_MAX_BYTES`]), oldest records evicted first. A response larger than the
+/// whole bound is evicted as soon as it is written. A request in flight holds about 500
+/// bytes outside that bound until it settles, so that part is bounded by how many
+/// requests run at once.
 ///
 /// # Clone
 ///
-/// Clones share one cache and one map of requests in flight.
+/// Clones share one map and one index.
 #[derive(Clone)]
 pub struct MokaStore {
-    cache: Cache<ScopeKey, Slot, BuildScopeHasher>,
-    in_flight: Arc<[Mutex<HashMap<ScopeKey, InFlight, BuildScopeHasher>>]>,
+    shards: Arc<[Mutex<Shard>]>,
+    /// What bounds and expires the stored records: their weights and TTLs.
+    index: Cache<ScopeKey, IndexEntry, BuildScopeHasher>,
     clock: Arc<dyn Clock>,
     next_token: Arc<AtomicU64>,
 }
@@ -68,8 +76,8 @@ pub struct MokaStore {
 impl std::fmt::Debug for MokaStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MokaStore")
-            .field("entries", &self.cache.entry_count())
-            .field("weighted_bytes", &self.cache.weighted_size())
+            .field("entries", &self.index.entry_count())
+            .field("weighted_bytes", &self.index.weighted_size())
             .finish()
     }
 }
@@ -97,21 +105,26 @@ impl MokaStoreBuilder {
 
     /// The store.
     pub fn build(self) -> MokaStore {
-        let cache = Cache::builder()
-            // Least recently used goes first: retries come soon after the request they
-            // repeat, so the newest records matter most. (moka's default, TinyLFU, can
-            // refuse a brand-new record in favour of an old one seen twice.)
+        let shards: Arc<[Mutex<Shard>]> = (0..SHARDS).map(|_| Mutex::default()).collect();
+        let evicted_from = Arc::clone(&shards);
+        let index = Cache::builder()
+            // Oldest first: the index is written once per record and never read, so
+            // least recently used is least recently stored. Retries come soon after
+            // the request they repeat, so the newest records matter most (moka's
+            // default, TinyLFU, could refuse a brand-new record).
             .eviction_policy(EvictionPolicy::lru())
             .max_capacity(self.max_bytes)
-            .weigher(|_scope: &ScopeKey, slot: &Slot| slot.weight)
-            .expire_after(SlotExpiry)
+            .weigher(|_scope: &ScopeKey, entry: &IndexEntry| entry.weight)
+            .expire_after(IndexExpiry)
+            .eviction_listener(move |scope: Arc<ScopeKey>, entry: IndexEntry, _cause| {
+                let removed = lock(&evicted_from, &scope).remove_record(&scope, entry.token);
+                // The record's response is freed outside the lock.
+                drop(removed);
+            })
             .build_with_hasher(BuildScopeHasher::default());
-        let in_flight = (0..IN_FLIGHT_SHARDS)
-            .map(|_| Mutex::new(HashMap::default()))
-            .collect();
         MokaStore {
-            cache,
-            in_flight,
+            shards,
+            index,
             clock: self.clock,
             next_token: Arc::new(AtomicU64::new(1)),
         }
@@ -134,47 +147,22 @@ impl MokaStore {
 
     /// Stored records (approximate until moka's pending tasks run).
     pub fn entry_count(&self) -> u64 {
-        self.cache.entry_count()
+        self.index.entry_count()
     }
 
     /// Weighted bytes of the stored records (approximate until moka's pending tasks
     /// run).
     pub fn weighted_bytes(&self) -> u64 {
-        self.cache.weighted_size()
+        self.index.weighted_size()
     }
 
     /// Runs moka's pending maintenance, so counts and evictions are up to date.
     pub async fn run_pending_tasks(&self) {
-        self.cache.run_pending_tasks().await;
+        self.index.run_pending_tasks().await;
     }
 
-    /// The live stored record of `scope`.
-    async fn record(&self, scope: &ScopeKey, now: SystemTime) -> Option<Slot> {
-        self.cache
-            .get(scope)
-            .await
-            .filter(|slot| slot.expires_at > now)
-    }
-
-    /// The shard of the map of requests in flight that holds `scope`.
-    fn shard(
-        &self,
-        scope: &ScopeKey,
-    ) -> MutexGuard<'_, HashMap<ScopeKey, InFlight, BuildScopeHasher>> {
-        // The scope is a digest: any of its bytes picks a shard uniformly.
-        let index = usize::from(scope.as_bytes()[31]) % self.in_flight.len();
-        self.in_flight[index]
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Removes the claim `lease` holds on `scope`, if it still holds it, and returns it.
-    fn remove_claim(&self, scope: &ScopeKey, lease: &Lease) -> Option<InFlight> {
-        let mut shard = self.shard(scope);
-        match shard.get(scope) {
-            Some(claim) if claim.token == lease.token => shard.remove(scope),
-            _ => None,
-        }
+    fn shard(&self, scope: &ScopeKey) -> MutexGuard<'_, Shard> {
+        lock(&self.shards, scope)
     }
 }
 
@@ -182,6 +170,14 @@ impl Default for MokaStore {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// The shard that holds `scope`, locked.
+fn lock<'a>(shards: &'a [Mutex<Shard>], scope: &ScopeKey) -> MutexGuard<'a, Shard> {
+    // The scope is a digest: any of its bytes picks a shard uniformly.
+    let index = usize::from(scope.as_bytes()[31]) % shards.len();
+    // Every write leaves a shard consistent, so a panic elsewhere cannot poison it.
+    shards[index].lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Hashes a [`ScopeKey`] by taking 8 of its bytes: it is already a SHA-256 digest,
@@ -208,132 +204,187 @@ impl Hasher for ScopeHasher {
 
 type BuildScopeHasher = BuildHasherDefault<ScopeHasher>;
 
+/// One shard of the store's scopes.
+#[derive(Default)]
+struct Shard {
+    scopes: HashMap<ScopeKey, Scope, BuildScopeHasher>,
+    /// Claims among `scopes`.
+    in_flight: usize,
+    /// Claims at which to sweep next; 0 until the first claim.
+    sweep_at: usize,
+}
+
+/// What the store knows of a scope.
+enum Scope {
+    /// Boxed: claims are few, records many, and the map's slots are as large as the
+    /// larger variant.
+    InFlight(Box<InFlight>),
+    Stored(Stored),
+}
+
+impl Shard {
+    /// Counts a new claim, and sweeps out lost claims and expired records when claims
+    /// pile up (a worker that never settles its claim leaves one behind).
+    fn claimed(&mut self, now: SystemTime) {
+        self.in_flight += 1;
+        if self.in_flight < self.sweep_at.max(IN_FLIGHT_SWEEP_AT) {
+            return;
+        }
+        self.scopes.retain(|_, scope| match scope {
+            Scope::InFlight(claim) => claim.holds(now),
+            Scope::Stored(record) => record.expires_at > now,
+        });
+        self.in_flight = self
+            .scopes
+            .values()
+            .filter(|scope| matches!(scope, Scope::InFlight(_)))
+            .count();
+        self.sweep_at = self.in_flight * 2;
+    }
+
+    /// Removes the claim `token` holds on `scope`, if it still holds it.
+    fn remove_claim(&mut self, scope: &ScopeKey, token: u128) -> Option<Box<InFlight>> {
+        match self.scopes.get(scope) {
+            Some(Scope::InFlight(claim)) if u128::from(claim.token) == token => {}
+            _ => return None,
+        }
+        self.in_flight -= 1;
+        match self.scopes.remove(scope) {
+            Some(Scope::InFlight(claim)) => Some(claim),
+            _ => None,
+        }
+    }
+
+    /// Removes the record `token`'s request stored for `scope`, if it is still there.
+    fn remove_record(&mut self, scope: &ScopeKey, token: u64) -> Option<Scope> {
+        match self.scopes.get(scope) {
+            Some(Scope::Stored(record)) if record.token == token => self.scopes.remove(scope),
+            _ => None,
+        }
+    }
+}
+
 /// A request in flight.
 struct InFlight {
-    token: u128,
+    token: u64,
     fingerprint: Fingerprint,
     first_seen: SystemTime,
     epoch: Option<u64>,
     expires_at: SystemTime,
-    /// Set while the outcome is written to the cache: the claim cannot be taken over
-    /// then, even if its lease runs out in that instant (until one more lease passes,
-    /// in case the writer was cancelled).
-    completing: bool,
-    lease: Duration,
-    /// Carried to the record, so requests are counted across claim and replay.
-    request_count: Arc<AtomicU64>,
+    /// Requests for the scope so far, carried to the record.
+    request_count: u64,
     /// Sends once when the request settles; waiters subscribe.
-    settled: Arc<watch::Sender<()>>,
+    settled: watch::Sender<()>,
 }
 
 impl InFlight {
     fn holds(&self, now: SystemTime) -> bool {
-        if self.completing {
-            self.expires_at + self.lease > now
-        } else {
-            self.expires_at > now
-        }
+        self.expires_at > now
     }
 
-    fn count_and_describe(&self) -> Begin {
+    fn count_and_describe(&mut self) -> Begin {
+        self.request_count += 1;
         Begin::InFlight {
             fingerprint: self.fingerprint,
             first_seen: self.first_seen,
             epoch: self.epoch,
-            request_count: self.request_count.fetch_add(1, Ordering::Relaxed) + 1,
+            request_count: self.request_count,
         }
     }
 }
 
 /// A stored record.
-#[derive(Clone)]
-struct Slot {
+struct Stored {
     record: Arc<Record>,
-    /// Shared by the slot's clones, so a duplicate is counted without a cache write.
-    request_count: Arc<AtomicU64>,
     expires_at: SystemTime,
-    /// `expires_at` as a duration from when the slot was written, for moka's timer.
-    ttl: Duration,
-    weight: u32,
+    /// The token of the claim that stored it, which its index entry carries.
+    token: u64,
+    request_count: u64,
 }
 
-impl Slot {
-    fn count_and_describe(&self) -> Begin {
+impl Stored {
+    fn count_and_describe(&mut self) -> Begin {
+        self.request_count += 1;
         Begin::Completed {
             record: self.record.clone(),
-            request_count: self.request_count.fetch_add(1, Ordering::Relaxed) + 1,
+            request_count: self.request_count,
         }
     }
 }
 
-struct SlotExpiry;
+/// A stored record's entry in the index.
+#[derive(Clone, Copy)]
+struct IndexEntry {
+    token: u64,
+    weight: u32,
+    ttl: Duration,
+}
 
-impl Expiry<ScopeKey, Slot> for SlotExpiry {
-    fn expire_after_create(&self, _: &ScopeKey, slot: &Slot, _: Instant) -> Option<Duration> {
-        Some(slot.ttl)
+struct IndexExpiry;
+
+impl Expiry<ScopeKey, IndexEntry> for IndexExpiry {
+    fn expire_after_create(
+        &self,
+        _: &ScopeKey,
+        entry: &IndexEntry,
+        _: Instant,
+    ) -> Option<Duration> {
+        Some(entry.ttl)
     }
 
     fn expire_after_update(
         &self,
         _: &ScopeKey,
-        slot: &Slot,
+        entry: &IndexEntry,
         _: Instant,
         _: Option<Duration>,
     ) -> Option<Duration> {
-        Some(slot.ttl)
+        Some(entry.ttl)
     }
 }
 
 impl IdempotencyStore for MokaStore {
     async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
         let now = self.clock.now();
-        // A duplicate of a stored record: a read and an atomic increment.
-        if let Some(slot) = self.record(scope, now).await {
-            return Ok(slot.count_and_describe());
-        }
-        let lease = {
-            let mut shard = self.shard(scope);
-            let carried = match shard.get(scope) {
-                Some(running) if running.holds(now) => return Ok(running.count_and_describe()),
-                // A lost worker's claim: taken over, its requests still counted.
-                Some(lost) => lost.request_count.clone(),
-                None => Arc::new(AtomicU64::new(0)),
-            };
-            carried.fetch_add(1, Ordering::Relaxed);
-            if shard.len() >= IN_FLIGHT_SWEEP_AT {
-                shard.retain(|_, claim| claim.holds(now));
+        let mut guard = self.shard(scope);
+        let shard = &mut *guard;
+        let carried = match shard.scopes.get_mut(scope) {
+            // A duplicate of a stored record, or of a request in flight.
+            Some(Scope::Stored(record)) if record.expires_at > now => {
+                return Ok(record.count_and_describe())
             }
-            let token = u128::from(self.next_token.fetch_add(1, Ordering::Relaxed));
-            let (settled, _) = watch::channel(());
-            shard.insert(
-                *scope,
-                InFlight {
-                    token,
-                    fingerprint: claim.fingerprint,
-                    first_seen: now,
-                    epoch: claim.epoch,
-                    expires_at: now + claim.lease,
-                    completing: false,
-                    lease: claim.lease,
-                    request_count: carried,
-                    settled: Arc::new(settled),
-                },
-            );
-            Lease {
-                token,
-                first_seen: now,
+            Some(Scope::InFlight(running)) if running.holds(now) => {
+                return Ok(running.count_and_describe())
             }
+            // A lost worker's claim: taken over, its requests still counted.
+            Some(Scope::InFlight(lost)) => {
+                shard.in_flight -= 1;
+                lost.request_count
+            }
+            // A record past its TTL is gone: the key is new again.
+            Some(Scope::Stored(_)) | None => 0,
         };
-        // A request may have completed between the read above and the claim (its
-        // record is written before its claim is removed): look again, and give the
-        // claim back if so, so the request is replayed rather than run twice.
-        if let Some(slot) = self.record(scope, now).await {
-            if let Some(claim) = self.remove_claim(scope, &lease) {
-                claim.settled.send_replace(());
-            }
-            return Ok(slot.count_and_describe());
-        }
-        Ok(Begin::Claimed { lease })
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        let (settled, _) = watch::channel(());
+        shard.scopes.insert(
+            *scope,
+            Scope::InFlight(Box::new(InFlight {
+                token,
+                fingerprint: claim.fingerprint,
+                first_seen: now,
+                epoch: claim.epoch,
+                expires_at: now + claim.lease,
+                request_count: carried + 1,
+                settled,
+            })),
+        );
+        shard.claimed(now);
+        Ok(Begin::Claimed {
+            lease: Lease {
+                token: u128::from(token),
+                first_seen: now,
+            },
+        })
     }
 
     async fn complete(
@@ -344,37 +395,38 @@ impl IdempotencyStore for MokaStore {
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         let now = self.clock.now();
-        let request_count = {
-            let mut shard = self.shard(scope);
-            match shard.get_mut(scope) {
-                Some(claim) if claim.token == lease.token => {
-                    claim.completing = true;
-                    claim.request_count.clone()
-                }
-                _ => return Ok(false),
-            }
-        };
         let weight = u32::try_from(record.weight())
             .unwrap_or(u32::MAX)
             .saturating_add(ENTRY_OVERHEAD_BYTES);
-        let slot = Slot {
-            record: Arc::new(record),
-            request_count,
-            expires_at: now + ttl,
-            ttl,
-            weight,
+        let claim = {
+            let mut shard = self.shard(scope);
+            let Some(claim) = shard.remove_claim(scope, lease.token) else {
+                return Ok(false);
+            };
+            shard.scopes.insert(
+                *scope,
+                Scope::Stored(Stored {
+                    record: Arc::new(record),
+                    expires_at: now + ttl,
+                    token: claim.token,
+                    request_count: claim.request_count,
+                }),
+            );
+            claim
         };
-        // The record first, then the claim goes: a request that finds no claim finds
-        // the record.
-        self.cache.insert(*scope, slot).await;
-        if let Some(claim) = self.remove_claim(scope, lease) {
-            claim.settled.send_replace(());
-        }
+        claim.settled.send_replace(());
+        let entry = IndexEntry {
+            token: claim.token,
+            weight,
+            ttl,
+        };
+        self.index.insert(*scope, entry).await;
         Ok(true)
     }
 
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
-        Ok(match self.remove_claim(scope, lease) {
+        let claim = self.shard(scope).remove_claim(scope, lease.token);
+        Ok(match claim {
             Some(claim) => {
                 claim.settled.send_replace(());
                 true
@@ -387,31 +439,21 @@ impl IdempotencyStore for MokaStore {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let now = self.clock.now();
-            if let Some(slot) = self.record(scope, now).await {
-                return Ok(Settled::Completed {
-                    record: slot.record,
-                });
-            }
-            let settled = {
-                let shard = self.shard(scope);
-                shard
-                    .get(scope)
-                    .filter(|claim| claim.holds(now))
-                    .map(|claim| claim.settled.subscribe())
+            let mut settled = match self.shard(scope).scopes.get(scope) {
+                Some(Scope::Stored(stored)) if stored.expires_at > now => {
+                    return Ok(Settled::Completed {
+                        record: stored.record.clone(),
+                    })
+                }
+                Some(Scope::InFlight(claim)) if claim.holds(now) => claim.settled.subscribe(),
+                _ => return Ok(Settled::Released),
             };
-            let Some(mut settled) = settled else {
-                // No claim: either settled (a completed record is written before its
-                // claim goes) or released.
-                return Ok(match self.record(scope, now).await {
-                    Some(slot) => Settled::Completed {
-                        record: slot.record,
-                    },
-                    None => Settled::Released,
-                });
-            };
-            match tokio::time::timeout_at(deadline, settled.changed()).await {
-                Err(_elapsed) => return Ok(Settled::TimedOut),
-                Ok(_) => continue,
+            // A lost claim taken over drops its sender: look again then too.
+            if tokio::time::timeout_at(deadline, settled.changed())
+                .await
+                .is_err()
+            {
+                return Ok(Settled::TimedOut);
             }
         }
     }
