@@ -6,6 +6,8 @@
 # examples/commands.rs), so the difference between two rows is the layers around it:
 #
 #   bare        POST /load/bare          no layer
+#   tower_http  POST /load/tower-http    tower-http's SetRequestId + PropagateRequestId (UUIDv4),
+#                                        the peer of the correlation layer
 #   correlated  POST /load/correlated    CorrelationLayer (no incoming ID: one generated)
 #   first       POST /load/idempotent    both layers, a fresh Idempotency-Key per request
 #   replay      POST /load/idempotent    both layers, one key (run once beforehand)
@@ -13,8 +15,8 @@
 #                                        at once, the handler sleeping 200 ms: it must run
 #                                        exactly once; the others get 409 then replays
 #
-# The first four run ROUNDS times, interleaved (bare, correlated, first, replay, bare,
-# ...), DURATION seconds each, after a short warm-up; the table gives the median of the
+# The first five run ROUNDS times, interleaved (bare, tower_http, correlated, first,
+# replay, bare, ...), DURATION seconds each, after a short warm-up; the table gives the median of the
 # rounds, and throughput as the median of each round's ratio to that round's bare run.
 # wrk is a closed loop (each connection waits for its answer), so latencies are
 # per-request service times under that load, not open-loop latencies. "server CPU" is
@@ -24,7 +26,7 @@
 # Usage: benches/load.sh        (about 2.5 minutes with the defaults)
 # Settings (environment):
 #   DURATION=10          seconds per run
-#   ROUNDS=3             rounds of the four steady workloads
+#   ROUNDS=3             rounds of the five steady workloads
 #   THREADS=2            wrk threads
 #   CONNECTIONS=32       wrk connections for the steady workloads
 #   BURST_CONNECTIONS=256
@@ -170,12 +172,16 @@ check() {
 }
 
 nonce=$(date +%s%N)
-curl -sf -o /dev/null -X POST "$base/load/idempotent" -H 'content-type: application/json' \
-    -H 'x-api-key: load-client' -H "idempotency-key: replay-$nonce" \
-    -d '{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
+# Runs the replay key's first request. Again before each replay run: the fresh keys of
+# the run before may have pushed the record out of the store (64 MiB, oldest first).
+prime_replay_key() {
+    curl -sf -o /dev/null -X POST "$base/load/idempotent" -H 'content-type: application/json' \
+        -H 'x-api-key: load-client' -H "idempotency-key: replay-$nonce" \
+        -d '{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
+}
 
 echo "warming up..." >&2
-for route in bare correlated; do
+for route in bare tower-http correlated; do
     wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/common.lua" "$base/load/$route" >/dev/null
 done
 LOAD_NONCE="warm-$nonce" wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/fresh.lua" \
@@ -187,6 +193,8 @@ for round in $(seq "$ROUNDS"); do
     echo "round $round of $ROUNDS" >&2
     run bare "${steady[@]}" -s "$work/common.lua" "$base/load/bare"
     check bare "$(tail -n1 "$work/results")" 0
+    run tower_http "${steady[@]}" -s "$work/common.lua" "$base/load/tower-http"
+    check tower_http "$(tail -n1 "$work/results")" 0
     run correlated "${steady[@]}" -s "$work/common.lua" "$base/load/correlated"
     check correlated "$(tail -n1 "$work/results")" 0
 
@@ -204,6 +212,7 @@ for round in $(seq "$ROUNDS"); do
         failed=1
     fi
 
+    prime_replay_key
     before=$(executions)
     LOAD_KEY="replay-$nonce" run replay "${steady[@]}" -s "$work/common.lua" \
         "$base/load/idempotent"
@@ -256,8 +265,8 @@ function median(values, n,    i, j, t) {
 }
 END {
     printf "%-11s %10s %8s %9s %9s %13s  %s\n", "workload", "req/s", "vs bare", "p50", "p99", "server CPU", "notes"
-    split("bare correlated first replay burst", order, " ")
-    for (k = 1; k <= 5; k++) {
+    split("bare tower_http correlated first replay burst", order, " ")
+    for (k = 1; k <= 6; k++) {
         name = order[k]
         m = n[name]
         for (i = 1; i <= m; i++) {
