@@ -11,8 +11,9 @@
 //!   `axum-idempotent` 0.6 on `ruts`' moka session store.
 //! - `tower_ids_redis/first`, `tower_ids_redis/replay`: the `tower_ids` rows with a
 //!   `RedisStore` (defaults, no local cache) on a `redis-server` this bench starts on a
-//!   free loopback port and kills at the end; only with `--features redis` and
-//!   `redis-server` on `PATH` (otherwise a message says the rows were skipped). That
+//!   free loopback port and kills at the end; only with `redis-server` on `PATH`
+//!   (otherwise a message says the rows were skipped; the `redis` feature is on for
+//!   benches through the crate's dev-dependency on itself). That
 //!   Redis is capped at 512 MiB with LRU eviction, so `first` at 64 KiB cannot fill
 //!   the machine's memory.
 //!
@@ -48,7 +49,7 @@
 //!   [`KEYS_PER_SESSION`] keys (outside the timing) and deletes the old one; ours writes
 //!   fresh keys into one store bounded at 64 MiB, which evicts.
 //!
-//! Run: `cargo bench --bench idempotency` (add `--features redis` for the Redis rows)
+//! Run: `cargo bench --bench idempotency` (or `cargo bench` for every bench)
 #![allow(missing_docs)]
 
 use std::{
