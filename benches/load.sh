@@ -6,6 +6,9 @@
 # examples/commands.rs), so the difference between two rows is the layers around it:
 #
 #   bare        POST /load/bare          no layer
+#   noop        POST /load/noop          a layer that does nothing (tower's MapRequestLayer with
+#                                        the identity), applied as any route layer is: what
+#                                        wrapping an axum route costs before the layer does anything
 #   tower_http  POST /load/tower-http    tower-http's SetRequestId + PropagateRequestId (UUIDv4),
 #                                        the peer of the correlation layer
 #   correlated  POST /load/correlated    CorrelationLayer (no incoming ID: one generated)
@@ -15,18 +18,18 @@
 #                                        at once, the handler sleeping 200 ms: it must run
 #                                        exactly once; the others get 409 then replays
 #
-# The first five run ROUNDS times, interleaved (bare, tower_http, correlated, first,
-# replay, bare, ...), DURATION seconds each, after a short warm-up; the table gives the median of the
+# The first six run ROUNDS times, interleaved (bare, noop, tower_http, correlated,
+# first, replay, bare, ...), DURATION seconds each, after a short warm-up; the table gives the median of the
 # rounds, and throughput as the median of each round's ratio to that round's bare run.
 # wrk is a closed loop (each connection waits for its answer), so latencies are
 # per-request service times under that load, not open-loop latencies. "server CPU" is
 # the server's user + system CPU time (from /proc) over the run divided by the requests
 # answered: the cost of a request, which wrk's share of the cores does not blur.
 #
-# Usage: benches/load.sh        (about 2.5 minutes with the defaults)
+# Usage: benches/load.sh        (about 4 minutes with the defaults)
 # Settings (environment):
 #   DURATION=10          seconds per run
-#   ROUNDS=3             rounds of the five steady workloads
+#   ROUNDS=3             rounds of the six steady workloads
 #   THREADS=2            wrk threads
 #   CONNECTIONS=32       wrk connections for the steady workloads
 #   BURST_CONNECTIONS=256
@@ -181,7 +184,7 @@ prime_replay_key() {
 }
 
 echo "warming up..." >&2
-for route in bare tower-http correlated; do
+for route in bare noop tower-http correlated; do
     wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/common.lua" "$base/load/$route" >/dev/null
 done
 LOAD_NONCE="warm-$nonce" wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/fresh.lua" \
@@ -193,6 +196,8 @@ for round in $(seq "$ROUNDS"); do
     echo "round $round of $ROUNDS" >&2
     run bare "${steady[@]}" -s "$work/common.lua" "$base/load/bare"
     check bare "$(tail -n1 "$work/results")" 0
+    run noop "${steady[@]}" -s "$work/common.lua" "$base/load/noop"
+    check noop "$(tail -n1 "$work/results")" 0
     run tower_http "${steady[@]}" -s "$work/common.lua" "$base/load/tower-http"
     check tower_http "$(tail -n1 "$work/results")" 0
     run correlated "${steady[@]}" -s "$work/common.lua" "$base/load/correlated"
@@ -259,26 +264,30 @@ function median(values, n,    i, j, t) {
     rate[name, n[name]] = rps
     if (name == "bare") bare_rate[round] = rps
     else ratio[name, n[name]] = rps / bare_rate[round]
+    if (name == "noop") noop_rate[round] = rps
+    else if (name != "bare") to_noop[name, n[name]] = rps / noop_rate[round]
     p50[name, n[name]] = f["p50_us"]; p99[name, n[name]] = f["p99_us"]
     cpu[name, n[name]] = f["server_cpu_us"] / f["requests"]
     requests[name] = f["requests"]; non2xx[name] = f["non2xx"]
 }
 END {
-    printf "%-11s %10s %8s %9s %9s %13s  %s\n", "workload", "req/s", "vs bare", "p50", "p99", "server CPU", "notes"
-    split("bare tower_http correlated first replay burst", order, " ")
-    for (k = 1; k <= 6; k++) {
+    printf "%-11s %10s %8s %8s %9s %9s %13s  %s\n", "workload", "req/s", "vs bare", "vs noop", "p50", "p99", "server CPU", "notes"
+    split("bare noop tower_http correlated first replay burst", order, " ")
+    for (k = 1; k <= 7; k++) {
         name = order[k]
         m = n[name]
         for (i = 1; i <= m; i++) {
             a[i] = rate[name, i]; b[i] = p50[name, i]; c[i] = p99[name, i]; d[i] = ratio[name, i]; e[i] = cpu[name, i]
+            g[i] = to_noop[name, i]
         }
         r = median(a, m); l50 = median(b, m); l99 = median(c, m); per = median(e, m)
         vs = name == "bare" ? "1.000" : (name == "burst" ? "-" : sprintf("%.3f", median(d, m)))
+        vs_noop = name == "bare" || name == "burst" ? "-" : (name == "noop" ? "1.000" : sprintf("%.3f", median(g, m)))
         note = ""
         if (name == "correlated") note = sprintf("goal >= 0.970: %s", median(d, m) >= 0.97 ? "met" : "MISSED")
         if (name == "replay") note = sprintf("goal >= 0.900: %s", median(d, m) >= 0.90 ? "met" : "MISSED")
         if (name == "burst") note = sprintf("%d answers, %d of them 409; handler ran %d time(s)", requests[name], non2xx[name], burst_ran)
-        printf "%-11s %10.0f %8s %6.2f ms %6.2f ms %7.1f us/req  %s\n", name, r, vs, l50 / 1000, l99 / 1000, per, note
+        printf "%-11s %10.0f %8s %8s %6.2f ms %6.2f ms %7.1f us/req  %s\n", name, r, vs, vs_noop, l50 / 1000, l99 / 1000, per, note
     }
 }' "$work/results"
 

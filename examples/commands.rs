@@ -46,7 +46,7 @@
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
-//! | `--load-routes` | off | also serve `POST /load/bare` (no layer), `POST /load/tower-http` (tower-http's request-ID pair), `POST /load/correlated` (correlation layer), `POST /load/idempotent` (both layers, key required) and `GET /load/executions` (handler runs so far), one trivial handler behind each, for `benches/load.sh` |
+//! | `--load-routes` | off | also serve `POST /load/bare` (no layer), `POST /load/noop` (a layer that does nothing), `POST /load/tower-http` (tower-http's request-ID pair), `POST /load/correlated` (correlation layer), `POST /load/idempotent` (both layers, key required) and `GET /load/executions` (handler runs so far), one trivial handler behind each, for `benches/load.sh` |
 //! | `--redis-url` | none (in memory) | with `--features redis`: keep idempotency records in this Redis (or Valkey), shared by every replica started with the same URL; if it cannot be reached at start the service exits, if it goes away later the `POST` routes answer `503` until it is back |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
@@ -165,7 +165,7 @@ use std::{
 
 use axum::{
     body::Bytes,
-    extract::{rejection::JsonRejection, Path, Query, State},
+    extract::{rejection::JsonRejection, Path, Query, Request, State},
     http::{header, HeaderName, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post},
@@ -175,7 +175,7 @@ use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use tokio::{net::TcpListener, sync::mpsc, time::Instant};
-use tower::ServiceBuilder;
+use tower::{util::MapRequestLayer, ServiceBuilder};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_ids::{
     correlation::{CorrelationId, CorrelationLayer},
@@ -363,12 +363,16 @@ fn app<St: IdempotencyStore>(
     if !load_routes {
         return routes;
     }
-    // Merged after the correlation layer, so outside it: no layer at all, or tower-http's
-    // request-ID pair for comparison.
+    // Merged after the correlation layer, so outside it: no layer at all, a layer that
+    // does nothing, or tower-http's request-ID pair for comparison.
     let request_id = HeaderName::from_static("x-request-id");
     routes.merge(
         Router::new()
             .route("/load/bare", post(load_handler))
+            .route(
+                "/load/noop",
+                post(load_handler).layer(MapRequestLayer::new(|request: Request| request)),
+            )
             .route(
                 "/load/tower-http",
                 post(load_handler).layer(
@@ -388,6 +392,7 @@ fn app<St: IdempotencyStore>(
 /// | Route | Layers |
 /// |---|---|
 /// | `POST /load/bare` | none |
+/// | `POST /load/noop` | a layer that does nothing (`MapRequestLayer` with the identity): what wrapping a route costs |
 /// | `POST /load/tower-http` | tower-http's `SetRequestIdLayer` (UUIDv4 in `x-request-id`) and `PropagateRequestIdLayer`, the peer of `CorrelationLayer` |
 /// | `POST /load/correlated` | `CorrelationLayer` |
 /// | `POST /load/idempotent` | `CorrelationLayer`, then `IdempotencyLayer` (key required, client `x-api-key`, the commands' store) |
