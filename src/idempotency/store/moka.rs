@@ -581,6 +581,43 @@ mod eviction_tests {
     }
 
     #[tokio::test]
+    async fn an_evicted_record_leaves_the_map_and_its_key_runs_again() {
+        // Room for about 100 records; 300 stored.
+        let store = MokaStore::builder()
+            .max_bytes(100 * u64::from(ENTRY_OVERHEAD_BYTES))
+            .build();
+        for i in 0..300 {
+            store_one(&store, &format!("key-{i}")).await;
+        }
+        store.run_pending_tasks().await;
+
+        let held: usize = store
+            .shards
+            .iter()
+            .map(|shard| lock_shard(shard).scopes.len())
+            .sum();
+        assert!(store.entry_count() <= 100, "{}", store.entry_count());
+        assert_eq!(
+            held as u64,
+            store.entry_count(),
+            "the map holds exactly what the index holds"
+        );
+        let claim = Claim {
+            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+            lease: Duration::from_secs(60),
+            epoch: None,
+        };
+        assert!(matches!(
+            store.begin(&scope("key-0"), claim).await.unwrap(),
+            Begin::Claimed { .. }
+        ));
+    }
+
+    fn lock_shard(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+        shard.lock().unwrap()
+    }
+
+    #[tokio::test]
     async fn a_full_store_keeps_the_newest_record_for_its_retry() {
         // Room for about 100 records.
         let store = MokaStore::builder()
