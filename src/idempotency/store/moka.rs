@@ -1,5 +1,5 @@
 use std::{
-    collections::HashMap,
+    collections::{hash_map::Entry, HashMap},
     hash::{BuildHasherDefault, Hasher},
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -242,25 +242,30 @@ impl Shard {
         self.sweep_at = self.in_flight * 2;
     }
 
-    /// Removes the claim `token` holds on `scope`, if it still holds it.
-    fn remove_claim(&mut self, scope: &ScopeKey, token: u128) -> Option<Box<InFlight>> {
-        match self.scopes.get(scope) {
-            Some(Scope::InFlight(claim)) if u128::from(claim.token) == token => {}
-            _ => return None,
-        }
+    /// Releases the claim `token` holds on `scope`, if it still holds it: its waiters
+    /// wake, and find the key free.
+    fn release_claim(&mut self, scope: &ScopeKey, token: u128) -> bool {
+        let Entry::Occupied(entry) = self.scopes.entry(*scope) else {
+            return false;
+        };
+        match entry.get() {
+            Scope::InFlight(claim) if u128::from(claim.token) == token => {
+                claim.settled.send_replace(())
+            }
+            _ => return false,
+        };
+        entry.remove();
         self.in_flight -= 1;
-        match self.scopes.remove(scope) {
-            Some(Scope::InFlight(claim)) => Some(claim),
-            _ => None,
-        }
+        true
     }
 
     /// Removes the record `token`'s request stored for `scope`, if it is still there.
     fn remove_record(&mut self, scope: &ScopeKey, token: u64) -> Option<Scope> {
-        match self.scopes.get(scope) {
-            Some(Scope::Stored(record)) if record.token == token => self.scopes.remove(scope),
-            _ => None,
-        }
+        let Entry::Occupied(entry) = self.scopes.entry(*scope) else {
+            return None;
+        };
+        matches!(entry.get(), Scope::Stored(record) if record.token == token)
+            .then(|| entry.remove())
     }
 }
 
@@ -348,36 +353,37 @@ impl IdempotencyStore for MokaStore {
         let now = self.clock.now();
         let mut guard = self.shard(scope);
         let shard = &mut *guard;
-        let carried = match shard.scopes.get_mut(scope) {
-            // A duplicate of a stored record, or of a request in flight.
-            Some(Scope::Stored(record)) if record.expires_at > now => {
-                return Ok(record.count_and_describe())
-            }
-            Some(Scope::InFlight(running)) if running.holds(now) => {
-                return Ok(running.count_and_describe())
-            }
-            // A lost worker's claim: taken over, its requests still counted.
-            Some(Scope::InFlight(lost)) => {
-                shard.in_flight -= 1;
-                lost.request_count
-            }
-            // A record past its TTL is gone: the key is new again.
-            Some(Scope::Stored(_)) | None => 0,
+        let mut entry = shard.scopes.entry(*scope);
+        let carried = match &mut entry {
+            Entry::Occupied(occupied) => match occupied.get_mut() {
+                // A duplicate of a stored record, or of a request in flight.
+                Scope::Stored(record) if record.expires_at > now => {
+                    return Ok(record.count_and_describe())
+                }
+                Scope::InFlight(running) if running.holds(now) => {
+                    return Ok(running.count_and_describe())
+                }
+                // A lost worker's claim: taken over, its requests still counted.
+                Scope::InFlight(lost) => {
+                    shard.in_flight -= 1;
+                    lost.request_count
+                }
+                // A record past its TTL is gone: the key is new again.
+                Scope::Stored(_) => 0,
+            },
+            Entry::Vacant(_) => 0,
         };
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         let (settled, _) = watch::channel(());
-        shard.scopes.insert(
-            *scope,
-            Scope::InFlight(Box::new(InFlight {
-                token,
-                fingerprint: claim.fingerprint,
-                first_seen: now,
-                epoch: claim.epoch,
-                expires_at: now + claim.lease,
-                request_count: carried + 1,
-                settled,
-            })),
-        );
+        entry.insert_entry(Scope::InFlight(Box::new(InFlight {
+            token,
+            fingerprint: claim.fingerprint,
+            first_seen: now,
+            epoch: claim.epoch,
+            expires_at: now + claim.lease,
+            request_count: carried + 1,
+            settled,
+        })));
         shard.claimed(now);
         Ok(Begin::Claimed {
             lease: Lease {
@@ -398,41 +404,42 @@ impl IdempotencyStore for MokaStore {
         let weight = u32::try_from(record.weight())
             .unwrap_or(u32::MAX)
             .saturating_add(ENTRY_OVERHEAD_BYTES);
-        let claim = {
-            let mut shard = self.shard(scope);
-            let Some(claim) = shard.remove_claim(scope, lease.token) else {
+        let (entry, claim) = {
+            let mut guard = self.shard(scope);
+            let shard = &mut *guard;
+            let Some(slot) = shard.scopes.get_mut(scope) else {
                 return Ok(false);
             };
-            shard.scopes.insert(
-                *scope,
-                Scope::Stored(Stored {
-                    record: Arc::new(record),
-                    expires_at: now + ttl,
-                    token: claim.token,
-                    request_count: claim.request_count,
-                }),
-            );
-            claim
+            let Scope::InFlight(claim) = &*slot else {
+                return Ok(false);
+            };
+            if u128::from(claim.token) != lease.token {
+                return Ok(false);
+            }
+            // Waiters wake once the lock is released, and find the record.
+            claim.settled.send_replace(());
+            let entry = IndexEntry {
+                token: claim.token,
+                weight,
+                ttl,
+            };
+            let stored = Scope::Stored(Stored {
+                record: Arc::new(record),
+                expires_at: now + ttl,
+                token: claim.token,
+                request_count: claim.request_count,
+            });
+            shard.in_flight -= 1;
+            (entry, std::mem::replace(slot, stored))
         };
-        claim.settled.send_replace(());
-        let entry = IndexEntry {
-            token: claim.token,
-            weight,
-            ttl,
-        };
+        // The claim, freed outside the lock.
+        drop(claim);
         self.index.insert(*scope, entry).await;
         Ok(true)
     }
 
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
-        let claim = self.shard(scope).remove_claim(scope, lease.token);
-        Ok(match claim {
-            Some(claim) => {
-                claim.settled.send_replace(());
-                true
-            }
-            None => false,
-        })
+        Ok(self.shard(scope).release_claim(scope, lease.token))
     }
 
     async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
