@@ -219,7 +219,8 @@ struct Args {
     redis_url: Option<String>,
 
     /// Also serve the `/load/*` routes that `benches/load.sh` drives: one trivial
-    /// handler behind no layer, the correlation layer, and both layers.
+    /// handler behind no layer, a layer that does nothing, tower-http's request-ID
+    /// pair, the correlation layer, and both layers.
     #[arg(long)]
     load_routes: bool,
 }
@@ -333,6 +334,7 @@ fn app<St: IdempotencyStore>(
         .ttl(idempotency_ttl);
 
     let load = LoadState::default();
+    let request_id = HeaderName::from_static("x-request-id");
     let mut routes = Router::new()
         .route(
             "/commands",
@@ -358,14 +360,12 @@ fn app<St: IdempotencyStore>(
                 .with_state(load.clone()),
         );
     }
-    let routes =
-        routes.layer(CorrelationLayer::new().accept(HeaderName::from_static("x-request-id")));
+    let routes = routes.layer(CorrelationLayer::new().accept(request_id.clone()));
     if !load_routes {
         return routes;
     }
     // Merged after the correlation layer, so outside it: no layer at all, a layer that
     // does nothing, or tower-http's request-ID pair for comparison.
-    let request_id = HeaderName::from_static("x-request-id");
     routes.merge(
         Router::new()
             .route("/load/bare", post(load_handler))
@@ -386,8 +386,8 @@ fn app<St: IdempotencyStore>(
     )
 }
 
-/// The `/load/*` routes, for `benches/load.sh` (`--load-routes`): the same handler three
-/// times, so that the difference between two routes is the layers around it.
+/// The `/load/*` routes, for `benches/load.sh` (`--load-routes`): the same handler on
+/// every route, so that the difference between two routes is the layers around it.
 ///
 /// | Route | Layers |
 /// |---|---|
