@@ -154,8 +154,13 @@ async fn fill(store: &MokaStore, n: u64, body: &[u8]) {
             epoch: None,
             response: Some(stored_response(Bytes::copy_from_slice(body))),
         };
-        let stored = store.complete(&scope, &lease, record, DEFAULT_TTL).await;
-        assert!(stored.expect("complete"), "the lease holder completes");
+        let stored = store
+            .complete(&scope, &lease, Arc::new(record), DEFAULT_TTL)
+            .await;
+        assert!(
+            stored.expect("complete").is_stored(),
+            "the lease holder completes"
+        );
     }
     store.run_pending_tasks().await;
 }

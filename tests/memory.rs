@@ -3,6 +3,7 @@
 
 use std::{
     alloc::System,
+    sync::Arc,
     time::{Duration, SystemTime},
 };
 
@@ -64,9 +65,10 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
             }),
         };
         assert!(store
-            .complete(&scope, &lease, record, Duration::from_secs(3600))
+            .complete(&scope, &lease, Arc::new(record), Duration::from_secs(3600))
             .await
-            .unwrap());
+            .unwrap()
+            .is_stored());
     }
     store.run_pending_tasks().await;
     let change = region.change();

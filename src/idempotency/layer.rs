@@ -4,6 +4,7 @@ use http::{header, HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::{
+    lease::KeptOutcomes,
     store::{IdempotencyStore, MokaStore},
     Idempotency, NoClient, NoEpoch, ATTEMPT_ID, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY,
 };
@@ -13,10 +14,16 @@ use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
 /// client's retries across a working day and a restart.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// How long a request in flight holds its key if its worker is lost: 60 seconds,
-/// longer than any handler should run and far shorter than the TTL, so a crashed
-/// worker never locks a key for a day.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+/// How long a lost worker's key stays locked: 10 seconds. A claim is renewed every
+/// third of its lease while its handler runs, so the lease bounds how long a crashed
+/// worker blocks retries, not how long a handler may run; 10 seconds outlasts a store
+/// pause or restart of a few seconds between two renewals.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+
+/// The most response bytes kept by outcomes waiting for the store (it failed when they
+/// were stored): 64 MiB, per layer. Past it an outcome is kept without its response,
+/// so its duplicates get `410`, never a second run.
+pub const DEFAULT_MAX_KEPT_BYTES: usize = 64 * 1024 * 1024;
 
 /// The largest request body read to fingerprint: 1 MiB; larger is `413`.
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
@@ -64,6 +71,7 @@ pub(super) struct Settings {
     pub(super) lease: Duration,
     pub(super) max_request_bytes: usize,
     pub(super) max_response_bytes: usize,
+    pub(super) max_kept_bytes: usize,
     pub(super) in_flight: InFlight,
     pub(super) store_failure: StoreFailure,
     pub(super) not_replayed: Vec<HeaderName>,
@@ -86,10 +94,12 @@ pub fn default_store_if(status: StatusCode) -> bool {
 ///
 /// # Clone
 ///
-/// Clones share the store and the settings (behind `Arc`s).
+/// Clones share the store, the settings and the outcomes kept for the store (behind
+/// `Arc`s).
 #[must_use]
 pub struct IdempotencyLayer<St = MokaStore, C = NoClient, E = NoEpoch> {
     pub(super) store: Arc<St>,
+    pub(super) kept: Arc<KeptOutcomes>,
     pub(super) identify: C,
     pub(super) epoch: E,
     pub(super) settings: Arc<Settings>,
@@ -123,6 +133,7 @@ impl<St> IdempotencyLayer<St> {
     pub fn with_shared_store(store: Arc<St>) -> Self {
         Self {
             store,
+            kept: Arc::default(),
             identify: NoClient,
             epoch: NoEpoch,
             settings: Arc::new(Settings {
@@ -134,6 +145,7 @@ impl<St> IdempotencyLayer<St> {
                 lease: DEFAULT_LEASE,
                 max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+                max_kept_bytes: DEFAULT_MAX_KEPT_BYTES,
                 in_flight: InFlight::Reject {
                     retry_after: DEFAULT_RETRY_AFTER,
                 },
@@ -165,6 +177,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     pub fn client<C2>(self, identify: C2) -> IdempotencyLayer<St, C2, E> {
         IdempotencyLayer {
             store: self.store,
+            kept: self.kept,
             identify,
             epoch: self.epoch,
             settings: self.settings,
@@ -182,6 +195,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     pub fn epoch<E2>(self, epoch: E2) -> IdempotencyLayer<St, C, E2> {
         IdempotencyLayer {
             store: self.store,
+            kept: self.kept,
             identify: self.identify,
             epoch,
             settings: self.settings,
@@ -222,11 +236,22 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
-    /// How long a request in flight holds its key if never finished. Default
-    /// [`DEFAULT_LEASE`]. A handler running longer than the lease can be run again by
-    /// a retry; its late outcome is then not stored (the newer claim wins).
+    /// How long the key of a request in flight stays locked after its worker is lost
+    /// (the process crashed, or cannot reach the store). Default [`DEFAULT_LEASE`].
+    /// The claim is renewed every third of the lease while the handler runs, so a
+    /// handler may run longer than its lease; a shorter lease frees a crashed worker's
+    /// keys sooner but renews more often.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.settings().lease = lease;
+        self
+    }
+
+    /// The most response bytes this layer keeps for outcomes the store could not take
+    /// when their request ended (they are stored from a task of their own as soon as
+    /// it can). Default [`DEFAULT_MAX_KEPT_BYTES`]; past it, an outcome is kept without
+    /// its response, and its duplicates get `410 idempotency.not_replayable`.
+    pub fn max_kept_bytes(mut self, max: usize) -> Self {
+        self.settings().max_kept_bytes = max;
         self
     }
 
@@ -289,6 +314,7 @@ impl<St, C: Clone, E: Clone> Clone for IdempotencyLayer<St, C, E> {
     fn clone(&self) -> Self {
         Self {
             store: self.store.clone(),
+            kept: self.kept.clone(),
             identify: self.identify.clone(),
             epoch: self.epoch.clone(),
             settings: self.settings.clone(),
@@ -316,6 +342,7 @@ impl<S, St: IdempotencyStore, C: Clone, E: Clone> Layer<S> for IdempotencyLayer<
         Idempotency {
             inner,
             store: self.store.clone(),
+            kept: self.kept.clone(),
             identify: self.identify.clone(),
             epoch: self.epoch.clone(),
             settings: self.settings.clone(),

@@ -137,6 +137,7 @@
 mod epoch;
 mod key;
 mod layer;
+mod lease;
 mod scope;
 mod service;
 pub mod store;
@@ -153,7 +154,8 @@ pub use self::{
     },
     layer::{
         default_store_if, IdempotencyLayer, InFlight, StoreFailure, DEFAULT_LEASE,
-        DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+        DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
+        DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     scope::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,

@@ -14,7 +14,8 @@ use tracing::Instrument as _;
 
 use super::{
     layer::{InFlight, Settings, StoreFailure},
-    store::{Begin, Claim, IdempotencyStore, Lease, MokaStore, Record, Settled, StoredResponse},
+    lease::{KeptOutcomes, LeaseGuard},
+    store::{Begin, Chain, Claim, IdempotencyStore, MokaStore, Record, Settled, StoredResponse},
     AttemptId, ClientId, ExtractEpoch, Fingerprint, IdempotencyKey, IdentifyClient, NoClient,
     NoEpoch, ScopeKey, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT,
     IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
@@ -30,6 +31,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct Idempotency<S, St = MokaStore, C = NoClient, E = NoEpoch> {
     pub(super) inner: S,
     pub(super) store: Arc<St>,
+    pub(super) kept: Arc<KeptOutcomes>,
     pub(super) identify: C,
     pub(super) epoch: E,
     pub(super) settings: Arc<Settings>,
@@ -40,6 +42,7 @@ impl<S: Clone, St, C: Clone, E: Clone> Clone for Idempotency<S, St, C, E> {
         Self {
             inner: self.inner.clone(),
             store: self.store.clone(),
+            kept: self.kept.clone(),
             identify: self.identify.clone(),
             epoch: self.epoch.clone(),
             settings: self.settings.clone(),
@@ -201,7 +204,14 @@ where
             attempt,
             epoch,
         };
-        boxed(run(inner, self.store.clone(), settings, request, protected))
+        boxed(run(
+            inner,
+            self.store.clone(),
+            self.kept.clone(),
+            settings,
+            request,
+            protected,
+        ))
     }
 }
 
@@ -287,6 +297,7 @@ fn with_retry_after<B>(mut response: Response<B>, retry_after: Duration) -> Resp
 async fn run<S, St, ReqBody, ResBody>(
     inner: S,
     store: Arc<St>,
+    kept: Arc<KeptOutcomes>,
     settings: Arc<Settings>,
     request: Request<ReqBody>,
     protected: Protected,
@@ -326,14 +337,28 @@ where
             lease: settings.lease,
             epoch: protected.epoch,
         };
-        let begin = match store.begin(&protected.scope, claim).await {
+        if let Some(waiting) = kept.get(&protected.scope) {
+            // This layer ran the request and holds its outcome until the store takes
+            // it: never run it again, whatever the store says.
+            waiting.nudge();
+            let wait = match settings.in_flight {
+                InFlight::Reject { retry_after } => Err(retry_after),
+                InFlight::Wait { timeout } if waiting.settled(timeout).await => Ok(()),
+                InFlight::Wait { .. } => Err(Duration::from_secs(1)),
+            };
+            if let Err(retry_after) = wait {
+                return Ok(in_flight(waiting.first_seen, None, retry_after, attempt));
+            }
+        }
+        let begin = match store.begin(&protected.scope, claim.clone()).await {
             Ok(begin) => begin,
             Err(error) => {
                 return match settings.store_failure {
                     StoreFailure::FailClosed => {
                         tracing::warn!(
                             event = "idempotency.store_failed",
-                            error = %error,
+                            error = %Chain(&error),
+                            phase = "begin",
                             mode = "fail_closed",
                             status = 503,
                             "idempotency store failed; request refused"
@@ -343,7 +368,8 @@ where
                     StoreFailure::FailOpen => {
                         tracing::warn!(
                             event = "idempotency.store_failed",
-                            error = %error,
+                            error = %Chain(&error),
+                            phase = "begin",
                             mode = "fail_open",
                             "idempotency store failed; running the request without deduplication"
                         );
@@ -357,15 +383,13 @@ where
         match begin {
             Begin::Claimed { lease } => {
                 tracing::debug!(event = "idempotency.accepted", "idempotency key accepted; running the request");
+                let guard = LeaseGuard::new(store, protected.scope, claim, lease, kept);
                 // Boxed, so the replay path's future stays small.
                 Box::pin(execute(
                     inner,
-                    store,
                     settings.clone(),
                     request,
-                    protected.scope,
-                    lease,
-                    fingerprint,
+                    guard,
                     protected.attempt.clone(),
                     protected.epoch,
                 ))
@@ -394,7 +418,7 @@ where
                 }
                 match settings.in_flight {
                     InFlight::Reject { retry_after } => {
-                        Ok(in_flight(first_seen, request_count, retry_after, attempt))
+                        Ok(in_flight(first_seen, Some(request_count), retry_after, attempt))
                     }
                     InFlight::Wait { timeout } => {
                         match store.wait(&protected.scope, timeout).await {
@@ -403,7 +427,7 @@ where
                             }
                             Ok(Settled::TimedOut) => Ok(in_flight(
                                 first_seen,
-                                request_count,
+                                Some(request_count),
                                 Duration::from_secs(1),
                                 attempt,
                             )),
@@ -427,7 +451,8 @@ where
                             Err(error) => {
                                 tracing::warn!(
                                     event = "idempotency.store_failed",
-                                    error = %error,
+                                    error = %Chain(&error),
+                                    phase = "wait",
                                     status = 503,
                                     "idempotency store failed while waiting"
                                 );
@@ -496,7 +521,7 @@ fn epoch_mismatch<B>(
 
 fn in_flight<B>(
     first_seen: SystemTime,
-    request_count: u64,
+    request_count: Option<u64>,
     retry_after: Duration,
     attempt: Option<&AttemptId>,
 ) -> Response<Body<B>> {
@@ -515,7 +540,9 @@ fn in_flight<B>(
     let mut response = with_retry_after(problem.into_response(), retry_after);
     let headers = response.headers_mut();
     headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(first_seen));
-    headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
+    if let Some(request_count) = request_count {
+        headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
+    }
     finish(response, attempt)
 }
 
@@ -673,15 +700,13 @@ fn buffered<B>(body: &Body<B>) -> Bytes {
     body.complete_bytes().unwrap_or_default()
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Runs the claimed request, renewing its claim while the handler and its response
+/// body run, then stores the outcome or releases the key.
 async fn execute<S, St, ReqBody, ResBody>(
     mut inner: S,
-    store: Arc<St>,
     settings: Arc<Settings>,
     request: Request<Body<ReqBody>>,
-    scope: ScopeKey,
-    lease: Lease,
-    fingerprint: Fingerprint,
+    mut guard: LeaseGuard<St>,
     attempt: Option<AttemptId>,
     epoch: Option<u64>,
 ) -> Result<Response<Body<ResBody>>, S::Error>
@@ -694,44 +719,54 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let guard = LeaseGuard {
-        store,
-        scope,
-        lease: Some(lease),
-    };
-    let echo = attempt.clone();
+    let fingerprint = guard.claim().fingerprint;
     // Runs in the caller's task; if the caller goes away, `ResponseFuture`'s drop moves
     // this work to a task of its own, so it still completes and is stored.
-    let response = match inner.call(request).await {
+    let produced = guard
+        .renewing(async {
+            let (parts, body) = inner.call(request).await?.into_parts();
+            let body = collect_up_to(body, settings.max_response_bytes).await;
+            Ok((parts, body))
+        })
+        .await;
+    let (parts, body) = match produced {
+        Ok(produced) => produced,
         Err(error) => {
-            let mut guard = guard;
             guard.release("handler_error").await;
             return Err(error);
         }
-        Ok(response) => keep(response, guard, &settings, fingerprint, attempt, epoch).await,
     };
-    Ok(finish(response, echo.as_ref()))
-}
-
-/// Buffers the response, stores it or releases the key, and returns what the client
-/// gets.
-async fn keep<St, B>(
-    response: Response<B>,
-    mut guard: LeaseGuard<St>,
-    settings: &Settings,
-    fingerprint: Fingerprint,
-    attempt: Option<AttemptId>,
-    epoch: Option<u64>,
-) -> Response<Body<B>>
-where
-    St: IdempotencyStore,
-    B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    B::Error: Into<BoxError>,
-{
-    let (parts, body) = response.into_parts();
     let storable = (settings.store_if)(parts.status);
-    let body = match collect_up_to(body, settings.max_response_bytes).await {
-        Collected::Complete(body) => body,
+    let first_seen = guard.first_seen();
+    let record = |response| Record {
+        fingerprint,
+        first_seen,
+        original_attempt: attempt.clone(),
+        epoch,
+        response,
+    };
+    let response = match body {
+        Collected::Complete(body) if storable => {
+            let headers = parts
+                .headers
+                .iter()
+                .filter(|(name, _)| !settings.per_attempt.contains(name))
+                .map(|(name, value)| (name.clone(), value.clone()))
+                .collect();
+            let record = record(Some(StoredResponse {
+                status: parts.status,
+                headers,
+                body: body.clone(),
+            }));
+            guard
+                .complete(record, settings.ttl, settings.max_kept_bytes)
+                .await;
+            Response::from_parts(parts, Body::complete(body))
+        }
+        Collected::Complete(body) => {
+            guard.release("not_stored").await;
+            Response::from_parts(parts, Body::complete(body))
+        }
         Collected::TooLarge { prefix, rest } => {
             if storable {
                 tracing::warn!(
@@ -739,18 +774,14 @@ where
                     max_bytes = settings.max_response_bytes,
                     "response over the idempotency limit: streamed, not stored; duplicates get 410"
                 );
-                let record = Record {
-                    fingerprint,
-                    first_seen: guard.first_seen(),
-                    original_attempt: attempt,
-                    epoch,
-                    response: None,
-                };
-                guard.complete(record, settings.ttl).await;
+                let record = record(None);
+                guard
+                    .complete(record, settings.ttl, settings.max_kept_bytes)
+                    .await;
             } else {
                 guard.release("not_stored").await;
             }
-            return Response::from_parts(parts, Body::prefixed(prefix, rest));
+            Response::from_parts(parts, Body::prefixed(prefix, rest))
         }
         Collected::Failed(error) => {
             tracing::warn!(
@@ -766,32 +797,10 @@ where
                 "Response failed",
                 "the response could not be produced; nothing was stored, so a retry runs again",
             );
-            return problem.into_response();
+            problem.into_response()
         }
     };
-    if storable {
-        let headers = parts
-            .headers
-            .iter()
-            .filter(|(name, _)| !settings.per_attempt.contains(name))
-            .map(|(name, value)| (name.clone(), value.clone()))
-            .collect();
-        let record = Record {
-            fingerprint,
-            first_seen: guard.first_seen(),
-            original_attempt: attempt,
-            epoch,
-            response: Some(StoredResponse {
-                status: parts.status,
-                headers,
-                body: body.clone(),
-            }),
-        };
-        guard.complete(record, settings.ttl).await;
-    } else {
-        guard.release("not_stored").await;
-    }
-    Response::from_parts(parts, Body::complete(body))
+    Ok(finish(response, attempt.as_ref()))
 }
 
 enum Collected<B> {
@@ -844,101 +853,4 @@ where
         }
     }
     Collected::Complete(joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze))
-}
-
-/// Holds a claimed lease; released on drop unless completed, so a handler that panics
-/// or a task that is cancelled never leaves its key locked until the lease runs out.
-struct LeaseGuard<St: IdempotencyStore> {
-    store: Arc<St>,
-    scope: ScopeKey,
-    lease: Option<Lease>,
-}
-
-impl<St: IdempotencyStore> LeaseGuard<St> {
-    fn first_seen(&self) -> SystemTime {
-        self.lease
-            .as_ref()
-            .map_or_else(SystemTime::now, |lease| lease.first_seen)
-    }
-
-    async fn complete(&mut self, record: Record, ttl: Duration) {
-        let Some(lease) = self.lease.take() else {
-            return;
-        };
-        let status = record.response.as_ref().map(|r| r.status.as_u16());
-        let bytes = record.weight();
-        match self.store.complete(&self.scope, &lease, record, ttl).await {
-            Ok(true) => tracing::info!(
-                event = "idempotency.stored",
-                status,
-                bytes,
-                ttl_secs = ttl.as_secs(),
-                "stored the response for replay"
-            ),
-            Ok(false) => tracing::warn!(
-                event = "idempotency.lease_lost",
-                "the lease ran out before the request finished; its outcome was not stored"
-            ),
-            Err(error) => {
-                tracing::warn!(
-                    event = "idempotency.store_failed",
-                    error = %error,
-                    phase = "complete",
-                    "could not store the response; releasing the key"
-                );
-                self.lease = Some(lease);
-                self.release("store_failed").await;
-            }
-        }
-    }
-
-    async fn release(&mut self, reason: &'static str) {
-        let Some(lease) = self.lease.take() else {
-            return;
-        };
-        release(&*self.store, &self.scope, &lease, reason).await;
-    }
-}
-
-async fn release<St: IdempotencyStore>(
-    store: &St,
-    scope: &ScopeKey,
-    lease: &Lease,
-    reason: &'static str,
-) {
-    match store.release(scope, lease).await {
-        Ok(_) => tracing::info!(
-            event = "idempotency.released",
-            reason,
-            "released the idempotency key; a retry runs again"
-        ),
-        Err(error) => tracing::warn!(
-            event = "idempotency.store_failed",
-            error = %error,
-            phase = "release",
-            "could not release the key; it frees itself when the lease runs out"
-        ),
-    }
-}
-
-impl<St: IdempotencyStore> Drop for LeaseGuard<St> {
-    fn drop(&mut self) {
-        let Some(lease) = self.lease.take() else {
-            return;
-        };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let store = self.store.clone();
-        let scope = self.scope;
-        let reason = if std::thread::panicking() {
-            "handler_panicked"
-        } else {
-            "abandoned"
-        };
-        runtime.spawn(
-            async move { release(&*store, &scope, &lease, reason).await }
-                .instrument(tracing::Span::current()),
-        );
-    }
 }

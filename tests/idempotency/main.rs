@@ -29,7 +29,10 @@ use support::{client, send, serve, try_send, HttpClient, Logs, Reply};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
-        store::{Begin, Claim, IdempotencyStore, Lease, ManualClock, Record, Settled, StoreError},
+        store::{
+            Begin, Claim, Completion, IdempotencyStore, Lease, ManualClock, Record, Renewal,
+            Settled, StoreError,
+        },
         ClientFromHeader, EpochFromExtension, EpochFromHeader, ExtractEpoch, IdempotencyLayer,
         IdentifyClient, InFlight, MokaStore, ScopeKey, StoreFailure,
     },
@@ -653,13 +656,16 @@ impl IdempotencyStore for BrokenStore {
     async fn begin(&self, _: &ScopeKey, _: Claim) -> Result<Begin, StoreError> {
         Err(StoreError::new("connection refused"))
     }
+    async fn renew(&self, _: &ScopeKey, _: &Lease, _: &Claim) -> Result<Renewal, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
     async fn complete(
         &self,
         _: &ScopeKey,
         _: &Lease,
-        _: Record,
+        _: Arc<Record>,
         _: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Completion, StoreError> {
         Err(StoreError::new("connection refused"))
     }
     async fn release(&self, _: &ScopeKey, _: &Lease) -> Result<bool, StoreError> {

@@ -31,7 +31,7 @@ use support::{client, send, serve, try_send, HttpClient, Reply};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
-        store::{Begin, Claim, IdempotencyStore, Record, RedisStore, StoredResponse},
+        store::{Begin, Claim, Completion, IdempotencyStore, Record, RedisStore, StoredResponse},
         Fingerprint, IdempotencyLayer, InFlight, ScopeKey, StoreFailure,
     },
 };
@@ -442,15 +442,19 @@ async fn a_worker_whose_lease_ran_out_cannot_clobber_the_new_record() {
         panic!("after the lease ran out, a second worker claims");
     };
     assert_ne!(stale.token, fresh.token, "every claim has its own token");
-    assert!(store
-        .complete(&scope, &fresh, record("second"), ttl)
-        .await
-        .unwrap());
-    assert!(
-        !store
-            .complete(&scope, &stale, record("first"), ttl)
+    assert_eq!(
+        store
+            .complete(&scope, &fresh, Arc::new(record("second")), ttl)
             .await
             .unwrap(),
+        Completion::Stored
+    );
+    assert_eq!(
+        store
+            .complete(&scope, &stale, Arc::new(record("first")), ttl)
+            .await
+            .unwrap(),
+        Completion::Superseded,
         "the stale worker's complete is refused"
     );
     assert!(
@@ -599,9 +603,10 @@ async fn the_local_cache_replays_and_counts_in_redis() {
         response: Some(response("cached")),
     };
     assert!(cached
-        .complete(&scope, &lease, record, Duration::from_secs(60))
+        .complete(&scope, &lease, Arc::new(record), Duration::from_secs(60))
         .await
-        .unwrap());
+        .unwrap()
+        .is_stored());
     // The local insert happens in the background.
     tokio::time::sleep(Duration::from_millis(50)).await;
 

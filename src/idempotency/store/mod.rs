@@ -24,11 +24,14 @@ use super::{AttemptId, Fingerprint, ScopeKey};
 /// A record store for the idempotency layer, shared behind an `Arc`.
 ///
 /// Every state change is atomic per scope: of any number of concurrent [`begin`]s for
-/// one scope, exactly one gets [`Begin::Claimed`]; [`complete`] and [`release`] succeed
-/// only for the lease that claim returned, so a worker whose lease ran out can never
-/// overwrite the record of the one that took over.
+/// one scope, exactly one gets [`Begin::Claimed`]; [`renew`], [`complete`] and
+/// [`release`] act only for the lease that claim returned, so a worker whose lease ran
+/// out can never overwrite the record of the one that took over. Each may be called
+/// again with the same lease after an answer was lost (a timeout, a dropped
+/// connection) with the effect of one call.
 ///
 /// [`begin`]: Self::begin
+/// [`renew`]: Self::renew
 /// [`complete`]: Self::complete
 /// [`release`]: Self::release
 pub trait IdempotencyStore: Send + Sync + 'static {
@@ -39,15 +42,33 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         claim: Claim,
     ) -> impl Future<Output = Result<Begin, StoreError>> + Send;
 
-    /// Stores the outcome of the claimed request for `ttl`; `Ok(false)` if `lease` no
-    /// longer holds the scope (it expired and another request claimed it).
+    /// Keeps the claim `lease` holds on `scope` for another `claim.lease` from now,
+    /// while its request runs. If the claim is gone and nothing took its place (the
+    /// store lost it, or it ran out unrenewed), it is put back from `claim`.
+    ///
+    /// Must be safe to repeat: renewing twice with one lease is renewing once.
+    fn renew(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+        claim: &Claim,
+    ) -> impl Future<Output = Result<Renewal, StoreError>> + Send;
+
+    /// Stores the outcome of the claimed request for `ttl`, unless another request
+    /// holds the scope or stored its outcome ([`Completion::Superseded`]). A claim that
+    /// is gone with nothing in its place does not stop it: the request ran, and its
+    /// outcome is what keeps it from running again.
+    ///
+    /// Must be safe to repeat: completing twice with one lease stores once, and the
+    /// second call answers [`Completion::Stored`] (the layer retries a completion
+    /// whose answer was lost).
     fn complete(
         &self,
         scope: &ScopeKey,
         lease: &Lease,
-        record: Record,
+        record: Arc<Record>,
         ttl: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Completion, StoreError>> + Send;
 
     /// Gives the scope up so a retry runs again; `Ok(false)` if `lease` no longer
     /// holds it.
@@ -102,6 +123,38 @@ pub enum Begin {
         /// Requests seen for this scope, this one included.
         request_count: u64,
     },
+}
+
+/// The answer of [`IdempotencyStore::renew`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// The claim holds for another lease.
+    Extended,
+    /// The claim was gone, and nothing had taken its place: it is back. The store lost
+    /// it (a restart without persistence) or it ran out unrenewed, so a duplicate may
+    /// have run meanwhile.
+    Restored,
+    /// Another request holds the scope, or an outcome is stored for it.
+    Lost,
+}
+
+/// The answer of [`IdempotencyStore::complete`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// The outcome is stored (now, or by an earlier call with the same lease).
+    Stored,
+    /// The outcome is stored, but the claim had gone (the store lost it, or it ran
+    /// out): a duplicate may have run meanwhile.
+    StoredWithoutClaim,
+    /// Another request holds the scope or stored its outcome; this one is not stored.
+    Superseded,
+}
+
+impl Completion {
+    /// Whether the outcome is now in the store.
+    pub fn is_stored(self) -> bool {
+        !matches!(self, Self::Superseded)
+    }
 }
 
 /// A claim on a scope, unique to one [`Begin::Claimed`].
@@ -215,6 +268,22 @@ impl std::error::Error for StoreError {
         self.source
             .as_deref()
             .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// An error and its causes, `: `-separated, for a log field: "claiming a key in Redis:
+/// Connection refused", not just "claiming a key in Redis".
+pub(crate) struct Chain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
     }
 }
 

@@ -12,7 +12,8 @@ use moka::{future::Cache, policy::EvictionPolicy, Expiry};
 use tokio::sync::watch;
 
 use super::{
-    Begin, Claim, Clock, IdempotencyStore, Lease, Record, Settled, StoreError, SystemClock,
+    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
+    SystemClock,
 };
 use crate::idempotency::{Fingerprint, ScopeKey};
 
@@ -283,6 +284,20 @@ struct InFlight {
 }
 
 impl InFlight {
+    /// The claim `lease` held, put back after it was lost.
+    fn restored(lease: &Lease, claim: &Claim, now: SystemTime) -> Self {
+        let (settled, _) = watch::channel(());
+        Self {
+            token: u64::try_from(lease.token).unwrap_or(0),
+            fingerprint: claim.fingerprint,
+            first_seen: lease.first_seen,
+            epoch: claim.epoch,
+            expires_at: now + claim.lease,
+            request_count: 1,
+            settled,
+        }
+    }
+
     fn holds(&self, now: SystemTime) -> bool {
         self.expires_at > now
     }
@@ -393,49 +408,86 @@ impl IdempotencyStore for MokaStore {
         })
     }
 
+    async fn renew(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+        claim: &Claim,
+    ) -> Result<Renewal, StoreError> {
+        let now = self.clock.now();
+        let mut guard = self.shard(scope);
+        let shard = &mut *guard;
+        match shard.scopes.get_mut(scope) {
+            Some(Scope::InFlight(held)) if u128::from(held.token) == lease.token => {
+                held.expires_at = now + claim.lease;
+                return Ok(Renewal::Extended);
+            }
+            Some(Scope::InFlight(other)) if other.holds(now) => return Ok(Renewal::Lost),
+            Some(Scope::Stored(stored)) if stored.expires_at > now => return Ok(Renewal::Lost),
+            // Another worker's lost claim, taken over.
+            Some(Scope::InFlight(_)) => shard.in_flight -= 1,
+            // Nothing, or a record past its TTL.
+            _ => {}
+        }
+        let restored = Scope::InFlight(Box::new(InFlight::restored(lease, claim, now)));
+        let replaced = shard.scopes.insert(*scope, restored);
+        shard.claimed(now);
+        drop(guard);
+        drop(replaced);
+        Ok(Renewal::Restored)
+    }
+
     async fn complete(
         &self,
         scope: &ScopeKey,
         lease: &Lease,
-        record: Record,
+        record: Arc<Record>,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Completion, StoreError> {
         let now = self.clock.now();
+        // Tokens are this store's counter, so they fit; a foreign lease matches nothing.
+        let token = u64::try_from(lease.token).unwrap_or(0);
         let weight = u32::try_from(record.weight())
             .unwrap_or(u32::MAX)
             .saturating_add(ENTRY_OVERHEAD_BYTES);
-        let (entry, claim) = {
+        let (entry, replaced, completion) = {
             let mut guard = self.shard(scope);
             let shard = &mut *guard;
-            let Some(slot) = shard.scopes.get_mut(scope) else {
-                return Ok(false);
+            let completion = match shard.scopes.get(scope) {
+                Some(Scope::InFlight(claim)) if claim.token == token => Completion::Stored,
+                Some(Scope::Stored(stored)) if stored.token == token => {
+                    return Ok(Completion::Stored)
+                }
+                Some(Scope::InFlight(other)) if other.holds(now) => {
+                    return Ok(Completion::Superseded)
+                }
+                Some(Scope::Stored(other)) if other.expires_at > now => {
+                    return Ok(Completion::Superseded)
+                }
+                _ => Completion::StoredWithoutClaim,
             };
-            let Scope::InFlight(claim) = &*slot else {
-                return Ok(false);
+            let request_count = match shard.scopes.get(scope) {
+                Some(Scope::InFlight(claim)) => {
+                    // Waiters wake once the lock is released, and find the record.
+                    claim.settled.send_replace(());
+                    shard.in_flight -= 1;
+                    claim.request_count
+                }
+                _ => 1,
             };
-            if u128::from(claim.token) != lease.token {
-                return Ok(false);
-            }
-            // Waiters wake once the lock is released, and find the record.
-            claim.settled.send_replace(());
-            let entry = IndexEntry {
-                token: claim.token,
-                weight,
-                ttl,
-            };
+            let entry = IndexEntry { token, weight, ttl };
             let stored = Scope::Stored(Stored {
-                record: Arc::new(record),
+                record,
                 expires_at: now + ttl,
-                token: claim.token,
-                request_count: claim.request_count,
+                token,
+                request_count,
             });
-            shard.in_flight -= 1;
-            (entry, std::mem::replace(slot, stored))
+            (entry, shard.scopes.insert(*scope, stored), completion)
         };
-        // The claim, freed outside the lock.
-        drop(claim);
+        // What the record replaced, freed outside the lock.
+        drop(replaced);
         self.index.insert(*scope, entry).await;
-        Ok(true)
+        Ok(completion)
     }
 
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
@@ -523,30 +575,47 @@ mod tests {
             token: lease.token + 1000,
             first_seen: lease.first_seen,
         };
-        let record = Record {
+        let record = Arc::new(Record {
             fingerprint: claim().fingerprint,
             first_seen: lease.first_seen,
             original_attempt: None,
             epoch: None,
             response: None,
-        };
-        assert!(!store.release(&scope("k"), &stranger).await.unwrap());
+        });
         let ttl = Duration::from_secs(60);
-        assert!(!store
-            .complete(&scope("k"), &stranger, record.clone(), ttl)
-            .await
-            .unwrap());
+        assert!(!store.release(&scope("k"), &stranger).await.unwrap());
+        assert_eq!(
+            store
+                .complete(&scope("k"), &stranger, record.clone(), ttl)
+                .await
+                .unwrap(),
+            Completion::Superseded
+        );
+        assert_eq!(
+            store.renew(&scope("k"), &stranger, &claim()).await.unwrap(),
+            Renewal::Lost
+        );
         assert!(store.release(&scope("k"), &lease).await.unwrap());
-        assert!(
-            !store
+        // Released and not taken: a late outcome is still stored, so its key never
+        // runs again.
+        assert_eq!(
+            store
+                .complete(&scope("k"), &lease, record.clone(), ttl)
+                .await
+                .unwrap(),
+            Completion::StoredWithoutClaim
+        );
+        assert_eq!(
+            store
                 .complete(&scope("k"), &lease, record, ttl)
                 .await
                 .unwrap(),
-            "released"
+            Completion::Stored,
+            "completing again is completing once"
         );
         assert!(matches!(
             store.begin(&scope("k"), claim()).await.unwrap(),
-            Begin::Claimed { .. }
+            Begin::Completed { .. }
         ));
     }
 }
@@ -582,9 +651,10 @@ mod eviction_tests {
         };
         let ttl = Duration::from_secs(3600);
         assert!(store
-            .complete(&scope(key), &lease, record, ttl)
+            .complete(&scope(key), &lease, Arc::new(record), ttl)
             .await
-            .unwrap());
+            .unwrap()
+            .is_stored());
     }
 
     #[tokio::test]

@@ -13,8 +13,8 @@ use redis::{
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Begin, Claim, Clock, IdempotencyStore, Lease, Record, Settled, StoreError, StoredResponse,
-    SystemClock,
+    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
+    StoredResponse, SystemClock,
 };
 use crate::idempotency::{AttemptId, Fingerprint, ScopeKey};
 
@@ -29,8 +29,10 @@ pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(250);
 /// Bytes of fencing token at the head of a claim's value.
 const TOKEN_LEN: usize = 16;
 
-/// Claims the scope unless a record or a live claim holds it; counts the request.
-/// KEYS: record, claim, count. ARGV: claim value, lease ms.
+/// Claims the scope unless a record or a live claim holds it; counts the request. A
+/// claim already carrying this value's token is this call repeated: claimed, not
+/// counted again.
+/// KEYS: record, claim, count. ARGV: claim value (token first), lease ms.
 /// Returns {kind, value, count, record ms left}: kind 0 claimed, 1 record, 2 in flight.
 const BEGIN: &str = r"
 local record = redis.call('GET', KEYS[1])
@@ -40,6 +42,9 @@ if record then
 end
 local claim = redis.call('GET', KEYS[2])
 if claim then
+  if string.sub(claim, 1, 16) == string.sub(ARGV[1], 1, 16) then
+    return {0, '', tonumber(redis.call('GET', KEYS[3]) or '1'), 0}
+  end
   return {2, claim, redis.call('INCR', KEYS[3]), 0}
 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
@@ -48,17 +53,51 @@ redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return {0, '', n, 0}
 ";
 
-/// Stores the record if the claim still carries this token.
-/// KEYS: record, claim, count. ARGV: token, record, ttl ms.
-const COMPLETE: &str = r"
+/// Extends the claim carrying this token; puts it back if it is gone and no record
+/// took its place.
+/// KEYS: record, claim, count. ARGV: claim value (token first), lease ms.
+/// Returns 1 extended, 2 restored, 0 lost.
+const RENEW: &str = r"
 local claim = redis.call('GET', KEYS[2])
-if not claim or string.sub(claim, 1, 16) ~= ARGV[1] then
+if claim then
+  if string.sub(claim, 1, 16) ~= string.sub(ARGV[1], 1, 16) then
+    return 0
+  end
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+  return 1
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
+end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return 2
+";
+
+/// Stores the record unless another claim or another record holds the scope. A record
+/// already carrying this token is this call repeated.
+/// KEYS: record, claim, count. ARGV: token, record (token first), ttl ms.
+/// Returns 1 stored, 2 stored with the claim gone, 0 superseded.
+const COMPLETE: &str = r"
+local stored = redis.call('GETRANGE', KEYS[1], 0, 15)
+if stored ~= '' then
+  if stored == ARGV[1] then
+    return 1
+  end
+  return 0
+end
+local claim = redis.call('GET', KEYS[2])
+local result = 2
+if claim then
+  if string.sub(claim, 1, 16) ~= ARGV[1] then
+    return 0
+  end
+  result = 1
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('DEL', KEYS[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
-return 1
+return result
 ";
 
 /// Counts a request for a record this replica already holds; a count key that expired
@@ -114,6 +153,7 @@ pub struct RedisStore {
     local: Option<Cache<ScopeKey, Local>>,
     clock: Arc<dyn Clock>,
     begin: Arc<Script>,
+    renew: Arc<Script>,
     complete: Arc<Script>,
     release: Arc<Script>,
     count: Arc<Script>,
@@ -200,6 +240,7 @@ impl RedisStoreBuilder {
             local,
             clock: self.clock,
             begin: Arc::new(Script::new(BEGIN)),
+            renew: Arc::new(Script::new(RENEW)),
             complete: Arc::new(Script::new(COMPLETE)),
             release: Arc::new(Script::new(RELEASE)),
             count: Arc::new(Script::new(COUNT)),
@@ -233,19 +274,42 @@ impl RedisStore {
         ]
     }
 
-    /// Runs one command under the command timeout.
-    async fn bounded<T>(
+    /// Runs one command under the command timeout. A command that fails because the
+    /// connection broke (Redis restarted, a proxy cut it) is sent once more: the
+    /// connection manager reconnects as soon as it sees the failure, and every script
+    /// here has the effect of one call when repeated with the same token.
+    async fn bounded<T, F>(
+        &self,
+        what: &'static str,
+        command: impl Fn(ConnectionManager) -> F,
+    ) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        match self.attempt(what, command(self.connection.clone())).await {
+            Err(Failure::Connection(_)) => self
+                .attempt(what, command(self.connection.clone()))
+                .await
+                .map_err(|failure| failure.into_error(what)),
+            first => first.map_err(|failure| failure.into_error(what)),
+        }
+    }
+
+    async fn attempt<T>(
         &self,
         what: &'static str,
         command: impl std::future::Future<Output = redis::RedisResult<T>>,
-    ) -> Result<T, StoreError> {
+    ) -> Result<T, Failure> {
         match tokio::time::timeout(self.command_timeout, command).await {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => Err(StoreError::with_source(what, error)),
-            Err(_) => Err(StoreError::new(format!(
+            Ok(Err(error)) if error.is_unrecoverable_error() || error.is_io_error() => {
+                Err(Failure::Connection(error))
+            }
+            Ok(Err(error)) => Err(Failure::Other(StoreError::with_source(what, error))),
+            Err(_) => Err(Failure::Other(StoreError::new(format!(
                 "{what}: timed out after {:?}",
                 self.command_timeout
-            ))),
+            )))),
         }
     }
 
@@ -262,6 +326,23 @@ impl RedisStore {
             let scope = *scope;
             // Filling the cache never delays the request.
             tokio::spawn(async move { local.insert(scope, entry).await });
+        }
+    }
+}
+
+/// Why one attempt at a command failed.
+enum Failure {
+    /// The connection broke: worth one more attempt on the new one.
+    Connection(redis::RedisError),
+    /// Anything else: Redis refused the command, or did not answer in time.
+    Other(StoreError),
+}
+
+impl Failure {
+    fn into_error(self, what: &'static str) -> StoreError {
+        match self {
+            Self::Connection(error) => StoreError::with_source(what, error),
+            Self::Other(error) => error,
         }
     }
 }
@@ -284,18 +365,16 @@ impl Expiry<ScopeKey, Local> for LocalExpiry {
 impl IdempotencyStore for RedisStore {
     async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
         let [record_key, claim_key, count_key] = self.keys(scope);
-        let mut connection = self.connection.clone();
         if let Some(local) = &self.local {
             if let Some(hit) = local.get(scope).await {
                 let left = hit.expires_at.saturating_duration_since(Instant::now());
+                let left_ms = left.as_millis().max(1) as u64;
                 let request_count: u64 = self
-                    .bounded(
-                        "counting a request in Redis",
-                        self.count
-                            .key(&count_key)
-                            .arg(left.as_millis().max(1) as u64)
-                            .invoke_async(&mut connection),
-                    )
+                    .bounded("counting a request in Redis", |mut connection| {
+                        let mut count = self.count.prepare_invoke();
+                        count.key(&count_key).arg(left_ms);
+                        async move { count.invoke_async(&mut connection).await }
+                    })
                     .await?;
                 return Ok(Begin::Completed {
                     record: hit.record,
@@ -304,33 +383,26 @@ impl IdempotencyStore for RedisStore {
             }
         }
         let now = self.clock.now();
-        let token: u128 = rand::random();
-        let mut value = token.to_be_bytes().to_vec();
-        value.extend(encode(&ClaimInfo {
-            fingerprint: *claim.fingerprint.as_bytes(),
-            first_seen_ms: millis(now),
-            epoch: claim.epoch,
-        })?);
-        let lease_ms = claim.lease.as_millis().max(1) as u64;
+        let lease = Lease {
+            token: rand::random(),
+            first_seen: now,
+        };
+        let value = claim_value(&lease, &claim)?;
+        let lease_ms = millis_of(claim.lease);
         let (kind, data, request_count, record_ms): (i64, Vec<u8>, u64, i64) = self
-            .bounded(
-                "claiming a key in Redis",
-                self.begin
+            .bounded("claiming a key in Redis", |mut connection| {
+                let mut begin = self.begin.prepare_invoke();
+                begin
                     .key(&record_key)
                     .key(&claim_key)
                     .key(&count_key)
                     .arg(&value)
-                    .arg(lease_ms)
-                    .invoke_async(&mut connection),
-            )
+                    .arg(lease_ms);
+                async move { begin.invoke_async(&mut connection).await }
+            })
             .await?;
         match kind {
-            0 => Ok(Begin::Claimed {
-                lease: Lease {
-                    token,
-                    first_seen: now,
-                },
-            }),
+            0 => Ok(Begin::Claimed { lease }),
             1 => {
                 let record = Arc::new(decode_record(&data)?);
                 let ttl = Duration::from_millis(u64::try_from(record_ms).unwrap_or(0));
@@ -352,46 +424,79 @@ impl IdempotencyStore for RedisStore {
         }
     }
 
+    async fn renew(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+        claim: &Claim,
+    ) -> Result<Renewal, StoreError> {
+        let [record_key, claim_key, count_key] = self.keys(scope);
+        let value = claim_value(lease, claim)?;
+        let lease_ms = millis_of(claim.lease);
+        let renewed: i64 = self
+            .bounded("renewing a claim in Redis", |mut connection| {
+                let mut renew = self.renew.prepare_invoke();
+                renew
+                    .key(&record_key)
+                    .key(&claim_key)
+                    .key(&count_key)
+                    .arg(&value)
+                    .arg(lease_ms);
+                async move { renew.invoke_async(&mut connection).await }
+            })
+            .await?;
+        Ok(match renewed {
+            1 => Renewal::Extended,
+            2 => Renewal::Restored,
+            _ => Renewal::Lost,
+        })
+    }
+
     async fn complete(
         &self,
         scope: &ScopeKey,
         lease: &Lease,
-        record: Record,
+        record: Arc<Record>,
         ttl: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Completion, StoreError> {
         let [record_key, claim_key, count_key] = self.keys(scope);
-        let encoded = encode_record(&record)?;
-        let mut connection = self.connection.clone();
-        let stored: i64 = self
-            .bounded(
-                "storing a record in Redis",
-                self.complete
+        let token = lease_token(lease);
+        let mut encoded = token.clone();
+        encoded.extend(encode_record(&record)?);
+        let ttl_ms = millis_of(ttl);
+        let completed: i64 = self
+            .bounded("storing a record in Redis", |mut connection| {
+                let mut complete = self.complete.prepare_invoke();
+                complete
                     .key(&record_key)
                     .key(&claim_key)
                     .key(&count_key)
-                    .arg(lease_token(lease))
-                    .arg(encoded)
-                    .arg(ttl.as_millis().max(1) as u64)
-                    .invoke_async(&mut connection),
-            )
+                    .arg(&token)
+                    .arg(&encoded)
+                    .arg(ttl_ms);
+                async move { complete.invoke_async(&mut connection).await }
+            })
             .await?;
-        if stored == 1 {
-            self.remember(scope, &Arc::new(record), ttl);
+        let completion = match completed {
+            1 => Completion::Stored,
+            2 => Completion::StoredWithoutClaim,
+            _ => Completion::Superseded,
+        };
+        if completion.is_stored() {
+            self.remember(scope, &record, ttl);
         }
-        Ok(stored == 1)
+        Ok(completion)
     }
 
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
         let [_, claim_key, _] = self.keys(scope);
-        let mut connection = self.connection.clone();
+        let token = lease_token(lease);
         let released: i64 = self
-            .bounded(
-                "releasing a key in Redis",
-                self.release
-                    .key(&claim_key)
-                    .arg(lease_token(lease))
-                    .invoke_async(&mut connection),
-            )
+            .bounded("releasing a key in Redis", |mut connection| {
+                let mut release = self.release.prepare_invoke();
+                release.key(&claim_key).arg(&token);
+                async move { release.invoke_async(&mut connection).await }
+            })
             .await?;
         Ok(released == 1)
     }
@@ -401,10 +506,11 @@ impl IdempotencyStore for RedisStore {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut pause = Duration::from_millis(5);
         loop {
-            let mut connection = self.connection.clone();
-            let mut mget = redis::cmd("MGET");
-            mget.arg(&record_key).arg(&claim_key);
-            let poll = self.bounded("polling a key in Redis", mget.query_async(&mut connection));
+            let poll = self.bounded("polling a key in Redis", |mut connection| {
+                let mut mget = redis::cmd("MGET");
+                mget.arg(&record_key).arg(&claim_key);
+                async move { mget.query_async(&mut connection).await }
+            });
             // The wait ends at its deadline even if Redis is slow to answer.
             let Ok(polled) = tokio::time::timeout_at(deadline, poll).await else {
                 return Ok(Settled::TimedOut);
@@ -427,6 +533,25 @@ impl IdempotencyStore for RedisStore {
             pause = (pause * 2).min(Duration::from_millis(100));
         }
     }
+}
+
+/// A claim's value: the lease's token, then what a duplicate needs to know of the
+/// request in flight.
+fn claim_value(lease: &Lease, claim: &Claim) -> Result<Vec<u8>, StoreError> {
+    let mut value = lease_token(lease);
+    value.extend(encode(&ClaimInfo {
+        fingerprint: *claim.fingerprint.as_bytes(),
+        first_seen_ms: millis(lease.first_seen),
+        epoch: claim.epoch,
+    })?);
+    Ok(value)
+}
+
+/// At least a millisecond: Redis refuses an expiry of zero.
+fn millis_of(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
 }
 
 /// The lease's fencing token as the 16 bytes the claim starts with.
@@ -494,8 +619,9 @@ fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
     })
 }
 
-fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
-    let encoded: EncodedRecord = decode(bytes)?;
+/// Decodes a record as stored: the token of the lease that stored it, then the record.
+fn decode_record(stored: &[u8]) -> Result<Record, StoreError> {
+    let encoded: EncodedRecord = decode(stored.get(TOKEN_LEN..).unwrap_or_default())?;
     let corrupt = |what: &str| StoreError::new(format!("corrupt record in Redis: {what}"));
     let response = match encoded.response {
         None => None,
@@ -570,8 +696,10 @@ mod tests {
                 body: Bytes::from_static(b"{\"id\":1}"),
             }),
         };
+        let mut stored = [7u8; TOKEN_LEN].to_vec();
         let encoded = encode_record(&record).unwrap();
-        let decoded = decode_record(&encoded).unwrap();
+        stored.extend(&encoded);
+        let decoded = decode_record(&stored).unwrap();
         assert_eq!(decoded.fingerprint, record.fingerprint);
         assert_eq!(decoded.first_seen, record.first_seen);
         assert_eq!(decoded.epoch, Some(7));
@@ -586,6 +714,6 @@ mod tests {
             "{} bytes",
             encoded.len()
         );
-        assert!(decode_record(&encoded[..encoded.len() - 1]).is_err());
+        assert!(decode_record(&stored[..stored.len() - 1]).is_err());
     }
 }

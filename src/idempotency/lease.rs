@@ -1,0 +1,416 @@
+//! The completion path of a claimed request: its claim kept alive while the handler
+//! runs, its outcome stored when it ends, and, if the store cannot take the outcome
+//! now, stored later from a task of its own. Once the handler has produced an outcome,
+//! the key is never released.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex, PoisonError,
+    },
+    time::{Duration, SystemTime},
+};
+
+use tokio::sync::{watch, Notify};
+use tracing::Instrument as _;
+
+use super::{
+    store::{Chain, Claim, Completion, IdempotencyStore, Lease, Record, Renewal},
+    ScopeKey,
+};
+
+/// The first pause before storing a kept outcome again; it doubles up to
+/// [`MAX_STORE_RETRY_PAUSE`].
+const FIRST_STORE_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// The longest pause between two attempts to store a kept outcome: short, because a
+/// retry of the request gets `409` until the outcome is stored, and a store that is
+/// down answers an attempt at once.
+const MAX_STORE_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// Holds a claimed lease; released on drop unless settled, so a handler that panics or
+/// a task that is cancelled before the handler produced anything never leaves its key
+/// locked until the lease runs out.
+pub(super) struct LeaseGuard<St: IdempotencyStore> {
+    store: Arc<St>,
+    scope: ScopeKey,
+    claim: Claim,
+    lease: Option<Lease>,
+    kept: Arc<KeptOutcomes>,
+}
+
+impl<St: IdempotencyStore> LeaseGuard<St> {
+    pub(super) fn new(
+        store: Arc<St>,
+        scope: ScopeKey,
+        claim: Claim,
+        lease: Lease,
+        kept: Arc<KeptOutcomes>,
+    ) -> Self {
+        Self {
+            store,
+            scope,
+            claim,
+            lease: Some(lease),
+            kept,
+        }
+    }
+
+    /// What the request claimed with.
+    pub(super) fn claim(&self) -> &Claim {
+        &self.claim
+    }
+
+    pub(super) fn first_seen(&self) -> SystemTime {
+        self.lease
+            .as_ref()
+            .map_or_else(SystemTime::now, |lease| lease.first_seen)
+    }
+
+    /// Runs `work`, renewing the claim every third of the lease until it ends, so a
+    /// handler longer than the lease keeps its key while its worker lives.
+    pub(super) async fn renewing<F: Future>(&self, work: F) -> F::Output {
+        let Some(lease) = &self.lease else {
+            return work.await;
+        };
+        let period = (self.claim.lease / 3).max(Duration::from_millis(1));
+        tokio::pin!(work);
+        loop {
+            // `work` first: a handler that is ready at once never arms the timer.
+            tokio::select! {
+                biased;
+                output = &mut work => return output,
+                () = tokio::time::sleep(period) => {}
+            }
+            let renewal = renew(&*self.store, &self.scope, lease, &self.claim);
+            tokio::pin!(renewal);
+            let held = tokio::select! {
+                biased;
+                output = &mut work => return output,
+                held = &mut renewal => held,
+            };
+            if !held {
+                return work.await;
+            }
+        }
+    }
+
+    /// Stores `record`; if the store fails, keeps it and stores it from a task of its
+    /// own (see [`KeptOutcomes`]). Never releases the key.
+    pub(super) async fn complete(&mut self, record: Record, ttl: Duration, max_kept_bytes: usize) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let record = Arc::new(record);
+        match self
+            .store
+            .complete(&self.scope, &lease, record.clone(), ttl)
+            .await
+        {
+            Ok(completion) => report(completion, &record, ttl, 1),
+            Err(error) => {
+                tracing::warn!(
+                    event = "idempotency.store_failed",
+                    error = %Chain(&error),
+                    phase = "complete",
+                    "could not store the response; keeping it and storing it in the background (the key stays claimed)"
+                );
+                self.kept.keep(
+                    self.store.clone(),
+                    self.scope,
+                    Outcome {
+                        lease,
+                        claim: self.claim.clone(),
+                        record,
+                        ttl,
+                    },
+                    max_kept_bytes,
+                );
+            }
+        }
+    }
+
+    /// Gives the key up so a retry runs again: for a request that produced nothing to
+    /// keep (the handler failed, or its response is not stored).
+    pub(super) async fn release(&mut self, reason: &'static str) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        release(&*self.store, &self.scope, &lease, reason).await;
+    }
+}
+
+impl<St: IdempotencyStore> Drop for LeaseGuard<St> {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.store.clone();
+        let scope = self.scope;
+        let reason = if std::thread::panicking() {
+            "handler_panicked"
+        } else {
+            "abandoned"
+        };
+        runtime.spawn(
+            async move { release(&*store, &scope, &lease, reason).await }
+                .instrument(tracing::Span::current()),
+        );
+    }
+}
+
+/// One renewal; `false` once another request holds the scope (renewing is then over).
+async fn renew<St: IdempotencyStore>(
+    store: &St,
+    scope: &ScopeKey,
+    lease: &Lease,
+    claim: &Claim,
+) -> bool {
+    match store.renew(scope, lease, claim).await {
+        Ok(Renewal::Extended) => {
+            tracing::trace!(event = "idempotency.lease_renewed", "renewed the claim");
+            true
+        }
+        Ok(Renewal::Restored) => {
+            tracing::warn!(
+                event = "idempotency.claim_restored",
+                "the store had lost this request's claim (restarted without persistence, or the lease ran out unrenewed); it is back, but a duplicate may have run meanwhile"
+            );
+            true
+        }
+        Ok(Renewal::Lost) => {
+            tracing::warn!(
+                event = "idempotency.lease_lost",
+                "another request holds this key now: this request's claim ran out while it was running, and its outcome will not be stored"
+            );
+            false
+        }
+        Err(error) => {
+            tracing::warn!(
+                event = "idempotency.store_failed",
+                error = %Chain(&error),
+                phase = "renew",
+                "could not renew the claim; trying again at the next renewal"
+            );
+            true
+        }
+    }
+}
+
+async fn release<St: IdempotencyStore>(
+    store: &St,
+    scope: &ScopeKey,
+    lease: &Lease,
+    reason: &'static str,
+) {
+    match store.release(scope, lease).await {
+        Ok(true) => tracing::info!(
+            event = "idempotency.released",
+            reason,
+            "released the idempotency key; a retry runs again"
+        ),
+        Ok(false) => tracing::warn!(
+            event = "idempotency.lease_lost",
+            reason,
+            "nothing to release: this request's claim had run out and another request holds the key"
+        ),
+        Err(error) => tracing::warn!(
+            event = "idempotency.store_failed",
+            error = %Chain(&error),
+            phase = "release",
+            reason,
+            "could not release the key; it frees itself when the lease runs out"
+        ),
+    }
+}
+
+/// The event for a completion the store answered.
+fn report(completion: Completion, record: &Record, ttl: Duration, attempts: u32) {
+    let status = record.response.as_ref().map(|r| r.status.as_u16());
+    let bytes = record.weight();
+    match completion {
+        Completion::Stored => tracing::info!(
+            event = "idempotency.stored",
+            status,
+            bytes,
+            ttl_secs = ttl.as_secs(),
+            attempts,
+            "stored the response for replay"
+        ),
+        Completion::StoredWithoutClaim => tracing::warn!(
+            event = "idempotency.stored",
+            status,
+            bytes,
+            ttl_secs = ttl.as_secs(),
+            attempts,
+            claim = "missing",
+            "stored the response, but the store had lost this request's claim (restarted without persistence, or the lease ran out): a duplicate may have run meanwhile"
+        ),
+        Completion::Superseded => tracing::warn!(
+            event = "idempotency.lease_lost",
+            status,
+            attempts,
+            "another request holds this key or stored its outcome: this request's claim ran out while it was running, and its outcome was not stored"
+        ),
+    }
+}
+
+/// An outcome the store could not take yet.
+struct Outcome {
+    lease: Lease,
+    claim: Claim,
+    record: Arc<Record>,
+    ttl: Duration,
+}
+
+/// Outcomes waiting to be stored, one task each, shared by the clones of one layer.
+///
+/// A task tries again with backoff ([`FIRST_STORE_RETRY_PAUSE`] doubling to
+/// [`MAX_STORE_RETRY_PAUSE`]) and renews the claim between attempts, until the outcome
+/// is stored or the process ends. Duplicates that reach this layer meanwhile get
+/// `409` (or wait, with `InFlight::Wait`) and nudge it to try at once; duplicates on
+/// other replicas find the claim and get `409` too.
+#[derive(Default)]
+pub(super) struct KeptOutcomes {
+    by_scope: Mutex<HashMap<ScopeKey, Arc<Waiting>>>,
+    /// Entries in `by_scope`, read without the lock on every request.
+    count: AtomicUsize,
+    /// Response bytes held by the kept outcomes.
+    bytes: AtomicUsize,
+}
+
+/// What a duplicate needs of a kept outcome.
+pub(super) struct Waiting {
+    /// When the original request arrived.
+    pub(super) first_seen: SystemTime,
+    /// Wakes the storing task for an attempt now.
+    nudge: Notify,
+    /// Sends once the outcome is stored (or superseded).
+    settled: watch::Sender<()>,
+}
+
+impl Waiting {
+    /// Asks for an attempt to store the outcome now.
+    pub(super) fn nudge(&self) {
+        self.nudge.notify_one();
+    }
+
+    /// Waits until the outcome is settled in the store, or `timeout`; `false` on the
+    /// timeout.
+    pub(super) async fn settled(&self, timeout: Duration) -> bool {
+        let mut settled = self.settled.subscribe();
+        tokio::time::timeout(timeout, settled.changed())
+            .await
+            .is_ok()
+    }
+}
+
+impl KeptOutcomes {
+    /// The kept outcome of `scope`, if this layer holds one.
+    pub(super) fn get(&self, scope: &ScopeKey) -> Option<Arc<Waiting>> {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        self.lock().get(scope).cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ScopeKey, Arc<Waiting>>> {
+        self.by_scope.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `outcome` and stores it from a task of its own. Past `max_bytes` of held
+    /// responses, it is kept without its response: the request is recorded as run, and
+    /// duplicates get `410` rather than a replay or a second run.
+    fn keep<St: IdempotencyStore>(
+        self: &Arc<Self>,
+        store: Arc<St>,
+        scope: ScopeKey,
+        mut outcome: Outcome,
+        max_bytes: usize,
+    ) {
+        let mut weight = outcome.record.weight();
+        let held = self.bytes.fetch_add(weight, Ordering::Relaxed) + weight;
+        if held > max_bytes {
+            self.bytes.fetch_sub(weight, Ordering::Relaxed);
+            tracing::warn!(
+                event = "idempotency.kept_over_budget",
+                bytes = weight,
+                max_bytes,
+                "outcomes waiting for the store hold too many bytes: this one is kept without its response, so duplicates get 410, never a second run"
+            );
+            outcome.record = Arc::new(Record {
+                response: None,
+                ..Record::clone(&outcome.record)
+            });
+            weight = 0;
+        }
+        let (settled, _) = watch::channel(());
+        let waiting = Arc::new(Waiting {
+            first_seen: outcome.lease.first_seen,
+            nudge: Notify::new(),
+            settled,
+        });
+        self.lock().insert(scope, waiting.clone());
+        self.count.fetch_add(1, Ordering::Release);
+        let kept = self.clone();
+        let task = async move {
+            store_until_done(&*store, &scope, &outcome, &waiting).await;
+            kept.lock().remove(&scope);
+            kept.count.fetch_sub(1, Ordering::Release);
+            kept.bytes.fetch_sub(weight, Ordering::Relaxed);
+            waiting.settled.send_replace(());
+        };
+        // The same span as the request: its correlation ID and key are on every event.
+        tokio::spawn(task.instrument(tracing::Span::current()));
+    }
+}
+
+/// Tries to store `outcome` until the store answers, renewing the claim between
+/// attempts so that no retry can take the key meanwhile.
+async fn store_until_done<St: IdempotencyStore>(
+    store: &St,
+    scope: &ScopeKey,
+    outcome: &Outcome,
+    waiting: &Waiting,
+) {
+    let mut pause = FIRST_STORE_RETRY_PAUSE;
+    let mut attempts = 1;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = waiting.nudge.notified() => {}
+        }
+        attempts += 1;
+        match store
+            .complete(scope, &outcome.lease, outcome.record.clone(), outcome.ttl)
+            .await
+        {
+            Ok(completion) => return report(completion, &outcome.record, outcome.ttl, attempts),
+            Err(error) => {
+                tracing::debug!(
+                    event = "idempotency.store_failed",
+                    error = %Chain(&error),
+                    phase = "complete",
+                    attempts,
+                    "still cannot store the response; trying again"
+                );
+                // Keep the key claimed meanwhile; the next attempt to store decides the
+                // rest, so only a lost claim is worth an event here.
+                if let Ok(Renewal::Restored) =
+                    store.renew(scope, &outcome.lease, &outcome.claim).await
+                {
+                    tracing::warn!(
+                        event = "idempotency.claim_restored",
+                        "the store had lost this request's claim (restarted without persistence?); it is back, but a duplicate may have run meanwhile"
+                    );
+                }
+            }
+        }
+        pause = (pause * 2).min(MAX_STORE_RETRY_PAUSE);
+    }
+}
