@@ -2,8 +2,12 @@
 //! 127.0.0.1: two replicas sharing one Redis, a lease that runs out, Redis killed and
 //! restarted under a running layer, and records that expire in Redis.
 //!
+//! The fault trials (`faults.rs`) pause Redis, kill and restart it around the moment the
+//! handler returns, and count executions.
+//!
 //! Each test starts its own `redis-server` from `PATH` on a free loopback port in a
-//! temporary directory, without persistence, and kills it when the test ends. Without
+//! temporary directory (without persistence unless a test says so) and kills it when
+//! the test ends. Without
 //! `redis-server` the tests print `SKIPPED` and pass, except in CI (the `CI` variable
 //! set), where they must run and fail instead.
 #![allow(missing_docs)]
@@ -11,11 +15,10 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod faults;
+mod server;
+
 use std::{
-    io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
-    path::PathBuf,
-    process::{Child, Command, Stdio},
     sync::{
         atomic::{AtomicUsize, Ordering},
         Arc,
@@ -27,6 +30,7 @@ use axum::{extract::State, http::HeaderMap, response::Response, routing::post, R
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use serde_json::json;
+use server::RedisServer;
 use support::{client, send, serve, try_send, HttpClient, Reply};
 use tower_ids::{
     correlation::CorrelationLayer,
@@ -35,154 +39,6 @@ use tower_ids::{
         Fingerprint, IdempotencyLayer, InFlight, ScopeKey, StoreFailure,
     },
 };
-
-/// A `redis-server` child process on 127.0.0.1, killed (and its directory removed) on
-/// drop.
-struct RedisServer {
-    port: u16,
-    dir: PathBuf,
-    child: Option<Child>,
-}
-
-/// How long a starting `redis-server` has to accept connections.
-const STARTUP: Duration = Duration::from_secs(10);
-
-impl RedisServer {
-    /// Starts one, or returns `None` (after saying so loudly) when `redis-server` is
-    /// not on `PATH` and this is not CI.
-    fn start() -> Option<Self> {
-        let found = Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|status| status.success());
-        if !found {
-            if std::env::var_os("CI").is_some() {
-                panic!("redis-server is not on PATH, and CI is set: the Redis tests must run");
-            }
-            eprintln!("SKIPPED: redis-server not on PATH; these tests did not run");
-            return None;
-        }
-
-        // A free port can be taken between our probe and redis binding it: try again
-        // with another.
-        let mut last_error = String::new();
-        for _ in 0..5 {
-            let port = free_port();
-            let dir = std::env::temp_dir().join(format!(
-                "tower-ids-redis-{}-{port}-{}",
-                std::process::id(),
-                SystemTime::now()
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos()
-            ));
-            std::fs::create_dir_all(&dir).unwrap();
-            let mut server = Self {
-                port,
-                dir,
-                child: None,
-            };
-            match server.spawn() {
-                Ok(()) => return Some(server),
-                Err(error) => last_error = error,
-            }
-        }
-        panic!("redis-server did not start: {last_error}");
-    }
-
-    /// `redis://127.0.0.1:PORT`.
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts the process on `self.port` and waits until it answers `PING`.
-    fn spawn(&mut self) -> Result<(), String> {
-        assert!(self.child.is_none(), "already running");
-        let mut child = Command::new("redis-server")
-            .arg("--port")
-            .arg(self.port.to_string())
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("cannot spawn redis-server: {e}"))?;
-        let deadline = Instant::now() + STARTUP;
-        while Instant::now() < deadline {
-            if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
-                return Err(format!("redis-server exited with {status}"));
-            }
-            if ping(self.port) {
-                self.child = Some(child);
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        Err(format!(
-            "redis-server did not answer PING within {STARTUP:?}"
-        ))
-    }
-
-    /// Kills the process (SIGKILL: no shutdown, connections just drop).
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// Starts it again on the same port, empty.
-    fn restart(&mut self) {
-        self.kill();
-        // The old socket may linger for a moment; redis binds with SO_REUSEADDR, but
-        // give a failed bind a few more tries.
-        let mut last_error = String::new();
-        for _ in 0..20 {
-            match self.spawn() {
-                Ok(()) => return,
-                Err(error) => last_error = error,
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!(
-            "redis-server did not restart on port {}: {last_error}",
-            self.port
-        );
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Whether a Redis on `port` answers `PING` with `+PONG`.
-fn ping(port: u16) -> bool {
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_millis(100)) else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-    let mut reply = [0; 7];
-    stream.write_all(b"PING\r\n").is_ok()
-        && stream.read_exact(&mut reply).is_ok()
-        && &reply == b"+PONG\r\n"
-}
 
 /// How many times the handler ran, shared by every replica.
 #[derive(Clone, Default)]

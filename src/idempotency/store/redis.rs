@@ -302,7 +302,12 @@ impl RedisStore {
     ) -> Result<T, Failure> {
         match tokio::time::timeout(self.command_timeout, command).await {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) if error.is_unrecoverable_error() || error.is_io_error() => {
+            // A timeout is not a broken connection: Redis may be paused, and a second
+            // attempt would only double the wait.
+            Ok(Err(error))
+                if (error.is_unrecoverable_error() || error.is_io_error())
+                    && !error.is_timeout() =>
+            {
                 Err(Failure::Connection(error))
             }
             Ok(Err(error)) => Err(Failure::Other(StoreError::with_source(what, error))),

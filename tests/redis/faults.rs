@@ -1,0 +1,486 @@
+//! Faults at the worst moment, with real processes: Redis paused (SIGSTOP, SIGCONT) or
+//! killed (SIGKILL) and restarted with its append-only file, around the end of a 1 s
+//! handler, under two replicas. In every trial the handler runs exactly once, the first
+//! client gets its answer, and a client retrying on both replicas gets the replay
+//! within a few seconds of Redis returning.
+//!
+//! Each trial prints one line (`cargo test --test redis faults -- --nocapture`): the
+//! fault, its placement, executions, and how long the replay took.
+
+use std::{
+    collections::HashMap,
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
+use bytes::Bytes;
+use http::StatusCode;
+use serde_json::json;
+use tower_ids::{
+    correlation::CorrelationLayer,
+    idempotency::{store::RedisStore, IdempotencyLayer},
+};
+
+use super::{
+    server::RedisServer,
+    support::{client, serve, try_send, HttpClient, Logs, Reply},
+};
+
+/// How long the handler of every trial runs.
+const HANDLER: Duration = Duration::from_secs(1);
+
+/// How soon after Redis returns the retrying client must have its replay.
+const REPLAY_WITHIN: Duration = Duration::from_secs(3);
+
+/// How many times the handler ran, per idempotency key.
+#[derive(Clone, Default)]
+struct Ledger(std::sync::Arc<Mutex<HashMap<String, usize>>>);
+
+impl Ledger {
+    fn runs(&self, key: &str) -> usize {
+        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+
+    fn keys(&self) -> Vec<(String, usize)> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(key, runs)| (key.clone(), *runs))
+            .collect()
+    }
+}
+
+/// Counts its run under the request's key, sleeps `x-delay-ms`, answers 201.
+async fn counted(State(ledger): State<Ledger>, headers: HeaderMap, body: Bytes) -> Response {
+    let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+    let run = {
+        let mut runs = ledger.0.lock().unwrap();
+        let runs = runs.entry(key.clone()).or_default();
+        *runs += 1;
+        *runs
+    };
+    if let Some(ms) = headers.get("x-delay-ms") {
+        let ms = ms.to_str().unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let body = json!({ "key": key, "run": run, "bytes": body.len() }).to_string();
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body))
+        .unwrap()
+}
+
+/// A replica: its own `RedisStore` and axum server.
+#[derive(Clone)]
+struct Node {
+    url: String,
+    client: HttpClient,
+}
+
+impl Node {
+    async fn start(redis_url: &str, ledger: &Ledger, lease: Option<Duration>) -> Self {
+        let store = RedisStore::builder(redis_url)
+            .command_timeout(Duration::from_millis(250))
+            .build()
+            .await
+            .expect("Redis is up");
+        let mut layer = IdempotencyLayer::with_store(store);
+        if let Some(lease) = lease {
+            layer = layer.lease(lease);
+        }
+        let router = Router::new()
+            .route("/commands", post(counted).layer(layer))
+            .with_state(ledger.clone())
+            .layer(CorrelationLayer::new());
+        let addr = serve(router).await;
+        Self {
+            url: format!("http://{addr}/commands"),
+            client: client(),
+        }
+    }
+
+    async fn post(
+        &self,
+        key: &str,
+        delay: Option<Duration>,
+    ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
+        let delay = delay.map(|d| d.as_millis().to_string());
+        let mut headers = vec![
+            ("idempotency-key", key),
+            ("content-type", "application/json"),
+        ];
+        if let Some(delay) = &delay {
+            headers.push(("x-delay-ms", delay));
+        }
+        try_send(&self.client, "POST", self.url.clone(), &headers, BODY).await
+    }
+}
+
+const BODY: &str = r#"{"device_id":"d-1","name":"reboot"}"#;
+
+fn replayed(reply: &Reply) -> bool {
+    reply.status == StatusCode::CREATED && reply.header("idempotent-replayed") == Some("true")
+}
+
+/// Sends `key` to each node in turn every 100 ms until one replays it; returns the
+/// replay, when it came, and every status seen before it (`0` for a failed connection).
+async fn retry_until_replayed(nodes: [Node; 2], key: String) -> (Reply, Instant, Vec<u16>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    for turn in 0.. {
+        let reply = nodes[turn % 2].post(&key, None).await;
+        match reply {
+            Ok(reply) if replayed(&reply) => return (reply, Instant::now(), seen),
+            Ok(reply) => seen.push(reply.status.as_u16()),
+            Err(_) => seen.push(0),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no replay for {key} within 30 s; saw {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    unreachable!()
+}
+
+/// Polls until `key` has started running.
+async fn started(ledger: &Ledger, key: &str) -> Instant {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ledger.runs(key) == 0 {
+        assert!(Instant::now() < deadline, "the handler never started");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Instant::now()
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// SIGSTOP, then SIGCONT this much later.
+    Pause(Duration),
+    /// SIGKILL, then a restart (with the append-only file) this much later.
+    Kill(Duration),
+}
+
+impl Fault {
+    /// Applies the fault on a blocking thread; returns the server and when it was back.
+    async fn apply(self, mut redis: RedisServer) -> (RedisServer, Instant) {
+        tokio::task::spawn_blocking(move || {
+            match self {
+                Self::Pause(pause) => {
+                    redis.pause();
+                    std::thread::sleep(pause);
+                    redis.resume();
+                }
+                Self::Kill(down) => {
+                    redis.kill();
+                    std::thread::sleep(down);
+                    redis.restart();
+                }
+            }
+            (redis, Instant::now())
+        })
+        .await
+        .unwrap()
+    }
+}
+
+/// One trial: a 1 s handler on replica A, `fault` applied `at` after the handler
+/// started, a client retrying on A and B. Asserts every guarantee and says what it saw.
+async fn trial(fault: Fault, at: Duration, warm: bool) {
+    let Some(redis) = RedisServer::start_persistent() else {
+        return;
+    };
+    let ledger = Ledger::default();
+    let a = Node::start(&redis.url(), &ledger, None).await;
+    let b = Node::start(&redis.url(), &ledger, None).await;
+    if warm {
+        // Loads every script into Redis, and opens both replicas' connections.
+        for (node, key) in [(&a, "warm-a"), (&b, "warm-b")] {
+            let reply = node.post(key, None).await.unwrap();
+            assert_eq!(reply.status, StatusCode::CREATED);
+        }
+    }
+    let key = format!("trial-{fault:?}-{at:?}-{warm}");
+
+    let first = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move {
+            let sent = Instant::now();
+            let reply = a.post(&key, Some(HANDLER)).await;
+            (reply, sent.elapsed())
+        }
+    });
+    let handler_started = started(&ledger, &key).await;
+    tokio::time::sleep_until((handler_started + at).into()).await;
+    let retries = tokio::spawn(retry_until_replayed([b.clone(), a.clone()], key.clone()));
+    let (_redis, back) = fault.apply(redis).await;
+    let (first, answered) = first.await.unwrap();
+    let first = first.expect("the first client gets an answer");
+    let (replay, replayed_at, seen) = retries.await.unwrap();
+    // Whatever was still in flight lands before the count is read.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let runs = ledger.runs(&key);
+    let to_replay = replayed_at.saturating_duration_since(back);
+    eprintln!(
+        "fault {fault:?} at {at:?} into the handler, {} Redis: executions {runs}, first answer {} after {answered:?}, replay {to_replay:?} after Redis returned, retries saw {seen:?}",
+        if warm { "warm" } else { "fresh" },
+        first.status,
+    );
+    assert_eq!(runs, 1, "the handler ran exactly once");
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(first.header("idempotent-replayed"), Some("false"));
+    assert!(
+        answered < HANDLER + Duration::from_secs(1),
+        "the first client got its answer at once: {answered:?}"
+    );
+    assert_eq!(replay.body, first.body, "the replay is the first response");
+    assert!(
+        seen.iter().all(|status| [409, 503].contains(status)),
+        "before the replay, only 409 or 503: {seen:?}"
+    );
+    assert!(
+        to_replay <= REPLAY_WITHIN,
+        "replayed {to_replay:?} after Redis returned"
+    );
+}
+
+/// Pauses before, across and after the moment the handler returns.
+const PAUSES: [(u64, u64); 5] = [
+    // (pause ms, placement ms after the handler started)
+    (300, 950),
+    (500, 950),
+    (1000, 950),
+    (2000, 950),
+    (1700, 400),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_paused_around_the_end_of_the_handler_fresh() {
+    for (pause, at) in PAUSES {
+        let fault = Fault::Pause(Duration::from_millis(pause));
+        trial(fault, Duration::from_millis(at), false).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_paused_around_the_end_of_the_handler_warm() {
+    for (pause, at) in PAUSES {
+        let fault = Fault::Pause(Duration::from_millis(pause));
+        trial(fault, Duration::from_millis(at), true).await;
+    }
+}
+
+/// Kills before and just after the handler returns, and one mid-handler.
+const KILLS: [(u64, u64); 3] = [
+    // (down ms, placement ms after the handler started)
+    (500, 950),
+    (1000, 1020),
+    (1500, 400),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_around_the_end_of_the_handler_fresh() {
+    for (down, at) in KILLS {
+        let fault = Fault::Kill(Duration::from_millis(down));
+        trial(fault, Duration::from_millis(at), false).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_around_the_end_of_the_handler_warm() {
+    for (down, at) in KILLS {
+        let fault = Fault::Kill(Duration::from_millis(down));
+        trial(fault, Duration::from_millis(at), true).await;
+    }
+}
+
+/// 20 clients, each sending new keys one after another to either replica and retrying
+/// each until it gets a 201; Redis killed at 3 s and restarted at 6 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_load_every_key_runs_once_through_a_redis_kill_and_restart() {
+    const WORKERS: usize = 20;
+    let Some(redis) = RedisServer::start_persistent() else {
+        return;
+    };
+    let ledger = Ledger::default();
+    let nodes = [
+        Node::start(&redis.url(), &ledger, None).await,
+        Node::start(&redis.url(), &ledger, None).await,
+    ];
+    let begin = Instant::now();
+    let stop = begin + Duration::from_secs(9);
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|worker| {
+            let nodes = nodes.clone();
+            tokio::spawn(async move {
+                // (key, when it was first sent, when its 201 came)
+                let mut done = Vec::new();
+                for n in 0.. {
+                    if Instant::now() >= stop {
+                        break;
+                    }
+                    let key = format!("w{worker}-{n}");
+                    let sent = Instant::now();
+                    for attempt in 0.. {
+                        let node = &nodes[(worker + attempt) % 2];
+                        match node.post(&key, Some(Duration::from_millis(300))).await {
+                            Ok(reply) if reply.status == StatusCode::CREATED => break,
+                            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                        }
+                        assert!(
+                            sent.elapsed() < Duration::from_secs(30),
+                            "{key} never got a 201"
+                        );
+                    }
+                    done.push((key, sent, Instant::now()));
+                }
+                done
+            })
+        })
+        .collect();
+    let (redis, killed, back) = tokio::task::spawn_blocking(move || {
+        let mut redis = redis;
+        std::thread::sleep(Duration::from_secs(3));
+        let killed = Instant::now();
+        redis.kill();
+        std::thread::sleep(Duration::from_secs(3));
+        redis.restart();
+        (redis, killed, Instant::now())
+    })
+    .await
+    .unwrap();
+    let mut keys = Vec::new();
+    for worker in workers {
+        keys.extend(worker.await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let in_flight_at_kill = keys
+        .iter()
+        .filter(|(_, sent, done)| *sent <= killed && *done >= killed)
+        .count();
+    let twice: Vec<_> = ledger
+        .keys()
+        .into_iter()
+        .filter(|(_, runs)| *runs != 1)
+        .collect();
+    let slowest = keys
+        .iter()
+        .map(|(_, sent, done)| done.duration_since(*sent))
+        .max()
+        .unwrap();
+    eprintln!(
+        "load: {} keys from {WORKERS} clients, {in_flight_at_kill} in flight when Redis was killed (down {:?}); keys not run exactly once: {twice:?}; slowest key {slowest:?}",
+        keys.len(),
+        back.duration_since(killed),
+    );
+    assert!(
+        in_flight_at_kill >= WORKERS / 2,
+        "the kill hit keys in flight"
+    );
+    assert!(twice.is_empty(), "every key ran exactly once: {twice:?}");
+    assert_eq!(ledger.keys().len(), keys.len(), "every key ran");
+    // Every key's outcome is in Redis: each replays on both replicas.
+    for (key, _, _) in keys
+        .iter()
+        .filter(|(_, sent, done)| *sent <= killed && *done >= killed)
+    {
+        for node in &nodes {
+            let reply = node.post(key, None).await.unwrap();
+            assert!(replayed(&reply), "{key}: {} {}", reply.status, reply.text());
+        }
+    }
+    drop(redis);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_request_on_each_replica_after_a_redis_restart_is_served() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let ledger = Ledger::default();
+    let nodes = [
+        Node::start(&redis.url(), &ledger, None).await,
+        Node::start(&redis.url(), &ledger, None).await,
+    ];
+    for (i, node) in nodes.iter().enumerate() {
+        let reply = node.post(&format!("before-{i}"), None).await.unwrap();
+        assert_eq!(reply.status, StatusCode::CREATED);
+    }
+    let _redis = tokio::task::spawn_blocking(move || {
+        let mut redis = redis;
+        redis.restart();
+        // Back, and quiet for a while: nothing has told the replicas yet.
+        std::thread::sleep(Duration::from_millis(1500));
+        redis
+    })
+    .await
+    .unwrap();
+    for (i, node) in nodes.iter().enumerate() {
+        let reply = node.post(&format!("after-{i}"), None).await.unwrap();
+        assert_eq!(
+            reply.status,
+            StatusCode::CREATED,
+            "replica {i}: {}",
+            reply.text()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_running_three_times_the_lease_is_not_run_again() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let lease = Duration::from_millis(500);
+    let ledger = Ledger::default();
+    let a = Node::start(&redis.url(), &ledger, Some(lease)).await;
+    let b = Node::start(&redis.url(), &ledger, Some(lease)).await;
+    let first = tokio::spawn({
+        let a = a.clone();
+        async move { a.post("long", Some(lease * 3)).await }
+    });
+    started(&ledger, "long").await;
+    let (replay, _, seen) = retry_until_replayed([b, a], "long".into()).await;
+    let first = first.await.unwrap().unwrap();
+
+    assert_eq!(ledger.runs("long"), 1, "retries never ran it again");
+    assert!(seen.len() >= 10, "retried all along: {seen:?}");
+    assert!(seen.iter().all(|s| *s == 409), "{seen:?}");
+    assert_eq!(replay.body, first.body);
+}
+
+/// A Redis without persistence, restarted while the handler runs, loses the claim: the
+/// layer cannot promise exactly once then, but it notices, puts the claim back, stores
+/// the outcome, and says so in a WARN event.
+#[tokio::test(flavor = "current_thread")]
+async fn a_redis_that_lost_the_claim_is_noticed_and_logged() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let (logs, _guard) = Logs::capture();
+    let ledger = Ledger::default();
+    let lease = Duration::from_millis(600);
+    let a = Node::start(&redis.url(), &ledger, Some(lease)).await;
+    let first = tokio::spawn({
+        let a = a.clone();
+        async move { a.post("lost", Some(Duration::from_millis(1500))).await }
+    });
+    started(&ledger, "lost").await;
+    let (_redis, _) = Fault::Kill(Duration::from_millis(100)).apply(redis).await;
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let restored = logs.events("idempotency.claim_restored");
+    assert!(!restored.is_empty(), "{}", logs.raw());
+    assert_eq!(restored[0]["level"], "WARN");
+    assert_eq!(restored[0]["span"]["idempotency_key"], "lost");
+    let replay = a.post("lost", None).await.unwrap();
+    assert!(replayed(&replay), "the outcome was stored after all");
+    assert_eq!(ledger.runs("lost"), 1);
+}
