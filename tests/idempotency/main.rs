@@ -5,6 +5,9 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+#[path = "../contract/mod.rs"]
+mod contract;
+
 mod stress;
 
 use std::{
@@ -809,4 +812,9 @@ async fn an_unreadable_epoch_header_is_400() {
     assert_eq!(good.status, StatusCode::CREATED);
     assert_eq!(other.json()["code"], "idempotency.epoch_mismatch");
     assert_eq!(app.runs.get(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_moka_store_keeps_the_store_contract() {
+    contract::keeps_the_store_contract(Arc::new(MokaStore::new())).await;
 }

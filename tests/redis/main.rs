@@ -15,6 +15,9 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+#[path = "../contract/mod.rs"]
+mod contract;
+
 mod faults;
 mod server;
 
@@ -484,4 +487,13 @@ async fn the_local_cache_replays_and_counts_in_redis() {
         [2, 3, 4],
         "every replay is counted in Redis, cached or not"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_store_keeps_the_store_contract() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::connect(redis.url()).await.unwrap();
+    contract::keeps_the_store_contract(Arc::new(store)).await;
 }

@@ -419,8 +419,13 @@ impl IdempotencyStore for MokaStore {
         let shard = &mut *guard;
         match shard.scopes.get_mut(scope) {
             Some(Scope::InFlight(held)) if u128::from(held.token) == lease.token => {
+                let renewal = if held.holds(now) {
+                    Renewal::Extended
+                } else {
+                    Renewal::Restored
+                };
                 held.expires_at = now + claim.lease;
-                return Ok(Renewal::Extended);
+                return Ok(renewal);
             }
             Some(Scope::InFlight(other)) if other.holds(now) => return Ok(Renewal::Lost),
             Some(Scope::Stored(stored)) if stored.expires_at > now => return Ok(Renewal::Lost),
@@ -454,7 +459,9 @@ impl IdempotencyStore for MokaStore {
             let mut guard = self.shard(scope);
             let shard = &mut *guard;
             let completion = match shard.scopes.get(scope) {
-                Some(Scope::InFlight(claim)) if claim.token == token => Completion::Stored,
+                Some(Scope::InFlight(claim)) if claim.token == token && claim.holds(now) => {
+                    Completion::Stored
+                }
                 Some(Scope::Stored(stored)) if stored.token == token => {
                     return Ok(Completion::Stored)
                 }

@@ -1,0 +1,343 @@
+//! The store contract: what every `IdempotencyStore` must do, run against each store
+//! (the moka store in `tests/idempotency`, the Redis store in `tests/redis`), so a store
+//! cannot quietly differ. Leases and TTLs are real time (Redis keeps its own clock), a
+//! few hundred milliseconds each.
+#![allow(dead_code)]
+
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, StatusCode};
+use tower_ids::idempotency::{
+    store::{
+        Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled,
+        StoredResponse,
+    },
+    Fingerprint, ScopeKey,
+};
+
+/// A scope no other case of this run uses.
+fn scope(case: u8) -> ScopeKey {
+    let mut bytes: [u8; 32] = rand_bytes();
+    bytes[0] = case;
+    ScopeKey::from_bytes(bytes)
+}
+
+fn rand_bytes() -> [u8; 32] {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let mut bytes = [0; 32];
+    bytes[8..24].copy_from_slice(&nanos.to_be_bytes());
+    bytes[24..28].copy_from_slice(&std::process::id().to_be_bytes());
+    bytes
+}
+
+fn claim(lease: Duration) -> Claim {
+    Claim {
+        fingerprint: Fingerprint::from_bytes([1; 32]),
+        lease,
+        epoch: None,
+    }
+}
+
+fn record(lease: &Lease, body: &'static str) -> Arc<Record> {
+    Arc::new(Record {
+        fingerprint: Fingerprint::from_bytes([1; 32]),
+        first_seen: lease.first_seen,
+        original_attempt: None,
+        epoch: None,
+        response: Some(StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![(
+                HeaderName::from_static("x-run"),
+                HeaderValue::from_static("1"),
+            )],
+            body: Bytes::from_static(body.as_bytes()),
+        }),
+    })
+}
+
+const LONG: Duration = Duration::from_secs(60);
+const SHORT: Duration = Duration::from_millis(300);
+
+async fn claimed<St: IdempotencyStore>(store: &St, scope: &ScopeKey, lease: Duration) -> Lease {
+    match store.begin(scope, claim(lease)).await.unwrap() {
+        Begin::Claimed { lease } => lease,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+fn body_of(begin: &Begin) -> Option<Bytes> {
+    match begin {
+        Begin::Completed { record, .. } => record.response.as_ref().map(|r| r.body.clone()),
+        _ => None,
+    }
+}
+
+/// Runs every case against `store`, each on scopes of its own.
+pub(crate) async fn keeps_the_store_contract<St: IdempotencyStore>(store: Arc<St>) {
+    one_of_concurrent_begins_claims(&store).await;
+    a_completed_scope_replays_and_counts(&store).await;
+    completing_twice_is_completing_once(&store).await;
+    a_stranger_settles_nothing(&store).await;
+    renewal_keeps_a_claim_past_its_lease(&store).await;
+    a_lapsed_claim_is_taken_over_and_its_worker_fenced(&store).await;
+    a_released_scope_is_claimed_again(&store).await;
+    a_late_outcome_after_a_lapse_is_stored_without_its_claim(&store).await;
+    renewal_restores_a_lapsed_claim_no_one_took(&store).await;
+    waits_end_in_every_way(&store).await;
+    a_record_expires_after_its_ttl(&store).await;
+}
+
+async fn one_of_concurrent_begins_claims<St: IdempotencyStore>(store: &Arc<St>) {
+    let scope = scope(1);
+    let begins: Vec<_> = (0..32)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.begin(&scope, claim(LONG)).await.unwrap() })
+        })
+        .collect();
+    let (mut claims, mut counts) = (0, Vec::new());
+    for begin in begins {
+        match begin.await.unwrap() {
+            Begin::Claimed { .. } => claims += 1,
+            Begin::InFlight { request_count, .. } => counts.push(request_count),
+            other => panic!("nothing completed yet: {other:?}"),
+        }
+    }
+    counts.sort_unstable();
+    assert_eq!(claims, 1, "exactly one claim");
+    assert_eq!(counts, (2..=32).collect::<Vec<u64>>(), "each request counted once");
+}
+
+async fn a_completed_scope_replays_and_counts<St: IdempotencyStore>(store: &Arc<St>) {
+    let scope = scope(2);
+    let lease = claimed(&**store, &scope, LONG).await;
+    let completion = store
+        .complete(&scope, &lease, record(&lease, "one"), LONG)
+        .await
+        .unwrap();
+    assert_eq!(completion, Completion::Stored);
+    let begin = store.begin(&scope, claim(LONG)).await.unwrap();
+    assert_eq!(body_of(&begin).as_deref(), Some(&b"one"[..]));
+    let Begin::Completed { request_count, .. } = begin else {
+        unreachable!()
+    };
+    assert_eq!(request_count, 2, "the claim and this duplicate");
+}
+
+async fn completing_twice_is_completing_once<St: IdempotencyStore>(store: &Arc<St>) {
+    let scope = scope(3);
+    let lease = claimed(&**store, &scope, LONG).await;
+    for _ in 0..2 {
+        let completion = store
+            .complete(&scope, &lease, record(&lease, "once"), LONG)
+            .await
+            .unwrap();
+        assert_eq!(completion, Completion::Stored, "a repeated completion is a no-op");
+    }
+    assert_eq!(
+        store.renew(&scope, &lease, &claim(LONG)).await.unwrap(),
+        Renewal::Lost,
+        "a completed claim is not renewed back"
+    );
+}
+
+async fn a_stranger_settles_nothing<St: IdempotencyStore>(store: &Arc<St>) {
+    let scope = scope(4);
+    let lease = claimed(&**store, &scope, LONG).await;
+    let stranger = Lease {
+        token: lease.token ^ 0xdead_beef,
+        first_seen: lease.first_seen,
+    };
+    assert!(!store.release(&scope, &stranger).await.unwrap());
+    assert_eq!(
+        store.renew(&scope, &stranger, &claim(LONG)).await.unwrap(),
+        Renewal::Lost
+    );
+    assert_eq!(
+        store
+            .complete(&scope, &stranger, record(&stranger, "stranger"), LONG)
+            .await
+            .unwrap(),
+        Completion::Superseded
+    );
+    assert!(matches!(
+        store.begin(&scope, claim(LONG)).await.unwrap(),
+        Begin::InFlight { .. }
+    ));
+}
+
+async fn renewal_keeps_a_claim_past_its_lease<St: IdempotencyStore>(store: &Arc<St>) {
+    let scope = scope(5);
+    let lease = claimed(&**store, &scope, SHORT).await;
+    for _ in 0..4 {
+        tokio::time::sleep(SHORT / 2).await;
+        assert_eq!(
+            store.renew(&scope, &lease, &claim(SHORT)).await.unwrap(),
+            Renewal::Extended
+        );
+    }
+    // Twice the lease has passed since the claim.
+    assert!(
+        matches!(
+            store.begin(&scope, claim(SHORT)).await.unwrap(),
+            Begin::InFlight { .. }
+        ),
+        "a renewed claim still holds"
+    );
+}
+
+async fn a_lapsed_claim_is_taken_over_and_its_worker_fenced<St: IdempotencyStore>(
+    store: &Arc<St>,
+) {
+    let scope = scope(6);
+    let stale = claimed(&**store, &scope, SHORT).await;
+    tokio::time::sleep(SHORT + SHORT / 2).await;
+    let fresh = claimed(&**store, &scope, LONG).await;
+    assert_ne!(stale.token, fresh.token);
+    assert_eq!(
+        store.renew(&scope, &stale, &claim(SHORT)).await.unwrap(),
+        Renewal::Lost
+    );
+    assert_eq!(
+        store
+            .complete(&scope, &fresh, record(&fresh, "fresh"), LONG)
+            .await
+            .unwrap(),
+        Completion::Stored
+    );
+    assert_eq!(
+        store
+            .complete(&scope, &stale, record(&stale, "stale"), LONG)
+            .await
+            .unwrap(),
+        Completion::Superseded,
+        "the stale worker cannot overwrite"
+    );
+    let begin = store.begin(&scope, claim(LONG)).await.unwrap();
+    assert_eq!(body_of(&begin).as_deref(), Some(&b"fresh"[..]));
+}
+
+async fn a_released_scope_is_claimed_again<St: IdempotencyStore>(store: &Arc<St>) {
+    let scope = scope(7);
+    let lease = claimed(&**store, &scope, LONG).await;
+    assert!(store.release(&scope, &lease).await.unwrap());
+    assert!(
+        !store.release(&scope, &lease).await.unwrap(),
+        "released once"
+    );
+    let again = claimed(&**store, &scope, LONG).await;
+    assert_ne!(again.token, lease.token);
+}
+
+async fn a_late_outcome_after_a_lapse_is_stored_without_its_claim<St: IdempotencyStore>(
+    store: &Arc<St>,
+) {
+    let scope = scope(8);
+    let lease = claimed(&**store, &scope, SHORT).await;
+    tokio::time::sleep(SHORT + SHORT / 2).await;
+    assert_eq!(
+        store
+            .complete(&scope, &lease, record(&lease, "late"), LONG)
+            .await
+            .unwrap(),
+        Completion::StoredWithoutClaim,
+        "no one took the scope: the outcome keeps it from running again"
+    );
+    let begin = store.begin(&scope, claim(LONG)).await.unwrap();
+    assert_eq!(body_of(&begin).as_deref(), Some(&b"late"[..]));
+}
+
+async fn renewal_restores_a_lapsed_claim_no_one_took<St: IdempotencyStore>(store: &Arc<St>) {
+    let scope = scope(9);
+    let lease = claimed(&**store, &scope, SHORT).await;
+    tokio::time::sleep(SHORT + SHORT / 2).await;
+    assert_eq!(
+        store.renew(&scope, &lease, &claim(LONG)).await.unwrap(),
+        Renewal::Restored
+    );
+    assert!(matches!(
+        store.begin(&scope, claim(LONG)).await.unwrap(),
+        Begin::InFlight { .. }
+    ));
+    assert_eq!(
+        store
+            .complete(&scope, &lease, record(&lease, "restored"), LONG)
+            .await
+            .unwrap(),
+        Completion::Stored
+    );
+}
+
+async fn waits_end_in_every_way<St: IdempotencyStore>(store: &Arc<St>) {
+    // Completed while waiting.
+    let scope_done = scope(10);
+    let lease = claimed(&**store, &scope_done, LONG).await;
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(&scope_done, Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    store
+        .complete(&scope_done, &lease, record(&lease, "waited"), LONG)
+        .await
+        .unwrap();
+    match waiter.await.unwrap().unwrap() {
+        Settled::Completed { record } => {
+            assert_eq!(record.response.as_ref().unwrap().body, "waited")
+        }
+        other => panic!("expected the record, got {other:?}"),
+    }
+
+    // Released while waiting.
+    let scope_released = scope(11);
+    let lease = claimed(&**store, &scope_released, LONG).await;
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.wait(&scope_released, Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    store.release(&scope_released, &lease).await.unwrap();
+    assert!(matches!(
+        waiter.await.unwrap().unwrap(),
+        Settled::Released
+    ));
+
+    // Still running at the deadline.
+    let scope_running = scope(12);
+    claimed(&**store, &scope_running, LONG).await;
+    assert!(matches!(
+        store
+            .wait(&scope_running, Duration::from_millis(100))
+            .await
+            .unwrap(),
+        Settled::TimedOut
+    ));
+}
+
+async fn a_record_expires_after_its_ttl<St: IdempotencyStore>(store: &Arc<St>) {
+    let scope = scope(13);
+    let lease = claimed(&**store, &scope, LONG).await;
+    store
+        .complete(&scope, &lease, record(&lease, "brief"), SHORT)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.begin(&scope, claim(LONG)).await.unwrap(),
+        Begin::Completed { .. }
+    ));
+    tokio::time::sleep(SHORT + SHORT / 2).await;
+    assert!(
+        matches!(
+            store.begin(&scope, claim(LONG)).await.unwrap(),
+            Begin::Claimed { .. }
+        ),
+        "an expired key runs again"
+    );
+}
