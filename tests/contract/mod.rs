@@ -13,8 +13,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use tower_ids::idempotency::{
     store::{
-        Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled,
-        StoredResponse,
+        Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoredResponse,
     },
     Fingerprint, ScopeKey,
 };
@@ -112,7 +111,11 @@ async fn one_of_concurrent_begins_claims<St: IdempotencyStore>(store: &Arc<St>) 
     }
     counts.sort_unstable();
     assert_eq!(claims, 1, "exactly one claim");
-    assert_eq!(counts, (2..=32).collect::<Vec<u64>>(), "each request counted once");
+    assert_eq!(
+        counts,
+        (2..=32).collect::<Vec<u64>>(),
+        "each request counted once"
+    );
 }
 
 async fn a_completed_scope_replays_and_counts<St: IdempotencyStore>(store: &Arc<St>) {
@@ -139,7 +142,11 @@ async fn completing_twice_is_completing_once<St: IdempotencyStore>(store: &Arc<S
             .complete(&scope, &lease, record(&lease, "once"), LONG)
             .await
             .unwrap();
-        assert_eq!(completion, Completion::Stored, "a repeated completion is a no-op");
+        assert_eq!(
+            completion,
+            Completion::Stored,
+            "a repeated completion is a no-op"
+        );
     }
     assert_eq!(
         store.renew(&scope, &lease, &claim(LONG)).await.unwrap(),
@@ -193,9 +200,7 @@ async fn renewal_keeps_a_claim_past_its_lease<St: IdempotencyStore>(store: &Arc<
     );
 }
 
-async fn a_lapsed_claim_is_taken_over_and_its_worker_fenced<St: IdempotencyStore>(
-    store: &Arc<St>,
-) {
+async fn a_lapsed_claim_is_taken_over_and_its_worker_fenced<St: IdempotencyStore>(store: &Arc<St>) {
     let scope = scope(6);
     let stale = claimed(&**store, &scope, SHORT).await;
     tokio::time::sleep(SHORT + SHORT / 2).await;
@@ -304,10 +309,7 @@ async fn waits_end_in_every_way<St: IdempotencyStore>(store: &Arc<St>) {
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     store.release(&scope_released, &lease).await.unwrap();
-    assert!(matches!(
-        waiter.await.unwrap().unwrap(),
-        Settled::Released
-    ));
+    assert!(matches!(waiter.await.unwrap().unwrap(), Settled::Released));
 
     // Still running at the deadline.
     let scope_running = scope(12);

@@ -1,0 +1,231 @@
+//! The completion path under store faults, through a real axum server: an outcome the
+//! store cannot take is kept (never released) and stored later, duplicates get `409` or
+//! wait meanwhile, the budget for kept outcomes holds, and a handler may outlive its
+//! lease.
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use http::StatusCode;
+use tower_ids::idempotency::{
+    store::{
+        Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
+    },
+    IdempotencyLayer, InFlight, MokaStore, ScopeKey,
+};
+
+use super::{start, Logs, Reply, BODY, KEY};
+
+/// A moka store that cannot complete or renew while `down` is set, as a remote store
+/// that went away just as the handler returned.
+#[derive(Clone, Default)]
+struct Flaky {
+    inner: MokaStore,
+    down: Arc<AtomicBool>,
+    refused: Arc<AtomicUsize>,
+}
+
+impl Flaky {
+    fn refuse(&self) -> StoreError {
+        self.refused.fetch_add(1, Ordering::SeqCst);
+        StoreError::with_source(
+            "storing a record",
+            std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused"),
+        )
+    }
+
+    fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+
+    fn is_down(&self) -> bool {
+        self.down.load(Ordering::SeqCst)
+    }
+}
+
+impl IdempotencyStore for Flaky {
+    async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
+        self.inner.begin(scope, claim).await
+    }
+    async fn renew(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+        claim: &Claim,
+    ) -> Result<Renewal, StoreError> {
+        if self.is_down() {
+            return Err(self.refuse());
+        }
+        self.inner.renew(scope, lease, claim).await
+    }
+    async fn complete(
+        &self,
+        scope: &ScopeKey,
+        lease: &Lease,
+        record: Arc<Record>,
+        ttl: Duration,
+    ) -> Result<Completion, StoreError> {
+        if self.is_down() {
+            return Err(self.refuse());
+        }
+        self.inner.complete(scope, lease, record, ttl).await
+    }
+    async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
+        self.inner.release(scope, lease).await
+    }
+    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
+        self.inner.wait(scope, timeout).await
+    }
+}
+
+fn replayed(reply: &Reply) -> bool {
+    reply.header("idempotent-replayed") == Some("true")
+}
+
+#[tokio::test]
+async fn an_outcome_the_store_cannot_take_is_kept_and_stored_later_never_released() {
+    let (logs, _guard) = Logs::capture();
+    let store = Flaky::default();
+    let app = start(IdempotencyLayer::with_store(store.clone())).await;
+
+    store.set_down(true);
+    let first = app.post("/commands", &[KEY], BODY).await;
+    let during = app.post("/commands", &[KEY], BODY).await;
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "the first client gets its answer"
+    );
+    assert_eq!(first.header("idempotent-replayed"), Some("false"));
+    assert_eq!(during.status, StatusCode::CONFLICT);
+    assert_eq!(during.json()["code"], "idempotency.in_flight");
+    assert_eq!(during.header("retry-after"), Some("1"));
+    assert!(during.header("idempotency-first-seen").is_some());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        store.refused.load(Ordering::SeqCst) >= 2,
+        "the layer keeps trying"
+    );
+
+    store.set_down(false);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let replay = loop {
+        let reply = app.post("/commands", &[KEY], BODY).await;
+        if replayed(&reply) {
+            break reply;
+        }
+        assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
+        assert!(
+            Instant::now() < deadline,
+            "no replay once the store was back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    assert_eq!(app.runs.get(), 1, "the handler ran once");
+    assert_eq!(replay.status, first.status);
+    assert_eq!(replay.body, first.body);
+    let failed = logs.events("idempotency.store_failed");
+    assert_eq!(failed[0]["level"], "WARN");
+    assert_eq!(failed[0]["fields"]["phase"], "complete");
+    assert_eq!(
+        failed[0]["fields"]["error"], "storing a record: connection refused",
+        "the cause is in the event"
+    );
+    let stored = logs.events("idempotency.stored");
+    assert_eq!(stored.len(), 1);
+    assert!(stored[0]["fields"]["attempts"].as_u64().unwrap() >= 2);
+    assert_eq!(stored[0]["span"]["idempotency_key"], KEY.1);
+    assert!(
+        logs.events("idempotency.released").is_empty(),
+        "never released"
+    );
+}
+
+#[tokio::test]
+async fn a_waiting_duplicate_gets_the_kept_outcome_once_stored() {
+    let store = Flaky::default();
+    let layer = IdempotencyLayer::with_store(store.clone()).in_flight(InFlight::Wait {
+        timeout: Duration::from_secs(5),
+    });
+    let app = Arc::new(start(layer).await);
+
+    store.set_down(true);
+    let first = app.post("/commands", &[KEY], BODY).await;
+    let waiting = tokio::spawn({
+        let app = app.clone();
+        async move { app.post("/commands", &[KEY], BODY).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the duplicate waits");
+    store.set_down(false);
+    let duplicate = waiting.await.unwrap();
+
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert!(replayed(&duplicate));
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!(app.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn kept_outcomes_past_their_budget_keep_the_key_without_the_response() {
+    let (logs, _guard) = Logs::capture();
+    let store = Flaky::default();
+    let app = start(IdempotencyLayer::with_store(store.clone()).max_kept_bytes(16)).await;
+
+    store.set_down(true);
+    let first = app.post("/commands", &[KEY], BODY).await;
+    store.set_down(false);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let duplicate = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "the first client gets it all"
+    );
+    assert_eq!(duplicate.status, StatusCode::GONE);
+    assert_eq!(duplicate.json()["code"], "idempotency.not_replayable");
+    assert_eq!(app.runs.get(), 1, "recorded as run: never run again");
+    let over = logs.events("idempotency.kept_over_budget");
+    assert_eq!(over.len(), 1);
+    assert_eq!(over[0]["level"], "WARN");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_running_three_times_the_lease_is_not_run_again() {
+    let lease = Duration::from_millis(300);
+    let app = Arc::new(start(IdempotencyLayer::new().lease(lease)).await);
+    let delay = (lease * 3).as_millis().to_string();
+
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move {
+            app.post("/commands", &[KEY, ("x-delay-ms", &delay)], BODY)
+                .await
+        }
+    });
+    let mut seen = Vec::new();
+    let replay = loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let reply = app.post("/commands", &[KEY], BODY).await;
+        if replayed(&reply) {
+            break reply;
+        }
+        seen.push(reply.status.as_u16());
+        assert!(seen.len() < 50, "no replay: {seen:?}");
+    };
+    let first = first.await.unwrap();
+
+    assert_eq!(app.runs.get(), 1, "retries never ran it again: {seen:?}");
+    assert!(
+        seen.len() >= 6 && seen.iter().all(|s| *s == 409),
+        "{seen:?}"
+    );
+    assert_eq!(replay.body, first.body);
+}
