@@ -121,7 +121,7 @@ impl Default for IdempotencyLayer {
 impl<St> IdempotencyLayer<St> {
     /// A layer over `store`, with the defaults: keys from `Idempotency-Key` (and
     /// `X-Idempotency-Key`) on `POST` and `PATCH`, optional, global (no client), TTL
-    /// 24 h, lease 60 s, 1 MiB bodies, `409` for requests in flight, fail closed.
+    /// 24 h, lease 10 s (renewed while the handler runs), 1 MiB bodies, `409` for requests in flight, fail closed.
     ///
     /// Share one store between layers (per route) by passing clones of one store, or
     /// an `Arc` of it to [`with_shared_store`](Self::with_shared_store).

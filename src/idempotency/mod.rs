@@ -69,12 +69,21 @@
 //!   work moves to a task of its own (same span, same correlation ID), runs to
 //!   completion, and its outcome is stored for the retry. A handler that panics or
 //!   fails releases the key; waiters get `409` `idempotency.original_failed`.
-//! - **TTL** 24 h ([`DEFAULT_TTL`]); a **lease** of 60 s ([`DEFAULT_LEASE`]) on requests
-//!   in flight, so a lost worker never locks a key for a day. Expired keys run again.
+//! - **TTL** 24 h ([`DEFAULT_TTL`]); expired keys run again. A **lease** of 10 s
+//!   ([`DEFAULT_LEASE`]) on requests in flight, renewed every third of it while the
+//!   handler runs: a handler may run longer than its lease, and a lost worker locks
+//!   its key for at most the lease.
+//! - **Once the handler has produced an outcome, the key is never released.** If the
+//!   store cannot take the outcome, the client still gets its answer; the layer keeps
+//!   the outcome (up to [`max_kept_bytes`](IdempotencyLayer::max_kept_bytes)) and
+//!   stores it from a task of its own, with backoff, renewing the claim, until it is
+//!   stored; duplicates get `409` (or wait) meanwhile. The README's "Guarantees under
+//!   faults" says what holds under which fault, for each store.
 //! - **Stores**: [`MokaStore`] in process (the default), or `RedisStore` (feature
 //!   `redis`) for a service that runs as several replicas.
-//! - **Store failure**: `503` and nothing runs (fail closed, the default), or run
-//!   without deduplication with a WARN ([`StoreFailure::FailOpen`]).
+//! - **Store failure** when a request arrives: `503` and nothing runs (fail closed,
+//!   the default), or run without deduplication with a WARN
+//!   ([`StoreFailure::FailOpen`]).
 //! - **Epoch binding** (optional, [`epoch`](IdempotencyLayer::epoch)): the control
 //!   epoch a key is first seen in is stored with it; the same key in another epoch is
 //!   `422 idempotency.epoch_mismatch`, never replayed and never run.
@@ -124,8 +133,12 @@
 //! `idempotency.not_replayable`, `idempotency.original_failed` (INFO),
 //! `idempotency.rejected` (400), `idempotency.conflict` (422),
 //! `idempotency.body_too_large`, `idempotency.response_too_large`,
-//! `idempotency.lease_lost`, `idempotency.store_failed`, `idempotency.epoch_mismatch`
-//! (WARN).
+//! `idempotency.lease_lost`, `idempotency.store_failed` (with `phase`: `begin`,
+//! `renew`, `complete`, `release`, `wait`, and the `error` with its cause),
+//! `idempotency.claim_restored` (the store had lost a running request's claim),
+//! `idempotency.kept_over_budget`, `idempotency.epoch_mismatch` (WARN);
+//! `idempotency.stored` is WARN with `claim=missing` when the store had lost the claim.
+//! `idempotency.lease_renewed` (TRACE).
 //!
 //! # Layer order
 //!
