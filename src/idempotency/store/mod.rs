@@ -1,6 +1,8 @@
 //! Where the idempotency layer keeps its records: the [`IdempotencyStore`] trait and
 //! its embedded implementation, [`MokaStore`].
 
+#[cfg(feature = "redis")]
+mod codec;
 mod moka;
 #[cfg(feature = "redis")]
 mod redis;

@@ -1,10 +1,8 @@
 use std::{
     sync::Arc,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
-use bytes::Bytes;
-use http::{HeaderName, HeaderValue, StatusCode};
 use moka::{future::Cache, policy::EvictionPolicy, Expiry};
 use redis::{
     aio::{ConnectionManager, ConnectionManagerConfig},
@@ -13,10 +11,11 @@ use redis::{
 use serde::{Deserialize, Serialize};
 
 use super::{
+    codec::{decode, decode_record, encode, encode_record, from_millis, millis},
     Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
-    StoredResponse, SystemClock,
+    SystemClock,
 };
-use crate::idempotency::{AttemptId, Fingerprint, ScopeKey};
+use crate::idempotency::{Fingerprint, ScopeKey};
 
 /// Default prefix of the store's Redis keys.
 pub const DEFAULT_REDIS_PREFIX: &str = "tower-ids:idem:";
@@ -409,7 +408,7 @@ impl IdempotencyStore for RedisStore {
         match kind {
             0 => Ok(Begin::Claimed { lease }),
             1 => {
-                let record = Arc::new(decode_record(&data)?);
+                let record = Arc::new(decode_stored(&data)?);
                 let ttl = Duration::from_millis(u64::try_from(record_ms).unwrap_or(0));
                 self.remember(scope, &record, ttl);
                 Ok(Begin::Completed {
@@ -524,7 +523,7 @@ impl IdempotencyStore for RedisStore {
             match (record, claim) {
                 (Some(record), _) => {
                     return Ok(Settled::Completed {
-                        record: Arc::new(decode_record(&record)?),
+                        record: Arc::new(decode_stored(&record)?),
                     })
                 }
                 (None, None) => return Ok(Settled::Released),
@@ -571,154 +570,7 @@ struct ClaimInfo {
     epoch: Option<u64>,
 }
 
-#[derive(Serialize, Deserialize)]
-struct EncodedRecord {
-    fingerprint: [u8; 32],
-    first_seen_ms: u64,
-    original_attempt: Option<serde_bytes::ByteBuf>,
-    epoch: Option<u64>,
-    response: Option<EncodedResponse>,
-}
-
-/// Byte fields as byte strings (`serde_bytes`): one copy each, not a sequence of
-/// single bytes.
-#[derive(Serialize, Deserialize)]
-struct EncodedResponse {
-    status: u16,
-    headers: Vec<(serde_bytes::ByteBuf, serde_bytes::ByteBuf)>,
-    #[serde(with = "serde_bytes")]
-    body: Vec<u8>,
-}
-
-fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
-    postcard::to_stdvec(value).map_err(|e| StoreError::with_source("could not encode", e))
-}
-
-fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, StoreError> {
-    postcard::from_bytes(bytes).map_err(|e| StoreError::with_source("corrupt value in Redis", e))
-}
-
-fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
-    encode(&EncodedRecord {
-        fingerprint: *record.fingerprint.as_bytes(),
-        first_seen_ms: millis(record.first_seen),
-        original_attempt: record
-            .original_attempt
-            .as_ref()
-            .map(|a| serde_bytes::ByteBuf::from(a.to_header_value().as_bytes())),
-        epoch: record.epoch,
-        response: record.response.as_ref().map(|response| EncodedResponse {
-            status: response.status.as_u16(),
-            headers: response
-                .headers
-                .iter()
-                .map(|(name, value)| {
-                    (
-                        serde_bytes::ByteBuf::from(name.as_str().as_bytes()),
-                        serde_bytes::ByteBuf::from(value.as_bytes()),
-                    )
-                })
-                .collect(),
-            body: response.body.to_vec(),
-        }),
-    })
-}
-
 /// Decodes a record as stored: the token of the lease that stored it, then the record.
-fn decode_record(stored: &[u8]) -> Result<Record, StoreError> {
-    let encoded: EncodedRecord = decode(stored.get(TOKEN_LEN..).unwrap_or_default())?;
-    let corrupt = |what: &str| StoreError::new(format!("corrupt record in Redis: {what}"));
-    let response = match encoded.response {
-        None => None,
-        Some(response) => Some(StoredResponse {
-            status: StatusCode::from_u16(response.status).map_err(|_| corrupt("status"))?,
-            headers: response
-                .headers
-                .into_iter()
-                .map(|(name, value)| {
-                    Ok((
-                        HeaderName::from_bytes(&name).map_err(|_| corrupt("header name"))?,
-                        HeaderValue::from_bytes(&value).map_err(|_| corrupt("header value"))?,
-                    ))
-                })
-                .collect::<Result<_, StoreError>>()?,
-            body: Bytes::from(response.body),
-        }),
-    };
-    let original_attempt = match encoded.original_attempt {
-        None => None,
-        Some(bytes) => Some(AttemptId::from_header_value(
-            HeaderValue::from_bytes(&bytes).map_err(|_| corrupt("attempt id"))?,
-        )),
-    };
-    Ok(Record {
-        fingerprint: Fingerprint::from_bytes(encoded.fingerprint),
-        first_seen: from_millis(encoded.first_seen_ms),
-        original_attempt,
-        epoch: encoded.epoch,
-        response,
-    })
-}
-
-fn millis(time: SystemTime) -> u64 {
-    time.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
-fn from_millis(ms: u64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms)
-}
-
-#[cfg(test)]
-mod tests {
-    use http::Method;
-
-    use super::*;
-
-    #[test]
-    fn records_round_trip_through_the_encoding() {
-        let record = Record {
-            fingerprint: Fingerprint::new(&Method::POST, "/a", Some("q=1"), None, b"body"),
-            first_seen: from_millis(1_795_000_000_123),
-            original_attempt: Some(AttemptId::from_header_value(HeaderValue::from_static("2"))),
-            epoch: Some(7),
-            response: Some(StoredResponse {
-                status: StatusCode::CREATED,
-                headers: vec![
-                    (
-                        HeaderName::from_static("set-cookie"),
-                        HeaderValue::from_static("a=1"),
-                    ),
-                    (
-                        HeaderName::from_static("x-multi"),
-                        HeaderValue::from_static("one"),
-                    ),
-                    (
-                        HeaderName::from_static("set-cookie"),
-                        HeaderValue::from_static("b=2"),
-                    ),
-                ],
-                body: Bytes::from_static(b"{\"id\":1}"),
-            }),
-        };
-        let mut stored = [7u8; TOKEN_LEN].to_vec();
-        let encoded = encode_record(&record).unwrap();
-        stored.extend(&encoded);
-        let decoded = decode_record(&stored).unwrap();
-        assert_eq!(decoded.fingerprint, record.fingerprint);
-        assert_eq!(decoded.first_seen, record.first_seen);
-        assert_eq!(decoded.epoch, Some(7));
-        assert_eq!(decoded.original_attempt.unwrap().as_str(), "2");
-        let response = decoded.response.unwrap();
-        assert_eq!(response.status, StatusCode::CREATED);
-        assert_eq!(response.headers, record.response.as_ref().unwrap().headers);
-        assert_eq!(response.body, Bytes::from_static(b"{\"id\":1}"));
-        // Compact: a few bytes of framing around the content.
-        assert!(
-            encoded.len() < 32 + 8 + 2 + 1 + 2 + 40 + 8 + 20,
-            "{} bytes",
-            encoded.len()
-        );
-        assert!(decode_record(&stored[..stored.len() - 1]).is_err());
-    }
+fn decode_stored(stored: &[u8]) -> Result<Record, StoreError> {
+    decode_record(stored.get(TOKEN_LEN..).unwrap_or_default())
 }
