@@ -1,9 +1,11 @@
 //! Where the idempotency layer keeps its records: the [`IdempotencyStore`] trait and
 //! its embedded implementation, [`MokaStore`].
 
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 mod codec;
 mod moka;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 
@@ -17,6 +19,11 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
 pub use self::moka::{MokaStore, MokaStoreBuilder, DEFAULT_MAX_BYTES, ENTRY_OVERHEAD_BYTES};
+#[cfg(feature = "postgres")]
+pub use self::postgres::{
+    PostgresStore, PostgresStoreBuilder, DEFAULT_CLEANUP_BATCH, DEFAULT_CLEANUP_INTERVAL,
+    DEFAULT_POSTGRES_TABLE, DEFAULT_POSTGRES_TIMEOUT,
+};
 #[cfg(feature = "redis")]
 pub use self::redis::{
     RedisStore, RedisStoreBuilder, DEFAULT_COMMAND_TIMEOUT, DEFAULT_REDIS_PREFIX,

@@ -1,0 +1,238 @@
+//! The PostgreSQL store against a real server: the store contract, two replicas on one
+//! database, records that outlive the service, and expired rows removed.
+//!
+//! Each test creates a database of its own on the server at `TOWER_IDS_POSTGRES_URL`
+//! (default `postgres://postgres@127.0.0.1:5432/postgres`) and drops it at the end.
+//! Without a reachable server the tests print `SKIPPED` and pass, except in CI (the `CI`
+//! variable set), where they fail.
+#![allow(missing_docs)]
+
+#[path = "../support/mod.rs"]
+mod support;
+
+#[path = "../contract/mod.rs"]
+mod contract;
+
+mod database;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
+use database::TestDatabase;
+use http::StatusCode;
+use serde_json::json;
+use support::{client, send, serve, HttpClient, Reply};
+use tower_ids::{
+    correlation::CorrelationLayer,
+    idempotency::{
+        store::{Begin, Claim, IdempotencyStore, PostgresStore},
+        Fingerprint, IdempotencyLayer, ScopeKey,
+    },
+};
+
+async fn store(database: &TestDatabase) -> PostgresStore {
+    let store = PostgresStore::builder(database.pool(10).await)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_store_keeps_the_store_contract() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    contract::keeps_the_store_contract(Arc::new(store(&database).await)).await;
+}
+
+/// How many times the handler ran, per idempotency key.
+#[derive(Clone, Default)]
+struct Ledger(Arc<Mutex<HashMap<String, usize>>>);
+
+async fn counted(State(ledger): State<Ledger>, headers: HeaderMap) -> Response {
+    let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+    let run = {
+        let mut runs = ledger.0.lock().unwrap();
+        let runs = runs.entry(key.clone()).or_default();
+        *runs += 1;
+        *runs
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(
+            json!({ "key": key, "run": run }).to_string(),
+        ))
+        .unwrap()
+}
+
+/// A replica: its own pool and store on the shared database, its own server.
+#[derive(Clone)]
+struct Replica {
+    url: String,
+    client: HttpClient,
+}
+
+impl Replica {
+    async fn start(database: &TestDatabase, ledger: &Ledger) -> Self {
+        let layer = IdempotencyLayer::with_store(store(database).await);
+        let router = Router::new()
+            .route("/commands", post(counted).layer(layer))
+            .with_state(ledger.clone())
+            .layer(CorrelationLayer::new());
+        Self {
+            url: format!("http://{}/commands", serve(router).await),
+            client: client(),
+        }
+    }
+
+    async fn post(&self, key: &str) -> Reply {
+        send(
+            &self.client,
+            "POST",
+            self.url.clone(),
+            &[
+                ("idempotency-key", key),
+                ("content-type", "application/json"),
+            ],
+            "{}",
+        )
+        .await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_on_one_database_run_each_key_once() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let ledger = Ledger::default();
+    let replicas = [
+        Replica::start(&database, &ledger).await,
+        Replica::start(&database, &ledger).await,
+    ];
+
+    let burst: Vec<_> = (0..1000)
+        .map(|i| {
+            let replica = replicas[i % 2].clone();
+            tokio::spawn(async move { replica.post(&format!("key-{}", i % 100)).await.status })
+        })
+        .collect();
+    let mut statuses = HashMap::new();
+    for request in burst {
+        *statuses.entry(request.await.unwrap().as_u16()).or_insert(0) += 1;
+    }
+    // Every key answered once more on each replica: the stored outcome, never a run.
+    for key in 0..100 {
+        for replica in &replicas {
+            let reply = replica.post(&format!("key-{key}")).await;
+            assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+            assert_eq!(reply.header("idempotent-replayed"), Some("true"));
+        }
+    }
+
+    let runs = ledger.0.lock().unwrap().clone();
+    eprintln!("1,000 requests over 100 keys on two replicas: statuses {statuses:?}");
+    assert_eq!(runs.len(), 100, "every key ran");
+    assert!(
+        runs.values().all(|n| *n == 1),
+        "every key ran exactly once: {runs:?}"
+    );
+    assert!(
+        statuses.keys().all(|s| [201, 409].contains(s)),
+        "{statuses:?}"
+    );
+
+    let first = replicas[0].post("across").await;
+    let retry = replicas[1].post("across").await;
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body, "B replays what A stored");
+}
+
+#[tokio::test]
+async fn records_outlive_the_service_and_expired_rows_are_removed() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let scope = ScopeKey::from_bytes([9; 32]);
+    let short = ScopeKey::from_bytes([8; 32]);
+    let claim = Claim {
+        fingerprint: Fingerprint::from_bytes([1; 32]),
+        lease: Duration::from_secs(10),
+        epoch: None,
+    };
+    {
+        let before = store(&database).await;
+        for (scope, ttl) in [
+            (scope, Duration::from_secs(3600)),
+            (short, Duration::from_millis(50)),
+        ] {
+            let Begin::Claimed { lease } = before.begin(&scope, claim.clone()).await.unwrap()
+            else {
+                panic!("new key");
+            };
+            let record = tower_ids::idempotency::store::Record {
+                fingerprint: claim.fingerprint,
+                first_seen: lease.first_seen,
+                original_attempt: None,
+                epoch: None,
+                response: None,
+            };
+            before
+                .complete(&scope, &lease, Arc::new(record), ttl)
+                .await
+                .unwrap();
+        }
+        before.pool().close().await;
+    }
+    // A new process: a new pool, a new store.
+    let after = store(&database).await;
+    assert!(matches!(
+        after.begin(&scope, claim.clone()).await.unwrap(),
+        Begin::Completed {
+            request_count: 2,
+            ..
+        }
+    ));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(after.remove_expired().await.unwrap(), 1, "the expired row");
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tower_ids_idempotency")
+        .fetch_one(after.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "the live record stays");
+}
+
+#[tokio::test]
+async fn the_store_refuses_a_table_name_it_cannot_quote() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let error = PostgresStore::builder(database.pool(1).await)
+        .table("records; DROP TABLE users")
+        .build()
+        .unwrap_err();
+    assert!(error.to_string().contains("invalid table name"));
+    let custom = PostgresStore::builder(database.pool(1).await)
+        .table("public.custom_idempotency")
+        .build()
+        .unwrap();
+    custom.migrate().await.unwrap();
+    custom.migrate().await.expect("migrating twice is harmless");
+    let scope = ScopeKey::from_bytes([3; 32]);
+    let claim = Claim {
+        fingerprint: Fingerprint::from_bytes([1; 32]),
+        lease: Duration::from_secs(10),
+        epoch: None,
+    };
+    assert!(matches!(
+        custom.begin(&scope, claim).await.unwrap(),
+        Begin::Claimed { .. }
+    ));
+}
