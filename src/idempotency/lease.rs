@@ -17,7 +17,10 @@ use tokio::sync::{watch, Notify};
 use tracing::Instrument as _;
 
 use super::{
-    store::{Chain, Claim, Completion, IdempotencyStore, Lease, Record, Renewal},
+    store::{
+        Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Record, Renewal,
+        Settlement, StoreError,
+    },
     ScopeKey,
 };
 
@@ -39,6 +42,8 @@ pub(super) struct LeaseGuard<St: IdempotencyStore> {
     claim: Claim,
     lease: Option<Lease>,
     kept: Arc<KeptOutcomes>,
+    /// The transaction the store offers the handler, if it can commit the record in it.
+    transaction: Option<Box<dyn HandlerTransaction>>,
 }
 
 impl<St: IdempotencyStore> LeaseGuard<St> {
@@ -49,12 +54,21 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         lease: Lease,
         kept: Arc<KeptOutcomes>,
     ) -> Self {
+        let transaction = store.handler_transaction();
         Self {
             store,
             scope,
             claim,
             lease: Some(lease),
             kept,
+            transaction,
+        }
+    }
+
+    /// Offers the store's transaction, if any, to the handler in `extensions`.
+    pub(super) fn offer_transaction(&self, extensions: &mut http::Extensions) {
+        if let Some(transaction) = &self.transaction {
+            transaction.offer(extensions);
         }
     }
 
@@ -97,13 +111,45 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         }
     }
 
-    /// Stores `record`; if the store fails, keeps it and stores it from a task of its
-    /// own (see [`KeptOutcomes`]). Never releases the key.
-    pub(super) async fn complete(&mut self, record: Record, ttl: Duration, max_kept_bytes: usize) {
+    /// Stores `record`: in the handler's transaction if it took one (committing its
+    /// writes with it), else in the store; if the store fails, keeps it and stores it
+    /// from a task of its own (see [`KeptOutcomes`]). Never releases the key, but for
+    /// a handler's transaction that did not commit: then nothing the handler wrote in
+    /// it stands, the key is released, and the error is returned.
+    pub(super) async fn complete(
+        &mut self,
+        record: Record,
+        ttl: Duration,
+        max_kept_bytes: usize,
+    ) -> Result<(), StoreError> {
         let Some(lease) = self.lease.take() else {
-            return;
+            return Ok(());
         };
         let record = Arc::new(record);
+        if let Some(transaction) = self.transaction.take() {
+            let outcome = Some((record.clone(), ttl));
+            match transaction.settle(self.scope, lease.clone(), outcome).await {
+                Settlement::Committed(completion) => {
+                    report(completion, &record, ttl, 1);
+                    return Ok(());
+                }
+                Settlement::NotTaken => {}
+                Settlement::RolledBack => {
+                    let error = StoreError::new("the request's transaction was rolled back");
+                    release(&*self.store, &self.scope, &lease, "rolled_back").await;
+                    return Err(error);
+                }
+                Settlement::Failed(error) => {
+                    tracing::warn!(
+                        event = "idempotency.commit_failed",
+                        error = %Chain(&error),
+                        "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
+                    );
+                    release(&*self.store, &self.scope, &lease, "commit_failed").await;
+                    return Err(error);
+                }
+            }
+        }
         match self
             .store
             .complete(&self.scope, &lease, record.clone(), ttl)
@@ -130,6 +176,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                 );
             }
         }
+        Ok(())
     }
 
     /// Gives the key up so a retry runs again: for a request that produced nothing to
@@ -138,6 +185,10 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         let Some(lease) = self.lease.take() else {
             return;
         };
+        if let Some(transaction) = self.transaction.take() {
+            // Nothing to store: whatever the handler wrote in it is rolled back.
+            transaction.settle(self.scope, lease.clone(), None).await;
+        }
         release(&*self.store, &self.scope, &lease, reason).await;
     }
 }

@@ -720,6 +720,8 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let fingerprint = guard.claim().fingerprint;
+    let mut request = request;
+    guard.offer_transaction(request.extensions_mut());
     // Runs in the caller's task; if the caller goes away, `ResponseFuture`'s drop moves
     // this work to a task of its own, so it still completes and is stored.
     let produced = guard
@@ -758,10 +760,13 @@ where
                 headers,
                 body: body.clone(),
             }));
-            guard
+            match guard
                 .complete(record, settings.ttl, settings.max_kept_bytes)
-                .await;
-            Response::from_parts(parts, Body::complete(body))
+                .await
+            {
+                Ok(()) => Response::from_parts(parts, Body::complete(body)),
+                Err(error) => not_committed(&error),
+            }
         }
         Collected::Complete(body) => {
             guard.release("not_stored").await;
@@ -775,9 +780,12 @@ where
                     "response over the idempotency limit: streamed, not stored; duplicates get 410"
                 );
                 let record = record(None);
-                guard
+                if let Err(error) = guard
                     .complete(record, settings.ttl, settings.max_kept_bytes)
-                    .await;
+                    .await
+                {
+                    return Ok(finish(not_committed(&error), attempt.as_ref()));
+                }
             } else {
                 guard.release("not_stored").await;
             }
@@ -801,6 +809,18 @@ where
         }
     };
     Ok(finish(response, attempt.as_ref()))
+}
+
+/// The answer when the handler's transaction did not commit: nothing happened, so a
+/// retry is safe (and replays, if a commit whose answer was lost did go through).
+fn not_committed<B>(error: &super::store::StoreError) -> Response<Body<B>> {
+    let problem = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency.not_committed",
+        "Request not committed",
+        format!("the request's transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
+    );
+    with_retry_after(problem.into_response(), Duration::from_secs(1))
 }
 
 enum Collected<B> {

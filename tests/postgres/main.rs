@@ -14,6 +14,7 @@ mod support;
 mod contract;
 
 mod database;
+mod transactional;
 
 use std::{
     collections::HashMap,

@@ -20,9 +20,13 @@ use http::{HeaderName, HeaderValue, StatusCode};
 
 pub use self::moka::{MokaStore, MokaStoreBuilder, DEFAULT_MAX_BYTES, ENTRY_OVERHEAD_BYTES};
 #[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "axum"))]
+pub use self::postgres::TransactionMissing;
+#[cfg(feature = "postgres")]
 pub use self::postgres::{
-    PostgresStore, PostgresStoreBuilder, DEFAULT_CLEANUP_BATCH, DEFAULT_CLEANUP_INTERVAL,
-    DEFAULT_POSTGRES_TABLE, DEFAULT_POSTGRES_TIMEOUT,
+    PostgresStore, PostgresStoreBuilder, Transaction, TransactionError, TransactionGuard,
+    DEFAULT_CLEANUP_BATCH, DEFAULT_CLEANUP_INTERVAL, DEFAULT_POSTGRES_TABLE,
+    DEFAULT_POSTGRES_TIMEOUT,
 };
 #[cfg(feature = "redis")]
 pub use self::redis::{
@@ -93,6 +97,46 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         scope: &ScopeKey,
         timeout: Duration,
     ) -> impl Future<Output = Result<Settled, StoreError>> + Send;
+
+    /// A transaction to offer the handler of a claimed request, for a store that can
+    /// commit the request's record in the handler's own database transaction (so the
+    /// handler's writes and the record commit together or not at all). Default: none.
+    fn handler_transaction(&self) -> Option<Box<dyn HandlerTransaction>> {
+        None
+    }
+}
+
+/// The handler's own database transaction, from
+/// [`IdempotencyStore::handler_transaction`]: offered to the handler in the request's
+/// extensions; if the handler takes it, the layer stores the outcome in it and commits.
+pub trait HandlerTransaction: Send + Sync + 'static {
+    /// Puts what the handler takes the transaction from into the request's extensions.
+    fn offer(&self, extensions: &mut http::Extensions);
+
+    /// After the handler: if it took the transaction, stores `outcome` (the record and
+    /// its TTL) for `lease` in it and commits; with no outcome (the response is not
+    /// stored, or the handler failed), rolls it back.
+    fn settle(
+        self: Box<Self>,
+        scope: ScopeKey,
+        lease: Lease,
+        outcome: Option<(Arc<Record>, Duration)>,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Settlement> + Send>>;
+}
+
+/// How a [`HandlerTransaction`] ended.
+#[derive(Debug)]
+pub enum Settlement {
+    /// The handler did not take the transaction: the layer stores the outcome itself.
+    NotTaken,
+    /// The handler's writes and the record committed together.
+    Committed(Completion),
+    /// Nothing to store: the handler's writes were rolled back.
+    RolledBack,
+    /// The transaction did not commit (the database failed, or another request holds
+    /// the key): nothing the handler wrote in it stands, and the key is free to run
+    /// again. A commit whose answer was lost may have committed; a retry then replays.
+    Failed(StoreError),
 }
 
 /// What [`IdempotencyStore::begin`] is asked to claim.

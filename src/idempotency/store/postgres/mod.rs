@@ -7,8 +7,15 @@ use sqlx::{postgres::PgPoolOptions, PgPool, Row};
 
 use super::{
     codec::{decode_record, encode_record, from_millis, millis},
-    Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
+    Begin, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Record, Renewal,
+    Settled, StoreError,
 };
+
+mod transaction;
+
+#[cfg(feature = "axum")]
+pub use self::transaction::TransactionMissing;
+pub use self::transaction::{Transaction, TransactionError, TransactionGuard};
 use crate::idempotency::{Fingerprint, ScopeKey};
 
 /// The table the store keeps its records in, unless built with another.
@@ -29,7 +36,7 @@ pub const DEFAULT_CLEANUP_BATCH: i64 = 1000;
 
 /// The schema, as shipped in `migrations/` for users who run their own migrations.
 const MIGRATION: &str =
-    include_str!("../../../migrations/20261122000000_tower_ids_idempotency.sql");
+    include_str!("../../../../migrations/20261122000000_tower_ids_idempotency.sql");
 
 /// A store in PostgreSQL: records that survive restarts of the service and of the
 /// database, shared by every replica.
@@ -43,6 +50,10 @@ const MIGRATION: &str =
 /// execution is two round trips (claim, complete), a replay one. Records are the same
 /// compact binary as the Redis store's, with the status in a column of its own for
 /// operators.
+///
+/// The handler of a request it runs is offered the request's own [`Transaction`]: writes
+/// made on it commit together with the record (transactional mode), so a crash between
+/// the handler's commit and the record's can no longer run the action twice.
 ///
 /// Waiting for a request in flight polls with backoff (10 ms doubling to 200 ms). A
 /// background task removes expired rows every [`cleanup_interval`], a batch at a time;
@@ -237,6 +248,7 @@ struct Statements {
     renew: String,
     restore: String,
     complete: String,
+    complete_in_transaction: String,
     complete_late: String,
     completed_by: String,
     release: String,
@@ -284,6 +296,13 @@ impl Statements {
                expires_at = now() + $5 * interval '1 millisecond'
              WHERE scope = $1 AND token = $2 AND NOT completed AND expires_at > now()"
         );
+        // In the handler's transaction the claim is kept by renewal until the handler
+        // returns; its lease running out since is no reason to roll the writes back.
+        let complete_in_transaction = format!(
+            "UPDATE {t} SET completed = true, status = $3, record = $4,
+               expires_at = now() + $5 * interval '1 millisecond'
+             WHERE scope = $1 AND token = $2 AND NOT completed"
+        );
         let complete_late = format!(
             "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
                                     status, record, expires_at)
@@ -311,6 +330,7 @@ impl Statements {
             renew,
             restore,
             complete,
+            complete_in_transaction,
             complete_late,
             completed_by,
             release,
@@ -381,11 +401,22 @@ fn epoch_i64(epoch: Option<u64>) -> Option<i64> {
     epoch.map(|e| i64::try_from(e).unwrap_or(i64::MAX))
 }
 
+fn status_i16(record: &Record) -> Option<i16> {
+    record
+        .response
+        .as_ref()
+        .map(|r| i16::try_from(r.status.as_u16()).unwrap_or(i16::MAX))
+}
+
 fn first_seen_ms(lease: &Lease) -> i64 {
     i64::try_from(millis(lease.first_seen)).unwrap_or(i64::MAX)
 }
 
 impl IdempotencyStore for PostgresStore {
+    fn handler_transaction(&self) -> Option<Box<dyn HandlerTransaction>> {
+        Some(Box::new(transaction::Offered::new(self.shared.clone())))
+    }
+
     async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
         let lease = Lease {
             token: rand::random(),
@@ -484,7 +515,7 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<Completion, StoreError> {
         let token = token_bytes(lease);
         let encoded = encode_record(&record)?;
-        let status = record.response.as_ref().map(|r| r.status.as_u16() as i16);
+        let status = status_i16(&record);
         let stored = self
             .bounded(
                 "storing a record in PostgreSQL",

@@ -1,0 +1,291 @@
+//! Transactional mode: the handler's writes and the request's record in one
+//! PostgreSQL transaction.
+
+use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
+
+use sqlx::{PgConnection, Postgres};
+use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
+
+use super::{bounded, epoch_i64, first_seen_ms, millis_i64, status_i16, token_bytes, Shared};
+use crate::idempotency::{
+    store::{
+        codec::encode_record, Completion, HandlerTransaction, Lease, Record, Settlement, StoreError,
+    },
+    ScopeKey,
+};
+
+/// The request's database transaction, offered by the idempotency layer over a
+/// [`PostgresStore`](super::PostgresStore) to the handler of a request it runs.
+///
+/// Take it (the axum extractor, or `request.extensions().get::<Transaction>()` in a
+/// hyper service) and do the request's writes on it; the layer then stores the
+/// response's record in the same transaction and commits, so the writes and the record
+/// commit together or not at all. A process that dies before the commit leaves
+/// nothing, and the retry runs again; after it, the retry replays. A response the
+/// layer does not store (5xx, `408`, `429`, see
+/// [`store_if`](crate::idempotency::IdempotencyLayer::store_if)) and a handler that
+/// fails or panics roll the transaction back. A handler that never takes it gets the
+/// durable mode: claim, run, store.
+///
+/// The transaction begins on the first [`lock`](Self::lock), on a connection of the
+/// store's pool, and stays open until the response is stored: keep the pool larger
+/// than the number of such requests running at once.
+///
+/// ```no_run
+/// use axum::Json;
+/// use tower_ids::idempotency::store::Transaction;
+///
+/// async fn create(tx: Transaction, Json(name): Json<String>) -> Result<&'static str, String> {
+///     let mut connection = tx.lock().await.map_err(|e| e.to_string())?;
+///     sqlx::query("INSERT INTO commands (name) VALUES ($1)")
+///         .bind(name)
+///         .execute(&mut *connection)
+///         .await
+///         .map_err(|e| e.to_string())?;
+///     Ok("created")
+/// }
+/// ```
+#[derive(Clone)]
+pub struct Transaction {
+    slot: Arc<Slot>,
+}
+
+impl std::fmt::Debug for Transaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transaction").finish_non_exhaustive()
+    }
+}
+
+/// The connection of a [`Transaction`], held until dropped: run queries on
+/// `&mut *guard`.
+pub type TransactionGuard<'a> = MappedMutexGuard<'a, PgConnection>;
+
+/// Why [`Transaction::lock`] failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum TransactionError {
+    /// The transaction could not begin (no connection within the store's timeout, or
+    /// the database refused).
+    Begin(StoreError),
+    /// The request's response was already stored: the transaction is over.
+    Over,
+}
+
+impl std::fmt::Display for TransactionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Begin(error) => write!(f, "could not begin the request's transaction: {error}"),
+            Self::Over => f.write_str("the request's transaction is over: its response was stored"),
+        }
+    }
+}
+
+impl std::error::Error for TransactionError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Begin(error) => Some(error),
+            Self::Over => None,
+        }
+    }
+}
+
+struct Slot {
+    shared: Arc<Shared>,
+    state: Mutex<State>,
+}
+
+enum State {
+    NotBegun,
+    Open(sqlx::Transaction<'static, Postgres>),
+    Over,
+}
+
+impl Transaction {
+    /// The transaction's connection, beginning the transaction on first use.
+    pub async fn lock(&self) -> Result<TransactionGuard<'_>, TransactionError> {
+        let mut state = self.slot.state.lock().await;
+        if matches!(*state, State::NotBegun) {
+            let shared = &self.slot.shared;
+            let begun = bounded(
+                shared.timeout,
+                "beginning a transaction in PostgreSQL",
+                shared.pool.begin(),
+            )
+            .await
+            .map_err(TransactionError::Begin)?;
+            *state = State::Open(begun);
+        }
+        MutexGuard::try_map(state, |state| match state {
+            State::Open(transaction) => Some(&mut **transaction),
+            _ => None,
+        })
+        .map_err(|_| TransactionError::Over)
+    }
+}
+
+/// The [`HandlerTransaction`] of one claimed request.
+pub(super) struct Offered(Transaction);
+
+impl Offered {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
+        Self(Transaction {
+            slot: Arc::new(Slot {
+                shared,
+                state: Mutex::new(State::NotBegun),
+            }),
+        })
+    }
+}
+
+impl HandlerTransaction for Offered {
+    fn offer(&self, extensions: &mut http::Extensions) {
+        extensions.insert(self.0.clone());
+    }
+
+    fn settle(
+        self: Box<Self>,
+        scope: ScopeKey,
+        lease: Lease,
+        outcome: Option<(Arc<Record>, Duration)>,
+    ) -> Pin<Box<dyn Future<Output = Settlement> + Send>> {
+        Box::pin(async move {
+            let slot = &self.0.slot;
+            // Waits for a handler's task still holding the connection.
+            let taken = std::mem::replace(&mut *slot.state.lock().await, State::Over);
+            let State::Open(transaction) = taken else {
+                return Settlement::NotTaken;
+            };
+            match outcome {
+                None => match transaction.rollback().await {
+                    Ok(()) => Settlement::RolledBack,
+                    // Dropped, the connection rolls back when the pool gets it back.
+                    Err(_) => Settlement::RolledBack,
+                },
+                Some((record, ttl)) => {
+                    match commit(&slot.shared, transaction, &scope, &lease, &record, ttl).await {
+                        Ok(completion) => Settlement::Committed(completion),
+                        Err(error) => Settlement::Failed(error),
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// Stores `record` in `transaction` for `lease`'s claim and commits; rolls back if
+/// another request holds the key.
+async fn commit(
+    shared: &Shared,
+    mut transaction: sqlx::Transaction<'static, Postgres>,
+    scope: &ScopeKey,
+    lease: &Lease,
+    record: &Record,
+    ttl: Duration,
+) -> Result<Completion, StoreError> {
+    let token = token_bytes(lease);
+    let encoded = encode_record(record)?;
+    let status = status_i16(record);
+    // The claim row is locked from here to the commit: one round trip.
+    let stored = bounded(
+        shared.timeout,
+        "storing a record in the request's transaction",
+        sqlx::query(&shared.sql.complete_in_transaction)
+            .bind(&scope.as_bytes()[..])
+            .bind(&token[..])
+            .bind(status)
+            .bind(&encoded)
+            .bind(millis_i64(ttl))
+            .execute(&mut *transaction),
+    )
+    .await?
+    .rows_affected();
+    let completion = if stored == 1 {
+        Completion::Stored
+    } else {
+        let late = bounded(
+            shared.timeout,
+            "storing a record in the request's transaction",
+            sqlx::query(&shared.sql.complete_late)
+                .bind(&scope.as_bytes()[..])
+                .bind(&token[..])
+                .bind(&record.fingerprint.as_bytes()[..])
+                .bind(first_seen_ms(lease))
+                .bind(epoch_i64(record.epoch))
+                .bind(status)
+                .bind(&encoded)
+                .bind(millis_i64(ttl))
+                .execute(&mut *transaction),
+        )
+        .await?
+        .rows_affected();
+        if late != 1 {
+            // Dropping the transaction rolls the handler's writes back.
+            return Err(StoreError::new(
+                "another request holds this key: the request's writes were rolled back",
+            ));
+        }
+        Completion::StoredWithoutClaim
+    };
+    bounded(
+        shared.timeout,
+        "committing the request's transaction",
+        transaction.commit(),
+    )
+    .await?;
+    Ok(completion)
+}
+
+#[cfg(feature = "axum")]
+mod extract {
+    use axum_core::{
+        extract::FromRequestParts,
+        response::{IntoResponse, Response},
+    };
+    use http::{request::Parts, StatusCode};
+
+    use super::Transaction;
+    use crate::problem::Problem;
+
+    /// The request's [`Transaction`] as an axum extractor. On a route without an
+    /// idempotency layer over a `PostgresStore`, or on a request the layer did not
+    /// run (a replay never reaches the handler), the handler is answered `500`.
+    impl<S: Send + Sync> FromRequestParts<S> for Transaction {
+        type Rejection = TransactionMissing;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Self, Self::Rejection> {
+            parts
+                .extensions
+                .get::<Transaction>()
+                .cloned()
+                .ok_or(TransactionMissing)
+        }
+    }
+
+    /// Rejection of the [`Transaction`] extractor when no idempotency layer over a
+    /// `PostgresStore` offered one.
+    #[derive(Debug, Clone, Copy)]
+    #[non_exhaustive]
+    pub struct TransactionMissing;
+
+    impl IntoResponse for TransactionMissing {
+        fn into_response(self) -> Response {
+            tracing::error!(
+                event = "idempotency.transaction_missing",
+                "Transaction extracted but no idempotency layer over a PostgresStore offered one"
+            );
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "idempotency.transaction_missing",
+                "Server misconfigured",
+                "this route takes the request's transaction, but no idempotency layer over a PostgresStore runs it",
+            )
+            .into_response_with(axum_core::body::Body::from)
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+pub use self::extract::TransactionMissing;
