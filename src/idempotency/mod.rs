@@ -49,8 +49,11 @@
 //!   then send UUIDv7 (or v4) keys, because anyone who can guess another client's key
 //!   can make that client's request look like a duplicate.
 //! - **Fingerprint**: SHA-256 of method, path, query, content type and body. The same
-//!   key with another fingerprint is `422`, never a replay, never a second run. The body
-//!   is read up to 1 MiB (more: `413`) and handed on unchanged.
+//!   key with another fingerprint is `422`, never a replay, never a second run. The
+//!   content type is compared as a media type: `Application/JSON;Charset=utf-8` and
+//!   `application/json; charset=utf-8` are one (parameter values are compared as sent;
+//!   see [`Fingerprint::new`]). The body is read up to 1 MiB (more: `413`) and handed
+//!   on unchanged.
 //! - **First request**: runs; the response is read up to 1 MiB and stored with its
 //!   status, every header in order (repeats kept), body, arrival time and attempt ID.
 //!   5xx, `408` and `429` are not stored ([`store_if`](IdempotencyLayer::store_if)):

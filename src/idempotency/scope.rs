@@ -1,4 +1,4 @@
-use std::{fmt, marker::PhantomData};
+use std::{borrow::Cow, fmt, marker::PhantomData};
 
 use http::{header, HeaderName, Method, Request};
 use sha2::{Digest, Sha256};
@@ -212,6 +212,14 @@ pub struct Fingerprint([u8; 32]);
 impl Fingerprint {
     /// The fingerprint of a request: SHA-256 over method, path, query, content type
     /// and body, each length-prefixed.
+    ///
+    /// The content type is compared as a media type (RFC 9110, section 8.3.1): type,
+    /// subtype and parameter names are case-insensitive, so they are lowercased;
+    /// whitespace around `;` is optional, so parameters are joined by `"; "`, the form
+    /// most clients send; empty parameters are dropped. Parameter values are kept as
+    /// sent (`charset=UTF-8` and `charset=utf-8` differ, as `boundary` values may).
+    /// `Application/JSON` and `application/json` are one fingerprint;
+    /// `application/json` and `text/plain` are two.
     pub fn new(
         method: &Method,
         path: &str,
@@ -224,7 +232,7 @@ impl Fingerprint {
         field(&mut digest, method.as_str().as_bytes());
         field(&mut digest, path.as_bytes());
         field(&mut digest, query.unwrap_or("").as_bytes());
-        field(&mut digest, content_type.unwrap_or(b""));
+        field(&mut digest, &media_type(content_type.unwrap_or(b"")));
         field(&mut digest, body);
         Self(digest.finalize().into())
     }
@@ -243,6 +251,114 @@ impl Fingerprint {
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Fingerprint({})", hex::encode(&self.0[..8]))
+    }
+}
+
+/// `raw`, a `Content-Type` value, in the canonical form [`Fingerprint::new`] hashes:
+/// `type/subtype; name=value; name=value`, type, subtype and names lowercased, values
+/// as sent, optional whitespace around `;` and empty parameters gone. Borrowed, with
+/// no allocation, when `raw` is already canonical (`application/json`,
+/// `application/json; charset=utf-8`).
+fn media_type(raw: &[u8]) -> Cow<'_, [u8]> {
+    let raw = trim_ows(raw);
+    let mut out = Canonical::new(raw);
+    let mut parts = split_parameters(raw);
+    if let Some(essence) = parts.next() {
+        out.extend_lowercase(essence);
+    }
+    for parameter in parts.filter(|p| !p.is_empty()) {
+        let (name, value) = match parameter.iter().position(|&b| b == b'=') {
+            Some(eq) => parameter.split_at(eq),
+            None => (parameter, &[][..]),
+        };
+        out.extend(b"; ");
+        out.extend_lowercase(name);
+        out.extend(value);
+    }
+    out.finish()
+}
+
+/// The pieces of `raw` between the `;` that are not inside a quoted string, each
+/// without the optional whitespace around it.
+fn split_parameters(raw: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = Some(raw);
+    std::iter::from_fn(move || {
+        let text = rest?;
+        let (mut quoted, mut escaped) = (false, false);
+        let end = text.iter().position(|&b| {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' if quoted => escaped = true,
+                b'"' => quoted = !quoted,
+                b';' if !quoted => return true,
+                _ => {}
+            }
+            false
+        });
+        let (piece, next) = match end {
+            Some(end) => (&text[..end], Some(&text[end + 1..])),
+            None => (text, None),
+        };
+        rest = next;
+        Some(trim_ows(piece))
+    })
+}
+
+fn trim_ows(mut raw: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = raw {
+        raw = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = raw {
+        raw = rest;
+    }
+    raw
+}
+
+/// Bytes written one at a time that stay a borrow of `source` for as long as they
+/// repeat it, and become a copy at the first byte that differs.
+struct Canonical<'a> {
+    source: &'a [u8],
+    len: usize,
+    owned: Option<Vec<u8>>,
+}
+
+impl<'a> Canonical<'a> {
+    fn new(source: &'a [u8]) -> Self {
+        Self {
+            source,
+            len: 0,
+            owned: None,
+        }
+    }
+
+    fn push(&mut self, byte: u8) {
+        match &mut self.owned {
+            Some(owned) => owned.push(byte),
+            None if self.source.get(self.len) == Some(&byte) => self.len += 1,
+            None => {
+                let mut owned = Vec::with_capacity(self.source.len() + 8);
+                owned.extend_from_slice(&self.source[..self.len]);
+                owned.push(byte);
+                self.owned = Some(owned);
+            }
+        }
+    }
+
+    fn extend(&mut self, bytes: &[u8]) {
+        bytes.iter().for_each(|&b| self.push(b));
+    }
+
+    fn extend_lowercase(&mut self, bytes: &[u8]) {
+        bytes
+            .iter()
+            .for_each(|&b| self.push(b.to_ascii_lowercase()));
+    }
+
+    fn finish(self) -> Cow<'a, [u8]> {
+        match self.owned {
+            Some(owned) => Cow::Owned(owned),
+            None => Cow::Borrowed(&self.source[..self.len]),
+        }
     }
 }
 
@@ -305,6 +421,101 @@ mod tests {
             let scope_a = scope(a.0.as_deref(), &a.1, &a.2, a.3.as_deref(), &a.4);
             let scope_b = scope(b.0.as_deref(), &b.1, &b.2, b.3.as_deref(), &b.4);
             prop_assert_eq!(scope_a == scope_b, same);
+        }
+    }
+
+    fn canonical(raw: &str) -> String {
+        String::from_utf8(media_type(raw.as_bytes()).into_owned()).unwrap()
+    }
+
+    #[test]
+    fn media_types_are_compared_case_insensitively_and_values_as_sent() {
+        for (raw, expected) in [
+            ("application/json", "application/json"),
+            ("Application/JSON", "application/json"),
+            ("  application/json\t", "application/json"),
+            ("text/html;charset=utf-8", "text/html; charset=utf-8"),
+            (
+                "Text/HTML;Charset=\"utf-8\"",
+                "text/html; charset=\"utf-8\"",
+            ),
+            ("text/html ;  charset=UTF-8 ; ", "text/html; charset=UTF-8"),
+            ("text/plain;;", "text/plain"),
+            (
+                "multipart/form-data; Boundary=\"a;B \\\" c\"",
+                "multipart/form-data; boundary=\"a;B \\\" c\"",
+            ),
+            ("a/b; x=1;Y=Two", "a/b; x=1; y=Two"),
+            ("", ""),
+        ] {
+            assert_eq!(canonical(raw), expected, "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn a_canonical_media_type_is_borrowed_not_copied() {
+        for raw in [
+            "application/json",
+            "application/json; charset=utf-8",
+            " application/json ",
+        ] {
+            assert!(
+                matches!(media_type(raw.as_bytes()), Cow::Borrowed(_)),
+                "{raw:?}"
+            );
+        }
+        assert!(matches!(media_type(b"Application/JSON"), Cow::Owned(_)));
+    }
+
+    #[test]
+    fn the_fingerprint_ignores_media_type_case_but_not_values() {
+        let print = |content_type: &str| {
+            Fingerprint::new(
+                &Method::POST,
+                "/a",
+                None,
+                Some(content_type.as_bytes()),
+                b"{}",
+            )
+        };
+        assert_eq!(print("application/json"), print("Application/JSON"));
+        assert_eq!(
+            print("text/html; charset=utf-8"),
+            print("TEXT/html;CHARSET=utf-8")
+        );
+        assert_ne!(print("application/json"), print("text/plain"));
+        assert_ne!(
+            print("text/html; charset=utf-8"),
+            print("text/html; charset=UTF-8")
+        );
+        assert_ne!(print("application/json"), print("application/json; x=1"));
+    }
+
+    proptest! {
+        #[test]
+        fn canonical_media_types_are_fixed_points(raw in "[ -~\t]{0,40}") {
+            let once = media_type(raw.as_bytes()).into_owned();
+            let twice = media_type(&once).into_owned();
+            prop_assert_eq!(&twice, &once);
+            prop_assert!(matches!(media_type(&once), Cow::Borrowed(_)));
+        }
+
+        #[test]
+        fn changing_the_case_of_type_and_names_changes_nothing(
+            essence in "[a-zA-Z]{1,8}/[a-zA-Z+.-]{1,8}",
+            names in proptest::collection::vec("[a-zA-Z]{1,6}", 0..3),
+            value in "[a-zA-Z0-9-]{1,6}",
+            space in "[ \t]{0,2}",
+        ) {
+            let build = |upper: bool| {
+                let case = |s: &str| if upper { s.to_ascii_uppercase() } else { s.to_ascii_lowercase() };
+                let mut text = case(&essence);
+                for name in &names {
+                    text.push_str(&format!("{space};{space}{}={value}", case(name)));
+                }
+                text
+            };
+            prop_assert_eq!(canonical(&build(true)), canonical(&build(false)));
         }
     }
 

@@ -351,6 +351,40 @@ async fn the_same_key_with_another_payload_is_422() {
 }
 
 #[tokio::test]
+async fn a_retry_whose_media_type_differs_only_in_case_is_replayed() {
+    let app = start(IdempotencyLayer::new()).await;
+
+    let first = app
+        .post(
+            "/commands",
+            &[KEY, ("content-type", "application/json; charset=utf-8")],
+            BODY,
+        )
+        .await;
+    let retry = app
+        .post(
+            "/commands",
+            &[KEY, ("content-type", "Application/JSON;Charset=utf-8")],
+            BODY,
+        )
+        .await;
+    let other_value = app
+        .post(
+            "/commands",
+            &[KEY, ("content-type", "application/json; charset=latin1")],
+            BODY,
+        )
+        .await;
+
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(other_value.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(app.runs.get(), 1);
+}
+
+#[tokio::test]
 async fn an_oversized_request_body_is_413_and_runs_nothing() {
     let app = start(IdempotencyLayer::new().max_request_bytes(1024)).await;
 
