@@ -202,7 +202,8 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     }
 
     /// The headers the key is read from, in order. Default `Idempotency-Key` and
-    /// `X-Idempotency-Key`; when several are present they must agree.
+    /// `X-Idempotency-Key`; when several are present, or one is repeated, they must
+    /// name the same key (see [`IdempotencyKey::from_headers`](super::IdempotencyKey::from_headers)).
     pub fn key_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         self.settings().key_headers = names.into_iter().collect();
         self

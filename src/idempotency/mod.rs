@@ -36,8 +36,10 @@
 //! # The contract
 //!
 //! - **Key**: `Idempotency-Key`, or `X-Idempotency-Key` (both present and different:
-//!   `400`). A bare token or the draft's quoted structured-field string (`"abc"` and
-//!   `abc` are one key). Opaque, 1 to 255 visible ASCII characters, else `400`.
+//!   `400 idempotency.keys_disagree`; one of them repeated with different values:
+//!   `400 idempotency.key_repeated`; repeated with the same key: accepted, see
+//!   [`IdempotencyKey::from_headers`]). A bare token or the draft's quoted
+//!   structured-field string (`"abc"` and `abc` are one key). Opaque, 1 to 255 visible ASCII characters, else `400`.
 //!   Covered methods: `POST` and `PATCH` by default. With
 //!   [`require_key`](IdempotencyLayer::require_key) a covered request without a key is
 //!   `400`; otherwise it passes through untouched.
@@ -104,6 +106,7 @@
 //! | `400` | `idempotency.key_missing` | `require_key` and no key |
 //! | `400` | `idempotency.key_invalid` | empty, too long, not visible ASCII, malformed quoted string |
 //! | `400` | `idempotency.keys_disagree` | `Idempotency-Key` and `X-Idempotency-Key` differ |
+//! | `400` | `idempotency.key_repeated` | one key header sent twice with different values |
 //! | `400` | `idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
 //! | `400` | `idempotency.body_unreadable` | the request body failed mid-read |
 //! | `409` | `idempotency.in_flight` | a request with this key is running |

@@ -236,6 +236,10 @@ fn reject_key<B>(
 ) -> Response<Body<B>> {
     let (code, title) = match error.code() {
         "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
+        "repeated" => (
+            "idempotency.key_repeated",
+            "Idempotency key header repeated",
+        ),
         "conflicting" => (
             "idempotency.keys_disagree",
             "Two different idempotency keys",

@@ -221,9 +221,17 @@ async fn the_quoted_and_bare_forms_and_the_x_header_are_one_key() {
             BODY,
         )
         .await;
+    // Repeated with the same key: unambiguous, so accepted (see `from_headers`).
+    let repeated_same = app
+        .post(
+            "/commands",
+            &[("idempotency-key", "abc"), ("idempotency-key", "abc")],
+            BODY,
+        )
+        .await;
 
     assert_eq!(app.runs.get(), 1);
-    for reply in [quoted, x_header, both_agree] {
+    for reply in [quoted, x_header, both_agree, repeated_same] {
         assert_eq!(reply.header("idempotent-replayed"), Some("true"));
     }
 }
@@ -268,7 +276,7 @@ async fn bad_keys_are_400_problems() {
     let (logs, _guard) = Logs::capture();
     let app = start(IdempotencyLayer::new().require_key(true)).await;
     let oversized = "k".repeat(256);
-    let cases: [(&[(&str, &str)], &str); 6] = [
+    let cases: [(&[(&str, &str)], &str); 7] = [
         (&[], "idempotency.key_missing"),
         (&[("idempotency-key", "")], "idempotency.key_invalid"),
         (
@@ -282,6 +290,10 @@ async fn bad_keys_are_400_problems() {
         (
             &[("idempotency-key", "one"), ("x-idempotency-key", "two")],
             "idempotency.keys_disagree",
+        ),
+        (
+            &[("idempotency-key", "one"), ("idempotency-key", "two")],
+            "idempotency.key_repeated",
         ),
         (
             &[KEY, ("attempt-id", "has space")],
@@ -301,9 +313,21 @@ async fn bad_keys_are_400_problems() {
     }
     assert_eq!(app.runs.get(), 0);
     let rejected = logs.events("idempotency.rejected");
-    assert_eq!(rejected.len(), 6);
+    assert_eq!(rejected.len(), 7);
     assert!(rejected.iter().all(|line| line["level"] == "WARN"));
     assert!(!logs.raw().contains(&oversized));
+    let repeated = app
+        .post(
+            "/commands",
+            &[("idempotency-key", "one"), ("idempotency-key", "two")],
+            BODY,
+        )
+        .await;
+    assert_eq!(
+        repeated.json()["detail"],
+        "the idempotency-key header was sent more than once with different values; send it once",
+        "no word of a second header name"
+    );
 
     // The longest key allowed is fine.
     let longest = "k".repeat(255);
