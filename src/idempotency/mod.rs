@@ -47,9 +47,11 @@
 //!   [`scope_query`](IdempotencyLayer::scope_query)) + key, hashed. The client comes
 //!   from an [`IdentifyClient`] (an API key header, the `Authorization` credentials, an
 //!   auth layer's extension), hashed, never stored raw, and never the IP address or
-//!   `User-Agent`. Without a client the key is global to the route: clients should
-//!   then send UUIDv7 (or v4) keys, because anyone who can guess another client's key
-//!   can make that client's request look like a duplicate.
+//!   `User-Agent`. A client header sent twice with different values is `400
+//!   idempotency.client_invalid` (which one the authentication checked cannot be
+//!   known), never the first value silently. Without a client the key is global to
+//!   the route: clients should then send UUIDv7 (or v4) keys, because anyone who can
+//!   guess another client's key can make that client's request look like a duplicate.
 //! - **Fingerprint**: SHA-256 of method, path, query, content type and body. The same
 //!   key with another fingerprint is `422`, never a replay, never a second run. The
 //!   content type is compared as a media type: `Application/JSON;Charset=utf-8` and
@@ -108,6 +110,7 @@
 //! | `400` | `idempotency.keys_disagree` | `Idempotency-Key` and `X-Idempotency-Key` differ |
 //! | `400` | `idempotency.key_repeated` | one key header sent twice with different values |
 //! | `400` | `idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
+//! | `400` | `idempotency.client_invalid` | the [`IdentifyClient`] refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`InvalidClient`]) |
 //! | `400` | `idempotency.body_unreadable` | the request body failed mid-read |
 //! | `409` | `idempotency.in_flight` | a request with this key is running |
 //! | `409` | `idempotency.original_failed` | the request waited on failed; retry |
@@ -128,7 +131,8 @@
 //! credential never reaches a log line. `event` codes: `idempotency.accepted` (DEBUG), `idempotency.replayed`,
 //! `idempotency.stored`, `idempotency.released`, `idempotency.in_flight`,
 //! `idempotency.not_replayable`, `idempotency.original_failed` (INFO),
-//! `idempotency.rejected` (400), `idempotency.conflict` (422),
+//! `idempotency.rejected` (a `400` for the headers, with `reason` and `status`),
+//! `idempotency.conflict` (422),
 //! `idempotency.body_too_large`, `idempotency.response_too_large`,
 //! `idempotency.lease_lost`, `idempotency.store_failed`, `idempotency.epoch_mismatch`
 //! (WARN).
@@ -163,7 +167,7 @@ pub use self::{
     },
     scope::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,
-        IdentifyClient, NoClient, ScopeKey,
+        IdentifyClient, IntoClientIdentity, InvalidClient, NoClient, ScopeKey,
     },
     service::{Idempotency, ResponseFuture},
     store::{IdempotencyStore, MokaStore},

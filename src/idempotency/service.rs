@@ -164,6 +164,7 @@ where
             Ok(Some(key)) => key,
             Ok(None) if settings.require_key => {
                 return boxed(ready(refuse(
+                    StatusCode::BAD_REQUEST,
                     "missing",
                     "idempotency.key_missing",
                     "Missing idempotency key",
@@ -178,6 +179,7 @@ where
             Ok(epoch) => epoch,
             Err(error) => {
                 return boxed(ready(refuse(
+                    StatusCode::BAD_REQUEST,
                     "epoch_invalid",
                     "idempotency.epoch_invalid",
                     "Invalid epoch",
@@ -186,7 +188,10 @@ where
                 )));
             }
         };
-        let client = self.identify.identify_client(&request);
+        let client = match self.identify.identify_client(&request) {
+            Ok(client) => client,
+            Err(error) => return boxed(ready(reject_client(&error, attempt.as_ref()))),
+        };
         let uri = request.uri();
         let query = if settings.include_query {
             uri.query()
@@ -246,11 +251,40 @@ fn reject_key<B>(
         ),
         _ => ("idempotency.key_invalid", "Invalid idempotency key"),
     };
-    refuse(error.code(), code, title, error.to_string(), attempt)
+    refuse(
+        StatusCode::BAD_REQUEST,
+        error.code(),
+        code,
+        title,
+        error.to_string(),
+        attempt,
+    )
 }
 
-/// A `400` for a request whose headers the layer cannot accept, with its WARN event.
+/// The `400` for a request whose client cannot be told (two different API keys).
+fn reject_client<B>(
+    error: &super::InvalidClient,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    let reason = match error.code() {
+        "repeated" => "client_repeated",
+        _ => "client_refused",
+    };
+    refuse(
+        StatusCode::BAD_REQUEST,
+        reason,
+        "idempotency.client_invalid",
+        "Invalid client identity",
+        // Fixed text or a configured header name, never what the request sent.
+        error.to_string(),
+        attempt,
+    )
+}
+
+/// A refusal of a request whose headers the layer cannot accept, with its WARN event;
+/// `detail` is the layer's own text, never the request's.
 fn refuse<B>(
+    status: StatusCode,
     reason: &'static str,
     code: &'static str,
     title: &'static str,
@@ -261,10 +295,10 @@ fn refuse<B>(
         event = "idempotency.rejected",
         reason,
         detail = detail.as_str(),
-        status = 400,
+        status = status.as_u16(),
         "request refused: {title}"
     );
-    let problem = Problem::new(StatusCode::BAD_REQUEST, code, title, detail);
+    let problem = Problem::new(status, code, title, detail);
     finish(problem.into_response(), attempt)
 }
 

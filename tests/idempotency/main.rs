@@ -30,8 +30,9 @@ use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
         store::{Begin, Claim, IdempotencyStore, Lease, ManualClock, Record, Settled, StoreError},
-        ClientFromHeader, EpochFromExtension, EpochFromHeader, ExtractEpoch, IdempotencyLayer,
-        IdentifyClient, InFlight, MokaStore, ScopeKey, StoreFailure,
+        ClientFromAuthorization, ClientFromHeader, EpochFromExtension, EpochFromHeader,
+        ExtractEpoch, IdempotencyLayer, IdentifyClient, InFlight, MokaStore, ScopeKey,
+        StoreFailure,
     },
 };
 
@@ -269,6 +270,75 @@ async fn scope_is_client_method_and_path() {
     assert_eq!(app.runs.get(), 4);
     assert_eq!(alice_retry.body, alice_first.body);
     assert_eq!(bob_retry.body, bob_same_key.body);
+}
+
+#[tokio::test]
+async fn a_repeated_client_header_is_400_never_the_first_value() {
+    let (logs, _guard) = Logs::capture();
+    let api_key =
+        IdempotencyLayer::new().client(ClientFromHeader::new(HeaderName::from_static("x-api-key")));
+    let by_header = start(api_key).await;
+    let by_token = start(IdempotencyLayer::new().client(ClientFromAuthorization)).await;
+
+    let two_keys = by_header
+        .post(
+            "/commands",
+            &[
+                KEY,
+                ("x-api-key", "alice-secret"),
+                ("x-api-key", "bob-secret"),
+            ],
+            BODY,
+        )
+        .await;
+    let two_tokens = by_token
+        .post(
+            "/commands",
+            &[
+                KEY,
+                ("authorization", "Bearer alice-token"),
+                ("authorization", "Bearer bob-token"),
+            ],
+            BODY,
+        )
+        .await;
+
+    for (reply, header) in [(&two_keys, "x-api-key"), (&two_tokens, "authorization")] {
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(reply.json()["code"], "idempotency.client_invalid");
+        assert_eq!(
+            reply.json()["type"],
+            "urn:tower-ids:problem:idempotency-client-invalid"
+        );
+        assert!(reply.json()["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("the {header} header, which names the client")));
+        assert_eq!(reply.header("idempotent-replayed"), Some("false"));
+    }
+    assert_eq!(by_header.runs.get() + by_token.runs.get(), 0);
+    let rejected = logs.events("idempotency.rejected");
+    assert_eq!(rejected.len(), 2);
+    for line in &rejected {
+        assert_eq!(line["level"], "WARN");
+        assert_eq!(line["fields"]["reason"], "client_repeated");
+        assert_eq!(line["fields"]["status"], 400);
+    }
+    for secret in ["alice-secret", "bob-secret", "alice-token", "bob-token"] {
+        assert!(!logs.raw().contains(secret), "{secret} reached a log line");
+    }
+
+    // The same request with one credential runs, and its retry replays.
+    let alice = [KEY, ("x-api-key", "alice-secret")];
+    let first = by_header.post("/commands", &alice, BODY).await;
+    let retry = by_header.post("/commands", &alice, BODY).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(by_header.runs.get(), 1);
 }
 
 #[tokio::test]
