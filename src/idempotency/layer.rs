@@ -59,6 +59,7 @@ pub(super) struct Settings {
     pub(super) key_headers: Vec<HeaderName>,
     pub(super) methods: Vec<Method>,
     pub(super) require_key: bool,
+    pub(super) require_client: bool,
     pub(super) include_query: bool,
     pub(super) ttl: Duration,
     pub(super) lease: Duration,
@@ -129,6 +130,7 @@ impl<St> IdempotencyLayer<St> {
                 key_headers: vec![IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY],
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
+                require_client: false,
                 include_query: false,
                 ttl: DEFAULT_TTL,
                 lease: DEFAULT_LEASE,
@@ -192,6 +194,23 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// untouched.
     pub fn require_key(mut self, require: bool) -> Self {
         self.settings().require_key = require;
+        self
+    }
+
+    /// Answer `401 idempotency.client_missing` to a covered request that has an
+    /// idempotency key but no client the [`client`](Self::client) identifier can name
+    /// (no `x-api-key`, say): it never reaches the handler or the store. Default off:
+    /// such a request's key is global to the route, shared with every other caller
+    /// without a client (see the [module docs](crate::idempotency)).
+    ///
+    /// The `401` carries no `WWW-Authenticate`. RFC 9110 wants one, with a challenge
+    /// naming the scheme and realm, and only the authentication in front of this layer
+    /// knows those; a made-up challenge would mislead clients. Put that authentication
+    /// first, so anonymous requests get its `401` and its challenge; this one is the
+    /// backstop for a route whose authentication lets anonymous requests through.
+    /// With the default identifier, [`NoClient`], every request with a key is refused.
+    pub fn require_client(mut self, require: bool) -> Self {
+        self.settings().require_client = require;
         self
     }
 
@@ -302,6 +321,7 @@ impl<St, C, E> fmt::Debug for IdempotencyLayer<St, C, E> {
         f.debug_struct("IdempotencyLayer")
             .field("methods", &self.settings.methods)
             .field("require_key", &self.settings.require_key)
+            .field("require_client", &self.settings.require_client)
             .field("ttl", &self.settings.ttl)
             .field("lease", &self.settings.lease)
             .field("in_flight", &self.settings.in_flight)

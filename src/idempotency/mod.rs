@@ -50,8 +50,11 @@
 //!   `User-Agent`. A client header sent twice with different values is `400
 //!   idempotency.client_invalid` (which one the authentication checked cannot be
 //!   known), never the first value silently. Without a client the key is global to
-//!   the route: clients should then send UUIDv7 (or v4) keys, because anyone who can
-//!   guess another client's key can make that client's request look like a duplicate.
+//!   the route, shared with every other caller without one: clients should then send
+//!   UUIDv7 (or v4) keys, because anyone who can guess another client's key can make
+//!   that client's request look like a duplicate. On a route that identifies clients,
+//!   [`require_client`](IdempotencyLayer::require_client) refuses a request with a key
+//!   but no client (`401`) instead of scoping it globally.
 //! - **Fingerprint**: SHA-256 of method, path, query, content type and body. The same
 //!   key with another fingerprint is `422`, never a replay, never a second run. The
 //!   content type is compared as a media type: `Application/JSON;Charset=utf-8` and
@@ -112,6 +115,7 @@
 //! | `400` | `idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
 //! | `400` | `idempotency.client_invalid` | the [`IdentifyClient`] refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`InvalidClient`]) |
 //! | `400` | `idempotency.body_unreadable` | the request body failed mid-read |
+//! | `401` | `idempotency.client_missing` | with [`require_client`](IdempotencyLayer::require_client): a key but no client; no `WWW-Authenticate` (the authentication in front knows the scheme, this layer does not) |
 //! | `409` | `idempotency.in_flight` | a request with this key is running |
 //! | `409` | `idempotency.original_failed` | the request waited on failed; retry |
 //! | `410` | `idempotency.not_replayable` | the request ran but its response was too large to keep |
@@ -131,7 +135,8 @@
 //! credential never reaches a log line. `event` codes: `idempotency.accepted` (DEBUG), `idempotency.replayed`,
 //! `idempotency.stored`, `idempotency.released`, `idempotency.in_flight`,
 //! `idempotency.not_replayable`, `idempotency.original_failed` (INFO),
-//! `idempotency.rejected` (a `400` for the headers, with `reason` and `status`),
+//! `idempotency.rejected` (a `400` or `401` for the headers, with `reason` and
+//! `status`),
 //! `idempotency.conflict` (422),
 //! `idempotency.body_too_large`, `idempotency.response_too_large`,
 //! `idempotency.lease_lost`, `idempotency.store_failed`, `idempotency.epoch_mismatch`

@@ -192,6 +192,16 @@ where
             Ok(client) => client,
             Err(error) => return boxed(ready(reject_client(&error, attempt.as_ref()))),
         };
+        if client.is_none() && settings.require_client {
+            return boxed(ready(refuse(
+                StatusCode::UNAUTHORIZED,
+                "client_missing",
+                "idempotency.client_missing",
+                "Client not identified",
+                "this route keeps idempotency keys per client, and this request names none; send your credentials".into(),
+                attempt.as_ref(),
+            )));
+        }
         let uri = request.uri();
         let query = if settings.include_query {
             uri.query()

@@ -342,6 +342,80 @@ async fn a_repeated_client_header_is_400_never_the_first_value() {
 }
 
 #[tokio::test]
+async fn require_client_refuses_a_keyed_request_without_a_client_with_401() {
+    let (logs, _guard) = Logs::capture();
+    let api_key = || ClientFromHeader::new(HeaderName::from_static("x-api-key"));
+    let app = start(
+        IdempotencyLayer::new()
+            .client(api_key())
+            .require_client(true),
+    )
+    .await;
+    // A store that fails every call: a request that reached it would be a 503.
+    let broken = start(
+        IdempotencyLayer::with_store(BrokenStore)
+            .client(api_key())
+            .require_client(true),
+    )
+    .await;
+    let default = start(IdempotencyLayer::new().client(api_key())).await;
+    let alice = ("x-api-key", "alice-secret");
+
+    let anonymous = app
+        .post("/commands", &[KEY, ("attempt-id", "1")], BODY)
+        .await;
+    let empty = app.post("/commands", &[KEY, ("x-api-key", "")], BODY).await;
+    let anonymous_broken = broken.post("/commands", &[KEY], BODY).await;
+    for reply in [&anonymous, &empty, &anonymous_broken] {
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(reply.json()["code"], "idempotency.client_missing");
+        assert_eq!(reply.json()["status"], 401);
+        assert_eq!(
+            reply.header("www-authenticate"),
+            None,
+            "no made-up challenge"
+        );
+        assert_eq!(reply.header("idempotent-replayed"), Some("false"));
+    }
+    assert_eq!(anonymous.header("attempt-id"), Some("1"));
+    assert_eq!(app.runs.get() + broken.runs.get(), 0, "no handler ran");
+    assert!(
+        logs.events("idempotency.store_failed").is_empty(),
+        "the store was never asked"
+    );
+    let rejected = logs.events("idempotency.rejected");
+    assert_eq!(rejected.len(), 3);
+    for line in &rejected {
+        assert_eq!(line["level"], "WARN");
+        assert_eq!(line["fields"]["reason"], "client_missing");
+        assert_eq!(line["fields"]["status"], 401);
+    }
+
+    // With a client the request runs (or, on the broken store, reaches the store).
+    let first = app.post("/commands", &[KEY, alice], BODY).await;
+    let retry = app.post("/commands", &[KEY, alice], BODY).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    let reached = broken.post("/commands", &[KEY, alice], BODY).await;
+    assert_eq!(reached.json()["code"], "idempotency.store_unavailable");
+    // Without a key the request passes through as before; nothing to scope.
+    let keyless = app.post("/commands", &[], BODY).await;
+    assert_eq!(keyless.status, StatusCode::CREATED);
+    assert_eq!(app.runs.get(), 2);
+
+    // Off (the default), anonymous callers share one global scope per key.
+    let one = default.post("/commands", &[KEY], BODY).await;
+    let other = default.post("/commands", &[KEY], BODY).await;
+    assert_eq!(one.status, StatusCode::CREATED);
+    assert_eq!(other.header("idempotent-replayed"), Some("true"));
+    assert_eq!(default.runs.get(), 1);
+}
+
+#[tokio::test]
 async fn bad_keys_are_400_problems() {
     let (logs, _guard) = Logs::capture();
     let app = start(IdempotencyLayer::new().require_key(true)).await;
