@@ -4,6 +4,7 @@ use http::{header, HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::{
+    budget::Budget,
     store::{IdempotencyStore, MokaStore},
     Idempotency, NoClient, NoEpoch, ATTEMPT_ID, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY,
 };
@@ -20,6 +21,17 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 
 /// The largest request body read to fingerprint: 1 MiB; larger is `413`.
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
+
+/// The request bytes all requests in flight through one layer (and its clones) may
+/// hold at once while their bodies are read and their work runs: 64 MiB.
+///
+/// That is 64 bodies at the 1 MiB request limit ([`DEFAULT_MAX_REQUEST_BYTES`]), or
+/// about 65,000 of 1 KiB, more than one process usually has in flight; and it is the
+/// default byte bound of the [`MokaStore`] too, so by default the layer's buffers and
+/// its store together stay within 128 MiB (plus the responses being read, see the
+/// [module docs](crate::idempotency#memory)). Without a budget, 3,000 requests in
+/// flight with 1 MiB bodies held 2.6 GiB.
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
 
 /// The largest response kept for replay: 1 MiB; larger is streamed on, never stored.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
@@ -65,6 +77,7 @@ pub(super) struct Settings {
     pub(super) lease: Duration,
     pub(super) max_request_bytes: usize,
     pub(super) max_response_bytes: usize,
+    pub(super) budget: Arc<Budget>,
     pub(super) in_flight: InFlight,
     pub(super) store_failure: StoreFailure,
     pub(super) not_replayed: Vec<HeaderName>,
@@ -87,7 +100,9 @@ pub fn default_store_if(status: StatusCode) -> bool {
 ///
 /// # Clone
 ///
-/// Clones share the store and the settings (behind `Arc`s).
+/// Clones share the store, the settings and the byte budget of request bodies
+/// ([`max_buffered_bytes`](Self::max_buffered_bytes)), all behind `Arc`s: one layer
+/// cloned onto several routes has one budget for all of them.
 #[must_use]
 pub struct IdempotencyLayer<St = MokaStore, C = NoClient, E = NoEpoch> {
     pub(super) store: Arc<St>,
@@ -136,6 +151,7 @@ impl<St> IdempotencyLayer<St> {
                 lease: DEFAULT_LEASE,
                 max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+                budget: Budget::new(DEFAULT_MAX_BUFFERED_BYTES),
                 in_flight: InFlight::Reject {
                     retry_after: DEFAULT_RETRY_AFTER,
                 },
@@ -256,6 +272,27 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
+    /// The request bytes all requests in flight through this layer and its clones may
+    /// hold at once. Default [`DEFAULT_MAX_BUFFERED_BYTES`] (64 MiB).
+    ///
+    /// Reading a body takes its bytes from this budget, its declared `Content-Length`
+    /// up front when it has one (so a body that cannot fit is refused before a byte of
+    /// it is read), chunk by chunk otherwise, and holds them until the request's work
+    /// ends (its response returned, or its stored outcome written). A request the
+    /// budget cannot take now is answered `503 idempotency.overloaded` with
+    /// `Retry-After: 1` and a WARN `idempotency.overloaded`: the handler does not run
+    /// and the store is not asked. A body larger than the whole budget could never
+    /// fit, so it is `413`, as one over [`max_request_bytes`](Self::max_request_bytes).
+    ///
+    /// A client that declares a large body and sends it slowly holds its share for as
+    /// long as it takes: put a request body timeout in front (tower-http's
+    /// `RequestBodyTimeoutLayer`, say). Calling this makes a new budget for this layer
+    /// and the clones made of it afterwards; layers built separately never share one.
+    pub fn max_buffered_bytes(mut self, max: usize) -> Self {
+        self.settings().budget = Budget::new(max);
+        self
+    }
+
     /// The largest response kept. Default [`DEFAULT_MAX_RESPONSE_BYTES`].
     pub fn max_response_bytes(mut self, max: usize) -> Self {
         self.settings().max_response_bytes = max;
@@ -326,6 +363,7 @@ impl<St, C, E> fmt::Debug for IdempotencyLayer<St, C, E> {
             .field("lease", &self.settings.lease)
             .field("in_flight", &self.settings.in_flight)
             .field("store_failure", &self.settings.store_failure)
+            .field("max_buffered_bytes", &self.settings.budget.capacity())
             .finish_non_exhaustive()
     }
 }

@@ -39,8 +39,9 @@
 //!   `400 idempotency.keys_disagree`; one of them repeated with different values:
 //!   `400 idempotency.key_repeated`; repeated with the same key: accepted, see
 //!   [`IdempotencyKey::from_headers`]). A bare token or the draft's quoted
-//!   structured-field string (`"abc"` and `abc` are one key). Opaque, 1 to 255 visible ASCII characters, else `400`.
-//!   Covered methods: `POST` and `PATCH` by default. With
+//!   structured-field string (`"abc"` and `abc` are one key). Opaque, 1 to 255
+//!   visible ASCII characters, else `400`. Covered methods: `POST` and `PATCH` by
+//!   default. With
 //!   [`require_key`](IdempotencyLayer::require_key) a covered request without a key is
 //!   `400`; otherwise it passes through untouched.
 //! - **Scope**: client + method + path (+ the query, with
@@ -60,7 +61,8 @@
 //!   content type is compared as a media type: `Application/JSON;Charset=utf-8` and
 //!   `application/json; charset=utf-8` are one (parameter values are compared as sent;
 //!   see [`Fingerprint::new`]). The body is read up to 1 MiB (more: `413`) and handed
-//!   on unchanged.
+//!   on unchanged, within a byte budget shared by the requests in flight (over it:
+//!   `503` with `Retry-After`; see [Memory](#memory)).
 //! - **First request**: runs; the response is read up to 1 MiB and stored with its
 //!   status, every header in order (repeats kept), body, arrival time and attempt ID.
 //!   5xx, `408` and `429` are not stored ([`store_if`](IdempotencyLayer::store_if)):
@@ -124,6 +126,7 @@
 //! | `422` | `idempotency.fingerprint_mismatch` | the key was used with another request |
 //! | `422` | `idempotency.epoch_mismatch` | with [`epoch`](IdempotencyLayer::epoch): the key was first seen in another epoch |
 //! | `500` | `idempotency.response_failed` | the handler's response body failed mid-read |
+//! | `503` | `idempotency.overloaded` | the request bodies in flight fill the byte budget ([`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)); `Retry-After: 1`, nothing ran |
 //! | `503` | `idempotency.store_unavailable` | the store failed (fail closed) |
 //!
 //! # Events
@@ -139,8 +142,40 @@
 //! `status`),
 //! `idempotency.conflict` (422),
 //! `idempotency.body_too_large`, `idempotency.response_too_large`,
-//! `idempotency.lease_lost`, `idempotency.store_failed`, `idempotency.epoch_mismatch`
-//! (WARN).
+//! `idempotency.lease_lost`, `idempotency.store_failed`, `idempotency.epoch_mismatch`,
+//! `idempotency.overloaded` (with `budget_bytes` and `requested_bytes`) (WARN).
+//!
+//! # Memory
+//!
+//! What the layer holds is bounded in three parts:
+//!
+//! - **Request bodies**, read to fingerprint them and handed on: each at most
+//!   [`max_request_bytes`](IdempotencyLayer::max_request_bytes) (1 MiB), and all those
+//!   of the requests in flight through one layer and its clones at most
+//!   [`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)
+//!   ([`DEFAULT_MAX_BUFFERED_BYTES`], 64 MiB). A body takes its bytes from that budget
+//!   as it is read (its declared `Content-Length` up front) and gives them back when
+//!   the request's work ends; a request the budget cannot take now is `503
+//!   idempotency.overloaded` with `Retry-After`, before the handler or the store sees
+//!   it. `tests/budget.rs` sends 3,000 requests with 1 MiB bodies at once through a
+//!   real server with a 64 MiB budget: 64 run, the rest are refused, and the process
+//!   peaks 140 to 162 MiB above its baseline (both ends of 3,000 connections
+//!   included), where without a budget they held 2.6 GiB.
+//! - **Responses** being read to store them: each at most
+//!   [`max_response_bytes`](IdempotencyLayer::max_response_bytes) (1 MiB; a larger
+//!   one is streamed on, not kept), one per request running its handler. The budget
+//!   does not count them (a request with an empty body holds none of it), so this part
+//!   is bounded by how many requests run at once: put a concurrency limit in front
+//!   (tower's `ConcurrencyLimitLayer`, or the server's connection limit) when
+//!   responses are large. Replays share the stored bytes; they copy no body.
+//! - **Stored records**: the store's bound, [`MokaStore`]'s
+//!   [`max_bytes`](store::MokaStoreBuilder::max_bytes) (64 MiB by default; see its
+//!   Memory section), plus about 500 bytes per request in flight until it settles.
+//!
+//! With the defaults and N requests running at once, that is at most 64 MiB of
+//! request bodies, N x 1 MiB of responses and 64 MiB of records, plus N x 500 bytes.
+//! A store shared by several layers counts once; each separately built layer has its
+//! own budget.
 //!
 //! # Layer order
 //!
@@ -149,6 +184,7 @@
 //! the routes it protects, after authentication if the client comes from an auth
 //! layer's extension. `GET` routes need no idempotency layer.
 
+mod budget;
 mod epoch;
 mod key;
 mod layer;
@@ -168,7 +204,8 @@ pub use self::{
     },
     layer::{
         default_store_if, IdempotencyLayer, InFlight, StoreFailure, DEFAULT_LEASE,
-        DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+        DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
+        DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     scope::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,

@@ -570,6 +570,62 @@ async fn an_oversized_request_body_is_413_and_runs_nothing() {
     );
 }
 
+#[tokio::test]
+async fn over_the_byte_budget_is_503_and_touches_neither_handler_nor_store() {
+    let (logs, _guard) = Logs::capture();
+    // Every store call fails and is logged; failing open, the request still runs.
+    let layer = IdempotencyLayer::with_store(BrokenStore)
+        .on_store_failure(StoreFailure::FailOpen)
+        .max_buffered_bytes(1000);
+    let app = Arc::new(start(layer).await);
+    let body = "x".repeat(600);
+
+    let holder = tokio::spawn({
+        let (app, body) = (app.clone(), body.clone());
+        async move {
+            app.post("/commands", &[KEY, ("x-delay-ms", "300")], &body)
+                .await
+        }
+    });
+    until_runs(&app.runs, 1).await;
+    let other_key = ("idempotency-key", "another-key");
+    let refused = app
+        .post("/commands", &[other_key, ("attempt-id", "1")], &body)
+        .await;
+
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(refused.json()["code"], "idempotency.overloaded");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.header("idempotent-replayed"), Some("false"));
+    assert_eq!(refused.header("attempt-id"), Some("1"));
+    assert_eq!(app.runs.get(), 1, "the refused request never ran");
+    let overloaded = logs.events("idempotency.overloaded");
+    assert_eq!(overloaded.len(), 1);
+    assert_eq!(overloaded[0]["level"], "WARN");
+    assert_eq!(overloaded[0]["fields"]["budget_bytes"], 1000);
+    assert_eq!(overloaded[0]["fields"]["requested_bytes"], 600);
+    assert_eq!(
+        logs.events("idempotency.store_failed").len(),
+        1,
+        "only the holder asked the store"
+    );
+
+    assert_eq!(holder.await.unwrap().status, StatusCode::CREATED);
+    let retry = app.post("/commands", &[other_key], &body).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the budget is free again"
+    );
+    let whole = app.post("/commands", &[other_key], &"x".repeat(1001)).await;
+    assert_eq!(whole.status, StatusCode::PAYLOAD_TOO_LARGE, "never fits");
+    assert_eq!(app.runs.get(), 2);
+}
+
 /// Waits until the handler has started `n` times.
 async fn until_runs(runs: &Runs, n: usize) {
     for _ in 0..500 {
