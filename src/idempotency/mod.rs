@@ -132,18 +132,23 @@
 //! # Events
 //!
 //! Every event is inside an `idempotency` span, itself inside the request's correlation
-//! span. Its fields: `idempotency_key`, the key as sent (already checked to be 1 to 255
-//! visible ASCII characters, so safe in a log line, and what a log search for a user
-//! action needs), and `scope` and `client`, short hex prefixes of hashes: the client's
-//! credential never reaches a log line. `event` codes: `idempotency.accepted` (DEBUG), `idempotency.replayed`,
-//! `idempotency.stored`, `idempotency.released`, `idempotency.in_flight`,
-//! `idempotency.not_replayable`, `idempotency.original_failed` (INFO),
-//! `idempotency.rejected` (a `400` or `401` for the headers, with `reason` and
-//! `status`),
-//! `idempotency.conflict` (422),
-//! `idempotency.body_too_large`, `idempotency.response_too_large`,
-//! `idempotency.lease_lost`, `idempotency.store_failed`, `idempotency.epoch_mismatch`,
-//! `idempotency.overloaded` (with `budget_bytes` and `requested_bytes`) (WARN).
+//! span, except `idempotency.rejected`, which refuses a request before it is scoped and
+//! so has only the correlation span. The span's fields: `idempotency_key`, the key as
+//! sent (already checked to be 1 to 255 visible ASCII characters, so safe in a log
+//! line, and what a log search for a user action needs), and `scope` and `client`,
+//! short hex prefixes of hashes: the client's credential never reaches a log line.
+//! `event` codes:
+//!
+//! - DEBUG: `idempotency.accepted`.
+//! - INFO: `idempotency.replayed`, `idempotency.stored`, `idempotency.released`,
+//!   `idempotency.in_flight`, `idempotency.not_replayable`,
+//!   `idempotency.original_failed`.
+//! - WARN: `idempotency.rejected` (the `400`s and the `401` on headers, with `reason`,
+//!   `detail` in the layer's own words, and `status`), `idempotency.conflict` (`422`),
+//!   `idempotency.epoch_mismatch`, `idempotency.body_too_large`,
+//!   `idempotency.body_unreadable`, `idempotency.overloaded` (with `budget_bytes` and
+//!   `requested_bytes`), `idempotency.response_too_large`, `idempotency.lease_lost`,
+//!   `idempotency.store_failed`.
 //!
 //! # Memory
 //!
