@@ -46,25 +46,44 @@ impl IdempotencyKey {
     /// Reads the key from the headers `names` (the layer's are `Idempotency-Key` and
     /// `X-Idempotency-Key`).
     ///
-    /// `Ok(None)` when none is present. Two values (both headers, or one header twice)
-    /// must name the same key, else the request is refused as ambiguous.
+    /// `Ok(None)` when none is present. Every value must name the same key, else the
+    /// request is refused as ambiguous: one header repeated with different keys is
+    /// `repeated`, two headers with different keys `conflicting`.
+    ///
+    /// A header repeated with the same key (`abc` twice, or `abc` and `"abc"`) is
+    /// accepted. RFC 9110 (section 5.3) says a field that is not a list must not be
+    /// repeated, but such a repeat is unambiguous, clients and proxies that duplicate a
+    /// header by mistake exist, and Stripe-like APIs accept it; refusing it would turn
+    /// a harmless duplicate into a failed retry.
     pub fn from_headers(
         headers: &HeaderMap,
         names: &[HeaderName],
     ) -> Result<Option<Self>, InvalidIdempotencyKey> {
-        let mut found: Option<Self> = None;
+        let mut found: Option<(Self, &HeaderName)> = None;
         for name in names {
-            for value in headers.get_all(name) {
-                let key = Self::parse(value.as_bytes())?;
-                match &found {
-                    Some(previous) if *previous != key => {
-                        return Err(KeyError::Conflicting.into());
-                    }
-                    _ => found = Some(key),
+            let mut values = headers.get_all(name).iter();
+            let Some(first) = values.next() else {
+                continue;
+            };
+            let key = Self::parse(first.as_bytes())?;
+            for value in values {
+                if Self::parse(value.as_bytes())? != key {
+                    return Err(KeyError::Repeated { name: name.clone() }.into());
                 }
             }
+            match &found {
+                Some((previous, first_name)) if *previous != key => {
+                    return Err(KeyError::Conflicting {
+                        first: (*first_name).clone(),
+                        second: name.clone(),
+                    }
+                    .into());
+                }
+                Some(_) => {}
+                None => found = Some((key, name)),
+            }
         }
-        Ok(found)
+        Ok(found.map(|(key, _)| key))
     }
 }
 
@@ -178,10 +197,20 @@ pub struct InvalidIdempotencyKey(KeyError);
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum KeyError {
     Empty,
-    TooLong { len: usize },
+    TooLong {
+        len: usize,
+    },
     NotVisibleAscii,
     MalformedString,
-    Conflicting,
+    /// One header, several values naming different keys.
+    Repeated {
+        name: HeaderName,
+    },
+    /// Two headers naming different keys.
+    Conflicting {
+        first: HeaderName,
+        second: HeaderName,
+    },
     AttemptId,
 }
 
@@ -193,14 +222,16 @@ impl From<KeyError> for InvalidIdempotencyKey {
 
 impl InvalidIdempotencyKey {
     /// A stable code: `empty`, `too_long`, `not_visible_ascii`, `malformed_string`,
-    /// `conflicting` (two different keys in one request) or `invalid_attempt_id`.
+    /// `repeated` (one key header sent twice with different keys), `conflicting` (two
+    /// key headers with different keys) or `invalid_attempt_id`.
     pub fn code(&self) -> &'static str {
         match self.0 {
             KeyError::Empty => "empty",
             KeyError::TooLong { .. } => "too_long",
             KeyError::NotVisibleAscii => "not_visible_ascii",
             KeyError::MalformedString => "malformed_string",
-            KeyError::Conflicting => "conflicting",
+            KeyError::Repeated { .. } => "repeated",
+            KeyError::Conflicting { .. } => "conflicting",
             KeyError::AttemptId => "invalid_attempt_id",
         }
     }
@@ -208,7 +239,7 @@ impl InvalidIdempotencyKey {
 
 impl fmt::Display for InvalidIdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 {
+        match &self.0 {
             KeyError::Empty => f.write_str("the idempotency key is empty"),
             KeyError::TooLong { len } => write!(
                 f,
@@ -220,8 +251,14 @@ impl fmt::Display for InvalidIdempotencyKey {
             KeyError::MalformedString => f.write_str(
                 "the idempotency key starts with a quote but is not a valid structured-field string",
             ),
-            KeyError::Conflicting => f.write_str(
-                "the request carries two different idempotency keys (Idempotency-Key and X-Idempotency-Key must agree)",
+            // The names are the layer's configured key headers, never the client's text.
+            KeyError::Repeated { name } => write!(
+                f,
+                "the {name} header was sent more than once with different values; send it once"
+            ),
+            KeyError::Conflicting { first, second } => write!(
+                f,
+                "the {first} and {second} headers name different idempotency keys; they must agree"
             ),
             KeyError::AttemptId => write!(
                 f,
@@ -268,6 +305,51 @@ mod tests {
             );
         }
         assert!(IdempotencyKey::parse("k".repeat(MAX_KEY_LEN).as_bytes()).is_ok());
+    }
+
+    fn headers(pairs: &[(&HeaderName, &str)]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for (name, value) in pairs {
+            headers.append(*name, HeaderValue::from_str(value).unwrap());
+        }
+        headers
+    }
+
+    #[test]
+    fn a_repeated_header_and_two_disagreeing_headers_are_told_apart() {
+        let names = [IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY];
+        let read =
+            |pairs: &[(&HeaderName, &str)]| IdempotencyKey::from_headers(&headers(pairs), &names);
+
+        let repeated = read(&[(&IDEMPOTENCY_KEY, "a"), (&IDEMPOTENCY_KEY, "b")]).unwrap_err();
+        assert_eq!(repeated.code(), "repeated");
+        assert_eq!(
+            repeated.to_string(),
+            "the idempotency-key header was sent more than once with different values; send it once"
+        );
+        let disagree = read(&[(&IDEMPOTENCY_KEY, "a"), (&X_IDEMPOTENCY_KEY, "b")]).unwrap_err();
+        assert_eq!(disagree.code(), "conflicting");
+        assert_eq!(
+            disagree.to_string(),
+            "the idempotency-key and x-idempotency-key headers name different idempotency keys; they must agree"
+        );
+        // The repeat is found before the disagreement, whatever the order of values.
+        let both = read(&[
+            (&X_IDEMPOTENCY_KEY, "a"),
+            (&IDEMPOTENCY_KEY, "a"),
+            (&IDEMPOTENCY_KEY, "b"),
+        ]);
+        assert_eq!(both.unwrap_err().code(), "repeated");
+
+        // The same key twice, in either form, is one key.
+        let same = read(&[
+            (&IDEMPOTENCY_KEY, "a"),
+            (&IDEMPOTENCY_KEY, "\"a\""),
+            (&X_IDEMPOTENCY_KEY, "a"),
+            (&X_IDEMPOTENCY_KEY, "a"),
+        ]);
+        assert_eq!(same.unwrap().unwrap().as_str(), "a");
+        assert_eq!(read(&[]).unwrap(), None);
     }
 
     fn quote(text: &str) -> String {

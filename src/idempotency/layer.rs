@@ -4,6 +4,7 @@ use http::{header, HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::{
+    budget::Budget,
     lease::KeptOutcomes,
     store::{IdempotencyStore, MokaStore},
     Idempotency, NoClient, NoEpoch, ATTEMPT_ID, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY,
@@ -27,6 +28,17 @@ pub const DEFAULT_MAX_KEPT_BYTES: usize = 64 * 1024 * 1024;
 
 /// The largest request body read to fingerprint: 1 MiB; larger is `413`.
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
+
+/// The request bytes all requests in flight through one layer (and its clones) may
+/// hold at once while their bodies are read and their work runs: 64 MiB.
+///
+/// That is 64 bodies at the 1 MiB request limit ([`DEFAULT_MAX_REQUEST_BYTES`]), or
+/// about 65,000 of 1 KiB, more than one process usually has in flight; and it is the
+/// default byte bound of the [`MokaStore`] too, so by default the layer's buffers and
+/// its store together stay within 128 MiB (plus the responses being read, see the
+/// [module docs](crate::idempotency#memory)). Without a budget, 3,000 requests in
+/// flight with 1 MiB bodies held 2.6 GiB.
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
 
 /// The largest response kept for replay: 1 MiB; larger is streamed on, never stored.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
@@ -66,12 +78,14 @@ pub(super) struct Settings {
     pub(super) key_headers: Vec<HeaderName>,
     pub(super) methods: Vec<Method>,
     pub(super) require_key: bool,
+    pub(super) require_client: bool,
     pub(super) include_query: bool,
     pub(super) ttl: Duration,
     pub(super) lease: Duration,
     pub(super) max_request_bytes: usize,
     pub(super) max_response_bytes: usize,
     pub(super) max_kept_bytes: usize,
+    pub(super) budget: Arc<Budget>,
     pub(super) in_flight: InFlight,
     pub(super) store_failure: StoreFailure,
     pub(super) not_replayed: Vec<HeaderName>,
@@ -94,8 +108,9 @@ pub fn default_store_if(status: StatusCode) -> bool {
 ///
 /// # Clone
 ///
-/// Clones share the store, the settings and the outcomes kept for the store (behind
-/// `Arc`s).
+/// Clones share the store, the settings, the outcomes kept for the store and the byte
+/// budget of request bodies ([`max_buffered_bytes`](Self::max_buffered_bytes)), all
+/// behind `Arc`s: one layer cloned onto several routes has one budget for all of them.
 #[must_use]
 pub struct IdempotencyLayer<St = MokaStore, C = NoClient, E = NoEpoch> {
     pub(super) store: Arc<St>,
@@ -140,12 +155,14 @@ impl<St> IdempotencyLayer<St> {
                 key_headers: vec![IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY],
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
+                require_client: false,
                 include_query: false,
                 ttl: DEFAULT_TTL,
                 lease: DEFAULT_LEASE,
                 max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 max_kept_bytes: DEFAULT_MAX_KEPT_BYTES,
+                budget: Budget::new(DEFAULT_MAX_BUFFERED_BYTES),
                 in_flight: InFlight::Reject {
                     retry_after: DEFAULT_RETRY_AFTER,
                 },
@@ -209,6 +226,23 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
+    /// Answer `401 idempotency.client_missing` to a covered request that has an
+    /// idempotency key but no client the [`client`](Self::client) identifier can name
+    /// (no `x-api-key`, say): it never reaches the handler or the store. Default off:
+    /// such a request's key is global to the route, shared with every other caller
+    /// without a client (see the [module docs](crate::idempotency)).
+    ///
+    /// The `401` carries no `WWW-Authenticate`. RFC 9110 wants one, with a challenge
+    /// naming the scheme and realm, and only the authentication in front of this layer
+    /// knows those; a made-up challenge would mislead clients. Put that authentication
+    /// first, so anonymous requests get its `401` and its challenge; this one is the
+    /// backstop for a route whose authentication lets anonymous requests through.
+    /// With the default identifier, [`NoClient`], every request with a key is refused.
+    pub fn require_client(mut self, require: bool) -> Self {
+        self.settings().require_client = require;
+        self
+    }
+
     /// The methods whose requests are deduplicated. Default `POST` and `PATCH`.
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.settings().methods = methods.into_iter().collect();
@@ -216,7 +250,8 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     }
 
     /// The headers the key is read from, in order. Default `Idempotency-Key` and
-    /// `X-Idempotency-Key`; when several are present they must agree.
+    /// `X-Idempotency-Key`; when several are present, or one is repeated, they must
+    /// name the same key (see [`IdempotencyKey::from_headers`](super::IdempotencyKey::from_headers)).
     pub fn key_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         self.settings().key_headers = names.into_iter().collect();
         self
@@ -258,6 +293,27 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// The largest request body read. Default [`DEFAULT_MAX_REQUEST_BYTES`].
     pub fn max_request_bytes(mut self, max: usize) -> Self {
         self.settings().max_request_bytes = max;
+        self
+    }
+
+    /// The request bytes all requests in flight through this layer and its clones may
+    /// hold at once. Default [`DEFAULT_MAX_BUFFERED_BYTES`] (64 MiB).
+    ///
+    /// Reading a body takes its bytes from this budget, its declared `Content-Length`
+    /// up front when it has one (so a body that cannot fit is refused before a byte of
+    /// it is read), chunk by chunk otherwise, and holds them until the request's work
+    /// ends (its response returned, or its stored outcome written). A request the
+    /// budget cannot take now is answered `503 idempotency.overloaded` with
+    /// `Retry-After: 1` and a WARN `idempotency.overloaded`: the handler does not run
+    /// and the store is not asked. A body larger than the whole budget could never
+    /// fit, so it is `413`, as one over [`max_request_bytes`](Self::max_request_bytes).
+    ///
+    /// A client that declares a large body and sends it slowly holds its share for as
+    /// long as it takes: put a request body timeout in front (tower-http's
+    /// `RequestBodyTimeoutLayer`, say). Calling this makes a new budget for this layer
+    /// and the clones made of it afterwards; layers built separately never share one.
+    pub fn max_buffered_bytes(mut self, max: usize) -> Self {
+        self.settings().budget = Budget::new(max);
         self
     }
 
@@ -327,10 +383,12 @@ impl<St, C, E> fmt::Debug for IdempotencyLayer<St, C, E> {
         f.debug_struct("IdempotencyLayer")
             .field("methods", &self.settings.methods)
             .field("require_key", &self.settings.require_key)
+            .field("require_client", &self.settings.require_client)
             .field("ttl", &self.settings.ttl)
             .field("lease", &self.settings.lease)
             .field("in_flight", &self.settings.in_flight)
             .field("store_failure", &self.settings.store_failure)
+            .field("max_buffered_bytes", &self.settings.budget.capacity())
             .finish_non_exhaustive()
     }
 }

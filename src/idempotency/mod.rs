@@ -36,21 +36,33 @@
 //! # The contract
 //!
 //! - **Key**: `Idempotency-Key`, or `X-Idempotency-Key` (both present and different:
-//!   `400`). A bare token or the draft's quoted structured-field string (`"abc"` and
-//!   `abc` are one key). Opaque, 1 to 255 visible ASCII characters, else `400`.
-//!   Covered methods: `POST` and `PATCH` by default. With
+//!   `400 idempotency.keys_disagree`; one of them repeated with different values:
+//!   `400 idempotency.key_repeated`; repeated with the same key: accepted, see
+//!   [`IdempotencyKey::from_headers`]). A bare token or the draft's quoted
+//!   structured-field string (`"abc"` and `abc` are one key). Opaque, 1 to 255
+//!   visible ASCII characters, else `400`. Covered methods: `POST` and `PATCH` by
+//!   default. With
 //!   [`require_key`](IdempotencyLayer::require_key) a covered request without a key is
 //!   `400`; otherwise it passes through untouched.
 //! - **Scope**: client + method + path (+ the query, with
 //!   [`scope_query`](IdempotencyLayer::scope_query)) + key, hashed. The client comes
 //!   from an [`IdentifyClient`] (an API key header, the `Authorization` credentials, an
 //!   auth layer's extension), hashed, never stored raw, and never the IP address or
-//!   `User-Agent`. Without a client the key is global to the route: clients should
-//!   then send UUIDv7 (or v4) keys, because anyone who can guess another client's key
-//!   can make that client's request look like a duplicate.
+//!   `User-Agent`. A client header sent twice with different values is `400
+//!   idempotency.client_invalid` (which one the authentication checked cannot be
+//!   known), never the first value silently. Without a client the key is global to
+//!   the route, shared with every other caller without one: clients should then send
+//!   UUIDv7 (or v4) keys, because anyone who can guess another client's key can make
+//!   that client's request look like a duplicate. On a route that identifies clients,
+//!   [`require_client`](IdempotencyLayer::require_client) refuses a request with a key
+//!   but no client (`401`) instead of scoping it globally.
 //! - **Fingerprint**: SHA-256 of method, path, query, content type and body. The same
-//!   key with another fingerprint is `422`, never a replay, never a second run. The body
-//!   is read up to 1 MiB (more: `413`) and handed on unchanged.
+//!   key with another fingerprint is `422`, never a replay, never a second run. The
+//!   content type is compared as a media type: `Application/JSON;Charset=utf-8` and
+//!   `application/json; charset=utf-8` are one (parameter values are compared as sent;
+//!   see [`Fingerprint::new`]). The body is read up to 1 MiB (more: `413`) and handed
+//!   on unchanged, within a byte budget shared by the requests in flight (over it:
+//!   `503` with `Retry-After`; see [Memory](#memory)).
 //! - **First request**: runs; the response is read up to 1 MiB and stored with its
 //!   status, every header in order (repeats kept), body, arrival time and attempt ID.
 //!   5xx, `408` and `429` are not stored ([`store_if`](IdempotencyLayer::store_if)):
@@ -110,8 +122,11 @@
 //! | `400` | `idempotency.key_missing` | `require_key` and no key |
 //! | `400` | `idempotency.key_invalid` | empty, too long, not visible ASCII, malformed quoted string |
 //! | `400` | `idempotency.keys_disagree` | `Idempotency-Key` and `X-Idempotency-Key` differ |
+//! | `400` | `idempotency.key_repeated` | one key header sent twice with different values |
 //! | `400` | `idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
+//! | `400` | `idempotency.client_invalid` | the [`IdentifyClient`] refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`InvalidClient`]) |
 //! | `400` | `idempotency.body_unreadable` | the request body failed mid-read |
+//! | `401` | `idempotency.client_missing` | with [`require_client`](IdempotencyLayer::require_client): a key but no client; no `WWW-Authenticate` (the authentication in front knows the scheme, this layer does not) |
 //! | `409` | `idempotency.in_flight` | a request with this key is running |
 //! | `409` | `idempotency.original_failed` | the request waited on failed; retry |
 //! | `410` | `idempotency.not_replayable` | the request ran but its response was too large to keep |
@@ -120,25 +135,71 @@
 //! | `422` | `idempotency.fingerprint_mismatch` | the key was used with another request |
 //! | `422` | `idempotency.epoch_mismatch` | with [`epoch`](IdempotencyLayer::epoch): the key was first seen in another epoch |
 //! | `500` | `idempotency.response_failed` | the handler's response body failed mid-read |
+//! | `503` | `idempotency.overloaded` | the request bodies in flight fill the byte budget ([`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)); `Retry-After: 1`, nothing ran |
 //! | `503` | `idempotency.store_unavailable` | the store failed (fail closed) |
 //!
 //! # Events
 //!
 //! Every event is inside an `idempotency` span, itself inside the request's correlation
-//! span. Its fields: `idempotency_key`, the key as sent (already checked to be 1 to 255
-//! visible ASCII characters, so safe in a log line, and what a log search for a user
-//! action needs), and `scope` and `client`, short hex prefixes of hashes: the client's
-//! credential never reaches a log line. `event` codes: `idempotency.accepted` (DEBUG), `idempotency.replayed`,
-//! `idempotency.stored`, `idempotency.released`, `idempotency.in_flight`,
-//! `idempotency.not_replayable`, `idempotency.original_failed` (INFO),
-//! `idempotency.rejected` (400), `idempotency.conflict` (422),
-//! `idempotency.body_too_large`, `idempotency.response_too_large`,
-//! `idempotency.lease_lost`, `idempotency.store_failed` (with `phase`: `begin`,
-//! `renew`, `complete`, `release`, `wait`, and the `error` with its cause),
-//! `idempotency.claim_restored` (the store had lost a running request's claim),
-//! `idempotency.kept_over_budget`, `idempotency.epoch_mismatch` (WARN);
-//! `idempotency.stored` is WARN with `claim=missing` when the store had lost the claim.
-//! `idempotency.lease_renewed` (TRACE).
+//! span, except `idempotency.rejected`, which refuses a request before it is scoped and
+//! so has only the correlation span. The span's fields: `idempotency_key`, the key as
+//! sent (already checked to be 1 to 255 visible ASCII characters, so safe in a log
+//! line, and what a log search for a user action needs), and `scope` and `client`,
+//! short hex prefixes of hashes: the client's credential never reaches a log line.
+//! `event` codes:
+//!
+//! - DEBUG: `idempotency.accepted`.
+//! - INFO: `idempotency.replayed`, `idempotency.stored`, `idempotency.released`,
+//!   `idempotency.in_flight`, `idempotency.not_replayable`,
+//!   `idempotency.original_failed`.
+//! - WARN: `idempotency.rejected` (the `400`s and the `401` on headers, with `reason`,
+//!   `detail` in the layer's own words, and `status`), `idempotency.conflict` (`422`),
+//!   `idempotency.epoch_mismatch`, `idempotency.body_too_large`,
+//!   `idempotency.body_unreadable`, `idempotency.overloaded` (with `budget_bytes` and
+//!   `requested_bytes`), `idempotency.response_too_large`, `idempotency.lease_lost`,
+//!   `idempotency.store_failed` (with `phase`: `begin`, `renew`, `complete`,
+//!   `release`, `wait`, and the `error` with its cause), `idempotency.claim_restored`
+//!   (the store had lost a running request's claim), `idempotency.kept_over_budget`,
+//!   `idempotency.commit_failed` (the handler's transaction did not commit);
+//!   `idempotency.stored` is WARN with `claim=missing` when the store had lost the
+//!   claim.
+//! - TRACE: `idempotency.lease_renewed`.
+//!
+//! # Memory
+//!
+//! What the layer holds is bounded in three parts:
+//!
+//! - **Request bodies**, read to fingerprint them and handed on: each at most
+//!   [`max_request_bytes`](IdempotencyLayer::max_request_bytes) (1 MiB), and all those
+//!   of the requests in flight through one layer and its clones at most
+//!   [`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)
+//!   ([`DEFAULT_MAX_BUFFERED_BYTES`], 64 MiB). A body takes its bytes from that budget
+//!   as it is read (its declared `Content-Length` up front) and gives them back when
+//!   the request's work ends; a request the budget cannot take now is `503
+//!   idempotency.overloaded` with `Retry-After`, before the handler or the store sees
+//!   it. `tests/budget.rs` sends 3,000 requests with 1 MiB bodies at once through a
+//!   real server with a 64 MiB budget: 64 run, the rest are refused, and the process
+//!   peaks 140 to 162 MiB above its baseline (both ends of 3,000 connections
+//!   included), where without a budget they held 2.6 GiB.
+//! - **Responses** being read to store them: each at most
+//!   [`max_response_bytes`](IdempotencyLayer::max_response_bytes) (1 MiB; a larger
+//!   one is streamed on, not kept), one per request running its handler. The budget
+//!   does not count them (a request with an empty body holds none of it), so this part
+//!   is bounded by how many requests run at once: put a concurrency limit in front
+//!   (tower's `ConcurrencyLimitLayer`, or the server's connection limit) when
+//!   responses are large. Replays share the stored bytes; they copy no body.
+//! - **Outcomes waiting for the store** (it failed when their request ended): their
+//!   responses at most [`max_kept_bytes`](IdempotencyLayer::max_kept_bytes) per layer
+//!   ([`DEFAULT_MAX_KEPT_BYTES`], 64 MiB); past it an outcome is kept without its
+//!   response.
+//! - **Stored records**: the store's bound, [`MokaStore`]'s
+//!   [`max_bytes`](store::MokaStoreBuilder::max_bytes) (64 MiB by default; see its
+//!   Memory section), plus about 500 bytes per request in flight until it settles.
+//!
+//! With the defaults and N requests running at once, that is at most 64 MiB of
+//! request bodies, N x 1 MiB of responses and 64 MiB of records, plus N x 500 bytes.
+//! A store shared by several layers counts once; each separately built layer has its
+//! own budget.
 //!
 //! # Layer order
 //!
@@ -147,6 +208,7 @@
 //! the routes it protects, after authentication if the client comes from an auth
 //! layer's extension. `GET` routes need no idempotency layer.
 
+mod budget;
 mod epoch;
 mod key;
 mod layer;
@@ -167,12 +229,12 @@ pub use self::{
     },
     layer::{
         default_store_if, IdempotencyLayer, InFlight, StoreFailure, DEFAULT_LEASE,
-        DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
-        DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+        DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     scope::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,
-        IdentifyClient, NoClient, ScopeKey,
+        IdentifyClient, IntoClientIdentity, InvalidClient, NoClient, ScopeKey,
     },
     service::{Idempotency, ResponseFuture},
     store::{IdempotencyStore, MokaStore},

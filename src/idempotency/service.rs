@@ -13,6 +13,7 @@ use tower_service::Service;
 use tracing::Instrument as _;
 
 use super::{
+    budget::Reservation,
     layer::{InFlight, Settings, StoreFailure},
     lease::{KeptOutcomes, LeaseGuard},
     store::{Begin, Chain, Claim, IdempotencyStore, MokaStore, Record, Settled, StoredResponse},
@@ -167,6 +168,7 @@ where
             Ok(Some(key)) => key,
             Ok(None) if settings.require_key => {
                 return boxed(ready(refuse(
+                    StatusCode::BAD_REQUEST,
                     "missing",
                     "idempotency.key_missing",
                     "Missing idempotency key",
@@ -181,6 +183,7 @@ where
             Ok(epoch) => epoch,
             Err(error) => {
                 return boxed(ready(refuse(
+                    StatusCode::BAD_REQUEST,
                     "epoch_invalid",
                     "idempotency.epoch_invalid",
                     "Invalid epoch",
@@ -189,7 +192,20 @@ where
                 )));
             }
         };
-        let client = self.identify.identify_client(&request);
+        let client = match self.identify.identify_client(&request) {
+            Ok(client) => client,
+            Err(error) => return boxed(ready(reject_client(&error, attempt.as_ref()))),
+        };
+        if client.is_none() && settings.require_client {
+            return boxed(ready(refuse(
+                StatusCode::UNAUTHORIZED,
+                "client_missing",
+                "idempotency.client_missing",
+                "Client not identified",
+                "this route keeps idempotency keys per client, and this request names none; send your credentials".into(),
+                attempt.as_ref(),
+            )));
+        }
         let uri = request.uri();
         let query = if settings.include_query {
             uri.query()
@@ -246,17 +262,50 @@ fn reject_key<B>(
 ) -> Response<Body<B>> {
     let (code, title) = match error.code() {
         "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
+        "repeated" => (
+            "idempotency.key_repeated",
+            "Idempotency key header repeated",
+        ),
         "conflicting" => (
             "idempotency.keys_disagree",
             "Two different idempotency keys",
         ),
         _ => ("idempotency.key_invalid", "Invalid idempotency key"),
     };
-    refuse(error.code(), code, title, error.to_string(), attempt)
+    refuse(
+        StatusCode::BAD_REQUEST,
+        error.code(),
+        code,
+        title,
+        error.to_string(),
+        attempt,
+    )
 }
 
-/// A `400` for a request whose headers the layer cannot accept, with its WARN event.
+/// The `400` for a request whose client cannot be told (two different API keys).
+fn reject_client<B>(
+    error: &super::InvalidClient,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    let reason = match error.code() {
+        "repeated" => "client_repeated",
+        _ => "client_refused",
+    };
+    refuse(
+        StatusCode::BAD_REQUEST,
+        reason,
+        "idempotency.client_invalid",
+        "Invalid client identity",
+        // Fixed text or a configured header name, never what the request sent.
+        error.to_string(),
+        attempt,
+    )
+}
+
+/// A refusal of a request whose headers the layer cannot accept, with its WARN event;
+/// `detail` is the layer's own text, never the request's.
 fn refuse<B>(
+    status: StatusCode,
     reason: &'static str,
     code: &'static str,
     title: &'static str,
@@ -267,10 +316,10 @@ fn refuse<B>(
         event = "idempotency.rejected",
         reason,
         detail = detail.as_str(),
-        status = 400,
+        status = status.as_u16(),
         "request refused: {title}"
     );
-    let problem = Problem::new(StatusCode::BAD_REQUEST, code, title, detail);
+    let problem = Problem::new(status, code, title, detail);
     finish(problem.into_response(), attempt)
 }
 
@@ -327,9 +376,11 @@ where
         client = %client,
     );
     async move {
-        let request = match read_body(request, settings.max_request_bytes).await {
-            Ok(request) => request,
-            Err(problem) => return Ok(finish(problem.into_response(), attempt)),
+        // The body's bytes of the layer's budget, held until this work ends (dropped
+        // with it on every path, including a cancelled or abandoned future).
+        let (request, _budget) = match read_body(request, &settings).await {
+            Ok(read) => read,
+            Err(refused) => return Ok(finish(refused, attempt)),
         };
         let fingerprint = fingerprint(&request);
         let claim = Claim {
@@ -628,13 +679,20 @@ fn http_date(time: SystemTime) -> HeaderValue {
     })
 }
 
-/// Reads the whole body (up to `max` bytes) so it can be fingerprinted, and hands it
-/// on unchanged.
-async fn read_body<B>(request: Request<B>, max: usize) -> Result<Request<Body<B>>, Problem>
+/// Reads the whole body so it can be fingerprinted, and hands it on unchanged, with
+/// the bytes it holds of the layer's budget; or the answer that refuses it: `413` over
+/// the limit, `503` when the budget cannot take it now, `400` when it fails mid-read.
+async fn read_body<B, R>(
+    request: Request<B>,
+    settings: &Settings,
+) -> Result<(Request<Body<B>>, Reservation), Response<Body<R>>>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
+    let budget = &settings.budget;
+    // A body larger than the whole budget could never be read: too large, not busy.
+    let max = settings.max_request_bytes.min(budget.capacity());
     let too_large = || {
         tracing::warn!(
             event = "idempotency.body_too_large",
@@ -642,40 +700,176 @@ where
             status = 413,
             "request body over the idempotency limit"
         );
-        Problem::new(
+        let problem = Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "idempotency.body_too_large",
             "Request body too large",
             format!("an idempotent request body may be at most {max} bytes"),
-        )
+        );
+        problem.into_response()
     };
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > max as u64) {
-        return Err(too_large());
-    }
+    let declared = match declared.map(usize::try_from) {
+        Some(Ok(len)) if len <= max => Some(len),
+        Some(_) => return Err(too_large()),
+        None => None,
+    };
+    let mut reservation = budget.reserve();
     let (parts, body) = request.into_parts();
-    match collect_up_to(body, max).await {
-        Collected::Complete(bytes) => Ok(Request::from_parts(parts, Body::complete(bytes))),
-        Collected::TooLarge { .. } => Err(too_large()),
-        Collected::Failed(error) => {
+    match read_within(body, max, declared, &mut reservation).await {
+        Read::Complete(bytes) => Ok((
+            Request::from_parts(parts, Body::complete(bytes)),
+            reservation,
+        )),
+        Read::TooLarge => Err(too_large()),
+        Read::Overloaded { requested } => {
+            tracing::warn!(
+                event = "idempotency.overloaded",
+                budget_bytes = budget.capacity(),
+                requested_bytes = requested,
+                status = 503,
+                "request bodies in flight fill the idempotency byte budget; request refused"
+            );
+            let problem = Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "idempotency.overloaded",
+                "Server busy",
+                "the server holds as many request bodies as it can right now, so it ran nothing; retry later",
+            );
+            Err(with_retry_after(
+                problem.into_response(),
+                Duration::from_secs(1),
+            ))
+        }
+        Read::Failed(error) => {
             tracing::warn!(
                 event = "idempotency.body_unreadable",
                 error = %error,
                 status = 400,
                 "request body could not be read"
             );
-            Err(Problem::new(
+            let problem = Problem::new(
                 StatusCode::BAD_REQUEST,
                 "idempotency.body_unreadable",
                 "Request body unreadable",
                 "the request body could not be read to the end",
-            ))
+            );
+            Err(problem.into_response())
         }
     }
+}
+
+/// What reading a request body came to.
+enum Read {
+    Complete(Bytes),
+    TooLarge,
+    /// The budget could not take the `requested` bytes the body needed in all.
+    Overloaded {
+        requested: usize,
+    },
+    /// The body's error, as text: the body's error type need not be `Send`.
+    Failed(String),
+}
+
+/// Reads `body` whole if it fits in `max` bytes, holding in `reservation` the bytes it
+/// keeps: `declared` up front when the length is known; otherwise the first frame,
+/// kept as it came, then the buffer the frames are copied into, grown by doubling (a
+/// buffer of the declared length when there is one).
+///
+/// While a frame or a smaller buffer is copied into a bigger one, both are alive for
+/// that copy only; the copy never awaits, so at most one is under way per thread.
+async fn read_within<B>(
+    mut body: B,
+    max: usize,
+    declared: Option<usize>,
+    reservation: &mut Reservation,
+) -> Read
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let declared_len = declared.unwrap_or(0);
+    // Never less than the declared length, which is held up front.
+    let take = |reservation: &mut Reservation, bytes: usize| {
+        let bytes = bytes.max(declared_len);
+        reservation
+            .grow_to(bytes)
+            .map_err(|_| Read::Overloaded { requested: bytes })
+    };
+    if let Err(overloaded) = take(reservation, declared_len) {
+        return overloaded;
+    }
+    let mut first: Option<Bytes> = None;
+    let mut buffer: Option<Vec<u8>> = None;
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let data = match frame {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => data,
+                // Trailers are not kept: the fingerprint covers the body only.
+                Err(_trailers) => continue,
+            },
+            Err(error) => return Read::Failed(error.into().to_string()),
+        };
+        if data.is_empty() {
+            continue;
+        }
+        len += data.len();
+        if len > max {
+            return Read::TooLarge;
+        }
+        match (&first, &mut buffer) {
+            (None, None) => {
+                if let Err(overloaded) = take(reservation, len) {
+                    return overloaded;
+                }
+                first = Some(data);
+            }
+            (_, Some(kept)) if kept.capacity() - kept.len() >= data.len() => {
+                kept.extend_from_slice(&data);
+            }
+            _ => {
+                let previous = first.take();
+                let old: &[u8] = match (&previous, &buffer) {
+                    (Some(frame), _) => frame,
+                    (None, Some(kept)) => kept,
+                    (None, None) => &[],
+                };
+                let capacity = if declared_len >= len {
+                    declared_len
+                } else {
+                    len.max(old.len() * 2).min(max)
+                };
+                if let Err(overloaded) = take(reservation, capacity) {
+                    return overloaded;
+                }
+                let mut bigger = Vec::with_capacity(capacity);
+                bigger.extend_from_slice(old);
+                bigger.extend_from_slice(&data);
+                buffer = Some(bigger);
+            }
+        }
+    }
+    if declared.is_some_and(|declared| declared != len) {
+        return Read::Failed(format!(
+            "the body is {len} bytes long, its Content-Length {declared_len}"
+        ));
+    }
+    let (bytes, held) = match buffer {
+        Some(mut kept) => {
+            // Held until the work ends: no more than the body (shrinking is in place).
+            kept.shrink_to_fit();
+            let capacity = kept.capacity();
+            (Bytes::from(kept), capacity)
+        }
+        None => (first.unwrap_or_default(), len),
+    };
+    reservation.shrink_to(held);
+    Read::Complete(bytes)
 }
 
 fn fingerprint<B>(request: &Request<Body<B>>) -> Fingerprint

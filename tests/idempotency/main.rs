@@ -38,8 +38,9 @@ use tower_ids::{
             Begin, Claim, Completion, IdempotencyStore, Lease, ManualClock, Record, Renewal,
             Settled, StoreError,
         },
-        ClientFromHeader, EpochFromExtension, EpochFromHeader, ExtractEpoch, IdempotencyLayer,
-        IdentifyClient, InFlight, MokaStore, ScopeKey, StoreFailure,
+        ClientFromAuthorization, ClientFromHeader, EpochFromExtension, EpochFromHeader,
+        ExtractEpoch, IdempotencyLayer, IdentifyClient, InFlight, MokaStore, ScopeKey,
+        StoreFailure,
     },
 };
 
@@ -229,9 +230,17 @@ async fn the_quoted_and_bare_forms_and_the_x_header_are_one_key() {
             BODY,
         )
         .await;
+    // Repeated with the same key: unambiguous, so accepted (see `from_headers`).
+    let repeated_same = app
+        .post(
+            "/commands",
+            &[("idempotency-key", "abc"), ("idempotency-key", "abc")],
+            BODY,
+        )
+        .await;
 
     assert_eq!(app.runs.get(), 1);
-    for reply in [quoted, x_header, both_agree] {
+    for reply in [quoted, x_header, both_agree, repeated_same] {
         assert_eq!(reply.header("idempotent-replayed"), Some("true"));
     }
 }
@@ -272,11 +281,154 @@ async fn scope_is_client_method_and_path() {
 }
 
 #[tokio::test]
+async fn a_repeated_client_header_is_400_never_the_first_value() {
+    let (logs, _guard) = Logs::capture();
+    let api_key =
+        IdempotencyLayer::new().client(ClientFromHeader::new(HeaderName::from_static("x-api-key")));
+    let by_header = start(api_key).await;
+    let by_token = start(IdempotencyLayer::new().client(ClientFromAuthorization)).await;
+
+    let two_keys = by_header
+        .post(
+            "/commands",
+            &[
+                KEY,
+                ("x-api-key", "alice-secret"),
+                ("x-api-key", "bob-secret"),
+            ],
+            BODY,
+        )
+        .await;
+    let two_tokens = by_token
+        .post(
+            "/commands",
+            &[
+                KEY,
+                ("authorization", "Bearer alice-token"),
+                ("authorization", "Bearer bob-token"),
+            ],
+            BODY,
+        )
+        .await;
+
+    for (reply, header) in [(&two_keys, "x-api-key"), (&two_tokens, "authorization")] {
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(reply.json()["code"], "idempotency.client_invalid");
+        assert_eq!(
+            reply.json()["type"],
+            "urn:tower-ids:problem:idempotency-client-invalid"
+        );
+        assert!(reply.json()["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("the {header} header, which names the client")));
+        assert_eq!(reply.header("idempotent-replayed"), Some("false"));
+    }
+    assert_eq!(by_header.runs.get() + by_token.runs.get(), 0);
+    let rejected = logs.events("idempotency.rejected");
+    assert_eq!(rejected.len(), 2);
+    for line in &rejected {
+        assert_eq!(line["level"], "WARN");
+        assert_eq!(line["fields"]["reason"], "client_repeated");
+        assert_eq!(line["fields"]["status"], 400);
+    }
+    for secret in ["alice-secret", "bob-secret", "alice-token", "bob-token"] {
+        assert!(!logs.raw().contains(secret), "{secret} reached a log line");
+    }
+
+    // The same request with one credential runs, and its retry replays.
+    let alice = [KEY, ("x-api-key", "alice-secret")];
+    let first = by_header.post("/commands", &alice, BODY).await;
+    let retry = by_header.post("/commands", &alice, BODY).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(by_header.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn require_client_refuses_a_keyed_request_without_a_client_with_401() {
+    let (logs, _guard) = Logs::capture();
+    let api_key = || ClientFromHeader::new(HeaderName::from_static("x-api-key"));
+    let app = start(
+        IdempotencyLayer::new()
+            .client(api_key())
+            .require_client(true),
+    )
+    .await;
+    // A store that fails every call: a request that reached it would be a 503.
+    let broken = start(
+        IdempotencyLayer::with_store(BrokenStore)
+            .client(api_key())
+            .require_client(true),
+    )
+    .await;
+    let default = start(IdempotencyLayer::new().client(api_key())).await;
+    let alice = ("x-api-key", "alice-secret");
+
+    let anonymous = app
+        .post("/commands", &[KEY, ("attempt-id", "1")], BODY)
+        .await;
+    let empty = app.post("/commands", &[KEY, ("x-api-key", "")], BODY).await;
+    let anonymous_broken = broken.post("/commands", &[KEY], BODY).await;
+    for reply in [&anonymous, &empty, &anonymous_broken] {
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(reply.json()["code"], "idempotency.client_missing");
+        assert_eq!(reply.json()["status"], 401);
+        assert_eq!(
+            reply.header("www-authenticate"),
+            None,
+            "no made-up challenge"
+        );
+        assert_eq!(reply.header("idempotent-replayed"), Some("false"));
+    }
+    assert_eq!(anonymous.header("attempt-id"), Some("1"));
+    assert_eq!(app.runs.get() + broken.runs.get(), 0, "no handler ran");
+    assert!(
+        logs.events("idempotency.store_failed").is_empty(),
+        "the store was never asked"
+    );
+    let rejected = logs.events("idempotency.rejected");
+    assert_eq!(rejected.len(), 3);
+    for line in &rejected {
+        assert_eq!(line["level"], "WARN");
+        assert_eq!(line["fields"]["reason"], "client_missing");
+        assert_eq!(line["fields"]["status"], 401);
+    }
+
+    // With a client the request runs (or, on the broken store, reaches the store).
+    let first = app.post("/commands", &[KEY, alice], BODY).await;
+    let retry = app.post("/commands", &[KEY, alice], BODY).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    let reached = broken.post("/commands", &[KEY, alice], BODY).await;
+    assert_eq!(reached.json()["code"], "idempotency.store_unavailable");
+    // Without a key the request passes through as before; nothing to scope.
+    let keyless = app.post("/commands", &[], BODY).await;
+    assert_eq!(keyless.status, StatusCode::CREATED);
+    assert_eq!(app.runs.get(), 2);
+
+    // Off (the default), anonymous callers share one global scope per key.
+    let one = default.post("/commands", &[KEY], BODY).await;
+    let other = default.post("/commands", &[KEY], BODY).await;
+    assert_eq!(one.status, StatusCode::CREATED);
+    assert_eq!(other.header("idempotent-replayed"), Some("true"));
+    assert_eq!(default.runs.get(), 1);
+}
+
+#[tokio::test]
 async fn bad_keys_are_400_problems() {
     let (logs, _guard) = Logs::capture();
     let app = start(IdempotencyLayer::new().require_key(true)).await;
     let oversized = "k".repeat(256);
-    let cases: [(&[(&str, &str)], &str); 6] = [
+    let cases: [(&[(&str, &str)], &str); 7] = [
         (&[], "idempotency.key_missing"),
         (&[("idempotency-key", "")], "idempotency.key_invalid"),
         (
@@ -290,6 +442,10 @@ async fn bad_keys_are_400_problems() {
         (
             &[("idempotency-key", "one"), ("x-idempotency-key", "two")],
             "idempotency.keys_disagree",
+        ),
+        (
+            &[("idempotency-key", "one"), ("idempotency-key", "two")],
+            "idempotency.key_repeated",
         ),
         (
             &[KEY, ("attempt-id", "has space")],
@@ -309,9 +465,21 @@ async fn bad_keys_are_400_problems() {
     }
     assert_eq!(app.runs.get(), 0);
     let rejected = logs.events("idempotency.rejected");
-    assert_eq!(rejected.len(), 6);
+    assert_eq!(rejected.len(), 7);
     assert!(rejected.iter().all(|line| line["level"] == "WARN"));
     assert!(!logs.raw().contains(&oversized));
+    let repeated = app
+        .post(
+            "/commands",
+            &[("idempotency-key", "one"), ("idempotency-key", "two")],
+            BODY,
+        )
+        .await;
+    assert_eq!(
+        repeated.json()["detail"],
+        "the idempotency-key header was sent more than once with different values; send it once",
+        "no word of a second header name"
+    );
 
     // The longest key allowed is fine.
     let longest = "k".repeat(255);
@@ -359,6 +527,40 @@ async fn the_same_key_with_another_payload_is_422() {
 }
 
 #[tokio::test]
+async fn a_retry_whose_media_type_differs_only_in_case_is_replayed() {
+    let app = start(IdempotencyLayer::new()).await;
+
+    let first = app
+        .post(
+            "/commands",
+            &[KEY, ("content-type", "application/json; charset=utf-8")],
+            BODY,
+        )
+        .await;
+    let retry = app
+        .post(
+            "/commands",
+            &[KEY, ("content-type", "Application/JSON;Charset=utf-8")],
+            BODY,
+        )
+        .await;
+    let other_value = app
+        .post(
+            "/commands",
+            &[KEY, ("content-type", "application/json; charset=latin1")],
+            BODY,
+        )
+        .await;
+
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(other_value.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(app.runs.get(), 1);
+}
+
+#[tokio::test]
 async fn an_oversized_request_body_is_413_and_runs_nothing() {
     let app = start(IdempotencyLayer::new().max_request_bytes(1024)).await;
 
@@ -374,6 +576,62 @@ async fn an_oversized_request_body_is_413_and_runs_nothing() {
         fits.text().contains(&"x".repeat(1024)),
         "the body reached the handler unchanged"
     );
+}
+
+#[tokio::test]
+async fn over_the_byte_budget_is_503_and_touches_neither_handler_nor_store() {
+    let (logs, _guard) = Logs::capture();
+    // Every store call fails and is logged; failing open, the request still runs.
+    let layer = IdempotencyLayer::with_store(BrokenStore)
+        .on_store_failure(StoreFailure::FailOpen)
+        .max_buffered_bytes(1000);
+    let app = Arc::new(start(layer).await);
+    let body = "x".repeat(600);
+
+    let holder = tokio::spawn({
+        let (app, body) = (app.clone(), body.clone());
+        async move {
+            app.post("/commands", &[KEY, ("x-delay-ms", "300")], &body)
+                .await
+        }
+    });
+    until_runs(&app.runs, 1).await;
+    let other_key = ("idempotency-key", "another-key");
+    let refused = app
+        .post("/commands", &[other_key, ("attempt-id", "1")], &body)
+        .await;
+
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(refused.json()["code"], "idempotency.overloaded");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.header("idempotent-replayed"), Some("false"));
+    assert_eq!(refused.header("attempt-id"), Some("1"));
+    assert_eq!(app.runs.get(), 1, "the refused request never ran");
+    let overloaded = logs.events("idempotency.overloaded");
+    assert_eq!(overloaded.len(), 1);
+    assert_eq!(overloaded[0]["level"], "WARN");
+    assert_eq!(overloaded[0]["fields"]["budget_bytes"], 1000);
+    assert_eq!(overloaded[0]["fields"]["requested_bytes"], 600);
+    assert_eq!(
+        logs.events("idempotency.store_failed").len(),
+        1,
+        "only the holder asked the store"
+    );
+
+    assert_eq!(holder.await.unwrap().status, StatusCode::CREATED);
+    let retry = app.post("/commands", &[other_key], &body).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the budget is free again"
+    );
+    let whole = app.post("/commands", &[other_key], &"x".repeat(1001)).await;
+    assert_eq!(whole.status, StatusCode::PAYLOAD_TOO_LARGE, "never fits");
+    assert_eq!(app.runs.get(), 2);
 }
 
 /// Waits until the handler has started `n` times.

@@ -1,0 +1,435 @@
+use std::{fmt, sync::Arc};
+
+use tokio::sync::Semaphore;
+
+/// The bytes of request bodies that the requests in flight through one layer (and
+/// its clones) may hold at once: one permit per byte.
+pub(super) struct Budget {
+    semaphore: Semaphore,
+    capacity: usize,
+}
+
+impl Budget {
+    /// A budget of `bytes`, at most [`Semaphore::MAX_PERMITS`] (2^61 - 1 on 64-bit
+    /// targets, far beyond any memory).
+    pub(super) fn new(bytes: usize) -> Arc<Self> {
+        let capacity = bytes.min(Semaphore::MAX_PERMITS);
+        Arc::new(Self {
+            semaphore: Semaphore::new(capacity),
+            capacity,
+        })
+    }
+
+    /// The whole budget.
+    pub(super) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The bytes no request holds now.
+    #[cfg(test)]
+    pub(super) fn available(&self) -> usize {
+        self.semaphore.available_permits()
+    }
+
+    /// An empty reservation, to grow as a body is read.
+    pub(super) fn reserve(self: &Arc<Self>) -> Reservation {
+        Reservation {
+            budget: self.clone(),
+            bytes: 0,
+        }
+    }
+}
+
+impl fmt::Debug for Budget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Budget")
+            .field("capacity", &self.capacity)
+            .field("available", &self.semaphore.available_permits())
+            .finish()
+    }
+}
+
+/// The budget cannot give the bytes asked for now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Overloaded;
+
+/// The bytes of the budget one request holds; all given back when it is dropped, on
+/// whatever path (done, refused, failed, cancelled, panicked).
+#[derive(Debug)]
+pub(super) struct Reservation {
+    budget: Arc<Budget>,
+    bytes: usize,
+}
+
+impl Reservation {
+    /// Holds `bytes` in all, taking more from the budget if needed; never waits: fails
+    /// at once, holding what it held, when the budget has not that much free.
+    pub(super) fn grow_to(&mut self, bytes: usize) -> Result<(), Overloaded> {
+        let mut more = bytes.saturating_sub(self.bytes);
+        // Taken in steps of at most u32::MAX permits, tokio's largest single take.
+        while more > 0 {
+            let step = u32::try_from(more).unwrap_or(u32::MAX);
+            let permits = self
+                .budget
+                .semaphore
+                .try_acquire_many(step)
+                .map_err(|_| Overloaded)?;
+            // Given back by hand (`shrink_to`, `drop`), so the count lives here.
+            permits.forget();
+            self.bytes += step as usize;
+            more -= step as usize;
+        }
+        Ok(())
+    }
+
+    /// Gives back all but `bytes`.
+    pub(super) fn shrink_to(&mut self, bytes: usize) {
+        if bytes < self.bytes {
+            self.budget.semaphore.add_permits(self.bytes - bytes);
+            self.bytes = bytes;
+        }
+    }
+
+    /// The bytes held.
+    #[cfg(test)]
+    pub(super) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.shrink_to(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        convert::Infallible,
+        sync::atomic::{AtomicUsize, Ordering},
+        time::Duration,
+    };
+
+    use bytes::Bytes;
+    use http::{Request, Response, StatusCode};
+    use http_body::Frame;
+    use http_body_util::{BodyExt, Full, StreamBody};
+    use tokio::sync::{mpsc, Notify};
+    use tower::{service_fn, Service, ServiceExt};
+
+    use super::*;
+    use crate::{body::Body, idempotency::IdempotencyLayer};
+
+    type Frames = mpsc::UnboundedSender<Result<Frame<Bytes>, std::io::Error>>;
+    type Streamed = StreamBody<
+        std::pin::Pin<
+            Box<dyn futures_util::Stream<Item = Result<Frame<Bytes>, std::io::Error>> + Send>,
+        >,
+    >;
+
+    /// A body whose frames the test sends when it likes; it ends when `Frames` drops.
+    fn streamed() -> (Frames, Streamed) {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let frames = futures_util::stream::unfold(receiver, |mut receiver| async move {
+            receiver.recv().await.map(|frame| (frame, receiver))
+        });
+        (sender, StreamBody::new(Box::pin(frames)))
+    }
+
+    fn data(len: usize) -> Result<Frame<Bytes>, std::io::Error> {
+        Ok(Frame::data(Bytes::from(vec![b'x'; len])))
+    }
+
+    /// A handler that counts its runs and, while `hold` is set, waits for `release`.
+    #[derive(Clone, Default)]
+    struct Handler {
+        runs: Arc<AtomicUsize>,
+        release: Arc<Notify>,
+        hold: bool,
+    }
+
+    impl Handler {
+        fn holding() -> Self {
+            Self {
+                hold: true,
+                ..Self::default()
+            }
+        }
+
+        fn runs(&self) -> usize {
+            self.runs.load(Ordering::SeqCst)
+        }
+
+        fn service<B: Send + 'static>(
+            &self,
+        ) -> impl Service<
+            Request<Body<B>>,
+            Response = Response<Full<Bytes>>,
+            Error = Infallible,
+            Future = impl Send,
+        > + Clone
+               + Send {
+            let handler = self.clone();
+            service_fn(move |_request: Request<Body<B>>| {
+                let handler = handler.clone();
+                async move {
+                    handler.runs.fetch_add(1, Ordering::SeqCst);
+                    if handler.hold {
+                        handler.release.notified().await;
+                    }
+                    let mut response = Response::new(Full::new(Bytes::from_static(b"done")));
+                    *response.status_mut() = StatusCode::CREATED;
+                    Ok::<_, Infallible>(response)
+                }
+            })
+        }
+    }
+
+    fn post<B>(key: &str, content_length: Option<usize>, body: B) -> Request<B> {
+        let mut request = Request::post("/commands").header("idempotency-key", key);
+        if let Some(len) = content_length {
+            request = request.header("content-length", len);
+        }
+        request.body(body).unwrap()
+    }
+
+    /// A body of `len` bytes in one frame, complete.
+    fn full(len: usize) -> Streamed {
+        StreamBody::new(Box::pin(futures_util::stream::iter([data(len)])))
+    }
+
+    async fn until(mut done: impl FnMut() -> bool) {
+        for _ in 0..1000 {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        panic!("never happened");
+    }
+
+    async fn answer<B>(response: Response<B>) -> (StatusCode, Option<String>, serde_json::Value)
+    where
+        B: http_body::Body,
+        B::Error: std::fmt::Debug,
+    {
+        let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(http::header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap().to_owned());
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+        (status, retry_after, json["code"].clone())
+    }
+
+    #[tokio::test]
+    async fn a_body_holds_its_bytes_until_the_work_ends() {
+        let layer = IdempotencyLayer::new().max_buffered_bytes(1000);
+        let budget = layer.settings.budget.clone();
+        let handler = Handler::holding();
+        let service = tower_layer::Layer::layer(&layer, handler.service());
+
+        let declared = tokio::spawn(service.clone().oneshot(post("a", Some(300), full(300))));
+        until(|| handler.runs() == 1).await;
+        assert_eq!(
+            budget.available(),
+            700,
+            "the declared length, held by the handler's work"
+        );
+
+        // Without a length: chunk by chunk, into a buffer that ends at the body's size.
+        let (frames, body) = streamed();
+        let streaming = tokio::spawn(service.clone().oneshot(post("b", None, body)));
+        frames.send(data(100)).unwrap();
+        frames.send(data(150)).unwrap();
+        drop(frames);
+        until(|| handler.runs() == 2).await;
+        assert_eq!(budget.available(), 450);
+
+        handler.release.notify_waiters();
+        assert_eq!(
+            declared.await.unwrap().unwrap().status(),
+            StatusCode::CREATED
+        );
+        assert_eq!(
+            streaming.await.unwrap().unwrap().status(),
+            StatusCode::CREATED
+        );
+        assert_eq!(budget.available(), 1000, "all given back");
+    }
+
+    #[tokio::test]
+    async fn over_the_budget_is_503_with_retry_after_and_the_handler_never_runs() {
+        let layer = IdempotencyLayer::new().max_buffered_bytes(1000);
+        let budget = layer.settings.budget.clone();
+        let handler = Handler::holding();
+        let service = tower_layer::Layer::layer(&layer, handler.service());
+
+        let holder = tokio::spawn(service.clone().oneshot(post("a", Some(800), full(800))));
+        until(|| handler.runs() == 1).await;
+
+        let declared = service.clone().oneshot(post("b", Some(300), full(300)));
+        let (status, retry_after, code) = answer(declared.await.unwrap()).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(retry_after.as_deref(), Some("1"));
+        assert_eq!(code, "idempotency.overloaded");
+
+        // Without a length the budget runs out partway: refused then, all given back.
+        let (frames, body) = streamed();
+        let streaming = tokio::spawn(service.clone().oneshot(post("c", None, body)));
+        for _ in 0..3 {
+            frames.send(data(100)).unwrap();
+        }
+        let (status, _, code) = answer(streaming.await.unwrap().unwrap()).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some("idempotency.overloaded")
+            )
+        );
+        assert_eq!(budget.available(), 200);
+        assert_eq!(handler.runs(), 1, "neither refused request ran");
+
+        handler.release.notify_waiters();
+        holder.await.unwrap().unwrap();
+        assert_eq!(budget.available(), 1000);
+        let retry = service.clone().oneshot(post("b", Some(300), full(300)));
+        let retry = tokio::spawn(retry);
+        until(|| handler.runs() == 2).await;
+        handler.release.notify_waiters();
+        assert_eq!(retry.await.unwrap().unwrap().status(), StatusCode::CREATED);
+        assert_eq!(budget.available(), 1000);
+    }
+
+    #[tokio::test]
+    async fn a_body_larger_than_the_whole_budget_is_413_not_503() {
+        let layer = IdempotencyLayer::new().max_buffered_bytes(1000);
+        let handler = Handler::default();
+        let service = tower_layer::Layer::layer(&layer, handler.service());
+
+        let declared = service.clone().oneshot(post("a", Some(1001), full(1001)));
+        let undeclared = service.clone().oneshot(post("b", None, full(1001)));
+        for response in [declared.await.unwrap(), undeclared.await.unwrap()] {
+            let (status, retry_after, code) = answer(response).await;
+            assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+            assert_eq!(retry_after, None, "no retry can fit it");
+            assert_eq!(code, "idempotency.body_too_large");
+        }
+        assert_eq!(handler.runs(), 0);
+        assert_eq!(layer.settings.budget.available(), 1000);
+    }
+
+    #[tokio::test]
+    async fn a_body_that_fails_or_ends_short_gives_its_bytes_back() {
+        let layer = IdempotencyLayer::new().max_buffered_bytes(1000);
+        let budget = layer.settings.budget.clone();
+        let handler = Handler::default();
+        let service = tower_layer::Layer::layer(&layer, handler.service());
+
+        let (frames, body) = streamed();
+        let failing = tokio::spawn(service.clone().oneshot(post("a", Some(300), body)));
+        frames.send(data(100)).unwrap();
+        frames
+            .send(Err(std::io::Error::other("connection reset")))
+            .unwrap();
+        let (status, _, code) = answer(failing.await.unwrap().unwrap()).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (StatusCode::BAD_REQUEST, Some("idempotency.body_unreadable"))
+        );
+
+        // Shorter than its Content-Length: refused, never run with a truncated body.
+        let (frames, body) = streamed();
+        let short = tokio::spawn(service.clone().oneshot(post("b", Some(300), body)));
+        frames.send(data(100)).unwrap();
+        drop(frames);
+        let (status, _, code) = answer(short.await.unwrap().unwrap()).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (StatusCode::BAD_REQUEST, Some("idempotency.body_unreadable"))
+        );
+
+        assert_eq!(handler.runs(), 0);
+        assert_eq!(budget.available(), 1000);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_response_future_gives_its_bytes_back() {
+        let layer = IdempotencyLayer::new().max_buffered_bytes(1000);
+        let budget = layer.settings.budget.clone();
+        let handler = Handler::holding();
+        let service = tower_layer::Layer::layer(&layer, handler.service());
+
+        // Dropped mid-handler: the work goes on in a task of its own, holding the bytes
+        // until the handler is done and its outcome stored.
+        let mid_handler = service.clone().oneshot(post("a", Some(300), full(300)));
+        let dropped = tokio::time::timeout(Duration::from_millis(20), mid_handler).await;
+        assert!(dropped.is_err(), "the caller gave up");
+        assert_eq!(handler.runs(), 1);
+        assert_eq!(budget.available(), 700);
+        handler.release.notify_waiters();
+        until(|| budget.available() == 1000).await;
+
+        // Dropped mid-read: the read goes on in that task, and gives the bytes back when
+        // the body ends (as hyper's does when its client goes away).
+        let (frames, body) = streamed();
+        let mid_read = service.clone().oneshot(post("b", Some(300), body));
+        frames.send(data(100)).unwrap();
+        let dropped = tokio::time::timeout(Duration::from_millis(20), mid_read).await;
+        assert!(dropped.is_err());
+        assert_eq!(budget.available(), 700);
+        drop(frames);
+        until(|| budget.available() == 1000).await;
+
+        // Dropped where no runtime can take the rest: dropped with it.
+        let (frames, body) = streamed();
+        let mut service = service.clone();
+        let mut future = service
+            .ready()
+            .await
+            .unwrap()
+            .call(post("c", Some(300), body));
+        frames.send(data(100)).unwrap();
+        assert!(futures_util::poll!(&mut future).is_pending());
+        assert_eq!(budget.available(), 700);
+        std::thread::spawn(move || drop(future)).join().unwrap();
+        assert_eq!(budget.available(), 1000);
+        assert_eq!(handler.runs(), 1);
+    }
+
+    #[test]
+    fn a_reservation_takes_what_is_free_and_gives_it_all_back() {
+        let budget = Budget::new(100);
+        let mut a = budget.reserve();
+        let mut b = budget.reserve();
+
+        a.grow_to(60).unwrap();
+        assert_eq!(b.grow_to(50), Err(Overloaded), "never more than the budget");
+        assert_eq!(b.bytes(), 0, "a failed take holds nothing more");
+        b.grow_to(40).unwrap();
+        assert_eq!(budget.available(), 0);
+        a.grow_to(10).unwrap();
+        assert_eq!(a.bytes(), 60, "growing to less is a no-op");
+
+        a.shrink_to(20);
+        assert_eq!(budget.available(), 40);
+        drop(a);
+        drop(b);
+        assert_eq!(budget.available(), 100);
+    }
+
+    #[test]
+    fn a_budget_past_tokio_limit_is_clamped() {
+        let budget = Budget::new(usize::MAX);
+        assert_eq!(budget.capacity(), Semaphore::MAX_PERMITS);
+        let mut big = budget.reserve();
+        let bytes = u32::MAX as usize + 10;
+        big.grow_to(bytes).unwrap();
+        assert_eq!(budget.available(), Semaphore::MAX_PERMITS - bytes);
+        drop(big);
+        assert_eq!(budget.available(), Semaphore::MAX_PERMITS);
+    }
+}
