@@ -1,7 +1,10 @@
 use std::{
     future::Future,
     pin::Pin,
-    sync::Arc,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     task::{Context, Poll},
     time::{Duration, SystemTime},
 };
@@ -66,11 +69,16 @@ type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<Body<B>>, E>>
 /// Boxed: the work is several awaits on the store and the body, which no hand-written
 /// state machine would make clearer.
 ///
-/// Dropped before it finishes (the client went away), it hands the rest of its work to
-/// a task of its own, in the same span and with the same correlation ID: a handler that
-/// started runs to completion and its outcome is stored for the client's retry.
+/// Dropped before it finishes (the client went away) once its request has claimed its
+/// key, it hands the rest of its work to a task of its own, in the same span and with
+/// the same correlation ID: a handler that started runs to completion and its outcome
+/// is stored for the client's retry. Dropped before the claim, it is cancelled, as any
+/// future: nothing ran, and the request body stops being read.
 pub struct ResponseFuture<B: 'static, E: 'static> {
     inner: Option<BoxFuture<B, E>>,
+    /// Set by the work when its request claims the key; `None` for requests the layer
+    /// does not protect.
+    claimed: Option<Arc<AtomicBool>>,
     /// Set while the work is polled: if that poll panics (the handler panicked), the
     /// work must not be resumed elsewhere; its lease guard has already let the key go.
     unwinding: bool,
@@ -98,7 +106,11 @@ impl<B: 'static, E: 'static> Drop for ResponseFuture<B, E> {
         let Some(unfinished) = self.inner.take() else {
             return;
         };
-        if self.unwinding {
+        let claimed = self
+            .claimed
+            .as_ref()
+            .is_some_and(|claimed| claimed.load(Ordering::Acquire));
+        if self.unwinding || !claimed {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -220,14 +232,21 @@ where
             attempt,
             epoch,
         };
-        boxed(run(
+        let claimed = Arc::new(AtomicBool::new(false));
+        let work = run(
             inner,
             self.store.clone(),
             self.kept.clone(),
             settings,
             request,
             protected,
-        ))
+            claimed.clone(),
+        );
+        ResponseFuture {
+            inner: Some(Box::pin(work)),
+            claimed: Some(claimed),
+            unwinding: false,
+        }
     }
 }
 
@@ -236,6 +255,7 @@ fn boxed<B, E>(
 ) -> ResponseFuture<B, E> {
     ResponseFuture {
         inner: Some(Box::pin(future)),
+        claimed: None,
         unwinding: false,
     }
 }
@@ -350,6 +370,7 @@ async fn run<S, St, ReqBody, ResBody>(
     settings: Arc<Settings>,
     request: Request<ReqBody>,
     protected: Protected,
+    claimed: Arc<AtomicBool>,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
     S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
@@ -433,6 +454,7 @@ where
         };
         match begin {
             Begin::Claimed { lease } => {
+                claimed.store(true, Ordering::Release);
                 tracing::debug!(event = "idempotency.accepted", "idempotency key accepted; running the request");
                 let guard = LeaseGuard::new(store, protected.scope, claim, lease, kept);
                 // Boxed, so the replay path's future stays small.
