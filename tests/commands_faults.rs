@@ -127,8 +127,8 @@ async fn closed_within(stream: &mut (impl AsyncRead + Unpin), limit: Duration) -
     (end, started.elapsed())
 }
 
-/// The problem-details body of `reply`, checked against RFC 9457 and the demo's
-/// convention (`type` is the URN of `code`).
+/// Checks a problem-details answer against RFC 9457 and the demo's convention: the
+/// media type, `type` (the URN of `code`), `title`, `status`, `detail` and `code`.
 fn assert_problem(status: u16, content_type: Option<&str>, body: &Value, code: &str) {
     assert_eq!(content_type, Some("application/problem+json"), "{body}");
     assert_eq!(body["status"], status, "{body}");
@@ -328,7 +328,11 @@ async fn a_stalled_body_gets_408_and_its_connection_closed() {
     let created = create(&demo.url, "stalled-1").await;
     assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
     assert_eq!(created.header("idempotent-replayed"), Some("false"));
-    assert!(demo.logged("commands.created").len() == 1);
+    assert_eq!(
+        demo.events("commands.created").await.len(),
+        1,
+        "created once"
+    );
 }
 
 #[tokio::test]
