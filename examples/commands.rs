@@ -17,7 +17,8 @@
 //! (or, with `--redis-url`, one `RedisStore`, so that several replicas share records):
 //! `POST /commands` requires an `Idempotency-Key`, `POST /commands/{id}/cancel` takes
 //! one if sent. Keys are scoped by the `x-api-key` header (the client), so two clients
-//! may use the same key; a request without `x-api-key` shares one global scope. A retry
+//! may use the same key; a request with a key but without `x-api-key` is refused with
+//! `401` (`require_client`), so no two anonymous callers can share a scope. A retry
 //! with the same key and the same request gets the first response back
 //! (`idempotent-replayed: true`) and creates nothing; the `GET` routes have no
 //! idempotency layer. See [`tower_ids::idempotency`] for the whole contract.
@@ -46,13 +47,60 @@
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
+//! | `--header-read-timeout-ms` | `10000` | how long a connection may take to send a request's head, and may stay idle between requests; then the server closes it |
+//! | `--body-timeout-ms` | `10000` | how long a request body may go without sending a byte; then `408` and the connection is closed |
+//! | `--request-timeout-ms` | `30000` | how long a request may take from its head to its answer; then `408` and the connection is closed |
+//! | `--max-body-bytes` | `65536` | largest request body; a larger one gets `413` |
+//! | `--max-concurrent-requests` | `512` | requests handled at once; more are shed at once with `503` and `Retry-After: 1` |
+//! | `--max-commands` | `1000` | commands the in-memory list keeps; creating one more drops the oldest |
 //! | `--load-routes` | off | also serve `POST /load/bare` (no layer), `POST /load/noop` (a layer that does nothing), `POST /load/tower-http` (tower-http's request-ID pair), `POST /load/correlated` (correlation layer), `POST /load/idempotent` (both layers, key required) and `GET /load/executions` (handler runs so far), one trivial handler behind each, for `benches/load.sh` |
 //! | `--redis-url` | none (in memory) | with `--features redis`: keep idempotency records in this Redis (or Valkey), shared by every replica started with the same URL; if it cannot be reached at start the service exits, if it goes away later the `POST` routes answer `503` until it is back |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
 //! script can start it on port `0` and grep the log for the URL. `RUST_LOG` sets the
-//! filter (default `info`). Ctrl-C (or SIGTERM) stops it gracefully: in-flight requests
-//! finish and the queue is drained.
+//! filter (default `info`). Ctrl-C (or SIGTERM) stops it gracefully: it stops accepting,
+//! closes idle connections, lets in-flight requests finish (each within the timeouts
+//! below) and drains the queue.
+//!
+//! # Limits
+//!
+//! The demo runs as a service facing slow or greedy clients should, and every bound is a
+//! flag above. The connection-level bounds cover every route; the request-level bounds
+//! cover the service's routes (the `/load/*` routes of `--load-routes` stay as bare as
+//! `benches/load.sh` measures them).
+//!
+//! - **HTTP/1.1 only**, served by hyper's own connection builder with a timer, so that
+//!   hyper's header-read timeout (`--header-read-timeout-ms`) covers a connection that
+//!   sends nothing, one that sends part of a request head, and one kept alive and idle
+//!   after a response (hyper starts the timer again whenever a connection goes idle). The
+//!   server closes such a connection without an answer. (hyper-util's auto builder, which
+//!   axum's `serve` uses, first waits without any timeout for the bytes that tell HTTP/1
+//!   from HTTP/2.)
+//! - At start the service raises its open-files limit (soft `RLIMIT_NOFILE`) to the hard
+//!   limit, since each connection is a file descriptor, and logs it (`commands.limits`).
+//! - Per request, outermost first, all tower and tower-http layers:
+//!   1. tower's `LoadShedLayer` over a `GlobalConcurrencyLimitLayer`
+//!      (`--max-concurrent-requests`): a request over the limit is answered `503`
+//!      `server.overloaded` with `Retry-After: 1` at once, never queued (axum's
+//!      `HandleErrorLayer` turns the shed error into the answer);
+//!   2. tower-http's `RequestBodyLimitLayer` (`--max-body-bytes`): a declared
+//!      `Content-Length` over it gets `413` before the body is read; a body that grows past
+//!      it, `413` when it does (the idempotency layer's own limit is set to the same);
+//!   3. tower-http's `TimeoutLayer` (`--request-timeout-ms`): `408` `request.timeout`;
+//!      bounds how long a request holds its concurrency slot, even when its client sends
+//!      the body a byte at a time, each just before `--body-timeout-ms`;
+//!   4. tower-http's `RequestBodyTimeoutLayer` (`--body-timeout-ms`): a body that stalls
+//!      gets `408` `request.body_timeout`, whatever the route made of the failed read.
+//!
+//!   The `408` and `413` answers carry `Connection: close`: the server closes the
+//!   connection after them, as the rest of the body may still be on its way.
+//! - The command list keeps the latest `--max-commands` commands: creating one more drops
+//!   the oldest (`commands.evicted`), which then answers `404`; if it was still queued,
+//!   the publisher skips it. With bodies of at most `--max-body-bytes`, the list holds at
+//!   most `--max-commands` × `--max-body-bytes` of payload (64 MiB with the defaults).
+//! - Every refusal is RFC 9457 problem details (`application/problem+json`) with a stable
+//!   `code`, `404` for an unknown path and `405` (with `Allow`) for a known path with
+//!   another method included.
 //!
 //! # Try it
 //!
@@ -110,7 +158,10 @@
 //!
 //! # Errors are RFC 9457 problem details.
 //! curl -si localhost:3000/commands -H 'content-type: application/json' \
-//!     -H 'idempotency-key: bad-json-1' -d '{"device_id":'
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: bad-json-1' -d '{"device_id":'
+//! # A key without a client: 401 idempotency.client_missing, nothing runs.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'idempotency-key: anonymous-1' -d "$BODY"
 //! curl -si localhost:3000/commands/0190b6c4-0000-7000-8000-000000000000
 //! ```
 //!
@@ -118,10 +169,16 @@
 //!
 //! | Route | Idempotency key | Success | Errors (`application/problem+json`, `code`) |
 //! |---|---|---|---|
-//! | `POST /commands` | required | `201` the new command, `status: "queued"`; a replay of the first answer | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields`, `413` `body.unreadable`, `503` `commands.publisher_stopped`; idempotency: `400` `idempotency.key_missing` / `idempotency.key_invalid`, `409` `idempotency.in_flight` (with `Retry-After`), `422` `idempotency.fingerprint_mismatch`, `413` `idempotency.body_too_large` |
+//! | `POST /commands` | required | `201` the new command, `status: "queued"`; a replay of the first answer | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields`, `413` `body.unreadable`, `503` `commands.publisher_stopped`; idempotency: `400` `idempotency.key_missing` / `idempotency.key_invalid` / `idempotency.client_invalid`, `401` `idempotency.client_missing`, `409` `idempotency.in_flight` (with `Retry-After`), `422` `idempotency.fingerprint_mismatch` |
 //! | `GET /commands` | none | `200` every command, oldest first | |
 //! | `GET /commands/{id}` | none | `200` the command | `404` `commands.not_found` |
 //! | `POST /commands/{id}/cancel` | optional | `200` the command, `status: "cancelled"`; a replay of the first answer | `404` `commands.not_found`, `409` `commands.already_sent`; idempotency: as `POST /commands`, less `key_missing` |
+//! | any other path | | | `404` `route.not_found` |
+//! | any other method on these paths | | | `405` `route.method_not_allowed`, with `Allow` |
+//!
+//! Any route may also answer `503` `server.overloaded` (with `Retry-After: 1`), `408`
+//! `request.timeout` or `request.body_timeout`, and `413` `request.body_too_large` (see
+//! [Limits](#limits)).
 //!
 //! Every response of a `POST` route carries `idempotent-replayed` (`true` on a replay,
 //! else `false`), and echoes `attempt-id` when the client sent one; a replay, a `409`
@@ -140,43 +197,75 @@
 //!
 //! | `event` | Level | When |
 //! |---|---|---|
+//! | `commands.limits` | INFO | at start: every limit and timeout in force, and the open-files limit |
 //! | `commands.listening` | INFO | the listener is bound |
 //! | `commands.store` | INFO | where idempotency records are kept: `store` = `memory` or `redis` |
 //! | `commands.created` | INFO | a command was stored and queued |
 //! | `commands.cancelled` | INFO | a command was cancelled |
 //! | `commands.published` | INFO | the publisher sent a command |
-//! | `commands.publish_skipped` | INFO | the publisher found the command cancelled |
+//! | `commands.publish_skipped` | INFO | the publisher found the command cancelled (`reason` = `cancelled`) or dropped from the list (`evicted`) |
+//! | `commands.evicted` | INFO | the list was full: its oldest command was dropped |
 //! | `commands.bad_request` | WARN | a create request's body was refused (the body is never logged) |
+//! | `commands.body_refused` | INFO | a request body stalled (`reason` = `timeout`) or grew past the limit (`too_large`) |
 //! | `commands.not_found` | INFO | an unknown command ID was asked for |
+//! | `commands.overloaded` | DEBUG | a request was shed (DEBUG: under overload, a line per request would add to it) |
+//! | `commands.connection_closed` | DEBUG | a connection ended in an error: the client hung up, or sent no request head within `--header-read-timeout-ms` |
+//! | `commands.open_files_limit_failed` | WARN | the open-files limit could not be raised |
+//! | `commands.internal_error` | ERROR | an error reached the limits' error handler that was not a shed request (none is expected) |
+//! | `commands.accept_failed` | WARN | accepting a connection failed (for example out of file descriptors); the loop pauses 100 ms |
 //!
 //! The idempotency layer adds its own events (`idempotency.replayed`,
 //! `idempotency.stored`, `idempotency.in_flight`, `idempotency.conflict`, ...), inside
 //! the request's correlation span; see [`tower_ids::idempotency`].
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     net::SocketAddr,
+    num::{NonZeroU64, NonZeroUsize},
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, Mutex, MutexGuard, PoisonError,
+        Arc, Mutex, MutexGuard, OnceLock, PoisonError,
     },
     time::Duration,
 };
 
 use axum::{
-    body::Bytes,
+    body::{Body, Bytes, HttpBody},
+    error_handling::HandleErrorLayer,
     extract::{rejection::JsonRejection, Path, Query, Request, State},
     http::{header, HeaderName, HeaderValue, StatusCode},
+    middleware::{self, Next},
     response::{IntoResponse, Response},
     routing::{get, post},
-    Json, Router,
+    BoxError, Json, Router,
 };
 use clap::{Parser, ValueEnum};
+use http_body_util::BodyExt;
+use hyper::server::conn::http1;
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    server::graceful::GracefulShutdown,
+    service::TowerToHyperService,
+};
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use time::OffsetDateTime;
-use tokio::{net::TcpListener, sync::mpsc, time::Instant};
-use tower::{util::MapRequestLayer, ServiceBuilder};
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tokio::{
+    net::{TcpListener, TcpSocket},
+    sync::mpsc,
+    time::Instant,
+};
+use tower::{
+    limit::GlobalConcurrencyLimitLayer,
+    load_shed::{error::Overloaded, LoadShedLayer},
+    util::MapRequestLayer,
+    ServiceBuilder,
+};
+use tower_http::{
+    limit::RequestBodyLimitLayer,
+    request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer},
+    timeout::{RequestBodyTimeoutLayer, TimeoutError, TimeoutLayer},
+};
 use tower_ids::{
     correlation::{CorrelationId, CorrelationLayer},
     idempotency::{ClientFromHeader, IdempotencyLayer, IdempotencyStore, MokaStore},
@@ -187,6 +276,63 @@ use uuid::Uuid;
 
 /// Messages the queue holds before the publisher blocks new commands (backpressure).
 const QUEUE_CAPACITY: usize = 1024;
+
+/// Default `--header-read-timeout-ms`: how long a connection may take to send a request's
+/// head (request line and headers), and may stay idle between two requests. A client on
+/// a working network sends a few hundred bytes of headers in milliseconds; 10 s leaves
+/// room for a slow mobile link and a client's pooled connection, while a client that
+/// opens connections and sends nothing holds each for 10 s at most.
+const HEADER_READ_TIMEOUT_MS: NonZeroU64 = NonZeroU64::new(10_000).unwrap();
+
+/// Default `--body-timeout-ms`: how long a request body may go without sending a byte
+/// (tower-http's `RequestBodyTimeoutLayer`, which starts again at every chunk). A command
+/// is a few hundred bytes, sent in one go; 10 s of silence means a stalled client, and
+/// every second it waits it holds a connection and a concurrency slot.
+const BODY_TIMEOUT_MS: NonZeroU64 = NonZeroU64::new(10_000).unwrap();
+
+/// Default `--request-timeout-ms`: how long a request may take from its head to its answer
+/// (tower-http's `TimeoutLayer`). The handlers answer in microseconds (plus
+/// `--handler-delay-ms`); 30 s bounds how long one request can hold a concurrency slot,
+/// even when its client trickles the body a byte at a time, each just in time for
+/// `--body-timeout-ms`.
+const REQUEST_TIMEOUT_MS: NonZeroU64 = NonZeroU64::new(30_000).unwrap();
+
+/// Default `--max-body-bytes`: the largest request body (tower-http's
+/// `RequestBodyLimitLayer`, and the idempotency layer's own limit). A command is a small
+/// JSON object (under 100 bytes in the examples above); 64 KiB leaves room for a large
+/// payload, while `MAX_COMMANDS` commands hold at most 64 MiB of payload and
+/// `MAX_CONCURRENT_REQUESTS` bodies in flight at most 32 MiB.
+const MAX_BODY_BYTES: NonZeroUsize = NonZeroUsize::new(64 * 1024).unwrap();
+
+/// Default `--max-concurrent-requests`: requests handled at once; over it, new requests
+/// are shed with `503` at once rather than queued. Far above what the demo needs
+/// (`benches/load.sh` opens 256 connections at most), and low enough that
+/// `MAX_CONCURRENT_REQUESTS` bodies of `MAX_BODY_BYTES` take 32 MiB, where 3,000
+/// unbounded requests of 1 MiB took 2.6 GiB.
+const MAX_CONCURRENT_REQUESTS: NonZeroUsize = NonZeroUsize::new(512).unwrap();
+
+/// Default `--max-commands`: commands the in-memory list keeps. Creating one more drops
+/// the oldest, as a user of a demo expects it to keep taking commands (refusing new ones
+/// would stop it for good); a real service keeps them in a database. 1,000 commands of
+/// at most `MAX_BODY_BYTES` hold at most 64 MiB of payload, which is also the most a
+/// `GET /commands` answer carries.
+const MAX_COMMANDS: NonZeroUsize = NonZeroUsize::new(1000).unwrap();
+
+/// `Retry-After` on a request shed over `--max-concurrent-requests`, in seconds: the
+/// requests holding the slots take milliseconds, so a second later is likely to succeed.
+const OVERLOADED_RETRY_AFTER_SECS: u64 = 1;
+
+/// Connections the kernel completes and queues before the accept loop takes them (the
+/// listen backlog; Linux caps it at `net.core.somaxconn`, 4,096 by default). A burst of
+/// new connections larger than the queue has its handshakes dropped and retried a second
+/// later. std's and tokio's `TcpListener::bind` ask for 128; 4,096 lets a burst of
+/// thousands wait their turn instead.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// How long the accept loop pauses after an error that is not the connection's own (out
+/// of file descriptors, `EMFILE`): long enough for connections closing meanwhile to free
+/// some instead of the loop spinning on the error, short enough not to stall the service.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
 /// The Command Service, in memory: tower-ids' demo of correlation IDs.
 #[derive(Debug, Parser)]
@@ -212,6 +358,33 @@ struct Args {
     #[arg(long, default_value_t = 86_400)]
     idempotency_ttl_secs: u64,
 
+    /// Milliseconds a connection may take to send a request's head, and may stay idle
+    /// between requests, before the server closes it.
+    #[arg(long, default_value_t = HEADER_READ_TIMEOUT_MS)]
+    header_read_timeout_ms: NonZeroU64,
+
+    /// Milliseconds a request body may go without sending a byte before the request is
+    /// answered 408 and its connection closed.
+    #[arg(long, default_value_t = BODY_TIMEOUT_MS)]
+    body_timeout_ms: NonZeroU64,
+
+    /// Milliseconds a request may take from its head to its answer before it is answered
+    /// 408 and its connection closed.
+    #[arg(long, default_value_t = REQUEST_TIMEOUT_MS)]
+    request_timeout_ms: NonZeroU64,
+
+    /// Largest request body in bytes; a larger one is answered 413.
+    #[arg(long, default_value_t = MAX_BODY_BYTES)]
+    max_body_bytes: NonZeroUsize,
+
+    /// Requests handled at once; more are shed at once with 503 and Retry-After.
+    #[arg(long, default_value_t = MAX_CONCURRENT_REQUESTS)]
+    max_concurrent_requests: NonZeroUsize,
+
+    /// Commands the in-memory list keeps; creating one more drops the oldest.
+    #[arg(long, default_value_t = MAX_COMMANDS)]
+    max_commands: NonZeroUsize,
+
     /// Redis (or Valkey) URL for the idempotency records, shared by every replica
     /// started with it (`redis://HOST:PORT`); without it, records are kept in memory.
     #[cfg(feature = "redis")]
@@ -223,6 +396,28 @@ struct Args {
     /// pair, the correlation layer, and both layers.
     #[arg(long)]
     load_routes: bool,
+}
+
+/// The bounds on what one request may take (see [Limits](self#limits)), from the flags.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    header_read_timeout: Duration,
+    body_timeout: Duration,
+    request_timeout: Duration,
+    max_body_bytes: usize,
+    max_concurrent_requests: usize,
+}
+
+impl From<&Args> for Limits {
+    fn from(args: &Args) -> Self {
+        Self {
+            header_read_timeout: Duration::from_millis(args.header_read_timeout_ms.get()),
+            body_timeout: Duration::from_millis(args.body_timeout_ms.get()),
+            request_timeout: Duration::from_millis(args.request_timeout_ms.get()),
+            max_body_bytes: args.max_body_bytes.get(),
+            max_concurrent_requests: args.max_concurrent_requests.get(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -237,6 +432,19 @@ enum LogFormat {
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
     init_tracing(args.log_format);
+    let open_files = raise_open_files_limit();
+    let limits = Limits::from(&args);
+    tracing::info!(
+        event = "commands.limits",
+        header_read_timeout_ms = args.header_read_timeout_ms.get(),
+        body_timeout_ms = args.body_timeout_ms.get(),
+        request_timeout_ms = args.request_timeout_ms.get(),
+        max_body_bytes = limits.max_body_bytes,
+        max_concurrent_requests = limits.max_concurrent_requests,
+        max_commands = args.max_commands.get(),
+        open_files_limit = open_files,
+        "limits in force"
+    );
 
     // Connect first: a replica that cannot reach its Redis should not start listening.
     #[cfg(feature = "redis")]
@@ -249,7 +457,7 @@ async fn main() -> std::io::Result<()> {
         None => None,
     };
 
-    let commands = Commands::default();
+    let commands = Commands::new(args.max_commands);
     let (queue, deliveries) = mpsc::channel(QUEUE_CAPACITY);
     let publisher = tokio::spawn(publish(
         commands.clone(),
@@ -257,7 +465,7 @@ async fn main() -> std::io::Result<()> {
         Duration::from_millis(args.publish_delay_ms),
     ));
 
-    let listener = TcpListener::bind(args.addr).await?;
+    let listener = listen(args.addr)?;
     let addr = listener.local_addr()?;
     tracing::info!(event = "commands.listening", %addr, "listening on http://{addr}");
 
@@ -270,14 +478,12 @@ async fn main() -> std::io::Result<()> {
     let load = args.load_routes;
     #[cfg(feature = "redis")]
     let app = match redis {
-        Some(store) => app(state, ttl, store, "redis", load),
-        None => app(state, ttl, MokaStore::new(), "memory", load),
+        Some(store) => app(state, ttl, store, "redis", load, limits),
+        None => app(state, ttl, MokaStore::new(), "memory", load, limits),
     };
     #[cfg(not(feature = "redis"))]
-    let app = app(state, ttl, MokaStore::new(), "memory", load);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    let app = app(state, ttl, MokaStore::new(), "memory", load, limits);
+    serve(listener, app, limits.header_read_timeout).await;
 
     // The router, and with it every queue sender, is gone: the publisher drains what is
     // left in the queue and returns.
@@ -286,6 +492,96 @@ async fn main() -> std::io::Result<()> {
     }
     tracing::info!(event = "commands.stopped", "stopped");
     Ok(())
+}
+
+/// A listener on `addr` with a backlog of [`LISTEN_BACKLOG`].
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    // As tokio's `bind` does: a restarted service can bind while its old connections
+    // wait out TIME_WAIT.
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// Serves `app` on `listener` until Ctrl-C or SIGTERM, then stops accepting, closes the
+/// idle connections and waits for the others to finish their request.
+///
+/// HTTP/1.1 only, on hyper's own connection builder with a timer, so that hyper's
+/// header-read timeout applies from the first byte a connection could send: to a
+/// connection that sends nothing, to one that sends part of a request head, and to one
+/// kept alive and idle after a response (hyper starts the timer again whenever the
+/// connection goes idle, so this is also the idle timeout). hyper-util's auto builder
+/// (axum's `serve`) first reads the bytes that tell HTTP/1 from HTTP/2 with no timeout
+/// at all, and hyper's HTTP/2 has no header-read timeout.
+async fn serve(listener: TcpListener, app: Router, header_read_timeout: Duration) {
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout);
+    let connections = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown_signal());
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    accept_failed(error).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let connection =
+            http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+        let connection = connections.watch(connection);
+        tokio::spawn(async move {
+            // A client that hangs up or times out: the client's doing, not an error.
+            if let Err(error) = connection.await {
+                tracing::debug!(event = "commands.connection_closed", %error, "connection closed");
+            }
+        });
+    }
+    drop(listener);
+    connections.shutdown().await;
+}
+
+/// A failed `accept`. The connection's own failure (reset before it was accepted) costs
+/// nothing; any other, such as running out of file descriptors, is logged and the loop
+/// pauses [`ACCEPT_ERROR_PAUSE`], as axum's `serve` does, instead of spinning on it.
+async fn accept_failed(error: std::io::Error) {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if matches!(
+        error.kind(),
+        ConnectionAborted | ConnectionRefused | ConnectionReset
+    ) {
+        return;
+    }
+    tracing::warn!(event = "commands.accept_failed", %error, "cannot accept a connection");
+    tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+}
+
+/// Raises this process's open-files limit (the soft `RLIMIT_NOFILE`) to the hard limit and
+/// returns it. Every connection is a file descriptor, and the soft limit is often 1,024:
+/// that many idle connections would stop the service from accepting any other.
+#[cfg(unix)]
+fn raise_open_files_limit() -> Option<u64> {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => Some(limit),
+        Err(error) => {
+            tracing::warn!(event = "commands.open_files_limit_failed", %error, "cannot raise the open-files limit");
+            None
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn raise_open_files_limit() -> Option<u64> {
+    None
 }
 
 fn init_tracing(format: LogFormat) {
@@ -307,22 +603,25 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
-/// The service's routes, wrapped in the correlation layer.
+/// The service's routes, wrapped in the request-level limits, then in the correlation
+/// layer.
 ///
 /// `CorrelationLayer` is applied last, so it is outermost: every handler, extractor
 /// rejection and inner layer runs inside its span, and every attempt (replays
-/// included) gets its own correlation ID. The idempotency layers go on the `POST`
-/// method routers only: `MethodRouter::layer` wraps the methods added before it, so
-/// the `GET` added after it on `/commands` is not covered. Both layers share one
-/// store (clones of the layer share it, a `MokaStore`'s cache or a `RedisStore`'s
-/// connection); the routes' paths keep their keys apart. `kind` names the store in the
-/// `commands.store` event; `load_routes` adds the `/load/*` routes ([`LoadState`]).
+/// included, and the requests the limits refuse) gets its own correlation ID. The
+/// idempotency layers go on the `POST` method routers only: `MethodRouter::layer` wraps
+/// the methods added before it, so the `GET` added after it on `/commands` is not
+/// covered. Both layers share one store (clones of the layer share it, a `MokaStore`'s
+/// cache or a `RedisStore`'s connection); the routes' paths keep their keys apart.
+/// `kind` names the store in the `commands.store` event; `load_routes` adds the
+/// `/load/*` routes ([`LoadState`]), outside the limits.
 fn app<St: IdempotencyStore>(
     state: AppState,
     idempotency_ttl: Duration,
     store: St,
     kind: &'static str,
     load_routes: bool,
+    limits: Limits,
 ) -> Router {
     tracing::info!(
         event = "commands.store",
@@ -331,11 +630,13 @@ fn app<St: IdempotencyStore>(
     );
     let idempotent = IdempotencyLayer::with_store(store)
         .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
-        .ttl(idempotency_ttl);
+        .require_client(true)
+        .ttl(idempotency_ttl)
+        .max_request_bytes(limits.max_body_bytes);
 
     let load = LoadState::default();
     let request_id = HeaderName::from_static("x-request-id");
-    let mut routes = Router::new()
+    let routes = Router::new()
         .route(
             "/commands",
             post(create_command)
@@ -348,7 +649,10 @@ fn app<St: IdempotencyStore>(
             post(cancel_command).layer(idempotent.clone()),
         )
         .fallback(unknown_route)
+        // After every route: it replaces axum's empty 405 on each route added so far.
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state);
+    let mut routes = with_request_limits(routes, limits);
     if load_routes {
         routes = routes.merge(
             Router::new()
@@ -384,6 +688,140 @@ fn app<St: IdempotencyStore>(
             .route("/load/executions", get(load_executions))
             .with_state(load),
     )
+}
+
+/// `routes` in the request-level limits, outermost first (see [Limits](self#limits)):
+/// tower's and tower-http's own layers. What is ours only turns their refusals into
+/// problem details: [`refused`] (the shed error), [`tower_http_refusals`] (their empty or
+/// plain-text answers) and [`body_failures`] (a body that failed in them).
+///
+/// `Router::layer` wraps each route (and the fallback) in its own copy of these layers,
+/// so the concurrency limit is tower's `GlobalConcurrencyLimitLayer`, whose copies share
+/// one semaphore: a `ConcurrencyLimitLayer` makes a semaphore per copy, which here would
+/// be a limit per route.
+fn with_request_limits(routes: Router, limits: Limits) -> Router {
+    routes.layer(
+        ServiceBuilder::new()
+            .layer(HandleErrorLayer::new(refused))
+            .layer(LoadShedLayer::new())
+            .layer(GlobalConcurrencyLimitLayer::new(
+                limits.max_concurrent_requests,
+            ))
+            .map_response(move |response| tower_http_refusals(response, limits))
+            .layer(RequestBodyLimitLayer::new(limits.max_body_bytes))
+            .layer(TimeoutLayer::with_status_code(
+                StatusCode::REQUEST_TIMEOUT,
+                limits.request_timeout,
+            ))
+            .layer(RequestBodyTimeoutLayer::new(limits.body_timeout))
+            .map_request(into_axum_body)
+            .layer(middleware::from_fn_with_state(limits, body_failures)),
+    )
+}
+
+/// The request with axum's `Body` around tower-http's, which axum's middleware takes.
+fn into_axum_body<B>(request: Request<B>) -> Request
+where
+    B: HttpBody<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    request.map(Body::new)
+}
+
+/// The answer to a request the load shedder refused (`--max-concurrent-requests`
+/// reached), through axum's `HandleErrorLayer`.
+async fn refused(error: BoxError) -> ApiError {
+    if error.is::<Overloaded>() {
+        tracing::debug!(event = "commands.overloaded", "request shed");
+        ApiError::Overloaded
+    } else {
+        // No inner layer fails: every error of theirs is already a response.
+        tracing::error!(event = "commands.internal_error", %error, "unexpected error");
+        ApiError::Internal
+    }
+}
+
+/// tower-http's own refusals, as problem details: `TimeoutLayer`'s empty `408`, and
+/// `RequestBodyLimitLayer`'s plain-text `413` for a declared `Content-Length` over the
+/// limit. Every other answer (problem details already) passes unchanged.
+fn tower_http_refusals<B>(response: Response<B>, limits: Limits) -> Response
+where
+    B: HttpBody<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let problem = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|value| value == PROBLEM_JSON);
+    match response.status() {
+        _ if problem => response.map(Body::new),
+        StatusCode::REQUEST_TIMEOUT => {
+            ApiError::RequestTimeout(limits.request_timeout).into_response()
+        }
+        StatusCode::PAYLOAD_TOO_LARGE => {
+            ApiError::BodyTooLarge(limits.max_body_bytes).into_response()
+        }
+        _ => response.map(Body::new),
+    }
+}
+
+/// How a request body failed in tower-http's layers.
+#[derive(Debug, Clone, Copy)]
+enum BodyFailure {
+    /// `RequestBodyTimeoutLayer`: no byte for `--body-timeout-ms`.
+    Stalled,
+    /// `RequestBodyLimitLayer`: more than `--max-body-bytes`, without a `Content-Length`
+    /// saying so up front.
+    TooLarge,
+}
+
+impl BodyFailure {
+    /// The failure `error` (or an error it wraps) stands for, if any.
+    fn of(error: &(dyn std::error::Error + 'static)) -> Option<Self> {
+        std::iter::successors(Some(error), |error| error.source()).find_map(|error| {
+            if error.is::<TimeoutError>() {
+                Some(Self::Stalled)
+            } else if error.is::<http_body_util::LengthLimitError>() {
+                Some(Self::TooLarge)
+            } else {
+                None
+            }
+        })
+    }
+}
+
+/// Answers `408` or `413` for a request whose body stalled or grew past the limit,
+/// whatever the route made of the failed read: the idempotency layer, which reads the
+/// body of the `POST` routes first, would answer `400 idempotency.body_unreadable`.
+///
+/// The body failures happen in tower-http's layers outside this one; the body is wrapped
+/// here so that its failure is noted on the way to whoever reads it.
+async fn body_failures(State(limits): State<Limits>, request: Request, next: Next) -> Response {
+    let failure = Arc::new(OnceLock::new());
+    let noted = failure.clone();
+    let request = request.map(|body| {
+        Body::new(body.map_err(move |error| {
+            if let Some(kind) = BodyFailure::of(&error) {
+                let _ = noted.set(kind);
+            }
+            error
+        }))
+    });
+    let response = next.run(request).await;
+    let Some(failure) = failure.get() else {
+        return response;
+    };
+    let (error, reason) = match failure {
+        BodyFailure::Stalled => (ApiError::BodyTimeout(limits.body_timeout), "timeout"),
+        BodyFailure::TooLarge => (ApiError::BodyTooLarge(limits.max_body_bytes), "too_large"),
+    };
+    tracing::info!(
+        event = "commands.body_refused",
+        reason,
+        status = error.status().as_u16(),
+        "request body refused"
+    );
+    error.into_response()
 }
 
 /// The `/load/*` routes, for `benches/load.sh` (`--load-routes`): the same handler on
@@ -453,7 +891,9 @@ struct Publish {
 struct NewCommand {
     device_id: String,
     name: String,
-    payload: serde_json::Value,
+    /// Kept as the JSON text it was sent in: no larger than the body it came in, where a
+    /// parsed `serde_json::Value` can take many times its size (16 times for `[0,0,...]`).
+    payload: Box<RawValue>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -462,7 +902,7 @@ struct Command {
     id: Uuid,
     device_id: String,
     name: String,
-    payload: serde_json::Value,
+    payload: Box<RawValue>,
     status: Status,
     #[serde(with = "time::serde::rfc3339")]
     created_at: OffsetDateTime,
@@ -485,17 +925,30 @@ impl AppState {
     }
 }
 
-/// The command store: commands in creation order, indexed by ID.
-#[derive(Clone, Default)]
+/// The command store: the latest `--max-commands` commands in creation order, indexed by
+/// ID. Creating one more drops the oldest (see [`MAX_COMMANDS`] for why).
+#[derive(Clone)]
 struct Commands(Arc<Mutex<Store>>);
 
-#[derive(Default)]
 struct Store {
-    commands: Vec<Command>,
-    index: HashMap<Uuid, usize>,
+    commands: VecDeque<Command>,
+    /// Each command's sequence number: its position in `commands`, plus `dropped`.
+    index: HashMap<Uuid, u64>,
+    /// Commands dropped from the front so far.
+    dropped: u64,
+    max: NonZeroUsize,
 }
 
 impl Commands {
+    fn new(max: NonZeroUsize) -> Self {
+        Self(Arc::new(Mutex::new(Store {
+            commands: VecDeque::new(),
+            index: HashMap::new(),
+            dropped: 0,
+            max,
+        })))
+    }
+
     fn lock(&self) -> MutexGuard<'_, Store> {
         // The store holds plain data that every write leaves consistent.
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
@@ -503,17 +956,34 @@ impl Commands {
 }
 
 impl Store {
-    fn insert(&mut self, command: Command) {
-        self.index.insert(command.id, self.commands.len());
-        self.commands.push(command);
+    /// Stores `command`, and returns the oldest one if it had to go to make room.
+    fn insert(&mut self, command: Command) -> Option<Command> {
+        let oldest = if self.commands.len() >= self.max.get() {
+            self.commands.pop_front()
+        } else {
+            None
+        };
+        if let Some(oldest) = &oldest {
+            self.index.remove(&oldest.id);
+            self.dropped += 1;
+        }
+        let sequence = self.dropped + self.commands.len() as u64;
+        self.index.insert(command.id, sequence);
+        self.commands.push_back(command);
+        oldest
+    }
+
+    fn position(&self, id: Uuid) -> Option<usize> {
+        usize::try_from(self.index.get(&id)? - self.dropped).ok()
     }
 
     fn get(&self, id: Uuid) -> Option<&Command> {
-        self.commands.get(*self.index.get(&id)?)
+        self.commands.get(self.position(id)?)
     }
 
     fn get_mut(&mut self, id: Uuid) -> Option<&mut Command> {
-        self.commands.get_mut(*self.index.get(&id)?)
+        let position = self.position(id)?;
+        self.commands.get_mut(position)
     }
 }
 
@@ -539,7 +1009,15 @@ async fn create_command(
         status: Status::Queued,
         created_at: OffsetDateTime::now_utc(),
     };
-    state.commands.lock().insert(command.clone());
+    let dropped = state.commands.lock().insert(command.clone());
+    if let Some(dropped) = dropped {
+        tracing::info!(
+            event = "commands.evicted",
+            command_id = %dropped.id,
+            status = ?dropped.status,
+            "command list full: oldest command dropped"
+        );
+    }
     slot.send(Publish {
         command_id: command.id,
         correlation_id,
@@ -557,7 +1035,7 @@ async fn create_command(
 }
 
 async fn list_commands(State(state): State<AppState>) -> Json<Vec<Command>> {
-    let commands = state.commands.lock().commands.clone();
+    let commands: Vec<Command> = state.commands.lock().commands.iter().cloned().collect();
     tracing::debug!(
         event = "commands.listed",
         count = commands.len(),
@@ -600,6 +1078,11 @@ async fn unknown_route() -> ApiError {
     ApiError::UnknownRoute
 }
 
+/// A known path with another method; axum adds the `Allow` header.
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
 /// A path segment that is not a UUID names no command.
 fn parse_id(id: &str) -> Result<Uuid, ApiError> {
     Uuid::try_parse(id).map_err(|_| {
@@ -628,6 +1111,12 @@ async fn publish(commands: Commands, mut deliveries: mpsc::Receiver<Publish>, de
                 tokio::time::sleep_until(message.queued_at + delay).await;
                 let mut store = commands.lock();
                 let Some(command) = store.get_mut(command_id) else {
+                    tracing::info!(
+                        event = "commands.publish_skipped",
+                        command_id = %command_id,
+                        reason = "evicted",
+                        "command dropped from the list before publishing"
+                    );
                     return;
                 };
                 match command.status {
@@ -653,7 +1142,8 @@ async fn publish(commands: Commands, mut deliveries: mpsc::Receiver<Publish>, de
     }
 }
 
-/// Everything a handler can refuse with, answered as RFC 9457 problem details.
+/// Everything a handler or a limit can refuse with, answered as RFC 9457 problem
+/// details.
 #[derive(Debug)]
 enum ApiError {
     /// The create body was not a JSON command.
@@ -662,6 +1152,16 @@ enum ApiError {
     AlreadySent,
     PublisherStopped,
     UnknownRoute,
+    MethodNotAllowed,
+    /// The request was not answered within `--request-timeout-ms`.
+    RequestTimeout(Duration),
+    /// The request body sent nothing for `--body-timeout-ms`.
+    BodyTimeout(Duration),
+    /// The request body is over `--max-body-bytes`.
+    BodyTooLarge(usize),
+    /// Shed: `--max-concurrent-requests` were being handled.
+    Overloaded,
+    Internal,
 }
 
 impl ApiError {
@@ -687,7 +1187,11 @@ impl ApiError {
             Self::BadRequest(rejection) => rejection.status(),
             Self::NotFound | Self::UnknownRoute => StatusCode::NOT_FOUND,
             Self::AlreadySent => StatusCode::CONFLICT,
-            Self::PublisherStopped => StatusCode::SERVICE_UNAVAILABLE,
+            Self::PublisherStopped | Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Self::RequestTimeout(_) | Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -702,6 +1206,12 @@ impl ApiError {
             Self::AlreadySent => "commands.already_sent",
             Self::PublisherStopped => "commands.publisher_stopped",
             Self::UnknownRoute => "route.not_found",
+            Self::MethodNotAllowed => "route.method_not_allowed",
+            Self::RequestTimeout(_) => "request.timeout",
+            Self::BodyTimeout(_) => "request.body_timeout",
+            Self::BodyTooLarge(_) => "request.body_too_large",
+            Self::Overloaded => "server.overloaded",
+            Self::Internal => "server.internal_error",
         }
     }
 
@@ -712,6 +1222,12 @@ impl ApiError {
             Self::AlreadySent => "Command already sent",
             Self::PublisherStopped => "Service shutting down",
             Self::UnknownRoute => "Not found",
+            Self::MethodNotAllowed => "Method not allowed",
+            Self::RequestTimeout(_) => "Request timeout",
+            Self::BodyTimeout(_) => "Request body timeout",
+            Self::BodyTooLarge(_) => "Request body too large",
+            Self::Overloaded => "Service overloaded",
+            Self::Internal => "Internal error",
         }
     }
 
@@ -724,6 +1240,26 @@ impl ApiError {
             }
             Self::PublisherStopped => "the command publisher has stopped; retry later".to_owned(),
             Self::UnknownRoute => "no route matches this path".to_owned(),
+            Self::MethodNotAllowed => {
+                "this path does not take this method; the Allow header lists those it takes"
+                    .to_owned()
+            }
+            Self::RequestTimeout(limit) => format!(
+                "the request was not answered within {} ms; a create or cancel may still \
+                 complete: retry it with the same idempotency key",
+                limit.as_millis()
+            ),
+            Self::BodyTimeout(limit) => format!(
+                "the request body sent nothing for {} ms",
+                limit.as_millis()
+            ),
+            Self::BodyTooLarge(limit) => {
+                format!("a request body may be at most {limit} bytes")
+            }
+            Self::Overloaded => format!(
+                "the service is handling as many requests as it takes at once; retry in {OVERLOADED_RETRY_AFTER_SECS} s"
+            ),
+            Self::Internal => "the service failed to answer".to_owned(),
         }
     }
 }
@@ -749,8 +1285,24 @@ impl IntoResponse for ApiError {
             detail: self.detail(),
             code: self.code(),
         };
-        let content_type = [(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))];
-        (status, content_type, Json(problem)).into_response()
+        let mut response = (status, Json(problem)).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        match self {
+            Self::Overloaded => {
+                headers.insert(
+                    header::RETRY_AFTER,
+                    HeaderValue::from(OVERLOADED_RETRY_AFTER_SECS),
+                );
+            }
+            // The rest of the body may still be on its way: hyper closes the connection
+            // after this answer instead of reading on for the next request.
+            Self::RequestTimeout(_) | Self::BodyTimeout(_) | Self::BodyTooLarge(_) => {
+                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            _ => {}
+        }
+        response
     }
 }
 

@@ -1,106 +1,21 @@
 //! The demo service as a user runs it: the `commands` example binary on a free port,
 //! driven over HTTP, its JSON log read from stdout.
 
+#[path = "support/demo.rs"]
+mod demo;
 #[path = "support/mod.rs"]
 mod support;
 
-use std::{
-    io::{BufRead, BufReader},
-    process::{Child, Command, Stdio},
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::time::Duration;
 
+use demo::Demo;
 use http::StatusCode;
-use serde_json::{json, Value};
+use serde_json::json;
 use support::{client, send};
-
-/// The example binary `cargo test` built next to this test.
-fn example_path() -> std::path::PathBuf {
-    let mut path = std::env::current_exe().unwrap();
-    path.pop(); // deps/
-    path.pop();
-    path.push("examples");
-    path.push(format!("commands{}", std::env::consts::EXE_SUFFIX));
-    path
-}
-
-struct Demo {
-    child: Child,
-    url: String,
-    lines: Arc<Mutex<Vec<Value>>>,
-}
-
-impl Drop for Demo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_demo() -> Demo {
-    let mut child = Command::new(example_path())
-        .args([
-            "--addr",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            "--publish-delay-ms",
-            "50",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the commands example is built by `cargo test`");
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    let lines = Arc::new(Mutex::new(Vec::new()));
-    let (url_tx, url_rx) = std::sync::mpsc::channel();
-    let sink = lines.clone();
-    std::thread::spawn(move || {
-        for line in stdout.lines() {
-            let line = line.unwrap();
-            let value: Value = serde_json::from_str(&line)
-                .unwrap_or_else(|_| panic!("not one JSON object per line: {line}"));
-            if let Some(url) = value["fields"]["message"]
-                .as_str()
-                .and_then(|m| m.strip_prefix("listening on "))
-            {
-                url_tx.send(url.to_owned()).unwrap();
-            }
-            sink.lock().unwrap().push(value);
-        }
-    });
-    let url = url_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the demo says where it listens");
-    Demo { child, url, lines }
-}
-
-impl Demo {
-    /// The lines with `event` = `code`, waiting up to 5 s for the first: the log is read
-    /// on another thread.
-    async fn events(&self, code: &str) -> Vec<Value> {
-        for _ in 0..500 {
-            let found: Vec<Value> = {
-                let lines = self.lines.lock().unwrap();
-                lines
-                    .iter()
-                    .filter(|l| l["fields"]["event"] == code)
-                    .cloned()
-                    .collect()
-            };
-            if !found.is_empty() {
-                return found;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("no {code} event in the demo's log");
-    }
-}
 
 #[tokio::test]
 async fn the_demo_tells_one_story_per_correlation_id() {
-    let demo = start_demo();
+    let demo = Demo::start(&[]);
     let client = client();
     let body =
         r#"{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}"#;
@@ -197,11 +112,30 @@ async fn the_demo_tells_one_story_per_correlation_id() {
         r#"{"device_id":"#,
     )
     .await;
-    assert!(malformed.status.is_client_error());
+    assert_eq!(
+        malformed.status,
+        StatusCode::UNAUTHORIZED,
+        "a key without a client is refused before the body is parsed"
+    );
+    assert_eq!(malformed.json()["code"], "idempotency.client_missing");
     assert_eq!(
         malformed.header("content-type"),
         Some("application/problem+json")
     );
+    let malformed = send(
+        &client,
+        "POST",
+        format!("{}/commands", demo.url),
+        &[
+            ("content-type", "application/json"),
+            ("x-api-key", "demo-client"),
+            ("idempotency-key", "malformed-1"),
+        ],
+        r#"{"device_id":"#,
+    )
+    .await;
+    assert_eq!(malformed.status, StatusCode::BAD_REQUEST);
+    assert_eq!(malformed.json()["code"], "body.invalid_json");
 
     // The request's lines and the delivery's lines share the ID as a prefix.
     // (The outermost span is the correlation span; the idempotency span nests in it.)

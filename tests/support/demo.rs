@@ -1,0 +1,136 @@
+//! The `commands` example as a user runs it: the binary `cargo test` built, started on a
+//! free port of 127.0.0.1 as a child process, its JSON log read from stdout.
+#![allow(dead_code, unreachable_pub)]
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+/// The example binary `cargo test` built next to this test.
+fn example_path() -> std::path::PathBuf {
+    let mut path = std::env::current_exe().unwrap();
+    path.pop(); // deps/
+    path.pop();
+    path.push("examples");
+    path.push(format!("commands{}", std::env::consts::EXE_SUFFIX));
+    path
+}
+
+pub struct Demo {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub url: String,
+    /// `127.0.0.1:PORT`
+    pub addr: String,
+    lines: Arc<Mutex<Vec<Value>>>,
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Demo {
+    /// Starts the demo with JSON logs, a 50 ms publish delay and `args` (later flags of
+    /// the same name win), and waits until it says where it listens.
+    pub fn start(args: &[&str]) -> Demo {
+        let mut child = Command::new(example_path())
+            .args([
+                "--addr",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+                "--publish-delay-ms",
+                "50",
+            ])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("the commands example is built by `cargo test`");
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let (url_tx, url_rx) = std::sync::mpsc::channel();
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in stdout.lines() {
+                let Ok(line) = line else { return };
+                let value: Value = serde_json::from_str(&line)
+                    .unwrap_or_else(|_| panic!("not one JSON object per line: {line}"));
+                if let Some(url) = value["fields"]["message"]
+                    .as_str()
+                    .and_then(|m| m.strip_prefix("listening on "))
+                {
+                    let _ = url_tx.send(url.to_owned());
+                }
+                sink.lock().unwrap().push(value);
+            }
+        });
+        let url = url_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the demo says where it listens");
+        let addr = url.strip_prefix("http://").unwrap().to_owned();
+        Demo {
+            child,
+            url,
+            addr,
+            lines,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The lines logged so far with `event` = `code`.
+    pub fn logged(&self, code: &str) -> Vec<Value> {
+        let lines = self.lines.lock().unwrap();
+        lines
+            .iter()
+            .filter(|l| l["fields"]["event"] == code)
+            .cloned()
+            .collect()
+    }
+
+    /// The lines with `event` = `code`, waiting up to 5 s for the first: the log is read
+    /// on another thread.
+    pub async fn events(&self, code: &str) -> Vec<Value> {
+        for _ in 0..500 {
+            let found = self.logged(code);
+            if !found.is_empty() {
+                return found;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no {code} event in the demo's log");
+    }
+
+    /// Sends SIGTERM, as a service manager stopping the demo would.
+    #[cfg(unix)]
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill(1) runs");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Waits up to `limit` for the demo to exit; `None` if it is still running.
+    pub async fn exited_within(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        None
+    }
+}
