@@ -14,6 +14,8 @@ mod support;
 mod contract;
 
 mod database;
+mod faults;
+mod server;
 mod transactional;
 
 use std::{
