@@ -14,6 +14,8 @@ use uuid::Uuid;
 
 /// `Retry-After` on a request shed over `--max-concurrent-requests`, in seconds: the
 /// requests holding the slots take milliseconds, so a second later is likely to succeed.
+/// Also on `503 commands.database_unavailable`: a database that failed a call for a
+/// moment (a restart, a failover) is back within seconds, and the pool reconnects.
 const OVERLOADED_RETRY_AFTER_SECS: u64 = 1;
 
 /// Everything a handler or a limit can refuse with, answered as RFC 9457 problem
@@ -35,6 +37,10 @@ pub(crate) enum ApiError {
     BodyTooLarge(usize),
     /// Shed: `--max-concurrent-requests` were being handled.
     Overloaded,
+    /// DB mode: a `device_id` or `name` with U+0000, which PostgreSQL text cannot hold.
+    NulInText,
+    /// DB mode: the database failed or did not answer in time; nothing was written.
+    DatabaseUnavailable,
     Internal,
 }
 
@@ -51,6 +57,18 @@ impl ApiError {
         error
     }
 
+    /// A database call that failed, logged (the error only: sqlx's messages carry no
+    /// bound values).
+    pub(crate) fn database(error: &(dyn std::error::Error + 'static), doing: &'static str) -> Self {
+        tracing::warn!(
+            event = "commands.database_failed",
+            doing,
+            error = %error,
+            "database call failed; answering 503"
+        );
+        Self::DatabaseUnavailable
+    }
+
     pub(crate) fn not_found(id: Uuid) -> Self {
         tracing::info!(event = "commands.not_found", command_id = %id, "unknown command");
         Self::NotFound
@@ -61,7 +79,10 @@ impl ApiError {
             Self::BadRequest(rejection) => rejection.status(),
             Self::NotFound | Self::UnknownRoute => StatusCode::NOT_FOUND,
             Self::AlreadySent => StatusCode::CONFLICT,
-            Self::PublisherStopped | Self::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            Self::PublisherStopped | Self::Overloaded | Self::DatabaseUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Self::NulInText => StatusCode::UNPROCESSABLE_ENTITY,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::RequestTimeout(_) | Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -73,7 +94,9 @@ impl ApiError {
     fn code(&self) -> &'static str {
         match self {
             Self::BadRequest(JsonRejection::JsonSyntaxError(_)) => "body.invalid_json",
-            Self::BadRequest(JsonRejection::JsonDataError(_)) => "body.invalid_fields",
+            Self::BadRequest(JsonRejection::JsonDataError(_)) | Self::NulInText => {
+                "body.invalid_fields"
+            }
             Self::BadRequest(JsonRejection::MissingJsonContentType(_)) => "body.not_json",
             Self::BadRequest(_) => "body.unreadable",
             Self::NotFound => "commands.not_found",
@@ -85,13 +108,14 @@ impl ApiError {
             Self::BodyTimeout(_) => "request.body_timeout",
             Self::BodyTooLarge(_) => "request.body_too_large",
             Self::Overloaded => "server.overloaded",
+            Self::DatabaseUnavailable => "commands.database_unavailable",
             Self::Internal => "server.internal_error",
         }
     }
 
     fn title(&self) -> &'static str {
         match self {
-            Self::BadRequest(_) => "Invalid command request",
+            Self::BadRequest(_) | Self::NulInText => "Invalid command request",
             Self::NotFound => "Command not found",
             Self::AlreadySent => "Command already sent",
             Self::PublisherStopped => "Service shutting down",
@@ -101,6 +125,7 @@ impl ApiError {
             Self::BodyTimeout(_) => "Request body timeout",
             Self::BodyTooLarge(_) => "Request body too large",
             Self::Overloaded => "Service overloaded",
+            Self::DatabaseUnavailable => "Database unavailable",
             Self::Internal => "Internal error",
         }
     }
@@ -133,6 +158,13 @@ impl ApiError {
             Self::Overloaded => format!(
                 "the service is handling as many requests as it takes at once; retry in {OVERLOADED_RETRY_AFTER_SECS} s"
             ),
+            Self::NulInText => {
+                "device_id and name may not contain U+0000 (NUL)".to_owned()
+            }
+            Self::DatabaseUnavailable => format!(
+                "the database failed or did not answer in time; nothing was written: retry in \
+                 {OVERLOADED_RETRY_AFTER_SECS} s (a create or cancel with the same idempotency key)"
+            ),
             Self::Internal => "the service failed to answer".to_owned(),
         }
     }
@@ -163,7 +195,7 @@ impl IntoResponse for ApiError {
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         match self {
-            Self::Overloaded => {
+            Self::Overloaded | Self::DatabaseUnavailable => {
                 headers.insert(
                     header::RETRY_AFTER,
                     HeaderValue::from(OVERLOADED_RETRY_AFTER_SECS),

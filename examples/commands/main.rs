@@ -1,11 +1,12 @@
-//! The Command Service, in memory: tower-ids' demo of correlation IDs across an HTTP
-//! request and the queue message it sends, and of idempotency keys on its `POST` routes.
+//! The Command Service: tower-ids' demo of correlation IDs across an HTTP request and
+//! the queue message it sends, and of idempotency keys on its `POST` routes; in memory,
+//! or with `--database-url` in PostgreSQL (see [DB mode](#db-mode)).
 //!
 //! A client asks for a command to be sent to a device; the service stores it as
-//! `queued`, answers `201`, and puts a message on a queue (an in-process tokio channel
-//! standing in for the broker). A background publisher takes each message, waits
-//! until `--publish-delay-ms` after it was queued, and marks the command `sent` unless it
-//! was cancelled meanwhile.
+//! `queued`, answers `201`, and puts a message on a queue (in memory, an in-process tokio
+//! channel standing in for the broker; in DB mode, an outbox table). A background
+//! publisher takes each message, waits until `--publish-delay-ms` after it was queued,
+//! and marks the command `sent` unless it was cancelled meanwhile.
 //!
 //! Every line logged while handling a request carries that request's `correlation_id`
 //! (from `x-correlation-id`, else `x-request-id`, else a fresh UUIDv7); every line the
@@ -14,7 +15,8 @@
 //! request and everything it caused.
 //!
 //! The two `POST` routes carry an [`IdempotencyLayer`] each, sharing one [`MokaStore`]
-//! (or, with `--redis-url`, one `RedisStore`, so that several replicas share records):
+//! (or, with `--redis-url`, one `RedisStore`, and in DB mode one `PostgresStore`, so
+//! that several replicas share records):
 //! `POST /commands` requires an `Idempotency-Key`, `POST /commands/{id}/cancel` takes
 //! one if sent. Keys are scoped by the `x-api-key` header (the client), so two clients
 //! may use the same key; a request with a key but without `x-api-key` is refused with
@@ -38,6 +40,13 @@
 //!     --addr 127.0.0.1:3000 --redis-url redis://127.0.0.1:6379
 //! cargo run --release --example commands --features redis -- \
 //!     --addr 127.0.0.1:3001 --redis-url redis://127.0.0.1:6379
+//!
+//! # DB mode: two replicas on one PostgreSQL database, which keeps everything.
+//! createdb -h 127.0.0.1 -U postgres commands
+//! cargo run --release --example commands --features postgres -- \
+//!     --addr 127.0.0.1:3000 --database-url postgres://postgres@127.0.0.1:5432/commands
+//! cargo run --release --example commands --features postgres -- \
+//!     --addr 127.0.0.1:3001 --database-url postgres://postgres@127.0.0.1:5432/commands
 //! ```
 //!
 //! | Flag | Default | Meaning |
@@ -46,21 +55,25 @@
 //! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with span fields) |
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
+//! | `--commit-delay-ms` | `0` | time the two `POST` handlers wait after their writes, before answering; in DB mode the layer commits once the handler has answered, so this is the time between the writes and the commit (in which a crash leaves nothing) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
+//! | `--idempotency-lease-ms` | `10000` | how long a key stays claimed by a request that stopped renewing its claim (its process died): retries get `409` until then (the library's `DEFAULT_LEASE`) |
 //! | `--header-read-timeout-ms` | `10000` | how long a connection may take to send a request's head, and may stay idle between requests; then the server closes it |
 //! | `--body-timeout-ms` | `10000` | how long a request body may go without sending a byte; then `408` and the connection is closed |
 //! | `--request-timeout-ms` | `30000` | how long a request may take from its head to its answer; then `408` and the connection is closed |
 //! | `--max-body-bytes` | `65536` | largest request body; a larger one gets `413` |
 //! | `--max-concurrent-requests` | `512` | requests handled at once; more are shed at once with `503` and `Retry-After: 1` |
-//! | `--max-commands` | `1000` | commands the in-memory list keeps; creating one more drops the oldest |
+//! | `--max-commands` | `1000` | commands the in-memory list keeps; creating one more drops the oldest. In DB mode, which keeps every command, how many of the newest `GET /commands` answers |
 //! | `--load-routes` | off | also serve `POST /load/bare` (no layer), `POST /load/noop` (a layer that does nothing), `POST /load/tower-http` (tower-http's request-ID pair), `POST /load/correlated` (correlation layer), `POST /load/idempotent` (both layers, key required) and `GET /load/executions` (handler runs so far), one trivial handler behind each, for `benches/load.sh` |
 //! | `--redis-url` | none (in memory) | with `--features redis`: keep idempotency records in this Redis (or Valkey), shared by every replica started with the same URL; if it cannot be reached at start the service exits, if it goes away later the `POST` routes answer `503` until it is back |
+//! | `--database-url` | none (in memory) | with `--features postgres`: DB mode, with the commands, their outbox and the idempotency records in this PostgreSQL database (`postgres://USER@HOST:PORT/DATABASE`), shared by every replica started with the same URL; the tables are created at start if missing; if the database cannot be reached at start the service exits. Not with `--redis-url` |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
 //! script can start it on port `0` and grep the log for the URL. `RUST_LOG` sets the
 //! filter (default `info`). Ctrl-C (or SIGTERM) stops it gracefully: it stops accepting,
 //! closes idle connections, lets in-flight requests finish (each within the timeouts
-//! below) and drains the queue.
+//! below) and drains the queue (in DB mode, the publisher finishes its batch and the
+//! rows still pending wait in the outbox).
 //!
 //! # Limits
 //!
@@ -165,14 +178,46 @@
 //! curl -si localhost:3000/commands/0190b6c4-0000-7000-8000-000000000000
 //! ```
 //!
+//! # DB mode
+//!
+//! With `--database-url`, the commands, their outbox and the idempotency records live in
+//! one PostgreSQL database (tables `commands`, `outbox` and `tower_ids_idempotency`,
+//! created at start if missing), and every replica started with the same URL serves the
+//! same commands:
+//!
+//! - `POST /commands` inserts the command and its `command.created` outbox row (with the
+//!   request's correlation ID) on the request's `Transaction`, which the idempotency layer
+//!   commits with the response's record after the handler has answered: the command,
+//!   the outbox row and the record commit together or not at all. A process killed
+//!   before the commit leaves nothing but the key's claim: retries get `409` until
+//!   `--idempotency-lease-ms` has passed, then run again; killed after it, a retry gets
+//!   the first answer back. `POST /commands/{id}/cancel` writes on the request's
+//!   transaction too (a cancel without a key, on one of its own).
+//! - `GET /commands/{id}` reads the database, so any replica finds any command;
+//!   `GET /commands` answers the newest `--max-commands` commands (default 1,000), oldest
+//!   first. Nothing is dropped: the database keeps every command.
+//! - Every replica runs a publisher over the outbox: it takes pending rows at least
+//!   `--publish-delay-ms` old with `FOR UPDATE SKIP LOCKED` (so replicas share the rows
+//!   and never take the same one), logs `commands.published` under the row's correlation
+//!   ID extended for the delivery, sets the row's `sent_at` and the command's status to
+//!   `sent`, and commits. A publisher killed before its commit leaves the rows pending,
+//!   and they are published again: at least once, each delivery under its own extension.
+//! - The demo's pool has 32 connections; a request that finds none free within 1 s, or
+//!   whose database call fails, is answered `503` `commands.database_unavailable`, and
+//!   nothing it wrote stands.
+//!
+//! `tests/commands_crash.rs` kills the demo in DB mode with SIGKILL at random moments
+//! while clients create commands, restarts it on the same database, retries every key,
+//! and counts what the database holds.
+//!
 //! # Routes
 //!
 //! | Route | Idempotency key | Success | Errors (`application/problem+json`, `code`) |
 //! |---|---|---|---|
-//! | `POST /commands` | required | `201` the new command, `status: "queued"`; a replay of the first answer | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields`, `413` `body.unreadable`, `503` `commands.publisher_stopped`; idempotency: `400` `idempotency.key_missing` / `idempotency.key_invalid` / `idempotency.client_invalid`, `401` `idempotency.client_missing`, `409` `idempotency.in_flight` (with `Retry-After`), `422` `idempotency.fingerprint_mismatch` |
-//! | `GET /commands` | none | `200` every command, oldest first | |
-//! | `GET /commands/{id}` | none | `200` the command | `404` `commands.not_found` |
-//! | `POST /commands/{id}/cancel` | optional | `200` the command, `status: "cancelled"`; a replay of the first answer | `404` `commands.not_found`, `409` `commands.already_sent`; idempotency: as `POST /commands`, less `key_missing` |
+//! | `POST /commands` | required | `201` the new command, `status: "queued"`; a replay of the first answer | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields` (in DB mode also for a `device_id` or `name` with U+0000), `413` `body.unreadable`, `503` `commands.publisher_stopped` (in memory) or `commands.database_unavailable` (DB mode, with `Retry-After: 1`; nothing was written), `503` `idempotency.not_committed` (DB mode: the commit failed; nothing was written); idempotency: `400` `idempotency.key_missing` / `idempotency.key_invalid` / `idempotency.client_invalid`, `401` `idempotency.client_missing`, `409` `idempotency.in_flight` (with `Retry-After`), `422` `idempotency.fingerprint_mismatch` |
+//! | `GET /commands` | none | `200` every command, oldest first (in DB mode, the newest `--max-commands`, oldest first) | DB mode: `503` `commands.database_unavailable` |
+//! | `GET /commands/{id}` | none | `200` the command | `404` `commands.not_found`; DB mode: `503` `commands.database_unavailable` |
+//! | `POST /commands/{id}/cancel` | optional | `200` the command, `status: "cancelled"`; a replay of the first answer | `404` `commands.not_found`, `409` `commands.already_sent`; DB mode: `503` `commands.database_unavailable` / `idempotency.not_committed`; idempotency: as `POST /commands`, less `key_missing` |
 //! | any other path | | | `404` `route.not_found` |
 //! | any other method on these paths | | | `405` `route.method_not_allowed`, with `Allow` |
 //!
@@ -199,11 +244,16 @@
 //! |---|---|---|
 //! | `commands.limits` | INFO | at start: every limit and timeout in force, and the open-files limit |
 //! | `commands.listening` | INFO | the listener is bound |
-//! | `commands.store` | INFO | where idempotency records are kept: `store` = `memory` or `redis` |
-//! | `commands.created` | INFO | a command was stored and queued |
+//! | `commands.store` | INFO | where idempotency records are kept: `store` = `memory`, `redis` or `postgres` |
+//! | `commands.schema_ready` | INFO | DB mode, at start: the tables exist |
+//! | `commands.created` | INFO | a command was stored and queued (in DB mode: written in the request's transaction, which commits after the handler answers, logged `idempotency.stored`) |
 //! | `commands.cancelled` | INFO | a command was cancelled |
 //! | `commands.published` | INFO | the publisher sent a command |
 //! | `commands.publish_skipped` | INFO | the publisher found the command cancelled (`reason` = `cancelled`) or dropped from the list (`evicted`) |
+//! | `commands.database_failed` | WARN | DB mode: a database call of a request failed or timed out (`doing`, `error`); the request is answered `503` |
+//! | `commands.publish_failed` | WARN | DB mode: the publisher could not read or mark the outbox; its rows stay pending and it tries again |
+//! | `commands.correlation_id_invalid` | WARN | DB mode: an outbox row's correlation ID did not parse (not expected); delivered under a new one |
+//! | `commands.transaction_missing`, `commands.transaction_over` | ERROR | DB mode: a create found no request transaction, or one already committed (neither is expected); answered `500` |
 //! | `commands.evicted` | INFO | the list was full: its oldest command was dropped |
 //! | `commands.bad_request` | WARN | a create request's body was refused (the body is never logged) |
 //! | `commands.body_refused` | INFO | a request body stalled (`reason` = `timeout`) or grew past the limit (`too_large`) |
@@ -225,6 +275,8 @@
 mod api;
 mod load;
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod publisher;
 mod routes;
 mod server;
@@ -235,22 +287,28 @@ use std::{
     time::Duration,
 };
 
+use axum::Router;
 use clap::{Parser, ValueEnum};
-use tokio::sync::mpsc;
-use tower_ids::idempotency::MokaStore;
+use tokio::{net::TcpListener, sync::mpsc, task::JoinHandle};
+use tower_ids::idempotency::{IdempotencyStore, MokaStore, DEFAULT_LEASE};
 use tracing_subscriber::{filter::LevelFilter, EnvFilter};
 
 use crate::{
-    memory::{Commands, MAX_COMMANDS},
+    memory::{Commands, Memory, MAX_COMMANDS},
     publisher::{publish, QUEUE_CAPACITY},
-    routes::{app, AppState},
+    routes::{app, AppState, Storage},
     server::{
         listen, raise_open_files_limit, serve, Limits, BODY_TIMEOUT_MS, HEADER_READ_TIMEOUT_MS,
         MAX_BODY_BYTES, MAX_CONCURRENT_REQUESTS, REQUEST_TIMEOUT_MS,
     },
 };
 
-/// The Command Service, in memory: tower-ids' demo of correlation IDs.
+/// Default `--idempotency-lease-ms`: the library's [`DEFAULT_LEASE`] (10 s), how long a
+/// key stays claimed by a request whose process died. The lease is renewed while the
+/// request runs, so it bounds only how long retries of a crashed request get `409`.
+const IDEMPOTENCY_LEASE_MS: NonZeroU64 = NonZeroU64::new(DEFAULT_LEASE.as_millis() as u64).unwrap();
+
+/// The Command Service: tower-ids' demo of correlation IDs and idempotency keys.
 #[derive(Debug, Parser)]
 struct Args {
     /// Address to listen on; port 0 picks a free port (the log says which).
@@ -270,9 +328,20 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     handler_delay_ms: u64,
 
+    /// Milliseconds the POST handlers wait after their writes, before answering. In DB
+    /// mode the idempotency layer commits the request's transaction once the handler
+    /// has answered: this is the time between the writes and the commit.
+    #[arg(long, default_value_t = 0)]
+    commit_delay_ms: u64,
+
     /// Seconds an idempotency key's outcome is replayed.
     #[arg(long, default_value_t = 86_400)]
     idempotency_ttl_secs: u64,
+
+    /// Milliseconds an idempotency key stays claimed by a request that stopped renewing
+    /// its claim (its process died): retries of it get 409 until then.
+    #[arg(long, default_value_t = IDEMPOTENCY_LEASE_MS)]
+    idempotency_lease_ms: NonZeroU64,
 
     /// Milliseconds a connection may take to send a request's head, and may stay idle
     /// between requests, before the server closes it.
@@ -297,9 +366,19 @@ struct Args {
     #[arg(long, default_value_t = MAX_CONCURRENT_REQUESTS)]
     max_concurrent_requests: NonZeroUsize,
 
-    /// Commands the in-memory list keeps; creating one more drops the oldest.
+    /// Commands the in-memory list keeps; creating one more drops the oldest. In DB
+    /// mode, which keeps every command: how many of the newest GET /commands answers.
     #[arg(long, default_value_t = MAX_COMMANDS)]
     max_commands: NonZeroUsize,
+
+    /// PostgreSQL URL (`postgres://USER@HOST:PORT/DATABASE`): keep the commands, their
+    /// outbox and the idempotency records there, shared by every replica started with
+    /// it, and commit each POST's writes with its idempotency record. Without it,
+    /// everything is in memory.
+    #[cfg(feature = "postgres")]
+    #[arg(long, value_name = "URL")]
+    #[cfg_attr(feature = "redis", arg(conflicts_with = "redis_url"))]
+    database_url: Option<String>,
 
     /// Redis (or Valkey) URL for the idempotency records, shared by every replica
     /// started with it (`redis://HOST:PORT`); without it, records are kept in memory.
@@ -352,6 +431,11 @@ async fn main() -> std::io::Result<()> {
         "limits in force"
     );
 
+    #[cfg(feature = "postgres")]
+    if let Some(url) = &args.database_url {
+        return run_on_database(url, &args, limits).await;
+    }
+
     // Connect first: a replica that cannot reach its Redis should not start listening.
     #[cfg(feature = "redis")]
     let redis = match &args.redis_url {
@@ -371,33 +455,91 @@ async fn main() -> std::io::Result<()> {
         Duration::from_millis(args.publish_delay_ms),
     ));
 
-    let listener = listen(args.addr)?;
-    let addr = listener.local_addr()?;
-    tracing::info!(event = "commands.listening", %addr, "listening on http://{addr}");
-
-    let state = AppState {
-        commands,
-        queue,
-        handler_delay: Duration::from_millis(args.handler_delay_ms),
-    };
-    let ttl = Duration::from_secs(args.idempotency_ttl_secs);
-    let load = args.load_routes;
+    let listener = listen_logged(args.addr)?;
+    let state = app_state(Memory { commands, queue }, &args);
     #[cfg(feature = "redis")]
     let app = match redis {
-        Some(store) => app(state, ttl, store, "redis", load, limits),
-        None => app(state, ttl, MokaStore::new(), "memory", load, limits),
+        Some(store) => app_with(state, store, "redis", &args, limits),
+        None => app_with(state, MokaStore::new(), "memory", &args, limits),
     };
     #[cfg(not(feature = "redis"))]
-    let app = app(state, ttl, MokaStore::new(), "memory", load, limits);
+    let app = app_with(state, MokaStore::new(), "memory", &args, limits);
     serve(listener, app, limits.header_read_timeout).await;
 
     // The router, and with it every queue sender, is gone: the publisher drains what is
     // left in the queue and returns.
+    stopped(publisher).await;
+    Ok(())
+}
+
+/// DB mode (`--database-url`): the commands, their outbox and the idempotency records
+/// in PostgreSQL (see [`postgres`]).
+#[cfg(feature = "postgres")]
+async fn run_on_database(url: &str, args: &Args, limits: Limits) -> std::io::Result<()> {
+    // Connect first: a replica that cannot reach its database should not start
+    // listening.
+    let (database, store) = postgres::Database::connect(url, args.max_commands)
+        .await
+        .map_err(std::io::Error::other)?;
+    let (stop, stop_requested) = tokio::sync::oneshot::channel();
+    let publisher = tokio::spawn(postgres::publish(
+        database.pool().clone(),
+        Duration::from_millis(args.publish_delay_ms),
+        stop_requested,
+    ));
+
+    let listener = listen_logged(args.addr)?;
+    let app = app_with(app_state(database, args), store, "postgres", args, limits);
+    serve(listener, app, limits.header_read_timeout).await;
+
+    // The requests in flight have finished: the publisher ends its batch and stops.
+    // Rows still pending wait in the outbox for the next start, or another replica.
+    let _ = stop.send(());
+    stopped(publisher).await;
+    Ok(())
+}
+
+/// A listener on `addr`, and the line that says where (`listening on http://ADDR`).
+fn listen_logged(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let listener = listen(addr)?;
+    let addr = listener.local_addr()?;
+    tracing::info!(event = "commands.listening", %addr, "listening on http://{addr}");
+    Ok(listener)
+}
+
+fn app_state<S: Storage>(storage: S, args: &Args) -> AppState<S> {
+    AppState {
+        storage,
+        handler_delay: Duration::from_millis(args.handler_delay_ms),
+        commit_delay: Duration::from_millis(args.commit_delay_ms),
+    }
+}
+
+/// [`app`] with the flags' idempotency settings.
+fn app_with<S: Storage, St: IdempotencyStore>(
+    state: AppState<S>,
+    store: St,
+    kind: &'static str,
+    args: &Args,
+    limits: Limits,
+) -> Router {
+    app(
+        state,
+        Duration::from_secs(args.idempotency_ttl_secs),
+        Duration::from_millis(args.idempotency_lease_ms.get()),
+        store,
+        kind,
+        args.load_routes,
+        limits,
+    )
+}
+
+/// Waits for the publisher to return, and says the service stopped.
+async fn stopped(publisher: JoinHandle<()>) {
     if let Err(error) = publisher.await {
         tracing::error!(event = "commands.publisher_failed", %error, "publisher task failed");
     }
     tracing::info!(event = "commands.stopped", "stopped");
-    Ok(())
 }
 
 fn init_tracing(format: LogFormat) {

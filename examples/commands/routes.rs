@@ -1,9 +1,9 @@
 //! The service's routes and their handlers, and the layers around them.
 
-use std::time::Duration;
+use std::{future::Future, time::Duration};
 
 use axum::{
-    extract::{rejection::JsonRejection, Path, Request, State},
+    extract::{rejection::JsonRejection, FromRequestParts, Path, Request, State},
     http::{HeaderName, StatusCode},
     routing::{get, post},
     Json, Router,
@@ -11,7 +11,6 @@ use axum::{
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use time::OffsetDateTime;
-use tokio::{sync::mpsc, time::Instant};
 use tower::{util::MapRequestLayer, ServiceBuilder};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_ids::{
@@ -23,8 +22,6 @@ use uuid::Uuid;
 use crate::{
     api::ApiError,
     load::{load_executions, load_handler, LoadState},
-    memory::Commands,
-    publisher::Publish,
     server::{with_request_limits, Limits},
 };
 
@@ -37,12 +34,15 @@ use crate::{
 /// idempotency layers go on the `POST` method routers only: `MethodRouter::layer` wraps
 /// the methods added before it, so the `GET` added after it on `/commands` is not
 /// covered. Both layers share one store (clones of the layer share it, a `MokaStore`'s
-/// cache or a `RedisStore`'s connection); the routes' paths keep their keys apart.
-/// `kind` names the store in the `commands.store` event; `load_routes` adds the
+/// cache, a `RedisStore`'s connection or a `PostgresStore`'s pool); the routes' paths
+/// keep their keys apart. With a `PostgresStore` the layers offer each request they run
+/// its transaction, which the `POST` handlers of [`Database`](crate::postgres::Database)
+/// write in. `kind` names the store in the `commands.store` event; `load_routes` adds the
 /// `/load/*` routes ([`LoadState`](crate::load::LoadState)), outside the limits.
-pub(crate) fn app<St: IdempotencyStore>(
-    state: AppState,
+pub(crate) fn app<S: Storage, St: IdempotencyStore>(
+    state: AppState<S>,
     idempotency_ttl: Duration,
+    idempotency_lease: Duration,
     store: St,
     kind: &'static str,
     load_routes: bool,
@@ -57,6 +57,7 @@ pub(crate) fn app<St: IdempotencyStore>(
         .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
         .require_client(true)
         .ttl(idempotency_ttl)
+        .lease(idempotency_lease)
         .max_request_bytes(limits.max_body_bytes);
 
     let load = LoadState::default();
@@ -64,14 +65,14 @@ pub(crate) fn app<St: IdempotencyStore>(
     let routes = Router::new()
         .route(
             "/commands",
-            post(create_command)
+            post(create_command::<S>)
                 .layer(idempotent.clone().require_key(true))
-                .get(list_commands),
+                .get(list_commands::<S>),
         )
-        .route("/commands/{id}", get(get_command))
+        .route("/commands/{id}", get(get_command::<S>))
         .route(
             "/commands/{id}/cancel",
-            post(cancel_command).layer(idempotent.clone()),
+            post(cancel_command::<S>).layer(idempotent.clone()),
         )
         .fallback(unknown_route)
         // After every route: it replaces axum's empty 405 on each route added so far.
@@ -115,24 +116,56 @@ pub(crate) fn app<St: IdempotencyStore>(
     )
 }
 
+/// Where the commands are kept: in memory ([`Memory`](crate::memory::Memory)), or in
+/// PostgreSQL with `--database-url` ([`Database`](crate::postgres::Database)). The
+/// handlers below parse the request, call one of these and log; every method answers
+/// the command as the client sees it, or the refusal.
+pub(crate) trait Storage: Clone + Send + Sync + 'static {
+    /// What a `POST` handler takes from the request to write in: nothing in memory; in
+    /// PostgreSQL the request's transaction, which the idempotency layer commits with
+    /// the response's record (there when the request carries a key).
+    type Transaction: FromRequestParts<AppState<Self>> + Send;
+
+    /// Stores a new command, `queued`, and queues it for the publisher under
+    /// `correlation_id`.
+    fn create(
+        &self,
+        transaction: Self::Transaction,
+        new: NewCommand,
+        correlation_id: CorrelationId,
+    ) -> impl Future<Output = Result<Command, ApiError>> + Send;
+
+    /// The commands `GET /commands` answers, oldest first.
+    fn list(&self) -> impl Future<Output = Result<Vec<Command>, ApiError>> + Send;
+
+    fn get(&self, id: Uuid) -> impl Future<Output = Result<Command, ApiError>> + Send;
+
+    /// Cancels a `queued` command; a cancelled one stays so, a sent one is refused.
+    fn cancel(
+        &self,
+        transaction: Self::Transaction,
+        id: Uuid,
+    ) -> impl Future<Output = Result<Command, ApiError>> + Send;
+}
+
 /// What every handler shares.
 #[derive(Clone)]
-pub(crate) struct AppState {
-    pub(crate) commands: Commands,
-    /// The broker, as far as the handlers know.
-    pub(crate) queue: mpsc::Sender<Publish>,
+pub(crate) struct AppState<S> {
+    pub(crate) storage: S,
     /// How long the `POST` handlers sleep first (`--handler-delay-ms`).
     pub(crate) handler_delay: Duration,
+    /// How long the `POST` handlers wait after their writes (`--commit-delay-ms`).
+    pub(crate) commit_delay: Duration,
 }
 
 /// The body of `POST /commands`.
 #[derive(Debug, Deserialize)]
-struct NewCommand {
-    device_id: String,
-    name: String,
+pub(crate) struct NewCommand {
+    pub(crate) device_id: String,
+    pub(crate) name: String,
     /// Kept as the JSON text it was sent in: no larger than the body it came in, where a
     /// parsed `serde_json::Value` can take many times its size (16 times for `[0,0,...]`).
-    payload: Box<RawValue>,
+    pub(crate) payload: Box<RawValue>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -155,52 +188,35 @@ pub(crate) enum Status {
     Cancelled,
 }
 
-impl AppState {
+impl<S> AppState<S> {
     /// Sleeps `--handler-delay-ms`, standing in for a slow downstream call.
     async fn simulate_work(&self) {
         if !self.handler_delay.is_zero() {
             tokio::time::sleep(self.handler_delay).await;
         }
     }
+
+    /// Sleeps `--commit-delay-ms` after a handler's writes: in PostgreSQL, with the
+    /// request's transaction open, since the layer commits once the handler answers.
+    async fn wait_before_answering(&self) {
+        if !self.commit_delay.is_zero() {
+            tokio::time::sleep(self.commit_delay).await;
+        }
+    }
 }
 
-async fn create_command(
-    State(state): State<AppState>,
+async fn create_command<S: Storage>(
+    State(state): State<AppState<S>>,
     correlation_id: CorrelationId,
+    transaction: S::Transaction,
     body: Result<Json<NewCommand>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Command>), ApiError> {
     state.simulate_work().await;
     let Json(new) = body.map_err(ApiError::bad_request)?;
-    // Take a queue slot first, so a stored command is always queued.
-    let slot = state
-        .queue
-        .reserve()
-        .await
-        .map_err(|_| ApiError::PublisherStopped)?;
-
-    let command = Command {
-        id: Uuid::now_v7(),
-        device_id: new.device_id,
-        name: new.name,
-        payload: new.payload,
-        status: Status::Queued,
-        created_at: OffsetDateTime::now_utc(),
-    };
-    let dropped = state.commands.lock().insert(command.clone());
-    if let Some(dropped) = dropped {
-        tracing::info!(
-            event = "commands.evicted",
-            command_id = %dropped.id,
-            status = ?dropped.status,
-            "command list full: oldest command dropped"
-        );
-    }
-    slot.send(Publish {
-        command_id: command.id,
-        correlation_id,
-        queued_at: Instant::now(),
-    });
-
+    let command = state
+        .storage
+        .create(transaction, new, correlation_id)
+        .await?;
     tracing::info!(
         event = "commands.created",
         command_id = %command.id,
@@ -208,47 +224,40 @@ async fn create_command(
         name = command.name.as_str(),
         "command created"
     );
+    state.wait_before_answering().await;
     Ok((StatusCode::CREATED, Json(command)))
 }
 
-async fn list_commands(State(state): State<AppState>) -> Json<Vec<Command>> {
-    let commands: Vec<Command> = state.commands.lock().commands.iter().cloned().collect();
+async fn list_commands<S: Storage>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<Vec<Command>>, ApiError> {
+    let commands = state.storage.list().await?;
     tracing::debug!(
         event = "commands.listed",
         count = commands.len(),
         "commands listed"
     );
-    Json(commands)
+    Ok(Json(commands))
 }
 
-async fn get_command(
-    State(state): State<AppState>,
+async fn get_command<S: Storage>(
+    State(state): State<AppState<S>>,
     Path(id): Path<String>,
 ) -> Result<Json<Command>, ApiError> {
     let id = parse_id(&id)?;
-    let store = state.commands.lock();
-    let command = store.get(id).ok_or_else(|| ApiError::not_found(id))?;
-    Ok(Json(command.clone()))
+    Ok(Json(state.storage.get(id).await?))
 }
 
-async fn cancel_command(
-    State(state): State<AppState>,
+async fn cancel_command<S: Storage>(
+    State(state): State<AppState<S>>,
+    transaction: S::Transaction,
     Path(id): Path<String>,
 ) -> Result<Json<Command>, ApiError> {
     state.simulate_work().await;
     let id = parse_id(&id)?;
-    let mut store = state.commands.lock();
-    let command = store.get_mut(id).ok_or_else(|| ApiError::not_found(id))?;
-    match command.status {
-        Status::Queued => {
-            command.status = Status::Cancelled;
-            tracing::info!(event = "commands.cancelled", command_id = %id, "command cancelled");
-        }
-        // Cancelling twice is not an error: the command is cancelled either way.
-        Status::Cancelled => {}
-        Status::Sent => return Err(ApiError::AlreadySent),
-    }
-    Ok(Json(command.clone()))
+    let command = state.storage.cancel(transaction, id).await?;
+    state.wait_before_answering().await;
+    Ok(Json(command))
 }
 
 async fn unknown_route() -> ApiError {
