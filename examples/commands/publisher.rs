@@ -1,4 +1,5 @@
-//! The background publisher, and the queue messages it takes.
+//! In-memory mode's background publisher, and the queue messages it takes. (DB mode's
+//! publisher relays the outbox table: [`crate::postgres::publish`].)
 
 use std::time::Duration;
 
