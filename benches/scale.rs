@@ -7,6 +7,9 @@
 //!   `oneshot` on a current-thread tokio runtime, the response body collected, from a
 //!   store holding 1,000 or 1,000,000 completed records. A replay should cost the same
 //!   whatever the store holds (the bar: the two rows at most 1.5x apart).
+//! - `first/1k_keys`, `first/1M_keys`: a first execution (a key never stored; the
+//!   handler runs and its response is stored) against the same two stores; the same
+//!   bar.
 //!
 //! Each row's store is filled directly through the store API (`begin`, then
 //! `complete`, as `tests/memory.rs` does), with the `ScopeKey` and `Fingerprint` the
@@ -116,13 +119,18 @@ fn stored_response(body: Bytes) -> StoredResponse {
     }
 }
 
-/// A store whose byte bound is twice what `n` records of `body` weigh.
+/// A store whose byte bound is what `n` records of `body` weigh, plus room for
+/// [`FIRST_ROOM`] more: the `first` rows add a record per iteration, and nothing may be
+/// evicted in any row (an eviction would be work the other row does not do).
 fn store_for(n: u64, body: &Bytes) -> MokaStore {
     let weight = stored_response(body.clone()).weight() as u64;
     MokaStore::builder()
-        .max_bytes(2 * n * (weight + u64::from(ENTRY_OVERHEAD_BYTES)))
+        .max_bytes((n + FIRST_ROOM) * (weight + u64::from(ENTRY_OVERHEAD_BYTES)))
         .build()
 }
+
+/// Records the `first` rows may add: more than criterion's iterations in a row.
+const FIRST_ROOM: u64 = 8_000_000;
 
 /// Stores `n` completed records under the scopes and fingerprint the layer computes
 /// for [`request`], each with its own copy of `body`, then runs moka's maintenance.
@@ -285,6 +293,50 @@ fn replay(
     assert_eq!(store.entry_count(), n, "{row}: nothing evicted");
 }
 
+/// A first execution: a fresh key (never stored) each iteration, against a store that
+/// holds `n` records; the handler runs every time and its response is stored.
+fn first(
+    group: &mut Group<'_>,
+    runtime: &tokio::runtime::Runtime,
+    label: &str,
+    n: u64,
+    body: &Bytes,
+) {
+    let row = format!("first/{label}");
+    let store = filled(runtime, label, n, body);
+    let runs = Arc::new(AtomicU64::new(0));
+    let counter = runs.clone();
+    let answer = body.clone();
+    let handler = post(move |_request: Bytes| {
+        let runs = counter.clone();
+        let body = answer.clone();
+        async move {
+            runs.fetch_add(1, Ordering::Relaxed);
+            (
+                StatusCode::CREATED,
+                [(header::CONTENT_TYPE, CONTENT_TYPE)],
+                body,
+            )
+        }
+    });
+    let layer = IdempotencyLayer::with_store(store.clone());
+    let app = Router::new().route(PATH, handler.layer(layer));
+
+    // Keys from `n` on were never stored.
+    let next = AtomicU64::new(n);
+    let app = &app;
+    group.bench_function(&row, |b| {
+        b.to_async(runtime).iter(|| {
+            let request = request(next.fetch_add(1, Ordering::Relaxed));
+            async move { black_box(send(app, request).await) }
+        })
+    });
+    let sent = next.load(Ordering::Relaxed) - n;
+    assert_eq!(runs.load(Ordering::Relaxed), sent, "{row}: one run per key");
+    runtime.block_on(store.run_pending_tasks());
+    assert_eq!(store.entry_count(), n + sent, "{row}: nothing evicted");
+}
+
 fn scale(c: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -299,6 +351,9 @@ fn scale(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(10));
     for (label, n) in SIZES {
         replay(&mut group, &runtime, label, n, &body);
+    }
+    for (label, n) in SIZES {
+        first(&mut group, &runtime, label, n, &body);
     }
     group.finish();
 }
