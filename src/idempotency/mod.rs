@@ -210,6 +210,7 @@
 
 mod budget;
 mod epoch;
+mod extract;
 mod key;
 mod layer;
 mod lease;
@@ -222,6 +223,9 @@ use http::HeaderName;
 pub use self::{
     epoch::{
         EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch, IDEMPOTENCY_EPOCH,
+    },
+    extract::{
+        ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeaders, KeyFromJson, KeyRejection,
     },
     key::{
         AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY,
