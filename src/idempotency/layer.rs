@@ -7,6 +7,7 @@ use super::{
     budget::Budget,
     extract::{ExtractKey, KeyFromHeaders},
     lease::KeptOutcomes,
+    replay::OnReplay,
     store::{IdempotencyStore, MokaStore},
     Idempotency, NoClient, NoEpoch, ATTEMPT_ID,
 };
@@ -77,6 +78,7 @@ pub(super) type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 #[derive(Clone)]
 pub(super) struct Settings {
     pub(super) key: Arc<dyn ExtractKey>,
+    pub(super) on_replay: Option<Arc<dyn OnReplay>>,
     pub(super) methods: Vec<Method>,
     pub(super) require_key: bool,
     pub(super) require_client: bool,
@@ -154,6 +156,7 @@ impl<St> IdempotencyLayer<St> {
             epoch: NoEpoch,
             settings: Arc::new(Settings {
                 key: Arc::new(KeyFromHeaders::default()),
+                on_replay: None,
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
                 require_client: false,
@@ -266,6 +269,15 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// every guarantee stay the same; see [`ExtractKey`] for the answers.
     pub fn key(mut self, extract: impl ExtractKey) -> Self {
         self.settings().key = Arc::new(extract);
+        self
+    }
+
+    /// Adjusts what duplicates of this route get (status, headers, body) from a copy
+    /// of the stored response; the record itself never changes. See [`OnReplay`], and
+    /// [`JsonReplayMarker`](super::JsonReplayMarker) for `200` with `"replay": true`.
+    /// Default: the stored response as it is.
+    pub fn on_replay(mut self, hook: impl OnReplay) -> Self {
+        self.settings().on_replay = Some(Arc::new(hook));
         self
     }
 

@@ -214,6 +214,7 @@ mod extract;
 mod key;
 mod layer;
 mod lease;
+mod replay;
 mod scope;
 mod service;
 pub mod store;
@@ -236,6 +237,7 @@ pub use self::{
         DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_REQUEST_BYTES,
         DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
+    replay::{JsonReplayMarker, OnReplay, ReplayInfo},
     scope::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,
         IdentifyClient, IntoClientIdentity, InvalidClient, NoClient, ScopeKey,

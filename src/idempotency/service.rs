@@ -20,6 +20,7 @@ use super::{
     extract::{ExtractedKey, KeyRejection},
     layer::{InFlight, Settings, StoreFailure},
     lease::{KeptOutcomes, LeaseGuard},
+    replay::{self, ReplayInfo},
     store::{Begin, Chain, Claim, IdempotencyStore, MokaStore, Record, Settled, StoredResponse},
     AttemptId, ClientId, ExtractEpoch, Fingerprint, IdempotencyKey, IdentifyClient, NoClient,
     NoEpoch, ScopeKey, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT,
@@ -834,7 +835,7 @@ fn settled<B>(
         original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
         "replayed the stored response"
     );
-    let mut response = Response::new(Body::complete(stored.body.clone()));
+    let mut response = Response::new(stored.body.clone());
     *response.status_mut() = stored.status;
     let headers = response.headers_mut();
     headers.reserve(stored.headers.len() + 5);
@@ -843,6 +844,17 @@ fn settled<B>(
             headers.append(name.clone(), value.clone());
         }
     }
+    // The route's hook adjusts this copy; the stored record stays as it is.
+    if let Some(hook) = &settings.on_replay {
+        let info = ReplayInfo {
+            request_count,
+            first_seen: record.first_seen,
+            original_attempt: record.original_attempt.clone(),
+        };
+        response = replay::apply(&**hook, response, &info);
+    }
+    let mut response = response.map(Body::complete);
+    let headers = response.headers_mut();
     replay_headers(headers, record, request_count);
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     if let Some(attempt) = attempt {
