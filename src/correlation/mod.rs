@@ -137,6 +137,7 @@
 //! | `correlation.replacing` / `correlation.replaced` | INFO | replace, combine, restore, or an extension past the bound |
 //! | `correlation.restore_rejected` | WARN | [`restore`](CorrelationId::restore) was given an invalid ID |
 
+mod carrier;
 mod future;
 mod id;
 mod layer;
@@ -152,6 +153,7 @@ use http::HeaderName;
 #[cfg(feature = "axum")]
 pub use self::extract::CorrelationLayerMissing;
 pub use self::{
+    carrier::{Carrier, MessageCorrelation},
     future::ResponseFuture,
     id::{
         CorrelationId, DefaultValidator, InvalidCorrelationId, ValidateCorrelationId,
