@@ -214,6 +214,7 @@ mod extract;
 mod key;
 mod layer;
 mod lease;
+pub mod message;
 mod replay;
 mod scope;
 mod service;
