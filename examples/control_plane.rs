@@ -15,7 +15,7 @@
 //! attempt a fresh `correlationId`. It waits `--timeout-ms` for the outcome (matched on
 //! the key and the signal, so a late outcome of an earlier attempt counts) and sends
 //! again on a timeout, up to `--attempts`; prints the outcome as one JSON line on
-//! stdout and exits 0, or exits 1 when none came.
+//! stdout (its logs go to stderr) and exits 0, or exits 1 when none came.
 //!
 //! # Controller (`controller`)
 //!
@@ -84,6 +84,7 @@ use tower_ids::{
     },
 };
 use tracing::Instrument as _;
+use tracing_subscriber::fmt::writer::BoxMakeWriter;
 
 #[derive(Parser, Debug)]
 #[command(about = "Control signals over AMQP with correlation IDs and idempotency keys")]
@@ -214,7 +215,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| "info,lapin=warn".into());
-    let logs = tracing_subscriber::fmt().with_env_filter(filter);
+    // The orchestrator prints its outcome on stdout, so it logs to stderr.
+    let writer = match cli.role {
+        Role::Controller(_) => BoxMakeWriter::new(std::io::stdout),
+        Role::Orchestrator(_) => BoxMakeWriter::new(std::io::stderr),
+    };
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer);
     match cli.log_format {
         LogFormat::Json => logs
             .json()
