@@ -347,6 +347,12 @@ async fn the_orchestrator_retries_under_new_correlation_ids_with_one_key() {
         .await;
     assert!(published.iter().all(|o| o.body == published[0].body));
     assert_eq!(topology.executions().len(), 1, "the retries ran nothing");
+    eprintln!(
+        "orchestrator: {} attempts under {} correlation ids and 1 key, 1 execution, {} identical outcomes",
+        sent.len(),
+        ids.len(),
+        published.len()
+    );
     drop(controller);
     topology.remove().await;
 }

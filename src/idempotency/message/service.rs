@@ -137,7 +137,7 @@ impl Refusal {
     /// | Code | Retryable | When |
     /// |---|---|---|
     /// | `idempotency.key_missing` | no | [`require_key`](super::MessageIdempotencyLayer::require_key) and no key |
-    /// | `idempotency.key_invalid` (or another [`KeyRejection::code`]) | no | the extractor refused the message |
+    /// | `idempotency.key_invalid` (or another [`KeyRejection::code`](crate::idempotency::KeyRejection::code)) | no | the extractor refused the message |
     /// | `idempotency.fingerprint_mismatch` | no | the key came before with another fingerprint |
     /// | `idempotency.not_replayable` | no | the handler ran, but its outcome was too large to keep (or not serialisable) |
     /// | `idempotency.outcome_undecodable` | no | the stored outcome does not decode into the outcome type (it changed since) |
