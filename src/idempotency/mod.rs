@@ -156,7 +156,9 @@
 //!
 //! Every event is inside an `idempotency` span, itself inside the request's correlation
 //! span, except `idempotency.rejected`, which refuses a request before it is scoped and
-//! so has only the correlation span. The span's fields: `idempotency_key`, the key as
+//! so has only the correlation span (and, on a route whose key is in the body, the
+//! refusals of the body, `idempotency.body_too_large`, `idempotency.overloaded` and
+//! `idempotency.body_unreadable`, which come before its key is known). The span's fields: `idempotency_key`, the key as
 //! sent (already checked to be 1 to 255 visible ASCII characters, so safe in a log
 //! line, and what a log search for a user action needs), and `scope` and `client`,
 //! short hex prefixes of hashes: the client's credential never reaches a log line.
