@@ -467,6 +467,10 @@ impl InvalidCorrelationId {
         Self::new(Reason::MultipleValues)
     }
 
+    pub(crate) fn not_visible_ascii() -> Self {
+        Self::new(Reason::NotVisibleAscii)
+    }
+
     /// A short stable code for the reason: `empty`, `too_long`, `not_visible_ascii`,
     /// `invalid_character`, `multiple_values`, or a custom validator's code.
     pub fn code(&self) -> &'static str {

@@ -78,6 +78,15 @@
 //!    task-local read by [`CorrelationId::current`].
 //! 4. Echoes the ID on the response header, unless the handler set that header.
 //!
+//! # Messages
+//!
+//! A message consumer has no layer in front of it: [`MessageCorrelation`] reads the ID
+//! from a message's headers through a [`Carrier`] (`http::HeaderMap`, and with the
+//! `amqp` feature lapin's `FieldTable`) or from its envelope, validates it as the layer
+//! does, extends it per delivery ([`CorrelationId::extend_redelivery`]), and writes it
+//! into the headers of the messages the handler sends. Run the handler in
+//! [`CorrelationId::scope`] to put it in the span and the task-local.
+//!
 //! # Layer order
 //!
 //! Put `CorrelationLayer` outermost, or just inside tower-http's `SetRequestId` when you
@@ -137,6 +146,7 @@
 //! | `correlation.replacing` / `correlation.replaced` | INFO | replace, combine, restore, or an extension past the bound |
 //! | `correlation.restore_rejected` | WARN | [`restore`](CorrelationId::restore) was given an invalid ID |
 
+mod carrier;
 mod future;
 mod id;
 mod layer;
@@ -152,6 +162,7 @@ use http::HeaderName;
 #[cfg(feature = "axum")]
 pub use self::extract::CorrelationLayerMissing;
 pub use self::{
+    carrier::{Carrier, MessageCorrelation},
     future::ResponseFuture,
     id::{
         CorrelationId, DefaultValidator, InvalidCorrelationId, ValidateCorrelationId,

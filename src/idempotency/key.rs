@@ -38,6 +38,13 @@ impl IdempotencyKey {
         Ok(Self(text.into()))
     }
 
+    /// Takes `text` as it is, as a key from a message or a body field, where no header
+    /// quoting applies: 1 to [`MAX_KEY_LEN`] visible ASCII characters, else refused.
+    pub fn new(text: &str) -> Result<Self, InvalidIdempotencyKey> {
+        check_visible(text, MAX_KEY_LEN)?;
+        Ok(Self(text.into()))
+    }
+
     /// The key as text.
     pub fn as_str(&self) -> &str {
         &self.0

@@ -5,9 +5,11 @@ use tower_layer::Layer;
 
 use super::{
     budget::Budget,
+    extract::{ExtractKey, KeyFromHeaders},
     lease::KeptOutcomes,
+    replay::OnReplay,
     store::{IdempotencyStore, MokaStore},
-    Idempotency, NoClient, NoEpoch, ATTEMPT_ID, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY,
+    Idempotency, NoClient, NoEpoch, ATTEMPT_ID,
 };
 use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
 
@@ -75,7 +77,8 @@ pub(super) type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 
 #[derive(Clone)]
 pub(super) struct Settings {
-    pub(super) key_headers: Vec<HeaderName>,
+    pub(super) key: Arc<dyn ExtractKey>,
+    pub(super) on_replay: Option<Arc<dyn OnReplay>>,
     pub(super) methods: Vec<Method>,
     pub(super) require_key: bool,
     pub(super) require_client: bool,
@@ -152,7 +155,8 @@ impl<St> IdempotencyLayer<St> {
             identify: NoClient,
             epoch: NoEpoch,
             settings: Arc::new(Settings {
-                key_headers: vec![IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY],
+                key: Arc::new(KeyFromHeaders::default()),
+                on_replay: None,
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
                 require_client: false,
@@ -252,8 +256,28 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// The headers the key is read from, in order. Default `Idempotency-Key` and
     /// `X-Idempotency-Key`; when several are present, or one is repeated, they must
     /// name the same key (see [`IdempotencyKey::from_headers`](super::IdempotencyKey::from_headers)).
+    ///
+    /// Shorthand for `.key(KeyFromHeaders::new(names))`.
     pub fn key_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.settings().key_headers = names.into_iter().collect();
+        self.settings().key = Arc::new(KeyFromHeaders::new(names));
+        self
+    }
+
+    /// Where the key comes from: the headers ([`KeyFromHeaders`], the default), a field
+    /// of the JSON body ([`KeyFromJson`](super::KeyFromJson), which can name the client
+    /// too), or a closure over the request's parts and body. Scope, fingerprint and
+    /// every guarantee stay the same; see [`ExtractKey`] for the answers.
+    pub fn key(mut self, extract: impl ExtractKey) -> Self {
+        self.settings().key = Arc::new(extract);
+        self
+    }
+
+    /// Adjusts what duplicates of this route get (status, headers, body) from a copy
+    /// of the stored response; the record itself never changes. See [`OnReplay`], and
+    /// [`JsonReplayMarker`](super::JsonReplayMarker) for `200` with `"replay": true`.
+    /// Default: the stored response as it is.
+    pub fn on_replay(mut self, hook: impl OnReplay) -> Self {
+        self.settings().on_replay = Some(Arc::new(hook));
         self
     }
 

@@ -35,6 +35,8 @@
 //!
 //! # The contract
 //!
+//! (For messages rather than HTTP requests, see [`message`].)
+//!
 //! - **Key**: `Idempotency-Key`, or `X-Idempotency-Key` (both present and different:
 //!   `400 idempotency.keys_disagree`; one of them repeated with different values:
 //!   `400 idempotency.key_repeated`; repeated with the same key: accepted, see
@@ -44,6 +46,14 @@
 //!   default. With
 //!   [`require_key`](IdempotencyLayer::require_key) a covered request without a key is
 //!   `400`; otherwise it passes through untouched.
+//! - **Key from the payload**: with [`key`](IdempotencyLayer::key) the key comes from
+//!   an [`ExtractKey`] instead: [`KeyFromJson`] (a string field of the JSON body,
+//!   named by a JSON pointer, optionally with a client field:
+//!   `KeyFromJson::new("/correlation_id").client("/partner_id")`), or a closure over
+//!   the request's parts and its buffered body. The body is then read before the key
+//!   is known (within the same limits); a body that is not JSON is `400
+//!   idempotency.body_not_json`, a key field that is not a string `400
+//!   idempotency.key_invalid`, a missing client field `400 idempotency.client_invalid`.
 //! - **Scope**: client + method + path (+ the query, with
 //!   [`scope_query`](IdempotencyLayer::scope_query)) + key, hashed. The client comes
 //!   from an [`IdentifyClient`] (an API key header, the `Authorization` credentials, an
@@ -72,7 +82,10 @@
 //!   replay or a second run.
 //! - **Duplicate**: the stored status, headers and body; the per-attempt headers
 //!   (correlation ID, `attempt-id`, `Date`) are this attempt's. `Set-Cookie` is stored
-//!   but not replayed (see [`not_replayed`](IdempotencyLayer::not_replayed)).
+//!   but not replayed (see [`not_replayed`](IdempotencyLayer::not_replayed)). A
+//!   per-route [`on_replay`](IdempotencyLayer::on_replay) hook ([`OnReplay`]) may
+//!   adjust a copy of it (say `200` with `"replay": true`, [`JsonReplayMarker`]); the
+//!   stored record never changes.
 //! - **In flight**: a duplicate of a request still running gets `409` with
 //!   `Retry-After`, or, with [`InFlight::Wait`], waits for the outcome and replays it.
 //!   Either way the handler runs once.
@@ -126,6 +139,7 @@
 //! | `400` | `idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
 //! | `400` | `idempotency.client_invalid` | the [`IdentifyClient`] refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`InvalidClient`]) |
 //! | `400` | `idempotency.body_unreadable` | the request body failed mid-read |
+//! | `400` | `idempotency.body_not_json` | the key is read from the JSON body ([`KeyFromJson`]) and the body is not JSON |
 //! | `401` | `idempotency.client_missing` | with [`require_client`](IdempotencyLayer::require_client): a key but no client; no `WWW-Authenticate` (the authentication in front knows the scheme, this layer does not) |
 //! | `409` | `idempotency.in_flight` | a request with this key is running |
 //! | `409` | `idempotency.original_failed` | the request waited on failed; retry |
@@ -142,7 +156,9 @@
 //!
 //! Every event is inside an `idempotency` span, itself inside the request's correlation
 //! span, except `idempotency.rejected`, which refuses a request before it is scoped and
-//! so has only the correlation span. The span's fields: `idempotency_key`, the key as
+//! so has only the correlation span (and, on a route whose key is in the body, the
+//! refusals of the body, `idempotency.body_too_large`, `idempotency.overloaded` and
+//! `idempotency.body_unreadable`, which come before its key is known). The span's fields: `idempotency_key`, the key as
 //! sent (already checked to be 1 to 255 visible ASCII characters, so safe in a log
 //! line, and what a log search for a user action needs), and `scope` and `client`,
 //! short hex prefixes of hashes: the client's credential never reaches a log line.
@@ -152,7 +168,8 @@
 //! - INFO: `idempotency.replayed`, `idempotency.stored`, `idempotency.released`,
 //!   `idempotency.in_flight`, `idempotency.not_replayable`,
 //!   `idempotency.original_failed`.
-//! - WARN: `idempotency.rejected` (the `400`s and the `401` on headers, with `reason`,
+//! - WARN: `idempotency.rejected` (the `400`s and the `401` on the key, the client or
+//!   the headers, with `reason`,
 //!   `detail` in the layer's own words, and `status`), `idempotency.conflict` (`422`),
 //!   `idempotency.epoch_mismatch`, `idempotency.body_too_large`,
 //!   `idempotency.body_unreadable`, `idempotency.overloaded` (with `budget_bytes` and
@@ -210,9 +227,12 @@
 
 mod budget;
 mod epoch;
+mod extract;
 mod key;
 mod layer;
 mod lease;
+pub mod message;
+mod replay;
 mod scope;
 mod service;
 pub mod store;
@@ -223,6 +243,9 @@ pub use self::{
     epoch::{
         EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch, IDEMPOTENCY_EPOCH,
     },
+    extract::{
+        ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeaders, KeyFromJson, KeyRejection,
+    },
     key::{
         AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY,
         MAX_ATTEMPT_ID_LEN, MAX_KEY_LEN, X_IDEMPOTENCY_KEY,
@@ -232,6 +255,7 @@ pub use self::{
         DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_REQUEST_BYTES,
         DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
+    replay::{JsonReplayMarker, OnReplay, ReplayInfo},
     scope::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,
         IdentifyClient, IntoClientIdentity, InvalidClient, NoClient, ScopeKey,

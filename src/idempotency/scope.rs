@@ -22,6 +22,18 @@ impl ClientId {
     pub fn short(&self) -> String {
         hex::encode(&self.0[..8])
     }
+
+    /// The client `inner` as seen by `self`: one identity naming both, for a request
+    /// whose caller is `self` (say, the API key the authentication checked) and whose
+    /// payload names `inner` (say, the body's `partner_id`). Keys of one `inner` under
+    /// two callers never meet, and neither meets the keys of `self` alone.
+    pub fn and(&self, inner: &ClientId) -> Self {
+        let mut digest = Sha256::new();
+        digest.update(b"tower-ids.client-pair.v1\0");
+        digest.update(self.0);
+        digest.update(inner.0);
+        Self(digest.finalize().into())
+    }
 }
 
 /// The first 8 bytes in hex, as [`short`](Self::short), written without allocating.

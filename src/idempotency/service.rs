@@ -17,8 +17,10 @@ use tracing::Instrument as _;
 
 use super::{
     budget::Reservation,
+    extract::{ExtractedKey, KeyRejection},
     layer::{InFlight, Settings, StoreFailure},
     lease::{KeptOutcomes, LeaseGuard},
+    replay::{self, ReplayInfo},
     store::{Begin, Chain, Claim, IdempotencyStore, MokaStore, Record, Settled, StoredResponse},
     AttemptId, ClientId, ExtractEpoch, Fingerprint, IdempotencyKey, IdentifyClient, NoClient,
     NoEpoch, ScopeKey, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT,
@@ -176,78 +178,160 @@ where
             Ok(attempt) => attempt,
             Err(error) => return boxed(ready(reject_key(&error, None))),
         };
-        let key = match IdempotencyKey::from_headers(request.headers(), &settings.key_headers) {
-            Ok(Some(key)) => key,
-            Ok(None) if settings.require_key => {
-                return boxed(ready(refuse(
-                    StatusCode::BAD_REQUEST,
-                    "missing",
-                    "idempotency.key_missing",
-                    "Missing idempotency key",
-                    "this route requires an Idempotency-Key header, the same on every retry".into(),
-                    attempt.as_ref(),
-                )));
-            }
-            Ok(None) => return boxed(pass_through(inner, request, attempt)),
-            Err(error) => return boxed(ready(reject_key(&error, attempt.as_ref()))),
-        };
-        let epoch = match self.epoch.extract_epoch(&request) {
-            Ok(epoch) => epoch,
-            Err(error) => {
-                return boxed(ready(refuse(
-                    StatusCode::BAD_REQUEST,
-                    "epoch_invalid",
-                    "idempotency.epoch_invalid",
-                    "Invalid epoch",
-                    error.to_string(),
-                    attempt.as_ref(),
-                )));
-            }
-        };
-        let client = match self.identify.identify_client(&request) {
-            Ok(client) => client,
-            Err(error) => return boxed(ready(reject_client(&error, attempt.as_ref()))),
-        };
-        if client.is_none() && settings.require_client {
-            return boxed(ready(refuse(
-                StatusCode::UNAUTHORIZED,
-                "client_missing",
-                "idempotency.client_missing",
-                "Client not identified",
-                "this route keeps idempotency keys per client, and this request names none; send your credentials".into(),
-                attempt.as_ref(),
-            )));
-        }
-        let uri = request.uri();
-        let query = if settings.include_query {
-            uri.query()
-        } else {
-            None
-        };
-        let scope = ScopeKey::new(client.as_ref(), request.method(), uri.path(), query, &key);
-        let protected = Protected {
-            key,
-            client,
-            scope,
+        // Read from the head now (the body type changes once it is read), applied once
+        // the key is known: a request without a key never hears of them.
+        let identity = Identity {
+            epoch: self.epoch.extract_epoch(&request),
+            client: self.identify.identify_client(&request),
             attempt,
-            epoch,
         };
         let claimed = Arc::new(AtomicBool::new(false));
-        let work = run(
-            inner,
-            self.store.clone(),
-            self.kept.clone(),
-            settings,
-            request,
-            protected,
-            claimed.clone(),
-        );
+        let store = self.store.clone();
+        let kept = self.kept.clone();
+        let work = if settings.key.reads_body() {
+            // The key is in the body: read it first (within the limits), then decide.
+            Box::pin(run_keyed_by_body(
+                inner,
+                store,
+                kept,
+                settings,
+                request,
+                identity,
+                claimed.clone(),
+            )) as BoxFuture<ResBody, S::Error>
+        } else {
+            let (parts, body) = request.into_parts();
+            let extracted = settings.key.extract_key(&parts, &Bytes::new());
+            let protected = protect(&settings, extracted, identity, &parts);
+            let request = Request::from_parts(parts, body);
+            let protected = match protected {
+                Decided::Protected(protected) => protected,
+                Decided::PassThrough(attempt) => {
+                    return boxed(pass_through(inner, request, attempt))
+                }
+                Decided::Refused(refused) => return boxed(ready(refused)),
+            };
+            Box::pin(run(
+                inner,
+                store,
+                kept,
+                settings,
+                request,
+                protected,
+                claimed.clone(),
+            ))
+        };
         ResponseFuture {
-            inner: Some(Box::pin(work)),
+            inner: Some(work),
             claimed: Some(claimed),
             unwinding: false,
         }
     }
+}
+
+/// What the head of a covered request says besides its key, read before its body.
+struct Identity {
+    epoch: Result<Option<u64>, super::InvalidEpoch>,
+    client: Result<Option<ClientId>, super::InvalidClient>,
+    attempt: Option<AttemptId>,
+}
+
+/// What a covered request is, once its key is extracted.
+enum Decided<B> {
+    Protected(Protected),
+    /// No key, and none required: passed through, with its attempt ID echoed.
+    PassThrough(Option<AttemptId>),
+    /// A `400` or `401`.
+    Refused(Response<Body<B>>),
+}
+
+/// Decides what a covered request is, once its key is extracted.
+fn protect<B>(
+    settings: &Settings,
+    extracted: Result<Option<ExtractedKey>, KeyRejection>,
+    identity: Identity,
+    parts: &http::request::Parts,
+) -> Decided<B> {
+    let Identity {
+        epoch,
+        client,
+        attempt,
+    } = identity;
+    let (key, named) = match extracted {
+        Ok(Some(extracted)) => extracted.into_parts(),
+        Ok(None) if settings.require_key => {
+            return Decided::Refused(refuse(
+                StatusCode::BAD_REQUEST,
+                "missing",
+                "idempotency.key_missing",
+                "Missing idempotency key",
+                settings.key.missing_detail().into_owned(),
+                attempt.as_ref(),
+            ));
+        }
+        Ok(None) => return Decided::PassThrough(attempt),
+        Err(rejection) => {
+            return Decided::Refused(refuse(
+                StatusCode::BAD_REQUEST,
+                rejection.reason(),
+                rejection.code(),
+                rejection.title(),
+                rejection.to_string(),
+                attempt.as_ref(),
+            ));
+        }
+    };
+    let epoch = match epoch {
+        Ok(epoch) => epoch,
+        Err(error) => {
+            return Decided::Refused(refuse(
+                StatusCode::BAD_REQUEST,
+                "epoch_invalid",
+                "idempotency.epoch_invalid",
+                "Invalid epoch",
+                error.to_string(),
+                attempt.as_ref(),
+            ));
+        }
+    };
+    let client = match client {
+        Ok(client) => client,
+        Err(error) => return Decided::Refused(reject_client(&error, attempt.as_ref())),
+    };
+    // The client the payload names, within the one the head names.
+    let client = match (client, named) {
+        (Some(caller), Some(named)) => Some(caller.and(&named)),
+        (caller, named) => caller.or(named),
+    };
+    if client.is_none() && settings.require_client {
+        return Decided::Refused(refuse(
+            StatusCode::UNAUTHORIZED,
+            "client_missing",
+            "idempotency.client_missing",
+            "Client not identified",
+            "this route keeps idempotency keys per client, and this request names none; send your credentials".into(),
+            attempt.as_ref(),
+        ));
+    }
+    let query = if settings.include_query {
+        parts.uri.query()
+    } else {
+        None
+    };
+    let scope = ScopeKey::new(
+        client.as_ref(),
+        &parts.method,
+        parts.uri.path(),
+        query,
+        &key,
+    );
+    Decided::Protected(Protected {
+        key,
+        client,
+        scope,
+        attempt,
+        epoch,
+    })
 }
 
 fn boxed<B, E>(
@@ -382,27 +466,107 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let attempt = protected.attempt.clone();
-    let attempt = attempt.as_ref();
-    let key = protected.key.as_str();
-    // Formatted only if a subscriber records the span.
-    let client: &(dyn std::fmt::Display + Sync) = match &protected.client {
-        Some(client) => client,
-        None => &"none",
-    };
-    let span = tracing::info_span!(
-        "idempotency",
-        idempotency_key = key,
-        scope = %protected.scope,
-        client = %client,
-    );
+    let span = idempotency_span(&protected);
     async move {
         // The body's bytes of the layer's budget, held until this work ends (dropped
         // with it on every path, including a cancelled or abandoned future).
         let (request, _budget) = match read_body(request, &settings).await {
             Ok(read) => read,
-            Err(refused) => return Ok(finish(refused, attempt)),
+            Err(refused) => return Ok(finish(refused, protected.attempt.as_ref())),
         };
+        deduplicate(inner, store, kept, settings, request, protected, claimed).await
+    }
+    .instrument(span)
+    .await
+}
+
+/// The `idempotency` span of a protected request.
+fn idempotency_span(protected: &Protected) -> tracing::Span {
+    // Formatted only if a subscriber records the span.
+    let client: &(dyn std::fmt::Display + Sync) = match &protected.client {
+        Some(client) => client,
+        None => &"none",
+    };
+    tracing::info_span!(
+        "idempotency",
+        idempotency_key = protected.key.as_str(),
+        scope = %protected.scope,
+        client = %client,
+    )
+}
+
+/// [`run`] for a route whose key is in the body: the body is read (within the limits,
+/// before the idempotency span, as a refusal of the head is), the key extracted, and
+/// the request deduplicated, passed through without a key, or refused.
+async fn run_keyed_by_body<S, St, ReqBody, ResBody>(
+    mut inner: S,
+    store: Arc<St>,
+    kept: Arc<KeptOutcomes>,
+    settings: Arc<Settings>,
+    request: Request<ReqBody>,
+    identity: Identity,
+    claimed: Arc<AtomicBool>,
+) -> Result<Response<Body<ResBody>>, S::Error>
+where
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let (request, _budget) = match read_body(request, &settings).await {
+        Ok(read) => read,
+        Err(refused) => return Ok(finish(refused, identity.attempt.as_ref())),
+    };
+    let (parts, body) = request.into_parts();
+    let extracted = settings
+        .key
+        .extract_key(&parts, &body.complete_bytes().unwrap_or_default());
+    let protected = protect(&settings, extracted, identity, &parts);
+    let request = Request::from_parts(parts, body);
+    match protected {
+        Decided::Protected(protected) => {
+            let span = idempotency_span(&protected);
+            deduplicate(inner, store, kept, settings, request, protected, claimed)
+                .instrument(span)
+                .await
+        }
+        Decided::PassThrough(attempt) => {
+            let response = inner.call(request).await?;
+            Ok(finish(response.map(Body::inner), attempt.as_ref()))
+        }
+        Decided::Refused(refused) => Ok(refused),
+    }
+}
+
+/// Claims the key of a protected request whose body is read, then runs it, replays
+/// its outcome or refuses it.
+async fn deduplicate<S, St, ReqBody, ResBody>(
+    inner: S,
+    store: Arc<St>,
+    kept: Arc<KeptOutcomes>,
+    settings: Arc<Settings>,
+    request: Request<Body<ReqBody>>,
+    protected: Protected,
+    claimed: Arc<AtomicBool>,
+) -> Result<Response<Body<ResBody>>, S::Error>
+where
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let attempt = protected.attempt.clone();
+    let attempt = attempt.as_ref();
+    // A block of its own: this was the body of `run`'s instrumented future.
+    {
         let fingerprint = fingerprint(&request);
         let claim = Claim {
             fingerprint,
@@ -455,7 +619,10 @@ where
         match begin {
             Begin::Claimed { lease } => {
                 claimed.store(true, Ordering::Release);
-                tracing::debug!(event = "idempotency.accepted", "idempotency key accepted; running the request");
+                tracing::debug!(
+                    event = "idempotency.accepted",
+                    "idempotency key accepted; running the request"
+                );
                 let guard = LeaseGuard::new(store, protected.scope, claim, lease, kept);
                 // Boxed, so the replay path's future stays small.
                 Box::pin(execute(
@@ -475,7 +642,13 @@ where
                 if record.epoch != protected.epoch {
                     return Ok(epoch_mismatch(record.epoch, protected.epoch, attempt));
                 }
-                Ok(settled(&record, fingerprint, request_count, attempt, &settings))
+                Ok(settled(
+                    &record,
+                    fingerprint,
+                    request_count,
+                    attempt,
+                    &settings,
+                ))
             }
             Begin::InFlight {
                 fingerprint: running,
@@ -490,14 +663,21 @@ where
                     return Ok(conflict(attempt));
                 }
                 match settings.in_flight {
-                    InFlight::Reject { retry_after } => {
-                        Ok(in_flight(first_seen, Some(request_count), retry_after, attempt))
-                    }
+                    InFlight::Reject { retry_after } => Ok(in_flight(
+                        first_seen,
+                        Some(request_count),
+                        retry_after,
+                        attempt,
+                    )),
                     InFlight::Wait { timeout } => {
                         match store.wait(&protected.scope, timeout).await {
-                            Ok(Settled::Completed { record }) => {
-                                Ok(settled(&record, fingerprint, request_count, attempt, &settings))
-                            }
+                            Ok(Settled::Completed { record }) => Ok(settled(
+                                &record,
+                                fingerprint,
+                                request_count,
+                                attempt,
+                                &settings,
+                            )),
                             Ok(Settled::TimedOut) => Ok(in_flight(
                                 first_seen,
                                 Some(request_count),
@@ -517,7 +697,10 @@ where
                                     "the request with this key that was running failed and stored nothing; retry to run it again",
                                 );
                                 Ok(finish(
-                                    with_retry_after(problem.into_response(), Duration::from_secs(1)),
+                                    with_retry_after(
+                                        problem.into_response(),
+                                        Duration::from_secs(1),
+                                    ),
                                     attempt,
                                 ))
                             }
@@ -537,8 +720,6 @@ where
             }
         }
     }
-    .instrument(span)
-    .await
 }
 
 fn store_unavailable<B>() -> Response<Body<B>> {
@@ -654,7 +835,7 @@ fn settled<B>(
         original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
         "replayed the stored response"
     );
-    let mut response = Response::new(Body::complete(stored.body.clone()));
+    let mut response = Response::new(stored.body.clone());
     *response.status_mut() = stored.status;
     let headers = response.headers_mut();
     headers.reserve(stored.headers.len() + 5);
@@ -663,6 +844,17 @@ fn settled<B>(
             headers.append(name.clone(), value.clone());
         }
     }
+    // The route's hook adjusts this copy; the stored record stays as it is.
+    if let Some(hook) = &settings.on_replay {
+        let info = ReplayInfo {
+            request_count,
+            first_seen: record.first_seen,
+            original_attempt: record.original_attempt.clone(),
+        };
+        response = replay::apply(&**hook, response, &info);
+    }
+    let mut response = response.map(Body::complete);
+    let headers = response.headers_mut();
     replay_headers(headers, record, request_count);
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     if let Some(attempt) = attempt {

@@ -12,6 +12,8 @@ mod faults;
 
 mod stress;
 
+mod payload;
+
 use std::{
     sync::{
         atomic::{AtomicUsize, Ordering},

@@ -1,0 +1,707 @@
+//! Control signals over AMQP (RabbitMQ), as the swarm contract says: every signal
+//! carries a `correlationId` (new per attempt) and an `idempotencyKey` (one per user
+//! action); the controller deduplicates on `(swarmId, signal, idempotencyKey)` and
+//! every outcome echoes both.
+//!
+//! ```sh
+//! # RabbitMQ on 127.0.0.1:5672 (guest/guest), then in two terminals:
+//! cargo run --example control_plane --features amqp -- controller
+//! cargo run --example control_plane --features amqp -- orchestrator --swarm swarm-42 --signal swarm-start
+//! ```
+//!
+//! # Orchestrator (`orchestrator`)
+//!
+//! Sends one signal for one user action: a fresh `idempotencyKey` (or `--key`), and per
+//! attempt a fresh `correlationId`. It waits `--timeout-ms` for the outcome (matched on
+//! the key and the signal, so a late outcome of an earlier attempt counts) and sends
+//! again on a timeout, up to `--attempts`; prints the outcome as one JSON line on
+//! stdout (its logs go to stderr) and exits 0, or exits 1 when none came.
+//!
+//! # Controller (`controller`)
+//!
+//! Consumes `sig.#` from its queue with manual acks. Per delivery: the correlation ID
+//! from the `x-correlation-id` header (or the envelope's `correlationId`), extended for
+//! the delivery (`attempt-001.Aq9`), in the span of every log line; the signal through
+//! the [`MessageIdempotencyLayer`], keyed on `(swarmId, type, idempotencyKey)` with the
+//! signal's `data` as fingerprint; the handler sleeps `--handler-ms`, appends one line
+//! to `--executions-file` (if given) and builds the outcome. The outcome (the stored
+//! one, unchanged, on a duplicate) is published to `ev.outcome.<type>.<swarmId>` with a
+//! publisher confirm, then the delivery is acked. A duplicate of a signal in flight is
+//! requeued after a second (`--in-flight requeue`, the default) or waits for the outcome
+//! (`--in-flight wait`). With `--redis-url` (feature `redis`) the records are in Redis,
+//! shared by every controller on the queue and kept across their restarts; otherwise
+//! in memory.
+//!
+//! `--ack-delay-ms` sleeps between publishing the outcome and acking: the window in
+//! which the tests kill it.
+//!
+//! # Topology
+//!
+//! | Name | Default | |
+//! |---|---|---|
+//! | exchange | `ph.control` | topic, durable |
+//! | controller queue | `ph.control.swarm-controller` | durable, bound to `sig.#` |
+//! | signal routing key | `sig.<type>.<swarmId>` | persistent messages |
+//! | outcome routing key | `ev.outcome.<type>.<swarmId>` | |
+//!
+//! # Events (the `event` field)
+//!
+//! `controller.ready`, `controller.received`, `controller.executed` (the handler ran),
+//! `controller.outcome_published` (with `replayed`), `controller.acked`,
+//! `controller.requeued`, `controller.rejected`; `orchestrator.sent`,
+//! `orchestrator.timeout`, `orchestrator.outcome`; and the idempotency layer's
+//! (`idempotency.replayed`, `idempotency.stored`, ...).
+
+use std::{
+    convert::Infallible,
+    io::Write as _,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime},
+};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use futures_util::StreamExt as _;
+use lapin::{
+    message::Delivery,
+    options::{
+        BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
+        BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+        QueueBindOptions, QueueDeclareOptions,
+    },
+    types::FieldTable,
+    BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tower::{service_fn, Service, ServiceBuilder, ServiceExt as _};
+use tower_ids::{
+    correlation::{CorrelationId, MessageCorrelation},
+    idempotency::{
+        message::{Handled, MessageIdempotencyLayer, MessageKey},
+        store::IdempotencyStore,
+        IdempotencyKey, InFlight, KeyRejection, MokaStore,
+    },
+};
+use tracing::Instrument as _;
+use tracing_subscriber::fmt::writer::BoxMakeWriter;
+
+#[derive(Parser, Debug)]
+#[command(about = "Control signals over AMQP with correlation IDs and idempotency keys")]
+struct Cli {
+    /// The broker.
+    #[arg(
+        long,
+        global = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    amqp_url: String,
+    /// The topic exchange signals and outcomes go through.
+    #[arg(long, global = true, default_value = "ph.control")]
+    exchange: String,
+    /// `text` or `json` (one object per line, with the span fields).
+    #[arg(long, global = true, default_value = "text")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    role: Role,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand, Debug)]
+enum Role {
+    /// Consume signals, run each command once, publish outcomes.
+    Controller(ControllerArgs),
+    /// Send one signal, retrying on a timeout, and print its outcome.
+    Orchestrator(OrchestratorArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ControllerArgs {
+    /// The queue this controller (and its replicas) consume.
+    #[arg(long, default_value = "ph.control.swarm-controller")]
+    queue: String,
+    /// This controller's name, in the outcomes' `origin`.
+    #[arg(long, default_value = "swarm-controller-1")]
+    instance: String,
+    /// Keep the idempotency records in Redis (feature `redis`).
+    #[arg(long)]
+    redis_url: Option<String>,
+    /// How long executing a signal takes.
+    #[arg(long, default_value_t = 200)]
+    handler_ms: u64,
+    /// Pause between publishing an outcome and acking its delivery.
+    #[arg(long, default_value_t = 0)]
+    ack_delay_ms: u64,
+    /// Append one line per execution (not per delivery) to this file.
+    #[arg(long)]
+    executions_file: Option<PathBuf>,
+    /// A duplicate of a signal in flight: `requeue` it, or `wait` for the outcome.
+    #[arg(long, default_value = "requeue")]
+    in_flight: InFlightMode,
+    /// Deliveries handled at once (the channel's prefetch).
+    #[arg(long, default_value_t = 16)]
+    prefetch: u16,
+    /// How long a killed controller's keys stay claimed.
+    #[arg(long, default_value_t = 10_000)]
+    lease_ms: u64,
+    /// How long outcomes are kept for duplicates.
+    #[arg(long, default_value_t = 24 * 60 * 60)]
+    retention_secs: u64,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum InFlightMode {
+    Requeue,
+    Wait,
+}
+
+#[derive(clap::Args, Debug)]
+struct OrchestratorArgs {
+    #[arg(long, default_value = "swarm-42")]
+    swarm: String,
+    /// `swarm-start` or `swarm-stop`.
+    #[arg(long, default_value = "swarm-start")]
+    signal: String,
+    /// The user action's key; a fresh UUIDv7 when not given.
+    #[arg(long)]
+    key: Option<String>,
+    /// How long to wait for the outcome of one attempt.
+    #[arg(long, default_value_t = 2_000)]
+    timeout_ms: u64,
+    #[arg(long, default_value_t = 5)]
+    attempts: u32,
+    #[arg(long, default_value = "orchestrator-1")]
+    origin: String,
+}
+
+/// The envelope of signals and outcomes (`kind=signal` / `kind=outcome`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct Envelope {
+    timestamp: String,
+    version: String,
+    kind: String,
+    #[serde(rename = "type")]
+    kind_of: String,
+    origin: String,
+    scope: Scope,
+    correlation_id: Option<String>,
+    idempotency_key: Option<String>,
+    #[serde(default)]
+    data: Value,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct Scope {
+    swarm_id: String,
+    role: String,
+    instance: Option<String>,
+}
+
+fn now() -> String {
+    time::OffsetDateTime::from(SystemTime::now())
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "info,lapin=warn".into());
+    // The orchestrator prints its outcome on stdout, so it logs to stderr.
+    let writer = match cli.role {
+        Role::Controller(_) => BoxMakeWriter::new(std::io::stdout),
+        Role::Orchestrator(_) => BoxMakeWriter::new(std::io::stderr),
+    };
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer);
+    match cli.log_format {
+        LogFormat::Json => logs
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+        LogFormat::Text => logs.init(),
+    }
+    let connection = Connection::connect(&cli.amqp_url, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .exchange_declare(
+            cli.exchange.as_str().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    match cli.role {
+        Role::Controller(args) => controller(channel, cli.exchange, args).await,
+        Role::Orchestrator(args) => {
+            let outcome = orchestrator(channel, cli.exchange, args).await?;
+            let _ = connection.close(200, "done".into()).await;
+            match outcome {
+                Some(outcome) => {
+                    println!("{}", serde_json::to_string(&outcome)?);
+                    Ok(())
+                }
+                None => std::process::exit(1),
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------
+// Controller
+// ----------------------------------------------------------------------------------
+
+/// What the handler gets: the signal's envelope.
+struct Signal(Envelope);
+
+/// `(swarmId, type, idempotencyKey)`, the data as fingerprint.
+fn signal_key(signal: &Signal) -> Result<Option<MessageKey>, KeyRejection> {
+    let envelope = &signal.0;
+    let Some(key) = &envelope.idempotency_key else {
+        return Ok(None);
+    };
+    let key = IdempotencyKey::new(key)?;
+    Ok(Some(
+        MessageKey::new(key)
+            .scope(&envelope.scope.swarm_id)
+            .scope(&envelope.kind_of)
+            .fingerprint(envelope.data.to_string()),
+    ))
+}
+
+async fn controller(
+    channel: Channel,
+    exchange: String,
+    args: ControllerArgs,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    #[cfg(feature = "redis")]
+    if let Some(url) = &args.redis_url {
+        let store = tower_ids::idempotency::store::RedisStore::builder(url.as_str())
+            .build()
+            .await?;
+        return consume(channel, exchange, args, store).await;
+    }
+    #[cfg(not(feature = "redis"))]
+    if args.redis_url.is_some() {
+        return Err("--redis-url needs the redis feature".into());
+    }
+    consume(channel, exchange, args, MokaStore::new()).await
+}
+
+async fn consume<St: IdempotencyStore>(
+    channel: Channel,
+    exchange: String,
+    args: ControllerArgs,
+    store: St,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    channel
+        .queue_declare(
+            args.queue.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .queue_bind(
+            args.queue.as_str().into(),
+            exchange.as_str().into(),
+            "sig.#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .basic_qos(args.prefetch, BasicQosOptions::default())
+        .await?;
+    let mut deliveries = channel
+        .basic_consume(
+            args.queue.as_str().into(),
+            args.instance.as_str().into(),
+            BasicConsumeOptions::default(), // manual acks
+            FieldTable::default(),
+        )
+        .await?;
+
+    let in_flight = match args.in_flight {
+        InFlightMode::Requeue => InFlight::Reject {
+            retry_after: Duration::from_secs(1),
+        },
+        InFlightMode::Wait => InFlight::Wait {
+            timeout: Duration::from_secs(30),
+        },
+    };
+    let executions = args
+        .executions_file
+        .as_ref()
+        .map(|path| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map(|file| Arc::new(Mutex::new(file)))
+        })
+        .transpose()?;
+    let instance = args.instance.clone();
+    let handler_time = Duration::from_millis(args.handler_ms);
+    // The command itself: runs once per (swarmId, type, idempotencyKey).
+    let execute = service_fn(move |Signal(signal): Signal| {
+        let executions = executions.clone();
+        let instance = instance.clone();
+        async move {
+            tokio::time::sleep(handler_time).await;
+            let (status, retryable) = match signal.kind_of.as_str() {
+                "swarm-start" => ("Running", false),
+                "swarm-stop" => ("Stopped", false),
+                _ => ("Unsupported", false),
+            };
+            if let Some(file) = &executions {
+                let line = format!(
+                    "{} {} {} {} {}\n",
+                    signal.scope.swarm_id,
+                    signal.kind_of,
+                    signal.idempotency_key.as_deref().unwrap_or("-"),
+                    signal.correlation_id.as_deref().unwrap_or("-"),
+                    instance
+                );
+                let mut file = file.lock().unwrap_or_else(|e| e.into_inner());
+                let _ = file.write_all(line.as_bytes());
+                let _ = file.flush();
+            }
+            tracing::info!(event = "controller.executed", signal = %signal.kind_of, swarm = %signal.scope.swarm_id, status, "executed the signal");
+            Ok::<_, Infallible>(Envelope {
+                timestamp: now(),
+                version: "1".into(),
+                kind: "outcome".into(),
+                kind_of: signal.kind_of,
+                origin: format!("swarm-controller:{instance}"),
+                scope: Scope {
+                    instance: Some(instance.clone()),
+                    ..signal.scope
+                },
+                correlation_id: signal.correlation_id,
+                idempotency_key: signal.idempotency_key,
+                data: serde_json::json!({ "status": status, "retryable": retryable }),
+            })
+        }
+    });
+    let service = ServiceBuilder::new()
+        .layer(
+            MessageIdempotencyLayer::with_store(store, signal_key as fn(&Signal) -> _)
+                .require_key(true)
+                .in_flight(in_flight)
+                .lease(Duration::from_millis(args.lease_ms))
+                .ttl(Duration::from_secs(args.retention_secs)),
+        )
+        .service(execute);
+    let context = Arc::new(Context {
+        channel: channel.clone(),
+        exchange,
+        ack_delay: Duration::from_millis(args.ack_delay_ms),
+        correlation: MessageCorrelation::new(),
+    });
+    tracing::info!(event = "controller.ready", queue = %args.queue, instance = %args.instance, "consuming");
+
+    loop {
+        let delivery = tokio::select! {
+            delivery = deliveries.next() => delivery,
+            _ = tokio::signal::ctrl_c() => break,
+        };
+        let Some(delivery) = delivery else { break };
+        let delivery = delivery?;
+        let context = context.clone();
+        let service = service.clone();
+        tokio::spawn(async move {
+            // The delivery's ID: the publisher's, extended for this delivery.
+            let headers = delivery.properties.headers();
+            let id = match context.correlation.read(headers) {
+                Ok(Some(_)) | Err(_) => context.correlation.for_delivery(headers),
+                Ok(None) => {
+                    let envelope: Option<Envelope> = serde_json::from_slice(&delivery.data).ok();
+                    let from_envelope = envelope.and_then(|e| e.correlation_id);
+                    context.correlation.for_envelope(from_envelope.as_deref())
+                }
+            };
+            id.scope(handle(delivery, service, context)).await;
+        });
+    }
+    Ok(())
+}
+
+struct Context {
+    channel: Channel,
+    exchange: String,
+    ack_delay: Duration,
+    correlation: MessageCorrelation,
+}
+
+async fn handle<S>(delivery: Delivery, mut service: S, context: Arc<Context>)
+where
+    S: Service<Signal, Response = Handled<Envelope>, Error = Infallible>,
+{
+    let envelope: Envelope = match serde_json::from_slice(&delivery.data) {
+        Ok(envelope) => envelope,
+        Err(error) => {
+            tracing::warn!(event = "controller.rejected", reason = "not_an_envelope", error = %error, "not a signal envelope; rejected");
+            let _ = delivery.reject(BasicRejectOptions { requeue: false }).await;
+            return;
+        }
+    };
+    tracing::info!(
+        event = "controller.received",
+        signal = %envelope.kind_of,
+        swarm = %envelope.scope.swarm_id,
+        idempotency_key = envelope.idempotency_key.as_deref(),
+        redelivered = delivery.redelivered,
+        "signal received"
+    );
+    let handled = match service.ready().await {
+        Ok(ready) => ready.call(Signal(envelope)).await,
+        Err(never) => match never {},
+    };
+    let handled = match handled {
+        Ok(handled) => handled,
+        Err(never) => match never {},
+    };
+    match handled {
+        Handled::Ran(outcome) => publish_and_ack(&delivery, &outcome, false, &context).await,
+        Handled::Replayed { outcome, .. } => {
+            publish_and_ack(&delivery, &outcome, true, &context).await;
+        }
+        Handled::InFlight { retry_after } => requeue(&delivery, retry_after, "in_flight").await,
+        Handled::Refused(refusal) if refusal.retryable() => {
+            requeue(&delivery, Duration::from_secs(1), refusal.code()).await;
+        }
+        Handled::Refused(refusal) => {
+            tracing::warn!(
+                event = "controller.rejected",
+                reason = refusal.code(),
+                "signal refused; rejected"
+            );
+            let _ = delivery.reject(BasicRejectOptions { requeue: false }).await;
+        }
+    }
+}
+
+async fn requeue(delivery: &Delivery, after: Duration, reason: &str) {
+    tracing::info!(
+        event = "controller.requeued",
+        reason,
+        after_ms = after.as_millis() as u64,
+        "requeueing the signal"
+    );
+    tokio::time::sleep(after).await;
+    let _ = delivery
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        })
+        .await;
+}
+
+/// Publishes the outcome (confirmed by the broker), then acks the signal: a controller
+/// killed between the two gets the signal again and publishes the same outcome.
+async fn publish_and_ack(
+    delivery: &Delivery,
+    outcome: &Envelope,
+    replayed: bool,
+    context: &Context,
+) {
+    let routing = format!("ev.outcome.{}.{}", outcome.kind_of, outcome.scope.swarm_id);
+    let mut headers = FieldTable::default();
+    // This delivery's ID in the header; the envelope echoes the attempt that ran.
+    context.correlation.inject_current(&mut headers);
+    if let Some(key) = outcome
+        .idempotency_key
+        .as_deref()
+        .and_then(|key| IdempotencyKey::new(key).ok())
+    {
+        key.inject(&mut headers);
+    }
+    let body = match serde_json::to_vec(outcome) {
+        Ok(body) => body,
+        Err(_) => return,
+    };
+    let properties = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    let confirmed = async {
+        context
+            .channel
+            .basic_publish(
+                context.exchange.as_str().into(),
+                routing.as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                properties,
+            )
+            .await?
+            .await
+    }
+    .await;
+    if let Err(error) = confirmed {
+        tracing::warn!(event = "controller.publish_failed", error = %error, "could not publish the outcome; requeueing");
+        requeue(delivery, Duration::from_secs(1), "publish_failed").await;
+        return;
+    }
+    tracing::info!(
+        event = "controller.outcome_published",
+        replayed,
+        signal = %outcome.kind_of,
+        swarm = %outcome.scope.swarm_id,
+        idempotency_key = outcome.idempotency_key.as_deref(),
+        echoed_correlation_id = outcome.correlation_id.as_deref(),
+        "outcome published"
+    );
+    if !context.ack_delay.is_zero() {
+        tokio::time::sleep(context.ack_delay).await;
+    }
+    match delivery.ack(BasicAckOptions::default()).await {
+        Ok(_) => tracing::info!(event = "controller.acked", "signal acked"),
+        Err(error) => {
+            tracing::warn!(event = "controller.ack_failed", error = %error, "could not ack; the signal will be redelivered")
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------
+// Orchestrator
+// ----------------------------------------------------------------------------------
+
+async fn orchestrator(
+    channel: Channel,
+    exchange: String,
+    args: OrchestratorArgs,
+) -> Result<Option<Envelope>, Box<dyn std::error::Error + Send + Sync>> {
+    // A reply queue of its own, bound to this signal's outcomes.
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let outcomes_key = format!("ev.outcome.{}.{}", args.signal, args.swarm);
+    channel
+        .queue_bind(
+            queue.name().clone(),
+            exchange.as_str().into(),
+            outcomes_key.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut outcomes = channel
+        .basic_consume(
+            queue.name().clone(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+
+    // One key for the user action, whatever the attempts.
+    let key = match &args.key {
+        Some(key) => IdempotencyKey::new(key)?,
+        None => IdempotencyKey::new(CorrelationId::new().as_str())?,
+    };
+    let action = tracing::info_span!("action", idempotency_key = key.as_str());
+    for attempt in 1..=args.attempts {
+        // A new correlation ID per attempt.
+        let id = CorrelationId::new();
+        let sent = async {
+            let signal = Envelope {
+                timestamp: now(),
+                version: "1".into(),
+                kind: "signal".into(),
+                kind_of: args.signal.clone(),
+                origin: args.origin.clone(),
+                scope: Scope {
+                    swarm_id: args.swarm.clone(),
+                    role: "swarm-controller".into(),
+                    instance: None,
+                },
+                correlation_id: Some(id.to_string()),
+                idempotency_key: Some(key.to_string()),
+                data: serde_json::json!({}),
+            };
+            let mut headers = FieldTable::default();
+            MessageCorrelation::new().inject(&mut headers, &id);
+            key.inject(&mut headers);
+            channel
+                .basic_publish(
+                    exchange.as_str().into(),
+                    format!("sig.{}.{}", args.signal, args.swarm).as_str().into(),
+                    BasicPublishOptions::default(),
+                    &serde_json::to_vec(&signal)?,
+                    BasicProperties::default()
+                        .with_content_type("application/json".into())
+                        .with_delivery_mode(2)
+                        .with_headers(headers),
+                )
+                .await?
+                .await?;
+            tracing::info!(event = "orchestrator.sent", attempt, signal = %args.signal, swarm = %args.swarm, "signal sent");
+            let deadline = tokio::time::sleep(Duration::from_millis(args.timeout_ms));
+            tokio::pin!(deadline);
+            loop {
+                let delivery = tokio::select! {
+                    delivery = outcomes.next() => delivery,
+                    () = &mut deadline => return Ok::<_, Box<dyn std::error::Error + Send + Sync>>(None),
+                };
+                let Some(Ok(delivery)) = delivery else {
+                    return Err("the outcome consumer was cancelled".into());
+                };
+                let Ok(outcome) = serde_json::from_slice::<Envelope>(&delivery.data) else {
+                    continue;
+                };
+                // Matched on the user action: a late outcome of an earlier attempt counts.
+                if outcome.idempotency_key.as_deref() == Some(key.as_str())
+                    && outcome.kind_of == args.signal
+                {
+                    tracing::info!(
+                        event = "orchestrator.outcome",
+                        attempt,
+                        echoed_correlation_id = outcome.correlation_id.as_deref(),
+                        status = %outcome.data["status"],
+                        "outcome received"
+                    );
+                    return Ok(Some(outcome));
+                }
+            }
+        }
+        .instrument(tracing::info_span!(parent: &action, "correlation", correlation_id = %id));
+        // The task-local too, for anything that reads CorrelationId::current().
+        if let Some(outcome) = id.clone().task_local(sent).await? {
+            return Ok(Some(outcome));
+        }
+        tracing::warn!(parent: &action, event = "orchestrator.timeout", attempt, correlation_id = %id, "no outcome in time; sending again under a new correlation id");
+    }
+    Ok(None)
+}

@@ -1,0 +1,210 @@
+use std::{fmt, marker::PhantomData, sync::Arc, time::Duration};
+
+use tower_layer::Layer;
+
+use super::MessageIdempotency;
+use crate::idempotency::{
+    lease::KeptOutcomes,
+    store::{IdempotencyStore, MokaStore},
+    InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+};
+
+pub(super) type OutcomePredicate<R> = Arc<dyn Fn(&R) -> bool + Send + Sync>;
+
+pub(super) struct MessageSettings<R> {
+    pub(super) require_key: bool,
+    pub(super) ttl: Duration,
+    pub(super) lease: Duration,
+    pub(super) max_outcome_bytes: usize,
+    pub(super) max_kept_bytes: usize,
+    pub(super) in_flight: InFlight,
+    pub(super) store_failure: StoreFailure,
+    pub(super) store_if: Option<OutcomePredicate<R>>,
+}
+
+impl<R> Clone for MessageSettings<R> {
+    fn clone(&self) -> Self {
+        Self {
+            require_key: self.require_key,
+            ttl: self.ttl,
+            lease: self.lease,
+            max_outcome_bytes: self.max_outcome_bytes,
+            max_kept_bytes: self.max_kept_bytes,
+            in_flight: self.in_flight,
+            store_failure: self.store_failure,
+            store_if: self.store_if.clone(),
+        }
+    }
+}
+
+/// Applies [`MessageIdempotency`] to a message handler: each key handled once, its
+/// outcome stored and handed back, unchanged, for every duplicate.
+///
+/// `K` reads the key of a message ([`ExtractMessageKey`](super::ExtractMessageKey));
+/// `R` is the handler's outcome, stored as JSON. See the
+/// [module docs](crate::idempotency::message).
+///
+/// # Clone
+///
+/// Clones share the store, the extractor, the settings and the outcomes kept for the
+/// store (behind `Arc`s): one layer cloned onto several consumers of one queue is one
+/// deduplication.
+#[must_use]
+pub struct MessageIdempotencyLayer<K, R, St = MokaStore> {
+    pub(super) extract: Arc<K>,
+    pub(super) store: Arc<St>,
+    pub(super) kept: Arc<KeptOutcomes>,
+    pub(super) settings: Arc<MessageSettings<R>>,
+    pub(super) outcome: PhantomData<fn() -> R>,
+}
+
+impl<K, R> MessageIdempotencyLayer<K, R> {
+    /// A layer reading keys with `extract`, over its own in-memory store
+    /// ([`MokaStore::new`]): for one process. Several consumer processes, or a
+    /// consumer that must survive its restart, need a store they share
+    /// ([`with_store`](Self::with_store) with `RedisStore` or `PostgresStore`).
+    pub fn new(extract: K) -> Self {
+        Self::with_store(MokaStore::new(), extract)
+    }
+}
+
+impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
+    /// A layer over `store` with the defaults: keys optional, TTL 24 h, lease 10 s
+    /// (renewed while the handler runs), outcomes up to 1 MiB, duplicates of a message
+    /// in flight handed back as [`Handled::InFlight`](super::Handled::InFlight), fail
+    /// closed.
+    pub fn with_store(store: St, extract: K) -> Self {
+        Self::with_shared_store(Arc::new(store), extract)
+    }
+
+    /// A layer over a store already behind an `Arc` (one store for HTTP routes and
+    /// consumers alike: their scopes never meet).
+    pub fn with_shared_store(store: Arc<St>, extract: K) -> Self {
+        Self {
+            extract: Arc::new(extract),
+            store,
+            kept: Arc::default(),
+            settings: Arc::new(MessageSettings {
+                require_key: false,
+                ttl: DEFAULT_TTL,
+                lease: DEFAULT_LEASE,
+                max_outcome_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+                max_kept_bytes: DEFAULT_MAX_KEPT_BYTES,
+                in_flight: InFlight::Reject {
+                    retry_after: DEFAULT_RETRY_AFTER,
+                },
+                store_failure: StoreFailure::FailClosed,
+                store_if: None,
+            }),
+            outcome: PhantomData,
+        }
+    }
+
+    fn settings(&mut self) -> &mut MessageSettings<R> {
+        Arc::make_mut(&mut self.settings)
+    }
+
+    /// Refuse a message without a key (`idempotency.key_missing`, not to be requeued).
+    /// Default: run it without deduplication.
+    pub fn require_key(mut self, require: bool) -> Self {
+        self.settings().require_key = require;
+        self
+    }
+
+    /// How long an outcome is kept for duplicates: at least the longest redelivery or
+    /// retry window. Default [`DEFAULT_TTL`] (24 h).
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.settings().ttl = ttl;
+        self
+    }
+
+    /// How long the key of a message in flight stays locked after its consumer is
+    /// lost; renewed every third of it while the handler runs. Default
+    /// [`DEFAULT_LEASE`] (10 s). A redelivery of the message of a consumer that was
+    /// killed mid-handler waits out the rest of it ([`Handled::InFlight`](super::Handled::InFlight)).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.settings().lease = lease;
+        self
+    }
+
+    /// The largest outcome kept, as JSON; a larger one is returned to this delivery and
+    /// recorded as run without it, so its duplicates are refused
+    /// (`idempotency.not_replayable`), never run again. Default
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`] (1 MiB).
+    pub fn max_outcome_bytes(mut self, max: usize) -> Self {
+        self.settings().max_outcome_bytes = max;
+        self
+    }
+
+    /// The most outcome bytes kept for outcomes the store could not take when their
+    /// handler ended (stored from a task of their own meanwhile). Default
+    /// [`DEFAULT_MAX_KEPT_BYTES`] (64 MiB).
+    pub fn max_kept_bytes(mut self, max: usize) -> Self {
+        self.settings().max_kept_bytes = max;
+        self
+    }
+
+    /// What a duplicate of a message still being handled gets:
+    /// [`InFlight::Reject`] (the default) hands back
+    /// [`Handled::InFlight`](super::Handled::InFlight) at once, for the consumer to
+    /// requeue it; [`InFlight::Wait`] waits up to its timeout for the outcome.
+    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
+        self.settings().in_flight = in_flight;
+        self
+    }
+
+    /// What to do when the store fails. Default [`StoreFailure::FailClosed`]: the
+    /// message is refused as retryable (`idempotency.store_unavailable`) and nothing
+    /// runs.
+    pub fn on_store_failure(mut self, failure: StoreFailure) -> Self {
+        self.settings().store_failure = failure;
+        self
+    }
+
+    /// Which outcomes are stored; for the others the key is released, so a redelivery
+    /// runs again (an outcome that says "try later", say). Default: every `Ok`
+    /// outcome; a handler's `Err` is never stored.
+    pub fn store_if(mut self, predicate: impl Fn(&R) -> bool + Send + Sync + 'static) -> Self {
+        self.settings().store_if = Some(Arc::new(predicate));
+        self
+    }
+}
+
+impl<K, R, St> Clone for MessageIdempotencyLayer<K, R, St> {
+    fn clone(&self) -> Self {
+        Self {
+            extract: self.extract.clone(),
+            store: self.store.clone(),
+            kept: self.kept.clone(),
+            settings: self.settings.clone(),
+            outcome: PhantomData,
+        }
+    }
+}
+
+impl<K, R, St> fmt::Debug for MessageIdempotencyLayer<K, R, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MessageIdempotencyLayer")
+            .field("require_key", &self.settings.require_key)
+            .field("ttl", &self.settings.ttl)
+            .field("lease", &self.settings.lease)
+            .field("in_flight", &self.settings.in_flight)
+            .field("store_failure", &self.settings.store_failure)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, R, St: IdempotencyStore> Layer<S> for MessageIdempotencyLayer<K, R, St> {
+    type Service = MessageIdempotency<S, K, R, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        MessageIdempotency {
+            inner,
+            extract: self.extract.clone(),
+            store: self.store.clone(),
+            kept: self.kept.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+}
