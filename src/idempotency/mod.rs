@@ -209,10 +209,12 @@
 //! layer's extension. `GET` routes need no idempotency layer.
 
 mod budget;
+mod echo;
 mod epoch;
 mod key;
 mod layer;
 mod lease;
+mod observe;
 mod scope;
 mod service;
 pub mod store;
@@ -232,6 +234,10 @@ pub use self::{
         DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_REQUEST_BYTES,
         DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
+    observe::{
+        METRIC_RELEASED, METRIC_REQUESTS, METRIC_REQUESTS_IN_FLIGHT, METRIC_STORE_CALL_DURATION,
+        METRIC_STORE_FAILURES,
+    },
     scope::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,
         IdentifyClient, IntoClientIdentity, InvalidClient, NoClient, ScopeKey,
@@ -239,6 +245,10 @@ pub use self::{
     service::{Idempotency, ResponseFuture},
     store::{IdempotencyStore, MokaStore},
 };
+
+pub(crate) use self::echo::current_key;
+#[cfg(feature = "metrics")]
+pub use self::observe::describe_metrics;
 
 /// `idempotent-replayed`: `true` on a replay, `false` on every other response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");

@@ -17,8 +17,10 @@ use tracing::Instrument as _;
 
 use super::{
     budget::Reservation,
+    echo::{self, KeyScope},
     layer::{InFlight, Settings, StoreFailure},
     lease::{KeptOutcomes, LeaseGuard},
+    observe,
     store::{Begin, Chain, Claim, IdempotencyStore, MokaStore, Record, Settled, StoredResponse},
     AttemptId, ClientId, ExtractEpoch, Fingerprint, IdempotencyKey, IdentifyClient, NoClient,
     NoEpoch, ScopeKey, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT,
@@ -82,6 +84,9 @@ pub struct ResponseFuture<B: 'static, E: 'static> {
     /// Set while the work is polled: if that poll panics (the handler panicked), the
     /// work must not be resumed elsewhere; its lease guard has already let the key go.
     unwinding: bool,
+    /// The request's idempotency key, current while the work is polled (its problem
+    /// details name it) and echoed on the response.
+    key: Option<IdempotencyKey>,
 }
 
 impl<B, E> Future for ResponseFuture<B, E> {
@@ -93,10 +98,16 @@ impl<B, E> Future for ResponseFuture<B, E> {
             panic!("ResponseFuture polled after completion");
         };
         this.unwinding = true;
-        let poll = inner.as_mut().poll(cx);
+        let poll = {
+            let _key = KeyScope::enter(this.key.as_ref());
+            inner.as_mut().poll(cx)
+        };
         this.unwinding = false;
-        let output = std::task::ready!(poll);
+        let mut output = std::task::ready!(poll);
         this.inner = None;
+        if let (Ok(response), Some(key)) = (&mut output, &this.key) {
+            echo::echo(response, key);
+        }
         Poll::Ready(output)
     }
 }
@@ -191,6 +202,8 @@ where
             Ok(None) => return boxed(pass_through(inner, request, attempt)),
             Err(error) => return boxed(ready(reject_key(&error, attempt.as_ref()))),
         };
+        // From here on every answer names the key (see `echo`).
+        let _key = KeyScope::enter(Some(&key));
         let epoch = match self.epoch.extract_epoch(&request) {
             Ok(epoch) => epoch,
             Err(error) => {
@@ -246,6 +259,7 @@ where
             inner: Some(Box::pin(work)),
             claimed: Some(claimed),
             unwinding: false,
+            key: echo::current_key(),
         }
     }
 }
@@ -257,6 +271,7 @@ fn boxed<B, E>(
         inner: Some(Box::pin(future)),
         claimed: None,
         unwinding: false,
+        key: echo::current_key(),
     }
 }
 
@@ -339,6 +354,7 @@ fn refuse<B>(
         status = status.as_u16(),
         "request refused: {title}"
     );
+    observe::outcome("rejected");
     let problem = Problem::new(status, code, title, detail);
     finish(problem.into_response(), attempt)
 }
@@ -390,12 +406,16 @@ where
         Some(client) => client,
         None => &"none",
     };
+    // On the span too, so a JSON log's top-level `span` (the innermost) has it.
+    let correlation_id = settings.layer_order.correlation_id();
     let span = tracing::info_span!(
         "idempotency",
         idempotency_key = key,
+        correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
         scope = %protected.scope,
         client = %client,
     );
+    let _in_flight = observe::InFlight::enter();
     async move {
         // The body's bytes of the layer's budget, held until this work ends (dropped
         // with it on every path, including a cancelled or abandoned future).
@@ -422,7 +442,7 @@ where
                 return Ok(in_flight(waiting.first_seen, None, retry_after, attempt));
             }
         }
-        let begin = match store.begin(&protected.scope, claim.clone()).await {
+        let begin = match observe::store_call("begin", store.begin(&protected.scope, claim.clone())).await {
             Ok(begin) => begin,
             Err(error) => {
                 return match settings.store_failure {
@@ -445,6 +465,7 @@ where
                             mode = "fail_open",
                             "idempotency store failed; running the request without deduplication"
                         );
+                        observe::outcome("fail_open");
                         let mut inner = inner;
                         let response = inner.call(request).await?;
                         Ok(finish(response.map(Body::inner), attempt))
@@ -455,6 +476,7 @@ where
         match begin {
             Begin::Claimed { lease } => {
                 claimed.store(true, Ordering::Release);
+                observe::outcome("executed");
                 tracing::debug!(event = "idempotency.accepted", "idempotency key accepted; running the request");
                 let guard = LeaseGuard::new(store, protected.scope, claim, lease, kept);
                 // Boxed, so the replay path's future stays small.
@@ -494,7 +516,7 @@ where
                         Ok(in_flight(first_seen, Some(request_count), retry_after, attempt))
                     }
                     InFlight::Wait { timeout } => {
-                        match store.wait(&protected.scope, timeout).await {
+                        match observe::store_call("wait", store.wait(&protected.scope, timeout)).await {
                             Ok(Settled::Completed { record }) => {
                                 Ok(settled(&record, fingerprint, request_count, attempt, &settings))
                             }
@@ -510,6 +532,7 @@ where
                                     status = 409,
                                     "the request this one waited for did not complete; retry"
                                 );
+                                observe::outcome("original_failed");
                                 let problem = Problem::new(
                                     StatusCode::CONFLICT,
                                     "idempotency.original_failed",
@@ -542,6 +565,7 @@ where
 }
 
 fn store_unavailable<B>() -> Response<Body<B>> {
+    observe::outcome("store_unavailable");
     let problem = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "idempotency.store_unavailable",
@@ -557,6 +581,7 @@ fn conflict<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
         status = 422,
         "idempotency key reused with another request"
     );
+    observe::outcome("conflict");
     let problem = Problem::new(
         StatusCode::UNPROCESSABLE_ENTITY,
         "idempotency.fingerprint_mismatch",
@@ -578,6 +603,7 @@ fn epoch_mismatch<B>(
         status = 422,
         "idempotency key used in another epoch"
     );
+    observe::outcome("conflict");
     let describe = |epoch: Option<u64>| epoch.map_or_else(|| "none".to_owned(), |e| e.to_string());
     let problem = Problem::new(
         StatusCode::UNPROCESSABLE_ENTITY,
@@ -604,6 +630,7 @@ fn in_flight<B>(
         status = 409,
         "a request with this idempotency key is still running"
     );
+    observe::outcome("in_flight");
     let problem = Problem::new(
         StatusCode::CONFLICT,
         "idempotency.in_flight",
@@ -637,6 +664,7 @@ fn settled<B>(
             status = 410,
             "the request ran but its response was too large to keep"
         );
+        observe::outcome("not_replayable");
         let problem = Problem::new(
             StatusCode::GONE,
             "idempotency.not_replayable",
@@ -654,6 +682,7 @@ fn settled<B>(
         original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
         "replayed the stored response"
     );
+    observe::outcome("replayed");
     let mut response = Response::new(Body::complete(stored.body.clone()));
     *response.status_mut() = stored.status;
     let headers = response.headers_mut();
@@ -722,6 +751,7 @@ where
             status = 413,
             "request body over the idempotency limit"
         );
+        observe::outcome("rejected");
         let problem = Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "idempotency.body_too_large",
@@ -756,6 +786,7 @@ where
                 status = 503,
                 "request bodies in flight fill the idempotency byte budget; request refused"
             );
+            observe::outcome("rejected");
             let problem = Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "idempotency.overloaded",
@@ -774,6 +805,7 @@ where
                 status = 400,
                 "request body could not be read"
             );
+            observe::outcome("rejected");
             let problem = Problem::new(
                 StatusCode::BAD_REQUEST,
                 "idempotency.body_unreadable",
