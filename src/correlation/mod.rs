@@ -137,10 +137,14 @@
 //! | `correlation.replacing` / `correlation.replaced` | INFO | replace, combine, restore, or an extension past the bound |
 //! | `correlation.restore_rejected` | WARN | [`restore`](CorrelationId::restore) was given an invalid ID |
 
+#[cfg(feature = "access-log")]
+mod access_log;
 mod future;
 mod id;
 mod layer;
 mod make;
+#[cfg(feature = "opentelemetry")]
+pub(crate) mod otel;
 mod outbound;
 mod service;
 
@@ -149,8 +153,12 @@ mod extract;
 
 use http::HeaderName;
 
+#[cfg(feature = "access-log")]
+pub use self::access_log::{AccessLine, AccessLog, AccessLogLayer, AccessSpan};
 #[cfg(feature = "axum")]
 pub use self::extract::CorrelationLayerMissing;
+#[cfg(feature = "opentelemetry")]
+pub use self::otel::{BAGGAGE, BAGGAGE_CORRELATION_ID, TRACEPARENT};
 pub use self::{
     future::ResponseFuture,
     id::{
@@ -159,7 +167,7 @@ pub use self::{
         REDELIVERY_TICK_SECS,
     },
     layer::CorrelationLayer,
-    make::{DefaultMakeSpan, MakeCorrelationId, MakeSpan, MakeUuidV7},
+    make::{CurrentSpan, DefaultMakeSpan, MakeCorrelationId, MakeSpan, MakeUuidV7},
     outbound::{OutboundCorrelation, OutboundCorrelationLayer},
     service::Correlation,
 };
