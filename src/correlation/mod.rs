@@ -146,6 +146,8 @@ mod make;
 #[cfg(feature = "opentelemetry")]
 pub(crate) mod otel;
 mod outbound;
+#[cfg(feature = "reqwest")]
+mod reqwest_client;
 mod service;
 
 #[cfg(feature = "axum")]
