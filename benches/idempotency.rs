@@ -318,6 +318,60 @@ fn axum_idempotent(c: &mut Group<'_>, runtime: &tokio::runtime::Runtime, label: 
     assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
 }
 
+/// The `first` and `replay` rows of tower-ids over `store`, a store outside the
+/// process (Redis, PostgreSQL), named `name`; `store(row)` makes one store per row.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+fn store_rows<St: tower_ids::idempotency::IdempotencyStore>(
+    c: &mut Group<'_>,
+    runtime: &tokio::runtime::Runtime,
+    label: &str,
+    size: usize,
+    name: &str,
+    store: impl Fn(&str) -> St,
+) {
+    let cookie = HeaderValue::from_static(DUMMY_COOKIE);
+    let marker = tower_ids::idempotency::IDEMPOTENT_REPLAYED;
+    let marker = marker.as_str();
+
+    // First execution: a fresh key every iteration; the handler runs every time.
+    let row = format!("{name}/first/{label}");
+    let (handler, runs) = route(size);
+    let layer = IdempotencyLayer::with_store(store(&row));
+    let app = Router::new().route(PATH, handler.layer(layer));
+    let next = AtomicU64::new(0);
+    let first = |n| runtime.block_on(send(&app, request(key(n), &cookie)));
+    let n = next.fetch_add(1, Ordering::Relaxed);
+    check(&row, &first(n), size, (marker, Some("false")));
+    check(&row, &first(n), size, (marker, Some("true")));
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+    c.bench_function(&row, |b| {
+        b.to_async(runtime).iter(|| async {
+            let n = next.fetch_add(1, Ordering::Relaxed);
+            black_box(send(&app, request(key(n), &cookie)).await)
+        })
+    });
+    assert_eq!(
+        runs.load(Ordering::Relaxed),
+        next.load(Ordering::Relaxed),
+        "{row}: one run per key"
+    );
+
+    // Replay: one warm-up request runs; every iteration replays it from the store.
+    let row = format!("{name}/replay/{label}");
+    let (handler, runs) = route(size);
+    let layer = IdempotencyLayer::with_store(store(&row));
+    let app = Router::new().route(PATH, handler.layer(layer));
+    let once = || runtime.block_on(send(&app, request(key(REPLAY_KEY), &cookie)));
+    check(&row, &once(), size, (marker, Some("false")));
+    check(&row, &once(), size, (marker, Some("true")));
+    c.bench_function(&row, |b| {
+        b.to_async(runtime)
+            .iter(|| async { black_box(send(&app, request(key(REPLAY_KEY), &cookie)).await) })
+    });
+    check(&row, &once(), size, (marker, Some("true")));
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+}
+
 fn idempotency(c: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -352,16 +406,12 @@ mod redis_rows {
         net::{TcpListener, TcpStream},
         path::PathBuf,
         process::{Child, Command, Stdio},
-        sync::atomic::{AtomicU64, Ordering},
         time::{Duration, Instant},
     };
 
-    use axum::Router;
-    use criterion::black_box;
-    use http::HeaderValue;
-    use tower_ids::idempotency::{store::RedisStore, IdempotencyLayer, IDEMPOTENT_REPLAYED};
+    use tower_ids::idempotency::store::RedisStore;
 
-    use super::{check, key, request, route, send, Group, DUMMY_COOKIE, PATH, REPLAY_KEY};
+    use super::Group;
 
     /// A `redis-server` on a free loopback port, without persistence, killed on drop.
     pub(super) struct RedisServer {
@@ -443,129 +493,22 @@ mod redis_rows {
         size: usize,
         url: &str,
     ) {
-        let cookie = HeaderValue::from_static(DUMMY_COOKIE);
-        let marker = IDEMPOTENT_REPLAYED;
-        let marker = marker.as_str();
-        let store = |row: &str| {
+        super::store_rows(c, runtime, label, size, "tower_ids_redis", |row| {
             runtime
                 .block_on(RedisStore::builder(url).prefix(format!("{row}:")).build())
                 .expect("Redis store")
-        };
-
-        // First execution: a fresh key every iteration; the handler runs every time.
-        let row = format!("tower_ids_redis/first/{label}");
-        let (handler, runs) = route(size);
-        let layer = IdempotencyLayer::with_store(store(&row));
-        let app = Router::new().route(PATH, handler.layer(layer));
-        let next = AtomicU64::new(0);
-        let first = |n| runtime.block_on(send(&app, request(key(n), &cookie)));
-        let n = next.fetch_add(1, Ordering::Relaxed);
-        check(&row, &first(n), size, (marker, Some("false")));
-        check(&row, &first(n), size, (marker, Some("true")));
-        assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
-        c.bench_function(&row, |b| {
-            b.to_async(runtime).iter(|| async {
-                let n = next.fetch_add(1, Ordering::Relaxed);
-                black_box(send(&app, request(key(n), &cookie)).await)
-            })
         });
-        assert_eq!(
-            runs.load(Ordering::Relaxed),
-            next.load(Ordering::Relaxed),
-            "{row}: one run per key"
-        );
-
-        // Replay: one warm-up request runs; every iteration replays it from Redis.
-        let row = format!("tower_ids_redis/replay/{label}");
-        let (handler, runs) = route(size);
-        let layer = IdempotencyLayer::with_store(store(&row));
-        let app = Router::new().route(PATH, handler.layer(layer));
-        let once = || runtime.block_on(send(&app, request(key(REPLAY_KEY), &cookie)));
-        check(&row, &once(), size, (marker, Some("false")));
-        check(&row, &once(), size, (marker, Some("true")));
-        c.bench_function(&row, |b| {
-            b.to_async(runtime)
-                .iter(|| async { black_box(send(&app, request(key(REPLAY_KEY), &cookie)).await) })
-        });
-        check(&row, &once(), size, (marker, Some("true")));
-        assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
     }
 }
 
-/// The `tower_ids_postgres` rows, on a database of their own.
+/// The `tower_ids_postgres` rows, on a database of their own (made as the tests make
+/// theirs).
 #[cfg(feature = "postgres")]
 mod postgres_rows {
-    use std::{
-        sync::atomic::{AtomicU64, Ordering},
-        time::{Duration, SystemTime},
-    };
+    use tower_ids::idempotency::store::PostgresStore;
 
-    use axum::Router;
-    use criterion::black_box;
-    use http::HeaderValue;
-    use sqlx::{Connection, PgConnection};
-    use tower_ids::idempotency::{store::PostgresStore, IdempotencyLayer, IDEMPOTENT_REPLAYED};
-
-    use super::{check, key, request, route, send, Group, DUMMY_COOKIE, PATH, REPLAY_KEY};
-
-    fn server_url() -> String {
-        std::env::var("TOWER_IDS_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
-    }
-
-    /// A database created for the bench and dropped after it.
-    pub(super) struct Database {
-        name: String,
-        url: String,
-    }
-
-    impl Database {
-        /// Creates one, or says why not and returns `None`.
-        pub(super) async fn create() -> Option<Self> {
-            let server = server_url();
-            let connect = PgConnection::connect(&server);
-            let mut admin = match tokio::time::timeout(Duration::from_secs(5), connect).await {
-                Ok(Ok(admin)) => admin,
-                _ => {
-                    eprintln!("SKIPPED tower_ids_postgres rows: no PostgreSQL at {server}");
-                    return None;
-                }
-            };
-            let nanos = SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos();
-            let name = format!("tower_ids_bench_{}_{nanos}", std::process::id());
-            sqlx::raw_sql(&format!("CREATE DATABASE {name}"))
-                .execute(&mut admin)
-                .await
-                .expect("CREATE DATABASE");
-            let url = match server.rsplit_once('/') {
-                Some((base, _)) => format!("{base}/{name}"),
-                None => format!("{server}/{name}"),
-            };
-            Some(Self { name, url })
-        }
-    }
-
-    impl Drop for Database {
-        fn drop(&mut self) {
-            let name = self.name.clone();
-            let _ = std::thread::spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                runtime.block_on(async {
-                    if let Ok(mut admin) = PgConnection::connect(&server_url()).await {
-                        let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
-                        let _ = sqlx::raw_sql(&drop).execute(&mut admin).await;
-                    }
-                });
-            })
-            .join();
-        }
-    }
+    pub(super) use super::database::TestDatabase as Database;
+    use super::Group;
 
     /// As `tower_ids`, with a `PostgresStore` (one table per row). A first execution is
     /// two statements (claim, complete), a replay one.
@@ -576,64 +519,23 @@ mod postgres_rows {
         size: usize,
         database: &Database,
     ) {
-        let cookie = HeaderValue::from_static(DUMMY_COOKIE);
-        let marker = IDEMPOTENT_REPLAYED;
-        let marker = marker.as_str();
-        let store = |row: &str| {
+        super::store_rows(c, runtime, label, size, "tower_ids_postgres", |row| {
             runtime.block_on(async {
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(4)
-                    .connect(&database.url)
-                    .await
-                    .expect("the bench database");
                 let table = format!("idem_{}", row.replace(['/', '-'], "_"));
-                let store = PostgresStore::builder(pool)
+                let store = PostgresStore::builder(database.pool(4).await)
                     .table(table)
                     .build()
                     .expect("PostgresStore");
                 store.migrate().await.expect("migrate");
                 store
             })
-        };
-
-        // First execution: a fresh key every iteration; the handler runs every time.
-        let row = format!("tower_ids_postgres/first/{label}");
-        let (handler, runs) = route(size);
-        let layer = IdempotencyLayer::with_store(store(&row));
-        let app = Router::new().route(PATH, handler.layer(layer));
-        let next = AtomicU64::new(0);
-        let first = |n| runtime.block_on(send(&app, request(key(n), &cookie)));
-        let n = next.fetch_add(1, Ordering::Relaxed);
-        check(&row, &first(n), size, (marker, Some("false")));
-        check(&row, &first(n), size, (marker, Some("true")));
-        c.bench_function(&row, |b| {
-            b.to_async(runtime).iter(|| async {
-                let n = next.fetch_add(1, Ordering::Relaxed);
-                black_box(send(&app, request(key(n), &cookie)).await)
-            })
         });
-        assert_eq!(
-            runs.load(Ordering::Relaxed),
-            next.load(Ordering::Relaxed),
-            "{row}: one run per key"
-        );
-
-        // Replay: one warm-up request runs; every iteration replays it from the table.
-        let row = format!("tower_ids_postgres/replay/{label}");
-        let (handler, runs) = route(size);
-        let layer = IdempotencyLayer::with_store(store(&row));
-        let app = Router::new().route(PATH, handler.layer(layer));
-        let once = || runtime.block_on(send(&app, request(key(REPLAY_KEY), &cookie)));
-        check(&row, &once(), size, (marker, Some("false")));
-        check(&row, &once(), size, (marker, Some("true")));
-        c.bench_function(&row, |b| {
-            b.to_async(runtime)
-                .iter(|| async { black_box(send(&app, request(key(REPLAY_KEY), &cookie)).await) })
-        });
-        check(&row, &once(), size, (marker, Some("true")));
-        assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
     }
 }
+
+#[cfg(feature = "postgres")]
+#[path = "../tests/postgres/database.rs"]
+mod database;
 
 criterion_group!(benches, idempotency);
 criterion_main!(benches);

@@ -3,7 +3,7 @@
 #
 # Measures requests per second and p50/p99 latency for five workloads on one server,
 # each run against the same trivial handler (see `--load-routes` in
-# examples/commands.rs), so the difference between two rows is the layers around it:
+# examples/commands/main.rs), so the difference between two rows is the layers around it:
 #
 #   bare        POST /load/bare          no layer
 #   noop        POST /load/noop          a layer that does nothing (tower's MapRequestLayer with

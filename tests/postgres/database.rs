@@ -62,6 +62,12 @@ impl TestDatabase {
         Some(Self { name, url })
     }
 
+    /// The database's URL, for a process of its own (`tests/commands_crash.rs`).
+    #[allow(dead_code)]
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
     /// A pool on the database.
     pub(crate) async fn pool(&self, connections: u32) -> PgPool {
         PgPoolOptions::new()

@@ -30,7 +30,10 @@ use super::{
 };
 
 const HANDLER: Duration = Duration::from_secs(1);
-const LEASE: Duration = Duration::from_millis(1500);
+/// Longer than any outage here (down 0.5 s, then crash recovery): a store that is gone
+/// for longer than the lease cannot tell a worker cut off from it from a dead one, and
+/// a retry may then run again (README, Guarantees under faults).
+const LEASE: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
@@ -221,8 +224,8 @@ async fn trial(mode: Mode, fault: Fault, at: Duration) {
             None => seen.push(0),
         }
         assert!(
-            back.elapsed() < Duration::from_secs(20),
-            "no replay within 20 s of the server returning: {seen:?}"
+            back.elapsed() < Duration::from_secs(30),
+            "no replay within 30 s of the server returning: {seen:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };

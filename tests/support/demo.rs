@@ -6,6 +6,7 @@ use std::{
     io::{BufRead, BufReader},
     process::{Child, Command, ExitStatus, Stdio},
     sync::{Arc, Mutex},
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
@@ -28,6 +29,8 @@ pub struct Demo {
     /// `127.0.0.1:PORT`
     pub addr: String,
     lines: Arc<Mutex<Vec<Value>>>,
+    /// The thread reading the log; it ends when the demo's stdout closes.
+    reader: Option<JoinHandle<()>>,
 }
 
 impl Drop for Demo {
@@ -59,7 +62,7 @@ impl Demo {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let (url_tx, url_rx) = std::sync::mpsc::channel();
         let sink = lines.clone();
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             for line in stdout.lines() {
                 let Ok(line) = line else { return };
                 let value: Value = serde_json::from_str(&line)
@@ -82,7 +85,25 @@ impl Demo {
             url,
             addr,
             lines,
+            reader: Some(reader),
         }
+    }
+
+    /// Kills the demo with SIGKILL, as a crash would, and waits until it is gone and
+    /// every line it wrote has been read.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(reader) = self.reader.take() {
+            reader
+                .join()
+                .expect("the demo's log is one JSON object per line");
+        }
+    }
+
+    /// Every line logged so far.
+    pub fn lines(&self) -> Vec<Value> {
+        self.lines.lock().unwrap().clone()
     }
 
     pub fn pid(&self) -> u32 {

@@ -19,7 +19,6 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
 pub use self::moka::{MokaStore, MokaStoreBuilder, DEFAULT_MAX_BYTES, ENTRY_OVERHEAD_BYTES};
-#[cfg(feature = "postgres")]
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub use self::postgres::TransactionMissing;
 #[cfg(feature = "postgres")]

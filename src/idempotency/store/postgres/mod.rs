@@ -197,7 +197,8 @@ impl PostgresStore {
         &self.shared.pool
     }
 
-    /// Creates the table and its index if they do not exist.
+    /// Creates the table and its index if they do not exist; replicas that start
+    /// together may all call it (they take turns, under an advisory lock).
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let table = &self.shared.table;
         // An index lives in its table's schema, so its name is never qualified.
@@ -207,7 +208,13 @@ impl PostgresStore {
             .replace(&default_index, "\u{0}")
             .replace(DEFAULT_POSTGRES_TABLE, table)
             .replace('\u{0}', &format!("{bare}_expires_at"));
-        sqlx::raw_sql(&sql)
+        // Replicas starting together would race on `CREATE ... IF NOT EXISTS` (it can
+        // fail on the catalog's unique index): one at a time, under a lock on the name.
+        // One simple query is one transaction, so the lock is held to its end. (The
+        // name was checked to be plain identifiers, so it cannot close the literal.)
+        let locked =
+            format!("SELECT pg_advisory_xact_lock(hashtext('tower-ids migrate {table}'));\n{sql}");
+        sqlx::raw_sql(&locked)
             .execute(&self.shared.pool)
             .await
             .map_err(|e| StoreError::with_source("could not create the idempotency table", e))?;

@@ -1,0 +1,562 @@
+//! The Command Service: tower-ids' demo of correlation IDs across an HTTP request and
+//! the queue message it sends, and of idempotency keys on its `POST` routes; in memory,
+//! or with `--database-url` in PostgreSQL (see [DB mode](#db-mode)).
+//!
+//! A client asks for a command to be sent to a device; the service stores it as
+//! `queued`, answers `201`, and puts a message on a queue (in memory, an in-process tokio
+//! channel standing in for the broker; in DB mode, an outbox table). A background
+//! publisher takes each message, waits until `--publish-delay-ms` after it was queued,
+//! and marks the command `sent` unless it was cancelled meanwhile.
+//!
+//! Every line logged while handling a request carries that request's `correlation_id`
+//! (from `x-correlation-id`, else `x-request-id`, else a fresh UUIDv7); every line the
+//! publisher logs for a delivery carries that ID extended for the delivery
+//! (`<id>.Aq9`, see [`CorrelationId::extend_redelivery`]), so one search finds the
+//! request and everything it caused.
+//!
+//! The two `POST` routes carry an [`IdempotencyLayer`] each, sharing one [`MokaStore`]
+//! (or, with `--redis-url`, one `RedisStore`, and in DB mode one `PostgresStore`, so
+//! that several replicas share records):
+//! `POST /commands` requires an `Idempotency-Key`, `POST /commands/{id}/cancel` takes
+//! one if sent. Keys are scoped by the `x-api-key` header (the client), so two clients
+//! may use the same key; a request with a key but without `x-api-key` is refused with
+//! `401` (`require_client`), so no two anonymous callers can share a scope. A retry
+//! with the same key and the same request gets the first response back
+//! (`idempotent-replayed: true`) and creates nothing; the `GET` routes have no
+//! idempotency layer. See [`tower_ids::idempotency`] for the whole contract.
+//!
+//! # Run
+//!
+//! ```sh
+//! cargo run --release --example commands
+//! cargo run --release --example commands -- \
+//!     --addr 127.0.0.1:0 --log-format json --publish-delay-ms 1000
+//! cargo run --release --example commands -- --handler-delay-ms 2000
+//! RUST_LOG=debug cargo run --release --example commands
+//!
+//! # Two replicas sharing one Redis: a retry on either replays the first answer.
+//! redis-server --port 6379 --save '' --appendonly no &
+//! cargo run --release --example commands --features redis -- \
+//!     --addr 127.0.0.1:3000 --redis-url redis://127.0.0.1:6379
+//! cargo run --release --example commands --features redis -- \
+//!     --addr 127.0.0.1:3001 --redis-url redis://127.0.0.1:6379
+//!
+//! # DB mode: two replicas on one PostgreSQL database, which keeps everything.
+//! createdb -h 127.0.0.1 -U postgres commands
+//! cargo run --release --example commands --features postgres -- \
+//!     --addr 127.0.0.1:3000 --database-url postgres://postgres@127.0.0.1:5432/commands
+//! cargo run --release --example commands --features postgres -- \
+//!     --addr 127.0.0.1:3001 --database-url postgres://postgres@127.0.0.1:5432/commands
+//! ```
+//!
+//! | Flag | Default | Meaning |
+//! |---|---|---|
+//! | `--addr` | `127.0.0.1:3000` | address to bind; port `0` picks a free one |
+//! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with span fields) |
+//! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
+//! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
+//! | `--commit-delay-ms` | `0` | time the two `POST` handlers wait after their writes, before answering; in DB mode the layer commits once the handler has answered, so this is the time between the writes and the commit (in which a crash leaves nothing) |
+//! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
+//! | `--idempotency-lease-ms` | `10000` | how long a key stays claimed by a request that stopped renewing its claim (its process died): retries get `409` until then (the library's `DEFAULT_LEASE`) |
+//! | `--header-read-timeout-ms` | `10000` | how long a connection may take to send a request's head, and may stay idle between requests; then the server closes it |
+//! | `--body-timeout-ms` | `10000` | how long a request body may go without sending a byte; then `408` and the connection is closed |
+//! | `--request-timeout-ms` | `30000` | how long a request may take from its head to its answer; then `408` and the connection is closed |
+//! | `--max-body-bytes` | `65536` | largest request body; a larger one gets `413` |
+//! | `--max-concurrent-requests` | `512` | requests handled at once; more are shed at once with `503` and `Retry-After: 1` |
+//! | `--max-commands` | `1000` | commands the in-memory list keeps; creating one more drops the oldest. In DB mode, which keeps every command, how many of the newest `GET /commands` answers |
+//! | `--load-routes` | off | also serve `POST /load/bare` (no layer), `POST /load/noop` (a layer that does nothing), `POST /load/tower-http` (tower-http's request-ID pair), `POST /load/correlated` (correlation layer), `POST /load/idempotent` (both layers, key required) and `GET /load/executions` (handler runs so far), one trivial handler behind each, for `benches/load.sh` |
+//! | `--redis-url` | none (in memory) | with `--features redis`: keep idempotency records in this Redis (or Valkey), shared by every replica started with the same URL; if it cannot be reached at start the service exits, if it goes away later the `POST` routes answer `503` until it is back |
+//! | `--database-url` | none (in memory) | with `--features postgres`: DB mode, with the commands, their outbox and the idempotency records in this PostgreSQL database (`postgres://USER@HOST:PORT/DATABASE`), shared by every replica started with the same URL; the tables are created at start if missing; if the database cannot be reached at start the service exits. Not with `--redis-url` |
+//!
+//! Once bound, the service logs `listening on http://ADDR` with the real address, so a
+//! script can start it on port `0` and grep the log for the URL. `RUST_LOG` sets the
+//! filter (default `info`). Ctrl-C (or SIGTERM) stops it gracefully: it stops accepting,
+//! closes idle connections, lets in-flight requests finish (each within the timeouts
+//! below) and drains the queue (in DB mode, the publisher finishes its batch and the
+//! rows still pending wait in the outbox).
+//!
+//! # Limits
+//!
+//! The demo runs as a service facing slow or greedy clients should, and every bound is a
+//! flag above. The connection-level bounds cover every route; the request-level bounds
+//! cover the service's routes (the `/load/*` routes of `--load-routes` stay as bare as
+//! `benches/load.sh` measures them).
+//!
+//! - **HTTP/1.1 only**, served by hyper's own connection builder with a timer, so that
+//!   hyper's header-read timeout (`--header-read-timeout-ms`) covers a connection that
+//!   sends nothing, one that sends part of a request head, and one kept alive and idle
+//!   after a response (hyper starts the timer again whenever a connection goes idle). The
+//!   server closes such a connection without an answer. (hyper-util's auto builder, which
+//!   axum's `serve` uses, first waits without any timeout for the bytes that tell HTTP/1
+//!   from HTTP/2.)
+//! - At start the service raises its open-files limit (soft `RLIMIT_NOFILE`) to the hard
+//!   limit, since each connection is a file descriptor, and logs it (`commands.limits`).
+//! - Per request, outermost first, all tower and tower-http layers:
+//!   1. tower's `LoadShedLayer` over a `GlobalConcurrencyLimitLayer`
+//!      (`--max-concurrent-requests`): a request over the limit is answered `503`
+//!      `server.overloaded` with `Retry-After: 1` at once, never queued (axum's
+//!      `HandleErrorLayer` turns the shed error into the answer);
+//!   2. tower-http's `RequestBodyLimitLayer` (`--max-body-bytes`): a declared
+//!      `Content-Length` over it gets `413` before the body is read; a body that grows past
+//!      it, `413` when it does (the idempotency layer's own limit is set to the same);
+//!   3. tower-http's `TimeoutLayer` (`--request-timeout-ms`): `408` `request.timeout`;
+//!      bounds how long a request holds its concurrency slot, even when its client sends
+//!      the body a byte at a time, each just before `--body-timeout-ms`;
+//!   4. tower-http's `RequestBodyTimeoutLayer` (`--body-timeout-ms`): a body that stalls
+//!      gets `408` `request.body_timeout`, whatever the route made of the failed read.
+//!
+//!   The `408` and `413` answers carry `Connection: close`: the server closes the
+//!   connection after them, as the rest of the body may still be on its way.
+//! - The command list keeps the latest `--max-commands` commands: creating one more drops
+//!   the oldest (`commands.evicted`), which then answers `404`; if it was still queued,
+//!   the publisher skips it. With bodies of at most `--max-body-bytes`, the list holds at
+//!   most `--max-commands` × `--max-body-bytes` of payload (64 MiB with the defaults).
+//! - Every refusal is RFC 9457 problem details (`application/problem+json`) with a stable
+//!   `code`, `404` for an unknown path and `405` (with `Allow`) for a known path with
+//!   another method included.
+//!
+//! # Try it
+//!
+//! ```sh
+//! BODY='{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
+//!
+//! # Create a command; the response echoes the correlation ID (and the optional
+//! # attempt-id). -> 201, idempotent-replayed: false, attempt-id: a1,
+//! #    {"id": ID, "status": "queued", ...}
+//! curl -si localhost:3000/commands \
+//!     -H 'content-type: application/json' -H 'x-correlation-id: demo-1' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' -H 'attempt-id: a1' \
+//!     -d "$BODY"
+//!
+//! # The client did not see the answer and retries: same key, same body, new attempt.
+//! # -> 201, idempotent-replayed: true, the same body (same ID), attempt-id: a2,
+//! #    original-attempt-id: a1, idempotency-first-seen: <HTTP-date>,
+//! #    idempotency-request-count: 2; no second command is created.
+//! curl -si localhost:3000/commands \
+//!     -H 'content-type: application/json' -H 'x-correlation-id: demo-2' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' -H 'attempt-id: a2' \
+//!     -d "$BODY"
+//!
+//! # Another client may use the same key: a new command.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-b' -H 'idempotency-key: create-1' -d "$BODY"
+//!
+//! # The same key with another body: 422 idempotency.fingerprint_mismatch, nothing runs.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-1' \
+//!     -d '{"device_id":"thermostat-42","name":"reboot","payload":{}}'
+//!
+//! # No key: 400 idempotency.key_missing.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-a' -d "$BODY"
+//!
+//! # With --handler-delay-ms 2000, a retry while the first is still running:
+//! # the first answers 201 after 2 s, the overlapping one 409 idempotency.in_flight
+//! # with Retry-After: 1; retried after that, it is a replay.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-2' -d "$BODY" &
+//! sleep 0.5
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: create-2' -d "$BODY"
+//!
+//! # List all commands (oldest first), fetch one: no idempotency headers on GET.
+//! curl -s localhost:3000/commands
+//! curl -s localhost:3000/commands/$ID
+//!
+//! # Cancel one, with a key (a retry replays the answer) or without (runs each time;
+//! # cancelling twice is not an error).
+//! curl -si -X POST localhost:3000/commands/$ID/cancel \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: cancel-1'
+//! curl -si -X POST localhost:3000/commands/$ID/cancel
+//!
+//! # Errors are RFC 9457 problem details.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'x-api-key: client-a' -H 'idempotency-key: bad-json-1' -d '{"device_id":'
+//! # A key without a client: 401 idempotency.client_missing, nothing runs.
+//! curl -si localhost:3000/commands -H 'content-type: application/json' \
+//!     -H 'idempotency-key: anonymous-1' -d "$BODY"
+//! curl -si localhost:3000/commands/0190b6c4-0000-7000-8000-000000000000
+//! ```
+//!
+//! # DB mode
+//!
+//! With `--database-url`, the commands, their outbox and the idempotency records live in
+//! one PostgreSQL database (tables `commands`, `outbox` and `tower_ids_idempotency`,
+//! created at start if missing), and every replica started with the same URL serves the
+//! same commands:
+//!
+//! - `POST /commands` inserts the command and its `command.created` outbox row (with the
+//!   request's correlation ID) on the request's `Transaction`, which the idempotency layer
+//!   commits with the response's record after the handler has answered: the command,
+//!   the outbox row and the record commit together or not at all. A process killed
+//!   before the commit leaves nothing but the key's claim: retries get `409` until
+//!   `--idempotency-lease-ms` has passed, then run again; killed after it, a retry gets
+//!   the first answer back. `POST /commands/{id}/cancel` writes on the request's
+//!   transaction too (a cancel without a key, on one of its own).
+//! - `GET /commands/{id}` reads the database, so any replica finds any command;
+//!   `GET /commands` answers the newest `--max-commands` commands (default 1,000), oldest
+//!   first. Nothing is dropped: the database keeps every command.
+//! - Every replica runs a publisher over the outbox: it takes pending rows at least
+//!   `--publish-delay-ms` old with `FOR UPDATE SKIP LOCKED` (so replicas share the rows
+//!   and never take the same one), logs `commands.published` under the row's correlation
+//!   ID extended for the delivery, sets the row's `sent_at` and the command's status to
+//!   `sent`, and commits. A publisher killed before its commit leaves the rows pending,
+//!   and they are published again: at least once, each delivery under its own extension.
+//! - The demo's pool has 32 connections; a request that finds none free within 1 s, or
+//!   whose database call fails, is answered `503` `commands.database_unavailable`, and
+//!   nothing it wrote stands.
+//!
+//! `tests/commands_crash.rs` kills the demo in DB mode with SIGKILL at random moments
+//! while clients create commands, restarts it on the same database, retries every key,
+//! and counts what the database holds.
+//!
+//! # Routes
+//!
+//! | Route | Idempotency key | Success | Errors (`application/problem+json`, `code`) |
+//! |---|---|---|---|
+//! | `POST /commands` | required | `201` the new command, `status: "queued"`; a replay of the first answer | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields` (in DB mode also for a `device_id` or `name` with U+0000), `413` `body.unreadable`, `503` `commands.publisher_stopped` (in memory) or `commands.database_unavailable` (DB mode, with `Retry-After: 1`; nothing was written), `503` `idempotency.not_committed` (DB mode: the commit failed; nothing was written); idempotency: `400` `idempotency.key_missing` / `idempotency.key_invalid` / `idempotency.client_invalid`, `401` `idempotency.client_missing`, `409` `idempotency.in_flight` (with `Retry-After`), `422` `idempotency.fingerprint_mismatch` |
+//! | `GET /commands` | none | `200` every command, oldest first (in DB mode, the newest `--max-commands`, oldest first) | DB mode: `503` `commands.database_unavailable` |
+//! | `GET /commands/{id}` | none | `200` the command | `404` `commands.not_found`; DB mode: `503` `commands.database_unavailable` |
+//! | `POST /commands/{id}/cancel` | optional | `200` the command, `status: "cancelled"`; a replay of the first answer | `404` `commands.not_found`, `409` `commands.already_sent`; DB mode: `503` `commands.database_unavailable` / `idempotency.not_committed`; idempotency: as `POST /commands`, less `key_missing` |
+//! | any other path | | | `404` `route.not_found` |
+//! | any other method on these paths | | | `405` `route.method_not_allowed`, with `Allow` |
+//!
+//! Any route may also answer `503` `server.overloaded` (with `Retry-After: 1`), `408`
+//! `request.timeout` or `request.body_timeout`, and `413` `request.body_too_large` (see
+//! [Limits](#limits)).
+//!
+//! Every response of a `POST` route carries `idempotent-replayed` (`true` on a replay,
+//! else `false`), and echoes `attempt-id` when the client sent one; a replay, a `409`
+//! and a `410` also carry `idempotency-first-seen` and `idempotency-request-count`, and
+//! a replay `original-attempt-id` when the first attempt sent an `attempt-id`. A replay
+//! is the first response byte for byte (status, headers, body) except for the
+//! per-attempt headers (`x-correlation-id`, `attempt-id`, `date`). Only answers below
+//! 500 (and not `408` or `429`) are kept: after a `503` the retry runs again. A cancel
+//! sent without a key runs every time.
+//!
+//! A command is `{"id", "device_id", "name", "payload", "status", "created_at"}`: `id` is
+//! the command's own UUID (not the correlation ID, which names one attempt), `status` is
+//! `queued`, `sent` or `cancelled`, and `created_at` is RFC 3339 in UTC.
+//!
+//! # Events
+//!
+//! | `event` | Level | When |
+//! |---|---|---|
+//! | `commands.limits` | INFO | at start: every limit and timeout in force, and the open-files limit |
+//! | `commands.listening` | INFO | the listener is bound |
+//! | `commands.store` | INFO | where idempotency records are kept: `store` = `memory`, `redis` or `postgres` |
+//! | `commands.schema_ready` | INFO | DB mode, at start: the tables exist |
+//! | `commands.created` | INFO | a command was stored and queued (in DB mode: written in the request's transaction, which commits after the handler answers, logged `idempotency.stored`) |
+//! | `commands.cancelled` | INFO | a command was cancelled |
+//! | `commands.published` | INFO | the publisher sent a command |
+//! | `commands.publish_skipped` | INFO | the publisher found the command cancelled (`reason` = `cancelled`) or dropped from the list (`evicted`) |
+//! | `commands.database_failed` | WARN | DB mode: a database call of a request failed or timed out (`doing`, `error`); the request is answered `503` |
+//! | `commands.publish_failed` | WARN | DB mode: the publisher could not read or mark the outbox; its rows stay pending and it tries again |
+//! | `commands.correlation_id_invalid` | WARN | DB mode: an outbox row's correlation ID did not parse (not expected); delivered under a new one |
+//! | `commands.transaction_missing`, `commands.transaction_over` | ERROR | DB mode: a create found no request transaction, or one already committed (neither is expected); answered `500` |
+//! | `commands.evicted` | INFO | the list was full: its oldest command was dropped |
+//! | `commands.bad_request` | WARN | a create request's body was refused (the body is never logged) |
+//! | `commands.body_refused` | INFO | a request body stalled (`reason` = `timeout`) or grew past the limit (`too_large`) |
+//! | `commands.not_found` | INFO | an unknown command ID was asked for |
+//! | `commands.overloaded` | DEBUG | a request was shed (DEBUG: under overload, a line per request would add to it) |
+//! | `commands.connection_closed` | DEBUG | a connection ended in an error: the client hung up, or sent no request head within `--header-read-timeout-ms` |
+//! | `commands.open_files_limit_failed` | WARN | the open-files limit could not be raised |
+//! | `commands.internal_error` | ERROR | an error reached the limits' error handler that was not a shed request (none is expected) |
+//! | `commands.accept_failed` | WARN | accepting a connection failed (for example out of file descriptors); the loop pauses 100 ms |
+//!
+//! The idempotency layer adds its own events (`idempotency.replayed`,
+//! `idempotency.stored`, `idempotency.in_flight`, `idempotency.conflict`, ...), inside
+//! the request's correlation span; see [`tower_ids::idempotency`].
+//!
+//! [`CorrelationId::extend_redelivery`]: tower_ids::correlation::CorrelationId::extend_redelivery
+//! [`IdempotencyLayer`]: tower_ids::idempotency::IdempotencyLayer
+//! [`MokaStore`]: tower_ids::idempotency::MokaStore
+
+mod api;
+mod load;
+mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
+mod publisher;
+mod routes;
+mod server;
+
+use std::{
+    net::SocketAddr,
+    num::{NonZeroU64, NonZeroUsize},
+    time::Duration,
+};
+
+use axum::Router;
+use clap::{Parser, ValueEnum};
+use tokio::{net::TcpListener, sync::mpsc, task::JoinHandle};
+use tower_ids::idempotency::{IdempotencyStore, MokaStore, DEFAULT_LEASE};
+use tracing_subscriber::{filter::LevelFilter, EnvFilter};
+
+use crate::{
+    memory::{Commands, Memory, MAX_COMMANDS},
+    publisher::{publish, QUEUE_CAPACITY},
+    routes::{app, AppState, Storage},
+    server::{
+        listen, raise_open_files_limit, serve, Limits, BODY_TIMEOUT_MS, HEADER_READ_TIMEOUT_MS,
+        MAX_BODY_BYTES, MAX_CONCURRENT_REQUESTS, REQUEST_TIMEOUT_MS,
+    },
+};
+
+/// Default `--idempotency-lease-ms`: the library's [`DEFAULT_LEASE`] (10 s), how long a
+/// key stays claimed by a request whose process died. The lease is renewed while the
+/// request runs, so it bounds only how long retries of a crashed request get `409`.
+const IDEMPOTENCY_LEASE_MS: NonZeroU64 = NonZeroU64::new(DEFAULT_LEASE.as_millis() as u64).unwrap();
+
+/// The Command Service: tower-ids' demo of correlation IDs and idempotency keys.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Address to listen on; port 0 picks a free port (the log says which).
+    #[arg(long, default_value = "127.0.0.1:3000")]
+    addr: SocketAddr,
+
+    /// Log format, written to stdout.
+    #[arg(long, value_enum, default_value_t = LogFormat::Pretty)]
+    log_format: LogFormat,
+
+    /// Milliseconds from queueing a command to publishing it.
+    #[arg(long, default_value_t = 200)]
+    publish_delay_ms: u64,
+
+    /// Milliseconds the POST handlers sleep before doing anything, so that a retry can
+    /// overlap the first request (and get 409).
+    #[arg(long, default_value_t = 0)]
+    handler_delay_ms: u64,
+
+    /// Milliseconds the POST handlers wait after their writes, before answering. In DB
+    /// mode the idempotency layer commits the request's transaction once the handler
+    /// has answered: this is the time between the writes and the commit.
+    #[arg(long, default_value_t = 0)]
+    commit_delay_ms: u64,
+
+    /// Seconds an idempotency key's outcome is replayed.
+    #[arg(long, default_value_t = 86_400)]
+    idempotency_ttl_secs: u64,
+
+    /// Milliseconds an idempotency key stays claimed by a request that stopped renewing
+    /// its claim (its process died): retries of it get 409 until then.
+    #[arg(long, default_value_t = IDEMPOTENCY_LEASE_MS)]
+    idempotency_lease_ms: NonZeroU64,
+
+    /// Milliseconds a connection may take to send a request's head, and may stay idle
+    /// between requests, before the server closes it.
+    #[arg(long, default_value_t = HEADER_READ_TIMEOUT_MS)]
+    header_read_timeout_ms: NonZeroU64,
+
+    /// Milliseconds a request body may go without sending a byte before the request is
+    /// answered 408 and its connection closed.
+    #[arg(long, default_value_t = BODY_TIMEOUT_MS)]
+    body_timeout_ms: NonZeroU64,
+
+    /// Milliseconds a request may take from its head to its answer before it is answered
+    /// 408 and its connection closed.
+    #[arg(long, default_value_t = REQUEST_TIMEOUT_MS)]
+    request_timeout_ms: NonZeroU64,
+
+    /// Largest request body in bytes; a larger one is answered 413.
+    #[arg(long, default_value_t = MAX_BODY_BYTES)]
+    max_body_bytes: NonZeroUsize,
+
+    /// Requests handled at once; more are shed at once with 503 and Retry-After.
+    #[arg(long, default_value_t = MAX_CONCURRENT_REQUESTS)]
+    max_concurrent_requests: NonZeroUsize,
+
+    /// Commands the in-memory list keeps; creating one more drops the oldest. In DB
+    /// mode, which keeps every command: how many of the newest GET /commands answers.
+    #[arg(long, default_value_t = MAX_COMMANDS)]
+    max_commands: NonZeroUsize,
+
+    /// PostgreSQL URL (`postgres://USER@HOST:PORT/DATABASE`): keep the commands, their
+    /// outbox and the idempotency records there, shared by every replica started with
+    /// it, and commit each POST's writes with its idempotency record. Without it,
+    /// everything is in memory.
+    #[cfg(feature = "postgres")]
+    #[arg(long, value_name = "URL")]
+    #[cfg_attr(feature = "redis", arg(conflicts_with = "redis_url"))]
+    database_url: Option<String>,
+
+    /// Redis (or Valkey) URL for the idempotency records, shared by every replica
+    /// started with it (`redis://HOST:PORT`); without it, records are kept in memory.
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "URL")]
+    redis_url: Option<String>,
+
+    /// Also serve the `/load/*` routes that `benches/load.sh` drives: one trivial
+    /// handler behind no layer, a layer that does nothing, tower-http's request-ID
+    /// pair, the correlation layer, and both layers.
+    #[arg(long)]
+    load_routes: bool,
+}
+
+impl From<&Args> for Limits {
+    fn from(args: &Args) -> Self {
+        Self {
+            header_read_timeout: Duration::from_millis(args.header_read_timeout_ms.get()),
+            body_timeout: Duration::from_millis(args.body_timeout_ms.get()),
+            request_timeout: Duration::from_millis(args.request_timeout_ms.get()),
+            max_body_bytes: args.max_body_bytes.get(),
+            max_concurrent_requests: args.max_concurrent_requests.get(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    /// Human-readable, one line per event, prefixed by its spans and their fields.
+    Pretty,
+    /// One JSON object per line, with the current span and the span list.
+    Json,
+}
+
+#[tokio::main]
+async fn main() -> std::io::Result<()> {
+    let args = Args::parse();
+    init_tracing(args.log_format);
+    let open_files = raise_open_files_limit();
+    let limits = Limits::from(&args);
+    tracing::info!(
+        event = "commands.limits",
+        header_read_timeout_ms = args.header_read_timeout_ms.get(),
+        body_timeout_ms = args.body_timeout_ms.get(),
+        request_timeout_ms = args.request_timeout_ms.get(),
+        max_body_bytes = limits.max_body_bytes,
+        max_concurrent_requests = limits.max_concurrent_requests,
+        max_commands = args.max_commands.get(),
+        open_files_limit = open_files,
+        "limits in force"
+    );
+
+    #[cfg(feature = "postgres")]
+    if let Some(url) = &args.database_url {
+        return run_on_database(url, &args, limits).await;
+    }
+
+    // Connect first: a replica that cannot reach its Redis should not start listening.
+    #[cfg(feature = "redis")]
+    let redis = match &args.redis_url {
+        Some(url) => Some(
+            tower_ids::idempotency::store::RedisStore::connect(url.as_str())
+                .await
+                .map_err(std::io::Error::other)?,
+        ),
+        None => None,
+    };
+
+    let commands = Commands::new(args.max_commands);
+    let (queue, deliveries) = mpsc::channel(QUEUE_CAPACITY);
+    let publisher = tokio::spawn(publish(
+        commands.clone(),
+        deliveries,
+        Duration::from_millis(args.publish_delay_ms),
+    ));
+
+    let listener = listen_logged(args.addr)?;
+    let state = app_state(Memory { commands, queue }, &args);
+    #[cfg(feature = "redis")]
+    let app = match redis {
+        Some(store) => app_with(state, store, "redis", &args, limits),
+        None => app_with(state, MokaStore::new(), "memory", &args, limits),
+    };
+    #[cfg(not(feature = "redis"))]
+    let app = app_with(state, MokaStore::new(), "memory", &args, limits);
+    serve(listener, app, limits.header_read_timeout).await;
+
+    // The router, and with it every queue sender, is gone: the publisher drains what is
+    // left in the queue and returns.
+    stopped(publisher).await;
+    Ok(())
+}
+
+/// DB mode (`--database-url`): the commands, their outbox and the idempotency records
+/// in PostgreSQL (see [`postgres`]).
+#[cfg(feature = "postgres")]
+async fn run_on_database(url: &str, args: &Args, limits: Limits) -> std::io::Result<()> {
+    // Connect first: a replica that cannot reach its database should not start
+    // listening.
+    let (database, store) = postgres::Database::connect(url, args.max_commands)
+        .await
+        .map_err(std::io::Error::other)?;
+    let (stop, stop_requested) = tokio::sync::oneshot::channel();
+    let publisher = tokio::spawn(postgres::publish(
+        database.pool().clone(),
+        Duration::from_millis(args.publish_delay_ms),
+        stop_requested,
+    ));
+
+    let listener = listen_logged(args.addr)?;
+    let app = app_with(app_state(database, args), store, "postgres", args, limits);
+    serve(listener, app, limits.header_read_timeout).await;
+
+    // The requests in flight have finished: the publisher ends its batch and stops.
+    // Rows still pending wait in the outbox for the next start, or another replica.
+    let _ = stop.send(());
+    stopped(publisher).await;
+    Ok(())
+}
+
+/// A listener on `addr`, and the line that says where (`listening on http://ADDR`).
+fn listen_logged(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let listener = listen(addr)?;
+    let addr = listener.local_addr()?;
+    tracing::info!(event = "commands.listening", %addr, "listening on http://{addr}");
+    Ok(listener)
+}
+
+fn app_state<S: Storage>(storage: S, args: &Args) -> AppState<S> {
+    AppState {
+        storage,
+        handler_delay: Duration::from_millis(args.handler_delay_ms),
+        commit_delay: Duration::from_millis(args.commit_delay_ms),
+    }
+}
+
+/// [`app`] with the flags' idempotency settings.
+fn app_with<S: Storage, St: IdempotencyStore>(
+    state: AppState<S>,
+    store: St,
+    kind: &'static str,
+    args: &Args,
+    limits: Limits,
+) -> Router {
+    app(
+        state,
+        Duration::from_secs(args.idempotency_ttl_secs),
+        Duration::from_millis(args.idempotency_lease_ms.get()),
+        store,
+        kind,
+        args.load_routes,
+        limits,
+    )
+}
+
+/// Waits for the publisher to return, and says the service stopped.
+async fn stopped(publisher: JoinHandle<()>) {
+    if let Err(error) = publisher.await {
+        tracing::error!(event = "commands.publisher_failed", %error, "publisher task failed");
+    }
+    tracing::info!(event = "commands.stopped", "stopped");
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = EnvFilter::builder()
+        .with_default_directive(LevelFilter::INFO.into())
+        .from_env_lossy();
+    // Colours only for a terminal: a log file or a pipe gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi);
+    match format {
+        LogFormat::Pretty => subscriber.init(),
+        LogFormat::Json => subscriber
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+    }
+}

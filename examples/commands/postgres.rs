@@ -1,0 +1,465 @@
+//! DB mode (`--database-url`): the commands, their outbox and the idempotency records in
+//! PostgreSQL, shared by every replica started on the same database.
+//!
+//! A `POST` writes in the request's [`Transaction`], which the idempotency layer (over a
+//! [`PostgresStore`] on the same pool) commits together with the response's record once
+//! the handler has answered: a create's command row, its `command.created` outbox row
+//! and the record commit together or not at all. A process that dies before the commit
+//! leaves nothing but the key's claim, which runs out after `--idempotency-lease-ms`
+//! (retries get `409` until then, and then run again); one that dies after it leaves
+//! the record, and a retry replays the answer.
+//!
+//! The publisher ([`publish`]) relays the outbox: every replica runs one; each takes
+//! pending rows with `FOR UPDATE SKIP LOCKED`, so replicas share the rows and never
+//! take the same one, publishes them, and marks them sent in the same transaction. A
+//! publisher that dies before its commit leaves its rows pending, and they are published
+//! again (at least once, as from any outbox), each delivery under its own extension of
+//! the request's correlation ID.
+
+use std::{error::Error, num::NonZeroUsize, time::Duration};
+
+use axum::Extension;
+use serde_json::value::RawValue;
+use sqlx::{
+    postgres::{PgPoolOptions, PgRow},
+    Connection, PgConnection, PgPool, Postgres, Row,
+};
+use time::OffsetDateTime;
+use tokio::sync::oneshot::{self, error::TryRecvError};
+use tower_ids::{
+    correlation::CorrelationId,
+    idempotency::store::{
+        PostgresStore, Transaction, TransactionError, TransactionGuard, DEFAULT_POSTGRES_TIMEOUT,
+    },
+};
+use uuid::Uuid;
+
+use crate::{
+    api::ApiError,
+    routes::{Command, NewCommand, Status, Storage},
+};
+
+/// The demo's tables, created at start by every replica (`IF NOT EXISTS`).
+///
+/// - `commands`: one row per command. `payload` is `json`, which keeps the text as it was
+///   sent (`jsonb` would re-serialise it).
+/// - `outbox`: one row per event to publish, written in the transaction that wrote the
+///   command, with the correlation ID of the request that caused it. A row is pending
+///   until the publisher sets `sent_at`, or `skipped_at` for a command cancelled first.
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS commands (
+    id         uuid        PRIMARY KEY,
+    device_id  text        NOT NULL,
+    name       text        NOT NULL,
+    payload    json        NOT NULL,
+    status     text        NOT NULL CHECK (status IN ('queued', 'sent', 'cancelled')),
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS outbox (
+    id             bigserial   PRIMARY KEY,
+    command_id     uuid        NOT NULL REFERENCES commands (id),
+    event          text        NOT NULL,
+    correlation_id text        NOT NULL,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    sent_at        timestamptz,
+    skipped_at     timestamptz
+);
+CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id)
+    WHERE sent_at IS NULL AND skipped_at IS NULL;
+";
+
+/// The advisory lock a starting replica holds while it creates the tables: two
+/// `CREATE TABLE IF NOT EXISTS` of one table running at once can both try to create it,
+/// and one fails. (The bytes of `cmds_ddl`.)
+const SCHEMA_LOCK: i64 = 0x636d_6473_5f64_646c;
+
+/// Connections in the pool. A `POST` with a key holds one from its first write until the
+/// layer commits (`--commit-delay-ms` and a round trip or two), the layer's claims and
+/// replays take one for a statement, and the publisher one per batch: 32 serve far more
+/// concurrent writes than the demo sees, and two replicas stay well within PostgreSQL's
+/// default `max_connections` of 100. A request that finds none free within
+/// `DEFAULT_POSTGRES_TIMEOUT` (1 s) is answered `503`.
+const DATABASE_MAX_CONNECTIONS: u32 = 32;
+
+/// How long the publisher waits before looking at the outbox again after a look that
+/// found less than a batch: a command is published within `--publish-delay-ms` plus
+/// this, and an idle replica asks the database ten times a second (an index scan of
+/// the pending rows, none).
+const OUTBOX_POLL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Outbox rows the publisher takes, publishes and marks in one transaction: enough to
+/// drain a burst quickly, few enough that a transaction holds its row locks for
+/// milliseconds.
+const OUTBOX_BATCH: i64 = 100;
+
+/// The columns of a [`Command`], as [`command`] reads them: the UUID and the payload as
+/// text (the pool has no `uuid` or `json` decoding), the creation time in microseconds
+/// since the epoch.
+macro_rules! command_columns {
+    () => {
+        "id::text AS id, device_id, name, payload::text AS payload, status, \
+         (extract(epoch FROM created_at) * 1000000)::int8 AS created_at_us"
+    };
+}
+
+/// DB mode's storage: the pool the handlers and the publisher share with the
+/// idempotency layer's [`PostgresStore`].
+#[derive(Clone)]
+pub(crate) struct Database {
+    pool: PgPool,
+    /// How many of the newest commands `GET /commands` answers (`--max-commands`).
+    list_limit: i64,
+}
+
+impl Database {
+    /// Connects to `url`, creates the tables (the demo's and the store's) if they are
+    /// missing, and returns the storage and the idempotency store on one pool.
+    pub(crate) async fn connect(
+        url: &str,
+        list_limit: NonZeroUsize,
+    ) -> Result<(Self, PostgresStore), Box<dyn Error + Send + Sync>> {
+        let pool = PgPoolOptions::new()
+            .max_connections(DATABASE_MAX_CONNECTIONS)
+            .acquire_timeout(DEFAULT_POSTGRES_TIMEOUT)
+            .connect(url)
+            .await?;
+        let store = PostgresStore::builder(pool.clone()).build()?;
+
+        // On a connection of its own, so that closing it releases the lock whatever
+        // happened in between.
+        let mut ddl = PgConnection::connect(url).await?;
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(SCHEMA_LOCK)
+            .execute(&mut ddl)
+            .await?;
+        sqlx::raw_sql(SCHEMA).execute(&mut ddl).await?;
+        store.migrate().await?;
+        ddl.close().await?;
+        tracing::info!(
+            event = "commands.schema_ready",
+            "tables commands, outbox and tower_ids_idempotency ready"
+        );
+
+        let list_limit = i64::try_from(list_limit.get()).unwrap_or(i64::MAX);
+        Ok((Self { pool, list_limit }, store))
+    }
+
+    /// The pool, for the publisher.
+    pub(crate) fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+impl Storage for Database {
+    /// The request's transaction, offered by the idempotency layer to a request it runs
+    /// (one with a key); a cancel sent without a key has none.
+    type Transaction = Option<Extension<Transaction>>;
+
+    async fn create(
+        &self,
+        transaction: Self::Transaction,
+        new: NewCommand,
+        correlation_id: CorrelationId,
+    ) -> Result<Command, ApiError> {
+        // `POST /commands` requires a key, so the layer always offers one.
+        let Some(Extension(transaction)) = transaction else {
+            tracing::error!(
+                event = "commands.transaction_missing",
+                "no request transaction on POST /commands: is the idempotency layer over a PostgresStore?"
+            );
+            return Err(ApiError::Internal);
+        };
+        if new.device_id.contains('\0') || new.name.contains('\0') {
+            return Err(ApiError::NulInText);
+        }
+        let mut writes = Writes::request(&transaction).await?;
+        let inserted = sqlx::query(concat!(
+            "INSERT INTO commands (id, device_id, name, payload, status) \
+             VALUES ($1::uuid, $2, $3, $4::json, 'queued') RETURNING ",
+            command_columns!()
+        ))
+        .bind(Uuid::now_v7().to_string())
+        .bind(&new.device_id)
+        .bind(&new.name)
+        .bind(new.payload.get())
+        .fetch_one(writes.connection())
+        .await
+        .map_err(|error| ApiError::database(&error, "inserting a command"))?;
+        let command = command(&inserted)?;
+        sqlx::query(
+            "INSERT INTO outbox (command_id, event, correlation_id) \
+             VALUES ($1::uuid, 'command.created', $2)",
+        )
+        .bind(command.id.to_string())
+        .bind(correlation_id.as_str())
+        .execute(writes.connection())
+        .await
+        .map_err(|error| ApiError::database(&error, "inserting an outbox row"))?;
+        writes.finish().await?;
+        Ok(command)
+    }
+
+    /// The newest `--max-commands` commands, oldest first (IDs are UUIDv7, so their
+    /// order is the order of creation, to the millisecond across replicas).
+    async fn list(&self) -> Result<Vec<Command>, ApiError> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            command_columns!(),
+            " FROM (SELECT * FROM commands ORDER BY id DESC LIMIT $1) AS newest ORDER BY id"
+        ))
+        .bind(self.list_limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|error| ApiError::database(&error, "listing commands"))?;
+        rows.iter().map(command).collect()
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Command, ApiError> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            command_columns!(),
+            " FROM commands WHERE id = $1::uuid"
+        ))
+        .bind(id.to_string())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|error| ApiError::database(&error, "reading a command"))?;
+        command(&row.ok_or_else(|| ApiError::not_found(id))?)
+    }
+
+    async fn cancel(&self, transaction: Self::Transaction, id: Uuid) -> Result<Command, ApiError> {
+        let transaction = transaction.map(|Extension(transaction)| transaction);
+        let mut writes = match &transaction {
+            Some(transaction) => Writes::request(transaction).await?,
+            None => Writes::own(&self.pool).await?,
+        };
+        // Locked until the commit: a publisher taking it now waits, then sees it
+        // cancelled; one that took it first makes this wait, then answer 409.
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            command_columns!(),
+            " FROM commands WHERE id = $1::uuid FOR UPDATE"
+        ))
+        .bind(id.to_string())
+        .fetch_optional(writes.connection())
+        .await
+        .map_err(|error| ApiError::database(&error, "reading a command"))?;
+        let mut command = command(&row.ok_or_else(|| ApiError::not_found(id))?)?;
+        match command.status {
+            Status::Queued => {
+                sqlx::query("UPDATE commands SET status = 'cancelled' WHERE id = $1::uuid")
+                    .bind(id.to_string())
+                    .execute(writes.connection())
+                    .await
+                    .map_err(|error| ApiError::database(&error, "cancelling a command"))?;
+                command.status = Status::Cancelled;
+                tracing::info!(event = "commands.cancelled", command_id = %id, "command cancelled");
+            }
+            // Cancelling twice is not an error: the command is cancelled either way.
+            Status::Cancelled => {}
+            Status::Sent => return Err(ApiError::AlreadySent),
+        }
+        writes.finish().await?;
+        Ok(command)
+    }
+}
+
+/// Where a `POST` handler writes.
+enum Writes<'a> {
+    /// The request's transaction: the idempotency layer commits it with the record.
+    Request(TransactionGuard<'a>),
+    /// A transaction of the handler's own, for a cancel sent without a key (no record
+    /// to commit with): committed by [`finish`](Self::finish).
+    Own(sqlx::Transaction<'static, Postgres>),
+}
+
+impl<'a> Writes<'a> {
+    async fn request(transaction: &'a Transaction) -> Result<Self, ApiError> {
+        match transaction.lock().await {
+            Ok(guard) => Ok(Self::Request(guard)),
+            Err(TransactionError::Begin(error)) => Err(ApiError::database(
+                &error,
+                "beginning the request's transaction",
+            )),
+            Err(error) => {
+                tracing::error!(event = "commands.transaction_over", error = %error, "the request's transaction is over");
+                Err(ApiError::Internal)
+            }
+        }
+    }
+
+    async fn own(pool: &PgPool) -> Result<Self, ApiError> {
+        let transaction = pool
+            .begin()
+            .await
+            .map_err(|error| ApiError::database(&error, "beginning a transaction"))?;
+        Ok(Self::Own(transaction))
+    }
+
+    fn connection(&mut self) -> &mut PgConnection {
+        match self {
+            Self::Request(guard) => guard,
+            Self::Own(transaction) => transaction,
+        }
+    }
+
+    /// Commits a transaction of the handler's own; the request's is the layer's to
+    /// commit.
+    async fn finish(self) -> Result<(), ApiError> {
+        match self {
+            Self::Request(_) => Ok(()),
+            Self::Own(transaction) => transaction
+                .commit()
+                .await
+                .map_err(|error| ApiError::database(&error, "committing")),
+        }
+    }
+}
+
+/// A command from a row of [`command_columns`].
+fn command(row: &PgRow) -> Result<Command, ApiError> {
+    let decoded = (|| -> Result<Command, Box<dyn Error + Send + Sync>> {
+        let status = match row.try_get::<&str, _>("status")? {
+            "queued" => Status::Queued,
+            "sent" => Status::Sent,
+            "cancelled" => Status::Cancelled,
+            other => return Err(format!("unknown status {other:?}").into()),
+        };
+        let created_at_us: i64 = row.try_get("created_at_us")?;
+        Ok(Command {
+            id: Uuid::try_parse(row.try_get("id")?)?,
+            device_id: row.try_get("device_id")?,
+            name: row.try_get("name")?,
+            payload: RawValue::from_string(row.try_get("payload")?)?,
+            status,
+            created_at: OffsetDateTime::from_unix_timestamp_nanos(
+                i128::from(created_at_us) * 1000,
+            )?,
+        })
+    })();
+    decoded.map_err(|error| ApiError::database(&*error, "reading a command row"))
+}
+
+/// The outbox relay, DB mode's publisher: until `stop`, takes up to [`OUTBOX_BATCH`]
+/// pending rows at least `delay` old, publishes each, marks them, and commits; looks
+/// again at once after a full batch, else after [`OUTBOX_POLL_INTERVAL`].
+///
+/// Each delivery runs under its own extension of the correlation ID stored on the row
+/// (see [`CorrelationId::extend_redelivery`]), as in memory: a row published again
+/// after a crash gets another one, and both lead back to the request. Rows whose
+/// command is locked (a cancel in flight) are skipped until it commits.
+pub(crate) async fn publish(pool: PgPool, delay: Duration, mut stop: oneshot::Receiver<()>) {
+    loop {
+        let full = match publish_batch(&pool, delay).await {
+            Ok(taken) => taken as i64 == OUTBOX_BATCH,
+            Err(error) => {
+                tracing::warn!(
+                    event = "commands.publish_failed",
+                    error = %error,
+                    "could not publish from the outbox; its rows stay pending, trying again"
+                );
+                false
+            }
+        };
+        if full && matches!(stop.try_recv(), Err(TryRecvError::Empty)) {
+            continue;
+        }
+        tokio::select! {
+            biased;
+            _ = &mut stop => return,
+            () = tokio::time::sleep(OUTBOX_POLL_INTERVAL) => {}
+        }
+    }
+}
+
+/// One transaction of the relay; returns how many rows it took.
+async fn publish_batch(pool: &PgPool, delay: Duration) -> Result<usize, sqlx::Error> {
+    let mut transaction = pool.begin().await?;
+    let pending = sqlx::query(
+        "SELECT o.id, o.command_id::text AS command_id, o.correlation_id, c.status, c.device_id \
+         FROM outbox o JOIN commands c ON c.id = o.command_id \
+         WHERE o.sent_at IS NULL AND o.skipped_at IS NULL \
+           AND o.created_at <= now() - make_interval(secs => $1) \
+         ORDER BY o.id LIMIT $2 \
+         FOR UPDATE OF o, c SKIP LOCKED",
+    )
+    .bind(delay.as_secs_f64())
+    .bind(OUTBOX_BATCH)
+    .fetch_all(&mut *transaction)
+    .await?;
+    for row in &pending {
+        let correlation_id = match CorrelationId::parse(row.try_get("correlation_id")?) {
+            Ok(id) => id,
+            Err(invalid) => {
+                // Stored by the correlation layer, which validated it: not expected.
+                tracing::warn!(
+                    event = "commands.correlation_id_invalid",
+                    reason = invalid.code(),
+                    "outbox row with an invalid correlation ID; delivering under a new one"
+                );
+                CorrelationId::new()
+            }
+        };
+        let delivery = Delivery {
+            outbox_id: row.try_get("id")?,
+            command_id: row.try_get("command_id")?,
+            status: row.try_get("status")?,
+            device_id: row.try_get("device_id")?,
+        };
+        correlation_id
+            .extend_redelivery()
+            .scope(delivery.deliver(&mut transaction))
+            .await?;
+    }
+    transaction.commit().await?;
+    Ok(pending.len())
+}
+
+/// One pending outbox row, with its command's status.
+struct Delivery<'r> {
+    outbox_id: i64,
+    command_id: &'r str,
+    status: &'r str,
+    device_id: &'r str,
+}
+
+impl Delivery<'_> {
+    async fn deliver(&self, connection: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let command_id = self.command_id;
+        if self.status != "queued" {
+            let reason = if self.status == "cancelled" {
+                "cancelled"
+            } else {
+                "already_sent"
+            };
+            tracing::info!(
+                event = "commands.publish_skipped",
+                command_id,
+                reason,
+                "command not queued any more: not publishing"
+            );
+            sqlx::query("UPDATE outbox SET skipped_at = now() WHERE id = $1")
+                .bind(self.outbox_id)
+                .execute(&mut *connection)
+                .await?;
+            return Ok(());
+        }
+        // A real relay sends the event to the broker here, before marking the row: a
+        // crash before the commit sends it again.
+        tracing::info!(
+            event = "commands.published",
+            command_id,
+            device_id = self.device_id,
+            "command published"
+        );
+        sqlx::query("UPDATE outbox SET sent_at = now() WHERE id = $1")
+            .bind(self.outbox_id)
+            .execute(&mut *connection)
+            .await?;
+        sqlx::query("UPDATE commands SET status = 'sent' WHERE id = $1::uuid")
+            .bind(command_id)
+            .execute(&mut *connection)
+            .await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,282 @@
+//! The service's routes and their handlers, and the layers around them.
+
+use std::{future::Future, time::Duration};
+
+use axum::{
+    extract::{rejection::JsonRejection, FromRequestParts, Path, Request, State},
+    http::{HeaderName, StatusCode},
+    routing::{get, post},
+    Json, Router,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use time::OffsetDateTime;
+use tower::{util::MapRequestLayer, ServiceBuilder};
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_ids::{
+    correlation::{CorrelationId, CorrelationLayer},
+    idempotency::{ClientFromHeader, IdempotencyLayer, IdempotencyStore},
+};
+use uuid::Uuid;
+
+use crate::{
+    api::ApiError,
+    load::{load_executions, load_handler, LoadState},
+    server::{with_request_limits, Limits},
+};
+
+/// The service's routes, wrapped in the request-level limits, then in the correlation
+/// layer.
+///
+/// `CorrelationLayer` is applied last, so it is outermost: every handler, extractor
+/// rejection and inner layer runs inside its span, and every attempt (replays
+/// included, and the requests the limits refuse) gets its own correlation ID. The
+/// idempotency layers go on the `POST` method routers only: `MethodRouter::layer` wraps
+/// the methods added before it, so the `GET` added after it on `/commands` is not
+/// covered. Both layers share one store (clones of the layer share it, a `MokaStore`'s
+/// cache, a `RedisStore`'s connection or a `PostgresStore`'s pool); the routes' paths
+/// keep their keys apart. With a `PostgresStore` the layers offer each request they run
+/// its transaction, which the `POST` handlers of [`Database`](crate::postgres::Database)
+/// write in. `kind` names the store in the `commands.store` event; `load_routes` adds the
+/// `/load/*` routes ([`LoadState`](crate::load::LoadState)), outside the limits.
+pub(crate) fn app<S: Storage, St: IdempotencyStore>(
+    state: AppState<S>,
+    idempotency_ttl: Duration,
+    idempotency_lease: Duration,
+    store: St,
+    kind: &'static str,
+    load_routes: bool,
+    limits: Limits,
+) -> Router {
+    tracing::info!(
+        event = "commands.store",
+        store = kind,
+        "idempotency records kept in {kind}"
+    );
+    let idempotent = IdempotencyLayer::with_store(store)
+        .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
+        .require_client(true)
+        .ttl(idempotency_ttl)
+        .lease(idempotency_lease)
+        .max_request_bytes(limits.max_body_bytes);
+
+    let load = LoadState::default();
+    let request_id = HeaderName::from_static("x-request-id");
+    let routes = Router::new()
+        .route(
+            "/commands",
+            post(create_command::<S>)
+                .layer(idempotent.clone().require_key(true))
+                .get(list_commands::<S>),
+        )
+        .route("/commands/{id}", get(get_command::<S>))
+        .route(
+            "/commands/{id}/cancel",
+            post(cancel_command::<S>).layer(idempotent.clone()),
+        )
+        .fallback(unknown_route)
+        // After every route: it replaces axum's empty 405 on each route added so far.
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state);
+    let mut routes = with_request_limits(routes, limits);
+    if load_routes {
+        routes = routes.merge(
+            Router::new()
+                .route("/load/correlated", post(load_handler))
+                .route(
+                    "/load/idempotent",
+                    post(load_handler).layer(idempotent.require_key(true)),
+                )
+                .with_state(load.clone()),
+        );
+    }
+    let routes = routes.layer(CorrelationLayer::new().accept(request_id.clone()));
+    if !load_routes {
+        return routes;
+    }
+    // Merged after the correlation layer, so outside it: no layer at all, a layer that
+    // does nothing, or tower-http's request-ID pair for comparison.
+    routes.merge(
+        Router::new()
+            .route("/load/bare", post(load_handler))
+            .route(
+                "/load/noop",
+                post(load_handler).layer(MapRequestLayer::new(|request: Request| request)),
+            )
+            .route(
+                "/load/tower-http",
+                post(load_handler).layer(
+                    ServiceBuilder::new()
+                        .layer(SetRequestIdLayer::new(request_id.clone(), MakeRequestUuid))
+                        .layer(PropagateRequestIdLayer::new(request_id)),
+                ),
+            )
+            .route("/load/executions", get(load_executions))
+            .with_state(load),
+    )
+}
+
+/// Where the commands are kept: in memory ([`Memory`](crate::memory::Memory)), or in
+/// PostgreSQL with `--database-url` ([`Database`](crate::postgres::Database)). The
+/// handlers below parse the request, call one of these and log; every method answers
+/// the command as the client sees it, or the refusal.
+pub(crate) trait Storage: Clone + Send + Sync + 'static {
+    /// What a `POST` handler takes from the request to write in: nothing in memory; in
+    /// PostgreSQL the request's transaction, which the idempotency layer commits with
+    /// the response's record (there when the request carries a key).
+    type Transaction: FromRequestParts<AppState<Self>> + Send;
+
+    /// Stores a new command, `queued`, and queues it for the publisher under
+    /// `correlation_id`.
+    fn create(
+        &self,
+        transaction: Self::Transaction,
+        new: NewCommand,
+        correlation_id: CorrelationId,
+    ) -> impl Future<Output = Result<Command, ApiError>> + Send;
+
+    /// The commands `GET /commands` answers, oldest first.
+    fn list(&self) -> impl Future<Output = Result<Vec<Command>, ApiError>> + Send;
+
+    fn get(&self, id: Uuid) -> impl Future<Output = Result<Command, ApiError>> + Send;
+
+    /// Cancels a `queued` command; a cancelled one stays so, a sent one is refused.
+    fn cancel(
+        &self,
+        transaction: Self::Transaction,
+        id: Uuid,
+    ) -> impl Future<Output = Result<Command, ApiError>> + Send;
+}
+
+/// What every handler shares.
+#[derive(Clone)]
+pub(crate) struct AppState<S> {
+    pub(crate) storage: S,
+    /// How long the `POST` handlers sleep first (`--handler-delay-ms`).
+    pub(crate) handler_delay: Duration,
+    /// How long the `POST` handlers wait after their writes (`--commit-delay-ms`).
+    pub(crate) commit_delay: Duration,
+}
+
+/// The body of `POST /commands`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct NewCommand {
+    pub(crate) device_id: String,
+    pub(crate) name: String,
+    /// Kept as the JSON text it was sent in: no larger than the body it came in, where a
+    /// parsed `serde_json::Value` can take many times its size (16 times for `[0,0,...]`).
+    pub(crate) payload: Box<RawValue>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Command {
+    /// The command's own ID, stable for its life (not the correlation ID).
+    pub(crate) id: Uuid,
+    pub(crate) device_id: String,
+    pub(crate) name: String,
+    pub(crate) payload: Box<RawValue>,
+    pub(crate) status: Status,
+    #[serde(with = "time::serde::rfc3339")]
+    pub(crate) created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Status {
+    Queued,
+    Sent,
+    Cancelled,
+}
+
+impl<S> AppState<S> {
+    /// Sleeps `--handler-delay-ms`, standing in for a slow downstream call.
+    async fn simulate_work(&self) {
+        if !self.handler_delay.is_zero() {
+            tokio::time::sleep(self.handler_delay).await;
+        }
+    }
+
+    /// Sleeps `--commit-delay-ms` after a handler's writes: in PostgreSQL, with the
+    /// request's transaction open, since the layer commits once the handler answers.
+    async fn wait_before_answering(&self) {
+        if !self.commit_delay.is_zero() {
+            tokio::time::sleep(self.commit_delay).await;
+        }
+    }
+}
+
+async fn create_command<S: Storage>(
+    State(state): State<AppState<S>>,
+    correlation_id: CorrelationId,
+    transaction: S::Transaction,
+    body: Result<Json<NewCommand>, JsonRejection>,
+) -> Result<(StatusCode, Json<Command>), ApiError> {
+    state.simulate_work().await;
+    let Json(new) = body.map_err(ApiError::bad_request)?;
+    let command = state
+        .storage
+        .create(transaction, new, correlation_id)
+        .await?;
+    tracing::info!(
+        event = "commands.created",
+        command_id = %command.id,
+        device_id = command.device_id.as_str(),
+        name = command.name.as_str(),
+        "command created"
+    );
+    state.wait_before_answering().await;
+    Ok((StatusCode::CREATED, Json(command)))
+}
+
+async fn list_commands<S: Storage>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<Vec<Command>>, ApiError> {
+    let commands = state.storage.list().await?;
+    tracing::debug!(
+        event = "commands.listed",
+        count = commands.len(),
+        "commands listed"
+    );
+    Ok(Json(commands))
+}
+
+async fn get_command<S: Storage>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+) -> Result<Json<Command>, ApiError> {
+    let id = parse_id(&id)?;
+    Ok(Json(state.storage.get(id).await?))
+}
+
+async fn cancel_command<S: Storage>(
+    State(state): State<AppState<S>>,
+    transaction: S::Transaction,
+    Path(id): Path<String>,
+) -> Result<Json<Command>, ApiError> {
+    state.simulate_work().await;
+    let id = parse_id(&id)?;
+    let command = state.storage.cancel(transaction, id).await?;
+    state.wait_before_answering().await;
+    Ok(Json(command))
+}
+
+async fn unknown_route() -> ApiError {
+    ApiError::UnknownRoute
+}
+
+/// A known path with another method; axum adds the `Allow` header.
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+/// A path segment that is not a UUID names no command.
+fn parse_id(id: &str) -> Result<Uuid, ApiError> {
+    Uuid::try_parse(id).map_err(|_| {
+        tracing::info!(
+            event = "commands.not_found",
+            reason = "not_a_uuid",
+            "unknown command"
+        );
+        ApiError::NotFound
+    })
+}
