@@ -188,8 +188,10 @@ where
         request.extensions_mut().insert(id.clone());
         let span = make_span.make_span(&request, &id);
         #[cfg(feature = "opentelemetry")]
-        if settings.trace_context {
-            super::otel::continue_trace(&span, request.headers());
+        {
+            if settings.trace_context {
+                super::otel::continue_trace(&span, request.headers());
+            }
             super::otel::set_correlation_attribute(&span, &id);
         }
 
