@@ -75,6 +75,7 @@
 //! |---|---|---|
 //! | `--addr` | `127.0.0.1:3000` | address to bind; port `0` picks a free one |
 //! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with span fields) |
+//! | `--log-sync` | off | write each log line before going on, instead of through the writer thread (lines still queued die with a killed process; the crash test reads the log as its record) |
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
 //! | `--commit-delay-ms` | `0` | time the two `POST` handlers wait after their writes, before answering; in DB mode the layer commits once the handler has answered, so this is the time between the writes and the commit (in which a crash leaves nothing) |
@@ -319,8 +320,8 @@ use clap::{Parser, ValueEnum};
 use tokio::{net::TcpListener, sync::mpsc, task::JoinHandle};
 use tower_ids::idempotency::{IdempotencyStore, MokaStore, DEFAULT_LEASE};
 use tracing_subscriber::{
-    filter::LevelFilter, layer::SubscriberExt as _, util::SubscriberInitExt as _, EnvFilter,
-    Layer as _,
+    filter::LevelFilter, fmt::writer::BoxMakeWriter, layer::SubscriberExt as _,
+    util::SubscriberInitExt as _, EnvFilter, Layer as _,
 };
 
 use crate::{
@@ -416,6 +417,12 @@ struct Args {
     #[arg(long, value_name = "URL")]
     redis_url: Option<String>,
 
+    /// Write each log line before going on, instead of through the writer thread: for a
+    /// test that kills the service and reads its log as the record of what it did (a
+    /// line still queued in the writer thread dies with the process).
+    #[arg(long)]
+    log_sync: bool,
+
     /// Also serve the `/load/*` routes that `benches/load.sh` drives: one trivial
     /// handler behind no layer, a layer that does nothing, tower-http's request-ID
     /// pair, the correlation layer, and both layers.
@@ -447,7 +454,7 @@ enum LogFormat {
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
     // Held to the end of `main`: dropping it writes out the lines still queued.
-    let _log_writer = init_tracing(args.log_format);
+    let _log_writer = init_tracing(args.log_format, args.log_sync);
     #[cfg(feature = "metrics")]
     metrics::install();
     let open_files = raise_open_files_limit();
@@ -577,18 +584,27 @@ async fn stopped(publisher: JoinHandle<()>) {
 
 /// Logs to stdout through a writer thread of its own (`tracing-appender`), so a
 /// request never waits on the terminal or the pipe; a full queue makes the logging
-/// thread wait rather than drop a line. With `--features opentelemetry`, the spans also
+/// thread wait rather than drop a line. With `sync` (`--log-sync`), each line is
+/// written before the code that logged it goes on. With `--features opentelemetry`, the spans also
 /// go to OpenTelemetry (exported nowhere: add an exporter to the provider here), so an
 /// incoming `traceparent` is continued and every request's lines carry its `trace_id`.
-fn init_tracing(format: LogFormat) -> tracing_appender::non_blocking::WorkerGuard {
+fn init_tracing(
+    format: LogFormat,
+    sync: bool,
+) -> Option<tracing_appender::non_blocking::WorkerGuard> {
     let filter = EnvFilter::builder()
         .with_default_directive(LevelFilter::INFO.into())
         .from_env_lossy();
     // Colours only for a terminal: a log file or a pipe gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .lossy(false)
-        .finish(std::io::stdout());
+    let (writer, guard) = if sync {
+        (BoxMakeWriter::new(std::io::stdout), None)
+    } else {
+        let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+            .lossy(false)
+            .finish(std::io::stdout());
+        (BoxMakeWriter::new(writer), Some(guard))
+    };
     let lines = tracing_subscriber::fmt::layer()
         .with_ansi(ansi)
         .with_writer(writer);
