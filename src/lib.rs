@@ -8,11 +8,110 @@
 //!   the server runs the action once and replays its response to every retry. See
 //!   [`idempotency`].
 //! - On the calling side, a **retry layer** for HTTP clients sends one idempotency key
-//!   across every attempt, a new correlation ID and `attempt-id` per attempt, and backs
+//!   across every attempt, a new correlation ID and `attempt-id` for each, and backs
 //!   off as the server asks. See [`client`].
 //!
 //! Every error a layer answers with is an RFC 9457 `application/problem+json` body with
-//! a stable `code`.
+//! a stable `code`, and names the attempt (`correlation_id`) and the key
+//! (`idempotency_key`) it answers.
+//!
+//! # Example
+//!
+//! Both server layers on a tower service, and a retry of one action:
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use http::{Request, Response, StatusCode};
+//! use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
+//! use tower_ids::{body::Body, correlation::CorrelationLayer, idempotency::IdempotencyLayer};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Infallible> {
+//! let mut service = ServiceBuilder::new()
+//!     .layer(CorrelationLayer::new()) // first, so outermost
+//!     .layer(IdempotencyLayer::new())
+//!     .service(service_fn(|_request: Request<Body<String>>| async {
+//!         tracing::info!("creating"); // inside the request's span, with its correlation_id
+//!         Ok::<_, Infallible>(
+//!             Response::builder()
+//!                 .status(StatusCode::CREATED)
+//!                 .body(String::from("order 17"))
+//!                 .unwrap(),
+//!         )
+//!     }));
+//!
+//! // One user action, two attempts: the same key, a correlation ID each.
+//! let attempt = |id: &str| {
+//!     Request::post("/orders")
+//!         .header("idempotency-key", "order-17")
+//!         .header("x-correlation-id", id)
+//!         .body(String::from(r#"{"item":"tea"}"#))
+//!         .unwrap()
+//! };
+//! let first = service.ready().await?.call(attempt("attempt-1")).await?;
+//! let retry = service.ready().await?.call(attempt("attempt-2")).await?;
+//!
+//! assert_eq!(first.headers()["idempotent-replayed"], "false");
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true"); // the stored answer
+//! assert_eq!(retry.headers()["x-correlation-id"], "attempt-2"); // this attempt's ID
+//! assert_eq!(retry.headers()["idempotency-key"], "order-17");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! With axum, the idempotency layer goes on the routes it protects and the correlation
+//! layer on the router, last, so outermost (see [`idempotency`] for this example
+//! served).
+//!
+//! # Layer order
+//!
+//! Outermost first, on the server:
+//!
+//! 1. [`CorrelationLayer`] (or [`CorrelationLayer::access_log`] for an access line per
+//!    request): every attempt gets its ID and span before anything else runs, so every
+//!    line logged below it, every refusal and every replay carries the ID. Only
+//!    tower-http's `SetRequestId` goes outside it, when its `x-request-id` should be a
+//!    source ([`accept`](CorrelationLayer::accept)).
+//! 2. Authentication, when the idempotency layer scopes keys by what it establishes
+//!    ([`ClientFromExtension`](idempotency::ClientFromExtension)).
+//! 3. [`IdempotencyLayer`] on the routes it protects (`POST`, `PATCH`).
+//! 4. The handler; its HTTP client has [`OutboundCorrelationLayer`] or [`RetryLayer`]
+//!    (outermost on the client), so the next service continues the story.
+//!
+//! An idempotency layer with no correlation ID in scope (the order reversed, or no
+//! correlation layer) says so once, at WARN (`idempotency.uncorrelated`).
+//!
+//! # Features
+//!
+//! | Feature | Default | What it adds |
+//! |---|---|---|
+//! | `correlation` | yes | [`correlation`]: the server and outbound layers, [`CorrelationId`] |
+//! | `idempotency` | yes | [`idempotency`]: the layer and its in-memory [`MokaStore`] |
+//! | `client` | yes | [`client`]: [`RetryLayer`] and `derive_key` |
+//! | `axum` | yes | [`CorrelationId`] as an axum extractor |
+//! | `redis` | no | `RedisStore`, one record per key for every replica |
+//! | `postgres` | no | `PostgresStore`, durable records, and the handler's writes committed with the record |
+//! | `access-log` | no | [`CorrelationLayer::access_log`]: one access line per request inside its span, on tower-http's `TraceLayer` |
+//! | `opentelemetry` | no | W3C `traceparent` continued on the request's span and sent on outgoing calls, the `trace_id` in logs, optional W3C `baggage` (`tracing-opentelemetry`) |
+//! | `metrics` | no | the idempotency layer's counters, store latency and requests in flight, on the `metrics` facade |
+//! | `reqwest` | no | [`OutboundCorrelationLayer`] (and, with `client`, [`RetryLayer`]) as `reqwest-middleware` middleware |
+//! | `full` | no | all of the above |
+//!
+//! docs.rs builds the documentation with every feature.
+//!
+//! # Observability
+//!
+//! - **Logs**: one span per request carrying `correlation_id`, events with stable
+//!   `event` codes and structured fields; the access line with the `access-log`
+//!   feature.
+//! - **Traces**: with the `opentelemetry` feature the request's span continues the
+//!   caller's W3C trace; unsampled traces keep their correlation ID in logs and
+//!   headers.
+//! - **Metrics**: with the `metrics` feature, see
+//!   [the list](idempotency#metrics).
+//!
+//! The README's "Observability" section has the recipes, one per pipeline.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(feature = "correlation")]

@@ -4,7 +4,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde::Serialize;
 
-use crate::body::Body;
+use crate::{body::Body, correlation::CorrelationId};
 
 /// The media type of RFC 9457 problem details.
 pub const PROBLEM_JSON: &str = "application/problem+json";
@@ -14,6 +14,12 @@ pub const PROBLEM_JSON: &str = "application/problem+json";
 /// `type` is a stable URN made from `code` (`idempotency.in_flight` is
 /// `urn:tower-ids:problem:idempotency-in-flight`) and `code` a stable short string;
 /// clients match on either, never on `title` or `detail`.
+///
+/// Two extension members (RFC 9457, section 3.2) name the request, so a client that
+/// logs only bodies can quote both IDs: `correlation_id`, the effective ID of this
+/// attempt (the one in the `x-correlation-id` response header), and `idempotency_key`,
+/// the key the request sent, when it sent a valid one. A member without a value is
+/// left out.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Problem {
     #[serde(rename = "type")]
@@ -23,10 +29,29 @@ pub(crate) struct Problem {
     status: StatusCode,
     detail: String,
     code: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    correlation_id: Option<CorrelationId>,
+    #[cfg(feature = "idempotency")]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "serialize_key"
+    )]
+    idempotency_key: Option<crate::idempotency::IdempotencyKey>,
 }
 
 fn serialize_status<S: serde::Serializer>(status: &StatusCode, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u16(status.as_u16())
+}
+
+#[cfg(feature = "idempotency")]
+fn serialize_key<S: serde::Serializer>(
+    key: &Option<crate::idempotency::IdempotencyKey>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match key {
+        Some(key) => s.serialize_str(key.as_str()),
+        None => s.serialize_none(),
+    }
 }
 
 impl Problem {
@@ -42,7 +67,17 @@ impl Problem {
             status,
             detail: detail.into(),
             code,
+            correlation_id: None,
+            #[cfg(feature = "idempotency")]
+            idempotency_key: None,
         }
+    }
+
+    /// Names the attempt with `id`, for a layer that answers before the ID is current
+    /// (the correlation layer's own refusals). Otherwise the current ID is used.
+    pub(crate) fn correlation_id(mut self, id: &CorrelationId) -> Self {
+        self.correlation_id = Some(id.clone());
+        self
     }
 
     pub(crate) fn to_bytes(&self) -> Bytes {
@@ -55,7 +90,18 @@ impl Problem {
     }
 
     /// The response, its body made by `body` from the JSON bytes.
-    pub(crate) fn into_response_with<T>(self, body: impl FnOnce(Bytes) -> T) -> Response<T> {
+    ///
+    /// The members not set yet are filled in from what is current: the task's
+    /// correlation ID, and the idempotency key of the request the idempotency layer is
+    /// answering.
+    pub(crate) fn into_response_with<T>(mut self, body: impl FnOnce(Bytes) -> T) -> Response<T> {
+        if self.correlation_id.is_none() {
+            self.correlation_id = CorrelationId::current();
+        }
+        #[cfg(feature = "idempotency")]
+        if self.idempotency_key.is_none() {
+            self.idempotency_key = crate::idempotency::current_key();
+        }
         let mut response = Response::new(body(self.to_bytes()));
         *response.status_mut() = self.status;
         response

@@ -78,6 +78,8 @@ async fn start(database: &TestDatabase, extra: &[&str]) -> Demo {
         &HANDLER_DELAY_MS.to_string(),
         "--commit-delay-ms",
         &COMMIT_DELAY_MS.to_string(),
+        // The log is the record of what ran before each kill: no line may die queued.
+        "--log-sync",
     ]
     .iter()
     .map(|arg| (*arg).to_owned())

@@ -153,3 +153,139 @@ async fn the_demo_tells_one_story_per_correlation_id() {
     assert!(delivery.starts_with("demo-attempt-1."), "{delivery}");
     assert_eq!(published["fields"]["command_id"], id.as_str());
 }
+
+/// The access lines of the demo's log for correlation ID `id`, waiting up to 5 s for
+/// `count` of them (the log is read on another thread) and a little more for extras.
+async fn access_lines(demo: &Demo, id: &str, count: usize) -> Vec<serde_json::Value> {
+    let of_id = || {
+        demo.logged("http.access")
+            .into_iter()
+            .filter(|line| line["span"]["correlation_id"] == id)
+            .collect::<Vec<_>>()
+    };
+    for _ in 0..500 {
+        if of_id().len() >= count {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    of_id()
+}
+
+#[tokio::test]
+async fn the_demo_logs_one_access_line_per_request_refusals_included() {
+    let demo = Demo::start(&[]);
+    let client = client();
+    let listed = send(
+        &client,
+        "GET",
+        format!("{}/commands", demo.url),
+        &[("x-correlation-id", "access-get-1")],
+        "",
+    )
+    .await;
+    assert_eq!(listed.status, StatusCode::OK);
+    let lines = access_lines(&demo, "access-get-1", 1).await;
+    assert_eq!(lines.len(), 1, "exactly one: {lines:?}");
+    assert_eq!(lines[0]["level"], "INFO");
+    assert_eq!(lines[0]["fields"]["status"], 200);
+    assert_eq!(lines[0]["span"]["method"], "GET");
+    assert_eq!(lines[0]["span"]["path"], "/commands");
+
+    // Refused by the idempotency layer (no key): one line as well, with its status.
+    let refused = send(
+        &client,
+        "POST",
+        format!("{}/commands", demo.url),
+        &[
+            ("x-correlation-id", "access-post-1"),
+            ("x-api-key", "demo-client"),
+            ("content-type", "application/json"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    let lines = access_lines(&demo, "access-post-1", 1).await;
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["fields"]["status"], 400);
+}
+
+/// The value of `tower_ids_idempotency_requests_total{outcome="replayed"}` in the
+/// demo's `/metrics`, 0 before the first replay.
+#[cfg(feature = "metrics")]
+async fn replays(client: &support::HttpClient, url: &str) -> u64 {
+    let metrics = send(client, "GET", format!("{url}/metrics"), &[], "").await;
+    assert_eq!(metrics.status, StatusCode::OK);
+    metrics
+        .text()
+        .lines()
+        .find(|line| {
+            line.starts_with("tower_ids_idempotency_requests_total{")
+                && line.contains(r#"outcome="replayed""#)
+        })
+        .map_or(0, |line| line.rsplit(' ').next().unwrap().parse().unwrap())
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn the_demos_metrics_count_a_replay() {
+    let demo = Demo::start(&[]);
+    let client = client();
+    let before = replays(&client, &demo.url).await;
+    let create = || {
+        send(
+            &client,
+            "POST",
+            format!("{}/commands", demo.url),
+            &[
+                ("content-type", "application/json"),
+                ("x-api-key", "demo-client"),
+                ("idempotency-key", "metrics-1"),
+            ],
+            r#"{"device_id":"d-1","name":"reboot","payload":{}}"#,
+        )
+    };
+    assert_eq!(create().await.status, StatusCode::CREATED);
+    assert_eq!(
+        replays(&client, &demo.url).await,
+        before,
+        "a first run is no replay"
+    );
+    let replay = create().await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replays(&client, &demo.url).await, before + 1);
+
+    let metrics = send(&client, "GET", format!("{}/metrics", demo.url), &[], "").await;
+    let text = metrics.text();
+    assert!(
+        text.contains("# HELP tower_ids_idempotency_requests_total"),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"tower_ids_idempotency_store_call_duration_seconds{operation="begin""#),
+        "{text}"
+    );
+}
+
+#[cfg(feature = "opentelemetry")]
+#[tokio::test]
+async fn the_demo_continues_an_incoming_trace_in_its_logs() {
+    let demo = Demo::start(&[]);
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let reply = send(
+        &client(),
+        "GET",
+        format!("{}/commands", demo.url),
+        &[
+            ("traceparent", &format!("00-{trace_id}-00f067aa0ba902b7-01")),
+            ("x-correlation-id", "traced-1"),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let lines = access_lines(&demo, "traced-1", 1).await;
+    assert_eq!(lines[0]["span"]["trace_id"], trace_id);
+}

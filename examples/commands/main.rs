@@ -47,12 +47,35 @@
 //!     --addr 127.0.0.1:3000 --database-url postgres://postgres@127.0.0.1:5432/commands
 //! cargo run --release --example commands --features postgres -- \
 //!     --addr 127.0.0.1:3001 --database-url postgres://postgres@127.0.0.1:5432/commands
+//!
+//! # Observability: GET /metrics in Prometheus text, and an incoming traceparent
+//! # continued (its trace_id on every line of the request).
+//! cargo run --release --example commands --features metrics,opentelemetry
+//! curl -s localhost:3000/metrics | grep tower_ids_idempotency_requests_total
+//! curl -s localhost:3000/commands \
+//!     -H 'traceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'
 //! ```
+//!
+//! # Logs, metrics, traces
+//!
+//! - Every request logs one access line when its answer leaves (`http.access`, INFO,
+//!   with `status` and `latency_ms`), whoever answered it: a handler, a replay, the
+//!   idempotency layer, the request limits. It is inside the request's span,
+//!   `request{method, path, correlation_id}`, as every other line of the request
+//!   ([`CorrelationLayer::access_log`]). Lines go to stdout through a writer thread of
+//!   their own (`tracing-appender`), so no request waits on the terminal or a pipe.
+//! - With `--features metrics`, `GET /metrics` serves the idempotency layer's metrics
+//!   in Prometheus text (`metrics-exporter-prometheus`):
+//!   `tower_ids_idempotency_requests_total{outcome="replayed"}` counts the replays.
+//! - With `--features opentelemetry`, the spans go to OpenTelemetry (exported nowhere;
+//!   add an exporter in `init_tracing`): a request with a W3C `traceparent` continues
+//!   that trace, and its lines carry the `trace_id`.
 //!
 //! | Flag | Default | Meaning |
 //! |---|---|---|
 //! | `--addr` | `127.0.0.1:3000` | address to bind; port `0` picks a free one |
 //! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with span fields) |
+//! | `--log-sync` | off | write each log line before going on, instead of through the writer thread (lines still queued die with a killed process; the crash test reads the log as its record) |
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
 //! | `--commit-delay-ms` | `0` | time the two `POST` handlers wait after their writes, before answering; in DB mode the layer commits once the handler has answered, so this is the time between the writes and the commit (in which a crash leaves nothing) |
@@ -215,6 +238,7 @@
 //! | Route | Idempotency key | Success | Errors (`application/problem+json`, `code`) |
 //! |---|---|---|---|
 //! | `POST /commands` | required | `201` the new command, `status: "queued"`; a replay of the first answer | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields` (in DB mode also for a `device_id` or `name` with U+0000), `413` `body.unreadable`, `503` `commands.publisher_stopped` (in memory) or `commands.database_unavailable` (DB mode, with `Retry-After: 1`; nothing was written), `503` `idempotency.not_committed` (DB mode: the commit failed; nothing was written); idempotency: `400` `idempotency.key_missing` / `idempotency.key_invalid` / `idempotency.client_invalid`, `401` `idempotency.client_missing`, `409` `idempotency.in_flight` (with `Retry-After`), `422` `idempotency.fingerprint_mismatch` |
+//! | `GET /metrics` | none | with `--features metrics`: `200`, every metric in Prometheus text | |
 //! | `GET /commands` | none | `200` every command, oldest first (in DB mode, the newest `--max-commands`, oldest first) | DB mode: `503` `commands.database_unavailable` |
 //! | `GET /commands/{id}` | none | `200` the command | `404` `commands.not_found`; DB mode: `503` `commands.database_unavailable` |
 //! | `POST /commands/{id}/cancel` | optional | `200` the command, `status: "cancelled"`; a replay of the first answer | `404` `commands.not_found`, `409` `commands.already_sent`; DB mode: `503` `commands.database_unavailable` / `idempotency.not_committed`; idempotency: as `POST /commands`, less `key_missing` |
@@ -242,6 +266,7 @@
 //!
 //! | `event` | Level | When |
 //! |---|---|---|
+//! | `http.access` | INFO | a request was answered: `status`, `latency_ms`, in the span `request{method, path, correlation_id}` |
 //! | `commands.limits` | INFO | at start: every limit and timeout in force, and the open-files limit |
 //! | `commands.listening` | INFO | the listener is bound |
 //! | `commands.store` | INFO | where idempotency records are kept: `store` = `memory`, `redis` or `postgres` |
@@ -270,11 +295,14 @@
 //!
 //! [`CorrelationId::extend_redelivery`]: tower_ids::correlation::CorrelationId::extend_redelivery
 //! [`IdempotencyLayer`]: tower_ids::idempotency::IdempotencyLayer
+//! [`CorrelationLayer::access_log`]: tower_ids::correlation::CorrelationLayer::access_log
 //! [`MokaStore`]: tower_ids::idempotency::MokaStore
 
 mod api;
 mod load;
 mod memory;
+#[cfg(feature = "metrics")]
+mod metrics;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod publisher;
@@ -291,7 +319,10 @@ use axum::Router;
 use clap::{Parser, ValueEnum};
 use tokio::{net::TcpListener, sync::mpsc, task::JoinHandle};
 use tower_ids::idempotency::{IdempotencyStore, MokaStore, DEFAULT_LEASE};
-use tracing_subscriber::{filter::LevelFilter, EnvFilter};
+use tracing_subscriber::{
+    filter::LevelFilter, fmt::writer::BoxMakeWriter, layer::SubscriberExt as _,
+    util::SubscriberInitExt as _, EnvFilter, Layer as _,
+};
 
 use crate::{
     memory::{Commands, Memory, MAX_COMMANDS},
@@ -386,6 +417,12 @@ struct Args {
     #[arg(long, value_name = "URL")]
     redis_url: Option<String>,
 
+    /// Write each log line before going on, instead of through the writer thread: for a
+    /// test that kills the service and reads its log as the record of what it did (a
+    /// line still queued in the writer thread dies with the process).
+    #[arg(long)]
+    log_sync: bool,
+
     /// Also serve the `/load/*` routes that `benches/load.sh` drives: one trivial
     /// handler behind no layer, a layer that does nothing, tower-http's request-ID
     /// pair, the correlation layer, and both layers.
@@ -416,7 +453,10 @@ enum LogFormat {
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
     let args = Args::parse();
-    init_tracing(args.log_format);
+    // Held to the end of `main`: dropping it writes out the lines still queued.
+    let _log_writer = init_tracing(args.log_format, args.log_sync);
+    #[cfg(feature = "metrics")]
+    metrics::install();
     let open_files = raise_open_files_limit();
     let limits = Limits::from(&args);
     tracing::info!(
@@ -542,21 +582,48 @@ async fn stopped(publisher: JoinHandle<()>) {
     tracing::info!(event = "commands.stopped", "stopped");
 }
 
-fn init_tracing(format: LogFormat) {
+/// Logs to stdout through a writer thread of its own (`tracing-appender`), so a
+/// request never waits on the terminal or the pipe; a full queue makes the logging
+/// thread wait rather than drop a line. With `sync` (`--log-sync`), each line is
+/// written before the code that logged it goes on. With `--features opentelemetry`, the spans also
+/// go to OpenTelemetry (exported nowhere: add an exporter to the provider here), so an
+/// incoming `traceparent` is continued and every request's lines carry its `trace_id`.
+fn init_tracing(
+    format: LogFormat,
+    sync: bool,
+) -> Option<tracing_appender::non_blocking::WorkerGuard> {
     let filter = EnvFilter::builder()
         .with_default_directive(LevelFilter::INFO.into())
         .from_env_lossy();
     // Colours only for a terminal: a log file or a pipe gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let subscriber = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi);
-    match format {
-        LogFormat::Pretty => subscriber.init(),
-        LogFormat::Json => subscriber
+    let (writer, guard) = if sync {
+        (BoxMakeWriter::new(std::io::stdout), None)
+    } else {
+        let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+            .lossy(false)
+            .finish(std::io::stdout());
+        (BoxMakeWriter::new(writer), Some(guard))
+    };
+    let lines = tracing_subscriber::fmt::layer()
+        .with_ansi(ansi)
+        .with_writer(writer);
+    let lines = match format {
+        LogFormat::Pretty => lines.boxed(),
+        LogFormat::Json => lines
             .json()
             .with_current_span(true)
             .with_span_list(true)
-            .init(),
-    }
+            .boxed(),
+    };
+    let subscriber = tracing_subscriber::registry().with(lines);
+    #[cfg(feature = "opentelemetry")]
+    let subscriber = {
+        use opentelemetry::trace::TracerProvider as _;
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+        subscriber.with(tracing_opentelemetry::layer().with_tracer(provider.tracer("commands")))
+    };
+    let subscriber = subscriber.with(filter);
+    subscriber.init();
+    guard
 }

@@ -78,8 +78,16 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
         // After every route: it replaces axum's empty 405 on each route added so far.
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state);
-    let mut routes = with_request_limits(routes, limits);
+    #[cfg(feature = "metrics")]
+    let routes = routes.route("/metrics", get(crate::metrics::render));
+    // One access line per request, whoever answers it (the limits included).
+    let mut routes = with_request_limits(routes, limits).layer(
+        CorrelationLayer::new()
+            .accept(request_id.clone())
+            .access_log(),
+    );
     if load_routes {
+        // The correlation layer alone, as `benches/load.sh` measures it.
         routes = routes.merge(
             Router::new()
                 .route("/load/correlated", post(load_handler))
@@ -87,10 +95,10 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
                     "/load/idempotent",
                     post(load_handler).layer(idempotent.require_key(true)),
                 )
-                .with_state(load.clone()),
+                .with_state(load.clone())
+                .layer(CorrelationLayer::new().accept(request_id.clone())),
         );
     }
-    let routes = routes.layer(CorrelationLayer::new().accept(request_id.clone()));
     if !load_routes {
         return routes;
     }

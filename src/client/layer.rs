@@ -117,7 +117,7 @@ pub(crate) fn is_safe(method: &Method) -> bool {
 #[derive(Clone)]
 #[must_use]
 pub struct RetryLayer {
-    settings: Arc<Settings>,
+    pub(super) settings: Arc<Settings>,
 }
 
 #[derive(Clone)]

@@ -172,6 +172,8 @@ mod error;
 mod future;
 mod layer;
 mod outcome;
+#[cfg(feature = "reqwest")]
+mod reqwest_client;
 mod service;
 
 pub use self::{

@@ -114,7 +114,7 @@ where
 }
 
 /// One logical request: what stays the same across its attempts.
-struct LogicalRequest<B> {
+pub(super) struct LogicalRequest<B> {
     parts: Parts,
     /// `None` once a body that cannot be replayed has been sent.
     body: Option<B>,
@@ -127,7 +127,7 @@ struct LogicalRequest<B> {
 }
 
 impl<B> LogicalRequest<B> {
-    fn new(settings: &Settings, request: Request<B>) -> Self {
+    pub(super) fn new(settings: &Settings, request: Request<B>) -> Self {
         let deadline = Instant::now().checked_add(settings.deadline);
         let (mut parts, body) = request.into_parts();
         let key_names = [IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY];
@@ -188,7 +188,7 @@ enum Attempt<T, E> {
     DeadlineHit,
 }
 
-async fn run<S, B, T>(
+pub(super) async fn run<S, B, T>(
     mut service: S,
     settings: Arc<Settings>,
     mut call: LogicalRequest<B>,
@@ -413,6 +413,8 @@ fn attempt_request<B: ReplayableBody>(
         parts.headers.insert(ATTEMPT_ID, HeaderValue::from(attempt));
     }
     parts.extensions.insert(correlation_id.clone());
+    #[cfg(feature = "opentelemetry")]
+    crate::correlation::otel::inject_trace_context(&mut parts.headers);
     Request::from_parts(parts, body)
 }
 

@@ -33,6 +33,12 @@ pub(super) struct Settings {
     pub(super) fallbacks: Vec<HeaderName>,
     pub(super) max_len: usize,
     pub(super) enforce: bool,
+    /// Continue an incoming W3C trace on the span.
+    #[cfg(feature = "opentelemetry")]
+    pub(super) trace_context: bool,
+    /// Take the ID from W3C baggage when no header carries one.
+    #[cfg(feature = "opentelemetry")]
+    pub(super) baggage: bool,
 }
 
 impl CorrelationLayer {
@@ -45,6 +51,10 @@ impl CorrelationLayer {
                 fallbacks: Vec::new(),
                 max_len: DEFAULT_MAX_LEN,
                 enforce: false,
+                #[cfg(feature = "opentelemetry")]
+                trace_context: true,
+                #[cfg(feature = "opentelemetry")]
+                baggage: false,
             }),
             make_id: MakeUuidV7,
             validator: DefaultValidator,
@@ -96,6 +106,30 @@ impl<M, V, P> CorrelationLayer<M, V, P> {
     /// always send one.
     pub fn enforce(mut self, enforce: bool) -> Self {
         Arc::make_mut(&mut self.settings).enforce = enforce;
+        self
+    }
+
+    /// Continue the trace of an incoming W3C `traceparent` (and `tracestate`) on the
+    /// request's span, through `tracing-opentelemetry`, and record its trace ID in the
+    /// span's `trace_id` field. Default on.
+    ///
+    /// Turn it off at an edge that does not trust its callers' trace context: their
+    /// `traceparent` then starts nothing, and each request begins a trace of its own.
+    #[cfg(feature = "opentelemetry")]
+    pub fn trace_context(mut self, continue_trace: bool) -> Self {
+        Arc::make_mut(&mut self.settings).trace_context = continue_trace;
+        self
+    }
+
+    /// Take the correlation ID from the `correlation_id` member of W3C `baggage` when
+    /// none of the accepted headers is present. Default off.
+    ///
+    /// The value is validated as a header's is; an invalid one counts as absent (an ID
+    /// is generated, or `enforce` refuses the request). The ID is then set on the
+    /// request's header, as for an ID read from an accepted header.
+    #[cfg(feature = "opentelemetry")]
+    pub fn baggage(mut self, read: bool) -> Self {
+        Arc::make_mut(&mut self.settings).baggage = read;
         self
     }
 

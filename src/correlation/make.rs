@@ -65,7 +65,13 @@ where
     }
 }
 
+/// The field every span of the layer records the correlation ID in.
+pub(super) const CORRELATION_ID_FIELD: &str = "correlation_id";
+
 /// The default span: `correlation`, with the single field `correlation_id`, at INFO.
+///
+/// With the `opentelemetry` feature it also has `trace_id` (the W3C trace ID, recorded
+/// by the layer) and `otel.kind = "server"`.
 ///
 /// INFO, unlike tower-http's DEBUG trace span, because the span exists to put the ID on
 /// every event inside it: a span a usual `info` filter disabled would drop the ID from
@@ -97,9 +103,24 @@ impl Default for DefaultMakeSpan {
 
 impl<B> MakeSpan<B> for DefaultMakeSpan {
     fn make_span(&mut self, _request: &Request<B>, id: &CorrelationId) -> Span {
+        #[cfg(not(feature = "opentelemetry"))]
         macro_rules! span {
             ($level:expr) => {
                 tracing::span!($level, "correlation", correlation_id = %id)
+            };
+        }
+        // `trace_id` is recorded once the incoming trace is continued; `otel.kind`
+        // makes it a server span for tracing-opentelemetry.
+        #[cfg(feature = "opentelemetry")]
+        macro_rules! span {
+            ($level:expr) => {
+                tracing::span!(
+                    $level,
+                    "correlation",
+                    correlation_id = %id,
+                    trace_id = tracing::field::Empty,
+                    otel.kind = "server",
+                )
             };
         }
         match self.level {
@@ -109,5 +130,56 @@ impl<B> MakeSpan<B> for DefaultMakeSpan {
             Level::DEBUG => span!(Level::DEBUG),
             Level::TRACE => span!(Level::TRACE),
         }
+    }
+}
+
+/// Runs the inner service in the span that is already current, recording the
+/// correlation ID in its `correlation_id` field: for a span made outside the layer, by
+/// tower-http's `TraceLayer` (as [`CorrelationLayer::access_log`] does), so that one
+/// span per request carries the ID and the access line is logged inside it.
+///
+/// The span must declare the field, empty, for the ID to be recorded
+/// (`correlation_id = tracing::field::Empty`); with the `opentelemetry` feature, a
+/// `trace_id` field as well. A span entered before this layer runs has started, so its
+/// maker continues an incoming trace, not this layer.
+///
+/// ```
+/// use http::Request;
+/// use tower::ServiceBuilder;
+/// use tower_http::trace::TraceLayer;
+/// use tower_ids::correlation::{CorrelationLayer, CurrentSpan};
+/// # let handler = tower::service_fn(|_: Request<String>| async {
+/// #     Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+/// # });
+///
+/// let service = ServiceBuilder::new()
+///     // Outermost: it sees every answer, the correlation layer's refusals included.
+///     .layer(TraceLayer::new_for_http().make_span_with(|request: &Request<String>| {
+///         tracing::info_span!(
+///             "request",
+///             method = %request.method(),
+///             path = request.uri().path(),
+///             correlation_id = tracing::field::Empty,
+///         )
+///     }))
+///     .layer(CorrelationLayer::new().make_span(CurrentSpan))
+///     .service(handler);
+/// # let _ = service;
+/// ```
+///
+/// [`CorrelationLayer::access_log`] does this for you, with the access line.
+#[cfg_attr(
+    not(feature = "access-log"),
+    doc = "",
+    doc = "[`CorrelationLayer::access_log`]: super::CorrelationLayer"
+)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CurrentSpan;
+
+impl<B> MakeSpan<B> for CurrentSpan {
+    fn make_span(&mut self, _request: &Request<B>, id: &CorrelationId) -> Span {
+        let span = Span::current();
+        span.record(CORRELATION_ID_FIELD, id.as_str());
+        span
     }
 }

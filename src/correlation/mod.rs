@@ -90,9 +90,44 @@
 //! # Layer order
 //!
 //! Put `CorrelationLayer` outermost, or just inside tower-http's `SetRequestId` when you
-//! want its `x-request-id` as a source: everything inside it (tower-http's `TraceLayer`,
-//! the idempotency layer, the handler) then logs inside its span. Inside the handler,
-//! [`OutboundCorrelationLayer`] on the HTTP client carries the ID to the next service.
+//! want its `x-request-id` as a source: everything inside it (the idempotency layer, the
+//! handler) then logs inside its span. Inside the handler,
+//! [`OutboundCorrelationLayer`] on the HTTP client carries the ID to the next service
+//! (as `reqwest-middleware` middleware too, with the `reqwest` feature).
+//!
+//! # Access log
+//!
+//! tower-http's `TraceLayer` cannot go on either side of this layer as it is: outside,
+//! its span is made before the ID is known; inside, it never sees this layer's own
+//! refusals. With the `access-log` feature, [`CorrelationLayer::access_log`] puts a
+//! `TraceLayer` outside and has this layer record the ID in that layer's span
+//! ([`CurrentSpan`]): one span per request, `request{method, path, correlation_id}`,
+//! and one INFO line per request when its answer leaves, whoever answered:
+//!
+//! ```text
+//! INFO request{method=POST path=/commands correlation_id=attempt-2}: request answered event="http.access" status=201 latency_ms=0.41
+//! ```
+//!
+//! Without the feature, the same with your own `TraceLayer`: see [`CurrentSpan`].
+//!
+//! # OpenTelemetry
+//!
+//! With the `opentelemetry` feature and a `tracing-opentelemetry` layer in the
+//! subscriber:
+//!
+//! - an incoming W3C `traceparent` (and `tracestate`) becomes the parent of the
+//!   request's span (a server span; [`trace_context(false)`](CorrelationLayer::trace_context)
+//!   at an edge that should not trust it), which has the `correlation_id` attribute;
+//! - the span records the trace ID in its `trace_id` field, so plain log lines have
+//!   both IDs (without an OpenTelemetry layer, the incoming trace ID is recorded);
+//! - [`OutboundCorrelationLayer`] and the client's `RetryLayer` send `traceparent` from
+//!   the current span beside the correlation ID;
+//! - optionally the ID travels in W3C `baggage` as `correlation_id`
+//!   ([`OutboundCorrelationLayer::baggage`]) and is restored from it when no header
+//!   carries one ([`CorrelationLayer::baggage`]).
+//!
+//! A trace the caller did not sample exports nothing, but its requests keep their
+//! correlation ID, and their `trace_id`, in logs and headers.
 //!
 //! # Headers and status codes
 //!
@@ -100,12 +135,17 @@
 //! |---|---|---|
 //! | `x-correlation-id` | request | the caller's ID for this attempt (optional unless `enforce`) |
 //! | `x-correlation-id` | response | the effective ID: the caller's, or the generated one |
+//! | `traceparent`, `tracestate` | request, outgoing request | W3C trace context, with the `opentelemetry` feature |
+//! | `baggage` | request, outgoing request | W3C baggage; its `correlation_id` member, when asked |
 //!
 //! | Status | When | `code` in the problem body |
 //! |---|---|---|
 //! | `400` `application/problem+json` | `enforce`, and the ID is missing | `correlation_id.missing` |
 //! | `400` `application/problem+json` | `enforce`, and the ID is invalid | `correlation_id.invalid` |
 //! | `500` `application/problem+json` | the axum extractor ran without the layer | `correlation_id.not_installed` |
+//!
+//! A refusal's body names the ID the response header carries, in its `correlation_id`
+//! member.
 //!
 //! # Lifecycle
 //!
@@ -145,13 +185,20 @@
 //! | `correlation.missing` / `correlation.rejected` | WARN | `enforce` refused a request |
 //! | `correlation.replacing` / `correlation.replaced` | INFO | replace, combine, restore, or an extension past the bound |
 //! | `correlation.restore_rejected` | WARN | [`restore`](CorrelationId::restore) was given an invalid ID |
+//! | `http.access` | INFO | with [`access_log`](CorrelationLayer::access_log): a request was answered (`status`, `latency_ms`) |
 
+#[cfg(feature = "access-log")]
+mod access_log;
 mod carrier;
 mod future;
 mod id;
 mod layer;
 mod make;
+#[cfg(feature = "opentelemetry")]
+pub(crate) mod otel;
 mod outbound;
+#[cfg(feature = "reqwest")]
+mod reqwest_client;
 mod service;
 
 #[cfg(feature = "axum")]
@@ -159,8 +206,12 @@ mod extract;
 
 use http::HeaderName;
 
+#[cfg(feature = "access-log")]
+pub use self::access_log::{AccessLine, AccessLog, AccessLogLayer, AccessSpan};
 #[cfg(feature = "axum")]
 pub use self::extract::CorrelationLayerMissing;
+#[cfg(feature = "opentelemetry")]
+pub use self::otel::{BAGGAGE, BAGGAGE_CORRELATION_ID, TRACEPARENT};
 pub use self::{
     carrier::{Carrier, MessageCorrelation},
     future::ResponseFuture,
@@ -170,7 +221,7 @@ pub use self::{
         REDELIVERY_TICK_SECS,
     },
     layer::CorrelationLayer,
-    make::{DefaultMakeSpan, MakeCorrelationId, MakeSpan, MakeUuidV7},
+    make::{CurrentSpan, DefaultMakeSpan, MakeCorrelationId, MakeSpan, MakeUuidV7},
     outbound::{OutboundCorrelation, OutboundCorrelationLayer},
     service::Correlation,
 };

@@ -3,7 +3,7 @@ use std::{
     task::{Context, Poll},
 };
 
-use http::{HeaderName, Request};
+use http::{HeaderMap, HeaderName, Request};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -38,14 +38,18 @@ use super::{CorrelationId, DEFAULT_HEADER};
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct OutboundCorrelationLayer {
-    settings: Arc<OutboundSettings>,
+    pub(super) settings: Arc<OutboundSettings>,
 }
 
 #[derive(Debug, Clone)]
-struct OutboundSettings {
-    header: HeaderName,
+pub(super) struct OutboundSettings {
+    pub(super) header: HeaderName,
     extend_per_call: bool,
     generate_if_missing: bool,
+    #[cfg(feature = "opentelemetry")]
+    trace_context: bool,
+    #[cfg(feature = "opentelemetry")]
+    baggage: bool,
 }
 
 impl OutboundCorrelationLayer {
@@ -56,6 +60,10 @@ impl OutboundCorrelationLayer {
                 header: DEFAULT_HEADER,
                 extend_per_call: false,
                 generate_if_missing: false,
+                #[cfg(feature = "opentelemetry")]
+                trace_context: true,
+                #[cfg(feature = "opentelemetry")]
+                baggage: false,
             }),
         }
     }
@@ -79,6 +87,67 @@ impl OutboundCorrelationLayer {
         Arc::make_mut(&mut self.settings).generate_if_missing = generate;
         self
     }
+
+    /// Send W3C `traceparent` (and `tracestate`) from the current span's OpenTelemetry
+    /// context, unless the request carries a `traceparent` already. Default on; nothing
+    /// is sent without an OpenTelemetry context (no `tracing-opentelemetry` layer).
+    #[cfg(feature = "opentelemetry")]
+    pub fn trace_context(mut self, send: bool) -> Self {
+        Arc::make_mut(&mut self.settings).trace_context = send;
+        self
+    }
+
+    /// Also send the correlation ID as the `correlation_id` member of W3C `baggage`,
+    /// added to the members the request has, unless one of them is a `correlation_id`.
+    /// Default off. Pair it with [`CorrelationLayer::baggage`](super::CorrelationLayer::baggage)
+    /// on the next service, or with any service that reads baggage.
+    #[cfg(feature = "opentelemetry")]
+    pub fn baggage(mut self, send: bool) -> Self {
+        Arc::make_mut(&mut self.settings).baggage = send;
+        self
+    }
+
+    /// Sets the headers on one outgoing request: the layer's work, shared by its tower
+    /// service and its reqwest middleware. `extension` is the request's own
+    /// [`CorrelationId`], if it carries one (read only when the header is absent).
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, extension: Option<CorrelationId>) {
+        let settings = &*self.settings;
+        let sent = match headers.get(&settings.header) {
+            Some(_value) => {
+                #[cfg(feature = "opentelemetry")]
+                let sent = _value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| CorrelationId::parse(v).ok());
+                #[cfg(not(feature = "opentelemetry"))]
+                let sent = None;
+                sent
+            }
+            None => {
+                let parent = extension.or_else(CorrelationId::current);
+                let id = match parent {
+                    Some(parent) if settings.extend_per_call => Some(parent.next_child()),
+                    Some(parent) => Some(parent),
+                    None if settings.generate_if_missing => Some(CorrelationId::new()),
+                    None => None,
+                };
+                if let Some(id) = &id {
+                    headers.insert(settings.header.clone(), id.to_header_value());
+                }
+                id
+            }
+        };
+        #[cfg(feature = "opentelemetry")]
+        {
+            if settings.trace_context {
+                super::otel::inject_trace_context(headers);
+            }
+            if let (true, Some(id)) = (settings.baggage, &sent) {
+                super::otel::add_to_baggage(headers, id);
+            }
+        }
+        let _ = sent;
+    }
 }
 
 impl Default for OutboundCorrelationLayer {
@@ -93,7 +162,7 @@ impl<S> Layer<S> for OutboundCorrelationLayer {
     fn layer(&self, inner: S) -> Self::Service {
         OutboundCorrelation {
             inner,
-            settings: self.settings.clone(),
+            layer: self.clone(),
         }
     }
 }
@@ -103,7 +172,7 @@ impl<S> Layer<S> for OutboundCorrelationLayer {
 #[derive(Debug, Clone)]
 pub struct OutboundCorrelation<S> {
     inner: S,
-    settings: Arc<OutboundSettings>,
+    layer: OutboundCorrelationLayer,
 }
 
 impl<S> OutboundCorrelation<S> {
@@ -141,25 +210,13 @@ where
     }
 
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
-        let settings = &*self.settings;
-        if !request.headers().contains_key(&settings.header) {
-            let parent = request
-                .extensions()
-                .get::<CorrelationId>()
-                .cloned()
-                .or_else(CorrelationId::current);
-            let id = match parent {
-                Some(parent) if settings.extend_per_call => Some(parent.next_child()),
-                Some(parent) => Some(parent),
-                None if settings.generate_if_missing => Some(CorrelationId::new()),
-                None => None,
-            };
-            if let Some(id) = id {
-                request
-                    .headers_mut()
-                    .insert(settings.header.clone(), id.to_header_value());
-            }
-        }
+        let extension = || request.extensions().get::<CorrelationId>().cloned();
+        let extension = if request.headers().contains_key(&self.layer.settings.header) {
+            None
+        } else {
+            extension()
+        };
+        self.layer.apply(request.headers_mut(), extension);
         self.inner.call(request)
     }
 }

@@ -100,6 +100,34 @@ where
         }
         Incoming::Missing
     }
+
+    /// The ID in the request's W3C baggage, if it holds a valid one.
+    #[cfg(feature = "opentelemetry")]
+    fn read_baggage<'a>(
+        settings: &'a Settings,
+        validator: &V,
+        headers: &HeaderMap,
+    ) -> Incoming<'a> {
+        let Some(value) = super::otel::from_baggage(headers) else {
+            return Incoming::Missing;
+        };
+        match CorrelationId::parse_with(&value, settings.max_len, validator) {
+            Ok(id) => Incoming::Restored {
+                id,
+                from_primary: false,
+            },
+            Err(error) => {
+                tracing::warn!(
+                    event = "correlation.invalid",
+                    header = "baggage",
+                    reason = error.code(),
+                    detail = %error,
+                    "invalid correlation id in baggage ignored"
+                );
+                Incoming::Missing
+            }
+        }
+    }
 }
 
 impl<S, M, V, P, ReqBody, ResBody> Service<Request<ReqBody>> for Correlation<S, M, V, P>
@@ -127,6 +155,13 @@ where
         } = self;
         let settings = &**settings;
         let incoming = Self::read_incoming(settings, validator, request.headers());
+        #[cfg(feature = "opentelemetry")]
+        let incoming = match incoming {
+            Incoming::Missing if settings.baggage => {
+                Self::read_baggage(settings, validator, request.headers())
+            }
+            incoming => incoming,
+        };
         let (id, refused) = match incoming {
             Incoming::Restored { id, from_primary } => {
                 if !from_primary {
@@ -152,13 +187,20 @@ where
         };
         request.extensions_mut().insert(id.clone());
         let span = make_span.make_span(&request, &id);
+        #[cfg(feature = "opentelemetry")]
+        {
+            if settings.trace_context {
+                super::otel::continue_trace(&span, request.headers());
+            }
+            super::otel::set_correlation_attribute(&span, &id);
+        }
 
         if let Some(refused) = refused {
             let _entered = span.enter();
             let problem = refused.report(&id, settings);
             if let Some(problem) = problem {
                 return ResponseFuture::refused(
-                    problem.into_response(),
+                    problem.correlation_id(&id).into_response(),
                     id,
                     settings.header.clone(),
                 );

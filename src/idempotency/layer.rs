@@ -7,6 +7,7 @@ use super::{
     budget::Budget,
     extract::{ExtractKey, KeyFromHeaders},
     lease::KeptOutcomes,
+    observe::LayerOrder,
     replay::OnReplay,
     store::{IdempotencyStore, MokaStore},
     Idempotency, NoClient, NoEpoch, ATTEMPT_ID,
@@ -94,6 +95,8 @@ pub(super) struct Settings {
     pub(super) not_replayed: Vec<HeaderName>,
     pub(super) per_attempt: Vec<HeaderName>,
     pub(super) store_if: StorePredicate,
+    /// Warns once, for this layer and its clones, of a request without a correlation ID.
+    pub(super) layer_order: Arc<LayerOrder>,
 }
 
 /// The default storage rule: everything but 5xx, `408` and `429`, whose retry should
@@ -182,6 +185,7 @@ impl<St> IdempotencyLayer<St> {
                     super::IDEMPOTENCY_REQUEST_COUNT,
                 ],
                 store_if: Arc::new(default_store_if),
+                layer_order: Arc::default(),
             }),
         }
     }

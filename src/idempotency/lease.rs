@@ -17,6 +17,7 @@ use tokio::sync::{watch, Notify};
 use tracing::Instrument as _;
 
 use super::{
+    observe,
     store::{
         Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Record, Renewal,
         Settlement, StoreError,
@@ -150,11 +151,12 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                 }
             }
         }
-        match self
-            .store
-            .complete(&self.scope, &lease, record.clone(), ttl)
-            .await
-        {
+        let completed = observe::store_call(
+            "complete",
+            self.store
+                .complete(&self.scope, &lease, record.clone(), ttl),
+        );
+        match completed.await {
             Ok(completion) => report(completion, &record, ttl, 1),
             Err(error) => {
                 tracing::warn!(
@@ -222,7 +224,7 @@ async fn renew<St: IdempotencyStore>(
     lease: &Lease,
     claim: &Claim,
 ) -> bool {
-    match store.renew(scope, lease, claim).await {
+    match observe::store_call("renew", store.renew(scope, lease, claim)).await {
         Ok(Renewal::Extended) => {
             tracing::trace!(event = "idempotency.lease_renewed", "renewed the claim");
             true
@@ -259,12 +261,15 @@ async fn release<St: IdempotencyStore>(
     lease: &Lease,
     reason: &'static str,
 ) {
-    match store.release(scope, lease).await {
-        Ok(true) => tracing::info!(
-            event = "idempotency.released",
-            reason,
-            "released the idempotency key; a retry runs again"
-        ),
+    match observe::store_call("release", store.release(scope, lease)).await {
+        Ok(true) => {
+            tracing::info!(
+                event = "idempotency.released",
+                reason,
+                "released the idempotency key; a retry runs again"
+            );
+            observe::released(reason);
+        }
         Ok(false) => tracing::warn!(
             event = "idempotency.lease_lost",
             reason,
@@ -437,10 +442,11 @@ async fn store_until_done<St: IdempotencyStore>(
             () = waiting.nudge.notified() => {}
         }
         attempts += 1;
-        match store
-            .complete(scope, &outcome.lease, outcome.record.clone(), outcome.ttl)
-            .await
-        {
+        let completed = observe::store_call(
+            "complete",
+            store.complete(scope, &outcome.lease, outcome.record.clone(), outcome.ttl),
+        );
+        match completed.await {
             Ok(completion) => return report(completion, &outcome.record, outcome.ttl, attempts),
             Err(error) => {
                 tracing::debug!(
@@ -452,9 +458,11 @@ async fn store_until_done<St: IdempotencyStore>(
                 );
                 // Keep the key claimed meanwhile; the next attempt to store decides the
                 // rest, so only a lost claim is worth an event here.
-                if let Ok(Renewal::Restored) =
-                    store.renew(scope, &outcome.lease, &outcome.claim).await
-                {
+                let renewed = observe::store_call(
+                    "renew",
+                    store.renew(scope, &outcome.lease, &outcome.claim),
+                );
+                if let Ok(Renewal::Restored) = renewed.await {
                     tracing::warn!(
                         event = "idempotency.claim_restored",
                         "the store had lost this request's claim (restarted without persistence?); it is back, but a duplicate may have run meanwhile"

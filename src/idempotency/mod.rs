@@ -120,6 +120,7 @@
 //! | `Idempotency-Key` / `X-Idempotency-Key` | request | the key, stable across retries |
 //! | `attempt-id` | request | the client's name for this attempt; never used to decide a duplicate |
 //! | `idempotent-replayed` | every response of the layer | `true` on a replay, else `false` |
+//! | `Idempotency-Key` | every response to a request with a valid key | the key, echoed (under this name whichever header carried it), unless the handler set the header |
 //! | `attempt-id` | response | this request's attempt ID, echoed |
 //! | `original-attempt-id` | replay | the attempt ID of the request that ran |
 //! | `idempotency-first-seen` | replay, `409`, `410` | when the original request arrived (HTTP-date) |
@@ -128,7 +129,17 @@
 //!
 //! # Status codes
 //!
-//! All are `application/problem+json` (RFC 9457) with a stable `code`:
+//! All are `application/problem+json` (RFC 9457) with a stable `code`, and two
+//! extension members naming the request: `correlation_id` (this attempt's, as in the
+//! `x-correlation-id` response header) and `idempotency_key` (when the request sent a
+//! valid one):
+//!
+//! ```json
+//! {"type":"urn:tower-ids:problem:idempotency-in-flight","title":"Request in progress",
+//!  "status":409,"detail":"…","code":"idempotency.in_flight",
+//!  "correlation_id":"attempt-2","idempotency_key":"order-17"}
+//! ```
+//!
 //!
 //! | Status | `code` | When |
 //! |---|---|---|
@@ -158,7 +169,9 @@
 //! span, except `idempotency.rejected`, which refuses a request before it is scoped and
 //! so has only the correlation span (and, on a route whose key is in the body, the
 //! refusals of the body, `idempotency.body_too_large`, `idempotency.overloaded` and
-//! `idempotency.body_unreadable`, which come before its key is known). The span's fields: `idempotency_key`, the key as
+//! `idempotency.body_unreadable`, which come before its key is known). The span's
+//! fields: `correlation_id` (also on the correlation span, repeated here so a JSON
+//! log's innermost `span` has it), `idempotency_key`, the key as
 //! sent (already checked to be 1 to 255 visible ASCII characters, so safe in a log
 //! line, and what a log search for a user action needs), and `scope` and `client`,
 //! short hex prefixes of hashes: the client's credential never reaches a log line.
@@ -168,6 +181,8 @@
 //! - INFO: `idempotency.replayed`, `idempotency.stored`, `idempotency.released`,
 //!   `idempotency.in_flight`, `idempotency.not_replayable`,
 //!   `idempotency.original_failed`.
+//! - WARN, once per layer: `idempotency.uncorrelated`, a request ran with no correlation
+//!   ID in scope (see [Layer order](#layer-order)).
 //! - WARN: `idempotency.rejected` (the `400`s and the `401` on the key, the client or
 //!   the headers, with `reason`,
 //!   `detail` in the layer's own words, and `status`), `idempotency.conflict` (`422`),
@@ -218,20 +233,44 @@
 //! A store shared by several layers counts once; each separately built layer has its
 //! own budget.
 //!
+//! # Metrics
+//!
+//! With the `metrics` feature, on the [`metrics`](https://docs.rs/metrics) facade
+//! (install any recorder: Prometheus, StatsD, OpenTelemetry); without it nothing is
+//! recorded and nothing is compiled in. Call [`describe_metrics`] once for help texts.
+//!
+//! | Name | Kind | Labels | What |
+//! |---|---|---|---|
+//! | `tower_ids_idempotency_requests_total` | counter | `outcome` | protected requests answered: `executed` (claimed, the handler ran), `replayed`, `in_flight` (`409`), `conflict` (`422`), `not_replayable` (`410`), `original_failed`, `rejected` (the `400`s, `401`, `413` and `503 overloaded`, before the store), `store_unavailable` (`503`), `fail_open` |
+//! | `tower_ids_idempotency_requests_in_flight` | gauge | | protected requests inside the layer now |
+//! | `tower_ids_idempotency_store_call_duration_seconds` | histogram | `operation` | each store call: `begin`, `renew`, `complete`, `release`, `wait` |
+//! | `tower_ids_idempotency_store_failures_total` | counter | `operation` | store calls that failed |
+//! | `tower_ids_idempotency_released_total` | counter | `reason` | keys given up so a retry runs again: `handler_error`, `not_stored`, `response_failed`, `handler_panicked`, `abandoned`, `rolled_back`, `commit_failed` |
+//!
+//! The names are also constants ([`METRIC_REQUESTS`], ...). Requests that pass through
+//! (a method not covered, or no key on a route that does not require one) are not
+//! counted.
+//!
 //! # Layer order
 //!
 //! Put [`CorrelationLayer`](crate::correlation::CorrelationLayer) outside (it gives
 //! every attempt, replays included, its own ID and span); put the idempotency layer on
 //! the routes it protects, after authentication if the client comes from an auth
 //! layer's extension. `GET` routes need no idempotency layer.
+//!
+//! The other order leaves every replay and refusal without a correlation ID: the first
+//! request a layer sees with no ID in scope logs a WARN, `idempotency.uncorrelated`,
+//! once per layer (and its clones).
 
 mod budget;
+mod echo;
 mod epoch;
 mod extract;
 mod key;
 mod layer;
 mod lease;
 pub mod message;
+mod observe;
 mod replay;
 mod scope;
 mod service;
@@ -255,6 +294,10 @@ pub use self::{
         DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_REQUEST_BYTES,
         DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
+    observe::{
+        METRIC_RELEASED, METRIC_REQUESTS, METRIC_REQUESTS_IN_FLIGHT, METRIC_STORE_CALL_DURATION,
+        METRIC_STORE_FAILURES,
+    },
     replay::{JsonReplayMarker, OnReplay, ReplayInfo},
     scope::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,
@@ -263,6 +306,10 @@ pub use self::{
     service::{Idempotency, ResponseFuture},
     store::{IdempotencyStore, MokaStore},
 };
+
+pub(crate) use self::echo::current_key;
+#[cfg(feature = "metrics")]
+pub use self::observe::describe_metrics;
 
 /// `idempotent-replayed`: `true` on a replay, `false` on every other response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");

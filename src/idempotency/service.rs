@@ -17,9 +17,11 @@ use tracing::Instrument as _;
 
 use super::{
     budget::Reservation,
+    echo::{self, KeyScope},
     extract::{ExtractedKey, KeyRejection},
     layer::{InFlight, Settings, StoreFailure},
     lease::{KeptOutcomes, LeaseGuard},
+    observe,
     replay::{self, ReplayInfo},
     store::{Begin, Chain, Claim, IdempotencyStore, MokaStore, Record, Settled, StoredResponse},
     AttemptId, ClientId, ExtractEpoch, Fingerprint, IdempotencyKey, IdentifyClient, NoClient,
@@ -84,6 +86,9 @@ pub struct ResponseFuture<B: 'static, E: 'static> {
     /// Set while the work is polled: if that poll panics (the handler panicked), the
     /// work must not be resumed elsewhere; its lease guard has already let the key go.
     unwinding: bool,
+    /// The request's idempotency key, current while the work is polled (its problem
+    /// details name it) and echoed on the response.
+    key: Option<IdempotencyKey>,
 }
 
 impl<B, E> Future for ResponseFuture<B, E> {
@@ -95,10 +100,16 @@ impl<B, E> Future for ResponseFuture<B, E> {
             panic!("ResponseFuture polled after completion");
         };
         this.unwinding = true;
-        let poll = inner.as_mut().poll(cx);
+        let poll = {
+            let _key = KeyScope::enter(this.key.as_ref());
+            inner.as_mut().poll(cx)
+        };
         this.unwinding = false;
-        let output = std::task::ready!(poll);
+        let mut output = std::task::ready!(poll);
         this.inner = None;
+        if let (Ok(response), Some(key)) = (&mut output, &this.key) {
+            echo::echo(response, key);
+        }
         Poll::Ready(output)
     }
 }
@@ -188,7 +199,9 @@ where
         let claimed = Arc::new(AtomicBool::new(false));
         let store = self.store.clone();
         let kept = self.kept.clone();
+        let key_scope;
         let work = if settings.key.reads_body() {
+            key_scope = KeyScope::enter(None);
             // The key is in the body: read it first (within the limits), then decide.
             Box::pin(run_keyed_by_body(
                 inner,
@@ -202,6 +215,9 @@ where
         } else {
             let (parts, body) = request.into_parts();
             let extracted = settings.key.extract_key(&parts, &Bytes::new());
+            // From here on every answer names the key (see `echo`).
+            let key = extracted.as_ref().ok().and_then(Option::as_ref);
+            key_scope = KeyScope::enter(key.map(ExtractedKey::key));
             let protected = protect(&settings, extracted, identity, &parts);
             let request = Request::from_parts(parts, body);
             let protected = match protected {
@@ -221,10 +237,13 @@ where
                 claimed.clone(),
             ))
         };
+        let key = echo::current_key();
+        drop(key_scope);
         ResponseFuture {
             inner: Some(work),
             claimed: Some(claimed),
             unwinding: false,
+            key,
         }
     }
 }
@@ -341,6 +360,7 @@ fn boxed<B, E>(
         inner: Some(Box::pin(future)),
         claimed: None,
         unwinding: false,
+        key: echo::current_key(),
     }
 }
 
@@ -423,6 +443,7 @@ fn refuse<B>(
         status = status.as_u16(),
         "request refused: {title}"
     );
+    observe::outcome("rejected");
     let problem = Problem::new(status, code, title, detail);
     finish(problem.into_response(), attempt)
 }
@@ -466,7 +487,8 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let span = idempotency_span(&protected);
+    let span = idempotency_span(&protected, &settings);
+    let _in_flight = observe::InFlight::enter();
     async move {
         // The body's bytes of the layer's budget, held until this work ends (dropped
         // with it on every path, including a cancelled or abandoned future).
@@ -481,15 +503,18 @@ where
 }
 
 /// The `idempotency` span of a protected request.
-fn idempotency_span(protected: &Protected) -> tracing::Span {
+fn idempotency_span(protected: &Protected, settings: &Settings) -> tracing::Span {
     // Formatted only if a subscriber records the span.
     let client: &(dyn std::fmt::Display + Sync) = match &protected.client {
         Some(client) => client,
         None => &"none",
     };
+    // On the span too, so a JSON log's top-level `span` (the innermost) has it.
+    let correlation_id = settings.layer_order.correlation_id();
     tracing::info_span!(
         "idempotency",
         idempotency_key = protected.key.as_str(),
+        correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
         scope = %protected.scope,
         client = %client,
     )
@@ -529,7 +554,7 @@ where
     let request = Request::from_parts(parts, body);
     match protected {
         Decided::Protected(protected) => {
-            let span = idempotency_span(&protected);
+            let span = idempotency_span(&protected, &settings);
             deduplicate(inner, store, kept, settings, request, protected, claimed)
                 .instrument(span)
                 .await
@@ -586,7 +611,9 @@ where
                 return Ok(in_flight(waiting.first_seen, None, retry_after, attempt));
             }
         }
-        let begin = match store.begin(&protected.scope, claim.clone()).await {
+        let begin = match observe::store_call("begin", store.begin(&protected.scope, claim.clone()))
+            .await
+        {
             Ok(begin) => begin,
             Err(error) => {
                 return match settings.store_failure {
@@ -609,6 +636,7 @@ where
                             mode = "fail_open",
                             "idempotency store failed; running the request without deduplication"
                         );
+                        observe::outcome("fail_open");
                         let mut inner = inner;
                         let response = inner.call(request).await?;
                         Ok(finish(response.map(Body::inner), attempt))
@@ -619,6 +647,7 @@ where
         match begin {
             Begin::Claimed { lease } => {
                 claimed.store(true, Ordering::Release);
+                observe::outcome("executed");
                 tracing::debug!(
                     event = "idempotency.accepted",
                     "idempotency key accepted; running the request"
@@ -670,7 +699,9 @@ where
                         attempt,
                     )),
                     InFlight::Wait { timeout } => {
-                        match store.wait(&protected.scope, timeout).await {
+                        match observe::store_call("wait", store.wait(&protected.scope, timeout))
+                            .await
+                        {
                             Ok(Settled::Completed { record }) => Ok(settled(
                                 &record,
                                 fingerprint,
@@ -690,6 +721,7 @@ where
                                     status = 409,
                                     "the request this one waited for did not complete; retry"
                                 );
+                                observe::outcome("original_failed");
                                 let problem = Problem::new(
                                     StatusCode::CONFLICT,
                                     "idempotency.original_failed",
@@ -723,6 +755,7 @@ where
 }
 
 fn store_unavailable<B>() -> Response<Body<B>> {
+    observe::outcome("store_unavailable");
     let problem = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "idempotency.store_unavailable",
@@ -738,6 +771,7 @@ fn conflict<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
         status = 422,
         "idempotency key reused with another request"
     );
+    observe::outcome("conflict");
     let problem = Problem::new(
         StatusCode::UNPROCESSABLE_ENTITY,
         "idempotency.fingerprint_mismatch",
@@ -759,6 +793,7 @@ fn epoch_mismatch<B>(
         status = 422,
         "idempotency key used in another epoch"
     );
+    observe::outcome("conflict");
     let describe = |epoch: Option<u64>| epoch.map_or_else(|| "none".to_owned(), |e| e.to_string());
     let problem = Problem::new(
         StatusCode::UNPROCESSABLE_ENTITY,
@@ -785,6 +820,7 @@ fn in_flight<B>(
         status = 409,
         "a request with this idempotency key is still running"
     );
+    observe::outcome("in_flight");
     let problem = Problem::new(
         StatusCode::CONFLICT,
         "idempotency.in_flight",
@@ -818,6 +854,7 @@ fn settled<B>(
             status = 410,
             "the request ran but its response was too large to keep"
         );
+        observe::outcome("not_replayable");
         let problem = Problem::new(
             StatusCode::GONE,
             "idempotency.not_replayable",
@@ -835,6 +872,7 @@ fn settled<B>(
         original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
         "replayed the stored response"
     );
+    observe::outcome("replayed");
     let mut response = Response::new(stored.body.clone());
     *response.status_mut() = stored.status;
     let headers = response.headers_mut();
@@ -914,6 +952,7 @@ where
             status = 413,
             "request body over the idempotency limit"
         );
+        observe::outcome("rejected");
         let problem = Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "idempotency.body_too_large",
@@ -948,6 +987,7 @@ where
                 status = 503,
                 "request bodies in flight fill the idempotency byte budget; request refused"
             );
+            observe::outcome("rejected");
             let problem = Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "idempotency.overloaded",
@@ -966,6 +1006,7 @@ where
                 status = 400,
                 "request body could not be read"
             );
+            observe::outcome("rejected");
             let problem = Problem::new(
                 StatusCode::BAD_REQUEST,
                 "idempotency.body_unreadable",

@@ -3,6 +3,8 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+#[cfg(feature = "access-log")]
+mod access_log;
 mod lifecycle;
 
 use axum::{extract::State, routing::get, Json, Router};

@@ -10,6 +10,8 @@ mod contract;
 
 mod faults;
 
+mod ids;
+
 mod stress;
 
 mod payload;

@@ -1,0 +1,149 @@
+//! What the idempotency layer tells operators beyond its events: its metrics (feature
+//! `metrics`, on the `metrics` facade; without it every call here compiles to nothing)
+//! and the warning for a layer order that leaves its answers without a correlation ID.
+//!
+//! The metrics, as the module docs list them:
+//!
+//! | Name | Kind | Labels |
+//! |---|---|---|
+//! | [`METRIC_REQUESTS`] | counter | `outcome` |
+//! | [`METRIC_REQUESTS_IN_FLIGHT`] | gauge | |
+//! | [`METRIC_STORE_CALL_DURATION`] | histogram, seconds | `operation` |
+//! | [`METRIC_STORE_FAILURES`] | counter | `operation` |
+//! | [`METRIC_RELEASED`] | counter | `reason` |
+
+use std::{
+    future::Future,
+    sync::atomic::{AtomicBool, Ordering},
+};
+
+use super::store::StoreError;
+use crate::correlation::CorrelationId;
+
+/// Counter: protected requests the layer answered, by `outcome`.
+pub const METRIC_REQUESTS: &str = "tower_ids_idempotency_requests_total";
+/// Gauge: protected requests inside the layer now (reading the body, waiting for the
+/// store, running the handler, storing the outcome).
+pub const METRIC_REQUESTS_IN_FLIGHT: &str = "tower_ids_idempotency_requests_in_flight";
+/// Histogram: how long each store call took, in seconds, by `operation`.
+pub const METRIC_STORE_CALL_DURATION: &str = "tower_ids_idempotency_store_call_duration_seconds";
+/// Counter: store calls that failed, by `operation`.
+pub const METRIC_STORE_FAILURES: &str = "tower_ids_idempotency_store_failures_total";
+/// Counter: keys given up after their request ran, so a retry runs again, by `reason`.
+pub const METRIC_RELEASED: &str = "tower_ids_idempotency_released_total";
+
+/// Describes the layer's metrics to the installed recorder (their help text and
+/// unit), for exporters that show them, such as Prometheus' `# HELP` lines. Call it
+/// once, after installing the recorder; the metrics are recorded without it too.
+#[cfg(feature = "metrics")]
+pub fn describe_metrics() {
+    use metrics::Unit;
+    metrics::describe_counter!(
+        METRIC_REQUESTS,
+        "Protected requests the idempotency layer answered, by outcome"
+    );
+    metrics::describe_gauge!(
+        METRIC_REQUESTS_IN_FLIGHT,
+        "Protected requests inside the idempotency layer now"
+    );
+    metrics::describe_histogram!(
+        METRIC_STORE_CALL_DURATION,
+        Unit::Seconds,
+        "Idempotency store call latency, by operation"
+    );
+    metrics::describe_counter!(
+        METRIC_STORE_FAILURES,
+        "Idempotency store calls that failed, by operation"
+    );
+    metrics::describe_counter!(
+        METRIC_RELEASED,
+        "Idempotency keys released after their request ran, by reason"
+    );
+}
+
+/// One protected request answered with `outcome`: `executed`, `replayed`,
+/// `in_flight`, `conflict`, `not_replayable`, `original_failed`, `rejected`,
+/// `store_unavailable` or `fail_open`.
+#[inline]
+pub(super) fn outcome(outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(METRIC_REQUESTS, "outcome" => outcome).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = outcome;
+}
+
+/// A key released with `reason`.
+#[inline]
+pub(super) fn released(reason: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(METRIC_RELEASED, "reason" => reason).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = reason;
+}
+
+/// Times the store call `call` as `operation`, and counts it if it fails.
+#[inline]
+pub(super) async fn store_call<T>(
+    operation: &'static str,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    #[cfg(feature = "metrics")]
+    {
+        let started = std::time::Instant::now();
+        let result = call.await;
+        metrics::histogram!(METRIC_STORE_CALL_DURATION, "operation" => operation)
+            .record(started.elapsed().as_secs_f64());
+        if result.is_err() {
+            metrics::counter!(METRIC_STORE_FAILURES, "operation" => operation).increment(1);
+        }
+        result
+    }
+    #[cfg(not(feature = "metrics"))]
+    {
+        let _ = operation;
+        call.await
+    }
+}
+
+/// Counts one protected request in flight until dropped.
+#[must_use]
+pub(super) struct InFlight(());
+
+impl InFlight {
+    #[inline]
+    pub(super) fn enter() -> Self {
+        #[cfg(feature = "metrics")]
+        metrics::gauge!(METRIC_REQUESTS_IN_FLIGHT).increment(1.0);
+        Self(())
+    }
+}
+
+impl Drop for InFlight {
+    #[inline]
+    fn drop(&mut self) {
+        #[cfg(feature = "metrics")]
+        metrics::gauge!(METRIC_REQUESTS_IN_FLIGHT).decrement(1.0);
+    }
+}
+
+/// Warns once per layer (and its clones) when a protected request runs with no
+/// correlation ID in scope: the correlation layer is inside the idempotency layer, or
+/// missing, so its replays and refusals carry no correlation ID at all.
+#[derive(Debug, Default)]
+pub(super) struct LayerOrder {
+    warned: AtomicBool,
+}
+
+impl LayerOrder {
+    /// The current correlation ID; the first time there is none, the WARN.
+    pub(super) fn correlation_id(&self) -> Option<CorrelationId> {
+        let id = CorrelationId::current();
+        if id.is_none() && !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                event = "idempotency.uncorrelated",
+                "no correlation id in scope: the idempotency layer runs outside the correlation layer (or without one), so its replays and refusals carry none; put CorrelationLayer outside it (ServiceBuilder: add it first; axum: `Router::layer` it last, after the routes); logged once per layer"
+            );
+        }
+        id
+    }
+}
