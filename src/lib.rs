@@ -113,6 +113,12 @@
 //!
 //! The README's "Observability" section has the recipes, one per pipeline.
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// Links to items of features that are off point at their type instead.
+#![cfg_attr(
+    not(feature = "access-log"),
+    doc = "",
+    doc = "[`CorrelationLayer::access_log`]: CorrelationLayer"
+)]
 
 #[cfg(feature = "correlation")]
 pub mod body;

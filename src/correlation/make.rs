@@ -169,6 +169,11 @@ impl<B> MakeSpan<B> for DefaultMakeSpan {
 ///
 /// [`CorrelationLayer::access_log`] does this for you, with the access line.
 #[cfg_attr(
+    feature = "access-log",
+    doc = "",
+    doc = "[`CorrelationLayer::access_log`]: super::CorrelationLayer::access_log"
+)]
+#[cfg_attr(
     not(feature = "access-log"),
     doc = "",
     doc = "[`CorrelationLayer::access_log`]: super::CorrelationLayer"

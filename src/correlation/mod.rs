@@ -116,7 +116,7 @@
 //! subscriber:
 //!
 //! - an incoming W3C `traceparent` (and `tracestate`) becomes the parent of the
-//!   request's span (a server span; [`trace_context(false)`](CorrelationLayer::trace_context)
+//!   request's span (a server span; [`trace_context(false)`][trace_context]
 //!   at an edge that should not trust it), which has the `correlation_id` attribute;
 //! - the span records the trace ID in its `trace_id` field, so plain log lines have
 //!   both IDs (without an OpenTelemetry layer, the incoming trace ID is recorded);
@@ -185,7 +185,32 @@
 //! | `correlation.missing` / `correlation.rejected` | WARN | `enforce` refused a request |
 //! | `correlation.replacing` / `correlation.replaced` | INFO | replace, combine, restore, or an extension past the bound |
 //! | `correlation.restore_rejected` | WARN | [`restore`](CorrelationId::restore) was given an invalid ID |
-//! | `http.access` | INFO | with [`access_log`](CorrelationLayer::access_log): a request was answered (`status`, `latency_ms`) |
+//! | `http.access` | INFO | with [`access_log`][access_log]: a request was answered (`status`, `latency_ms`) |
+
+// Links to items of features that are off point at their type instead.
+#![cfg_attr(
+    feature = "access-log",
+    doc = "",
+    doc = "[access_log]: CorrelationLayer::access_log"
+)]
+#![cfg_attr(
+    not(feature = "access-log"),
+    doc = "",
+    doc = "[access_log]: CorrelationLayer",
+    doc = "[`CorrelationLayer::access_log`]: CorrelationLayer"
+)]
+#![cfg_attr(
+    feature = "opentelemetry",
+    doc = "",
+    doc = "[trace_context]: CorrelationLayer::trace_context"
+)]
+#![cfg_attr(
+    not(feature = "opentelemetry"),
+    doc = "",
+    doc = "[trace_context]: CorrelationLayer",
+    doc = "[`CorrelationLayer::baggage`]: CorrelationLayer",
+    doc = "[`OutboundCorrelationLayer::baggage`]: OutboundCorrelationLayer"
+)]
 
 #[cfg(feature = "access-log")]
 mod access_log;

@@ -262,6 +262,13 @@
 //! request a layer sees with no ID in scope logs a WARN, `idempotency.uncorrelated`,
 //! once per layer (and its clones).
 
+// A link to an item of a feature that is off points at this module instead.
+#![cfg_attr(
+    not(feature = "metrics"),
+    doc = "",
+    doc = "[`describe_metrics`]: crate::idempotency"
+)]
+
 mod budget;
 mod echo;
 mod epoch;
