@@ -269,6 +269,7 @@
     doc = "[`describe_metrics`]: crate::idempotency"
 )]
 
+mod answer;
 mod budget;
 mod echo;
 mod epoch;
@@ -278,6 +279,7 @@ mod layer;
 mod lease;
 pub mod message;
 mod observe;
+mod read;
 mod replay;
 mod scope;
 mod service;

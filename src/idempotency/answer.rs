@@ -1,0 +1,293 @@
+//! What the layer answers for a protected request, besides the handler's response:
+//! the headers every answer carries, refusals, and replays of a stored record.
+
+use std::time::{Duration, SystemTime};
+
+use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
+
+use super::{
+    layer::Settings,
+    observe,
+    replay::{self, ReplayInfo},
+    store::Record,
+    AttemptId, Fingerprint, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT,
+    IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
+};
+use crate::{body::Body, problem::Problem};
+
+pub(super) fn reject_key<B>(
+    error: &super::InvalidIdempotencyKey,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    let (code, title) = match error.code() {
+        "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
+        "repeated" => (
+            "idempotency.key_repeated",
+            "Idempotency key header repeated",
+        ),
+        "conflicting" => (
+            "idempotency.keys_disagree",
+            "Two different idempotency keys",
+        ),
+        _ => ("idempotency.key_invalid", "Invalid idempotency key"),
+    };
+    refuse(
+        StatusCode::BAD_REQUEST,
+        error.code(),
+        code,
+        title,
+        error.to_string(),
+        attempt,
+    )
+}
+
+/// The `400` for a request whose client cannot be told (two different API keys).
+pub(super) fn reject_client<B>(
+    error: &super::InvalidClient,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    let reason = match error.code() {
+        "repeated" => "client_repeated",
+        _ => "client_refused",
+    };
+    refuse(
+        StatusCode::BAD_REQUEST,
+        reason,
+        "idempotency.client_invalid",
+        "Invalid client identity",
+        // Fixed text or a configured header name, never what the request sent.
+        error.to_string(),
+        attempt,
+    )
+}
+
+/// A refusal of a request whose headers the layer cannot accept, with its WARN event;
+/// `detail` is the layer's own text, never the request's.
+pub(super) fn refuse<B>(
+    status: StatusCode,
+    reason: &'static str,
+    code: &'static str,
+    title: &'static str,
+    detail: String,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    tracing::warn!(
+        event = "idempotency.rejected",
+        reason,
+        detail = detail.as_str(),
+        status = status.as_u16(),
+        "request refused: {title}"
+    );
+    observe::outcome("rejected");
+    let problem = Problem::new(status, code, title, detail);
+    finish(problem.into_response(), attempt)
+}
+
+/// The headers every response of a protected route carries when it is not a replay.
+pub(super) fn finish<B>(mut response: Response<B>, attempt: Option<&AttemptId>) -> Response<B> {
+    let headers = response.headers_mut();
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("false"));
+    if let Some(attempt) = attempt {
+        headers.insert(ATTEMPT_ID, attempt.to_header_value());
+    }
+    response
+}
+
+pub(super) fn with_retry_after<B>(mut response: Response<B>, retry_after: Duration) -> Response<B> {
+    let seconds = retry_after
+        .as_secs()
+        .max(u64::from(retry_after.subsec_nanos() > 0));
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    response
+}
+
+pub(super) fn store_unavailable<B>() -> Response<Body<B>> {
+    observe::outcome("store_unavailable");
+    let problem = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency.store_unavailable",
+        "Idempotency store unavailable",
+        "the server cannot check this idempotency key now, so it ran nothing; retry later",
+    );
+    with_retry_after(problem.into_response(), Duration::from_secs(1))
+}
+
+pub(super) fn conflict<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
+    tracing::warn!(
+        event = "idempotency.conflict",
+        status = 422,
+        "idempotency key reused with another request"
+    );
+    observe::outcome("conflict");
+    let problem = Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency.fingerprint_mismatch",
+        "Idempotency key reused",
+        "this idempotency key was used with a different request (method, path, query, content type or body); use a new key for a new request",
+    );
+    finish(problem.into_response(), attempt)
+}
+
+pub(super) fn epoch_mismatch<B>(
+    recorded: Option<u64>,
+    requested: Option<u64>,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    tracing::warn!(
+        event = "idempotency.epoch_mismatch",
+        recorded_epoch = recorded,
+        request_epoch = requested,
+        status = 422,
+        "idempotency key used in another epoch"
+    );
+    observe::outcome("conflict");
+    let describe = |epoch: Option<u64>| epoch.map_or_else(|| "none".to_owned(), |e| e.to_string());
+    let problem = Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency.epoch_mismatch",
+        "Idempotency key from another epoch",
+        format!(
+            "this idempotency key belongs to epoch {}, the request to epoch {}; derive a new key in the current epoch",
+            describe(recorded),
+            describe(requested)
+        ),
+    );
+    finish(problem.into_response(), attempt)
+}
+
+pub(super) fn in_flight<B>(
+    first_seen: SystemTime,
+    request_count: Option<u64>,
+    retry_after: Duration,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    tracing::info!(
+        event = "idempotency.in_flight",
+        request_count,
+        status = 409,
+        "a request with this idempotency key is still running"
+    );
+    observe::outcome("in_flight");
+    let problem = Problem::new(
+        StatusCode::CONFLICT,
+        "idempotency.in_flight",
+        "Request in progress",
+        "a request with this idempotency key is still running; retry after the delay to get its response",
+    );
+    let mut response = with_retry_after(problem.into_response(), retry_after);
+    let headers = response.headers_mut();
+    headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(first_seen));
+    if let Some(request_count) = request_count {
+        headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
+    }
+    finish(response, attempt)
+}
+
+/// The answer to a duplicate of a completed request.
+pub(super) fn settled<B>(
+    record: &Record,
+    fingerprint: Fingerprint,
+    request_count: u64,
+    attempt: Option<&AttemptId>,
+    settings: &Settings,
+) -> Response<Body<B>> {
+    if record.fingerprint != fingerprint {
+        return conflict(attempt);
+    }
+    let Some(stored) = &record.response else {
+        tracing::info!(
+            event = "idempotency.not_replayable",
+            request_count,
+            status = 410,
+            "the request ran but its response was too large to keep"
+        );
+        observe::outcome("not_replayable");
+        let problem = Problem::new(
+            StatusCode::GONE,
+            "idempotency.not_replayable",
+            "Response not replayable",
+            "the request with this idempotency key ran, but its response was too large to keep for replay; it will not run again",
+        );
+        let mut response = problem.into_response();
+        replay_headers(response.headers_mut(), record, request_count);
+        return finish(response, attempt);
+    };
+    tracing::info!(
+        event = "idempotency.replayed",
+        request_count,
+        status = stored.status.as_u16(),
+        original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
+        "replayed the stored response"
+    );
+    observe::outcome("replayed");
+    let mut response = Response::new(stored.body.clone());
+    *response.status_mut() = stored.status;
+    let headers = response.headers_mut();
+    headers.reserve(stored.headers.len() + 5);
+    for (name, value) in &stored.headers {
+        if !settings.not_replayed.contains(name) {
+            headers.append(name.clone(), value.clone());
+        }
+    }
+    // The route's hook adjusts this copy; the stored record stays as it is.
+    if let Some(hook) = &settings.on_replay {
+        let info = ReplayInfo {
+            request_count,
+            first_seen: record.first_seen,
+            original_attempt: record.original_attempt.clone(),
+        };
+        response = replay::apply(&**hook, response, &info);
+    }
+    let mut response = response.map(Body::complete);
+    let headers = response.headers_mut();
+    replay_headers(headers, record, request_count);
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    if let Some(attempt) = attempt {
+        headers.insert(ATTEMPT_ID, attempt.to_header_value());
+    }
+    response
+}
+
+/// What a duplicate learns of the original: when it came, how many came, which attempt.
+pub(super) fn replay_headers(headers: &mut HeaderMap, record: &Record, request_count: u64) {
+    headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(record.first_seen));
+    headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
+    if let Some(original) = &record.original_attempt {
+        headers.insert(ORIGINAL_ATTEMPT_ID, original.to_header_value());
+    }
+}
+
+/// `time` as an HTTP-date; the last one formatted on this thread is reused, as replays
+/// of one record ask for the same date again and again.
+pub(super) fn http_date(time: SystemTime) -> HeaderValue {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(SystemTime, HeaderValue)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        if let Some((cached, value)) = last.as_ref() {
+            if *cached == time {
+                return value.clone();
+            }
+        }
+        let value = HeaderValue::from_str(&httpdate::fmt_http_date(time))
+            .unwrap_or_else(|_| HeaderValue::from_static("Thu, 01 Jan 1970 00:00:00 GMT"));
+        *last = Some((time, value.clone()));
+        value
+    })
+}
+
+/// The answer when the handler's transaction did not commit: nothing happened, so a
+/// retry is safe (and replays, if a commit whose answer was lost did go through).
+pub(super) fn not_committed<B>(error: &super::store::StoreError) -> Response<Body<B>> {
+    let problem = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency.not_committed",
+        "Request not committed",
+        format!("the request's transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
+    );
+    with_retry_after(problem.into_response(), Duration::from_secs(1))
+}

@@ -1,0 +1,232 @@
+//! Reading a protected request's body: within the size limit and the layer's byte
+//! budget, whole, so it can be fingerprinted, and handed on unchanged.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+
+use super::{
+    answer::with_retry_after, budget::Reservation, layer::Settings, observe, service::BoxError,
+    Fingerprint,
+};
+use crate::{body::Body, problem::Problem};
+
+/// Reads the whole body so it can be fingerprinted, and hands it on unchanged, with
+/// the bytes it holds of the layer's budget; or the answer that refuses it: `413` over
+/// the limit, `503` when the budget cannot take it now, `400` when it fails mid-read.
+pub(super) async fn read_body<B, R>(
+    request: Request<B>,
+    settings: &Settings,
+) -> Result<(Request<Body<B>>, Reservation), Response<Body<R>>>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let budget = &settings.budget;
+    // A body larger than the whole budget could never be read: too large, not busy.
+    let max = settings.max_request_bytes.min(budget.capacity());
+    let too_large = || {
+        tracing::warn!(
+            event = "idempotency.body_too_large",
+            max_bytes = max,
+            status = 413,
+            "request body over the idempotency limit"
+        );
+        observe::outcome("rejected");
+        let problem = Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "idempotency.body_too_large",
+            "Request body too large",
+            format!("an idempotent request body may be at most {max} bytes"),
+        );
+        problem.into_response()
+    };
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let declared = match declared.map(usize::try_from) {
+        Some(Ok(len)) if len <= max => Some(len),
+        Some(_) => return Err(too_large()),
+        None => None,
+    };
+    let mut reservation = budget.reserve();
+    let (parts, body) = request.into_parts();
+    match read_within(body, max, declared, &mut reservation).await {
+        Read::Complete(bytes) => Ok((
+            Request::from_parts(parts, Body::complete(bytes)),
+            reservation,
+        )),
+        Read::TooLarge => Err(too_large()),
+        Read::Overloaded { requested } => {
+            tracing::warn!(
+                event = "idempotency.overloaded",
+                budget_bytes = budget.capacity(),
+                requested_bytes = requested,
+                status = 503,
+                "request bodies in flight fill the idempotency byte budget; request refused"
+            );
+            observe::outcome("rejected");
+            let problem = Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "idempotency.overloaded",
+                "Server busy",
+                "the server holds as many request bodies as it can right now, so it ran nothing; retry later",
+            );
+            Err(with_retry_after(
+                problem.into_response(),
+                Duration::from_secs(1),
+            ))
+        }
+        Read::Failed(error) => {
+            tracing::warn!(
+                event = "idempotency.body_unreadable",
+                error = %error,
+                status = 400,
+                "request body could not be read"
+            );
+            observe::outcome("rejected");
+            let problem = Problem::new(
+                StatusCode::BAD_REQUEST,
+                "idempotency.body_unreadable",
+                "Request body unreadable",
+                "the request body could not be read to the end",
+            );
+            Err(problem.into_response())
+        }
+    }
+}
+
+/// What reading a request body came to.
+pub(super) enum Read {
+    Complete(Bytes),
+    TooLarge,
+    /// The budget could not take the `requested` bytes the body needed in all.
+    Overloaded {
+        requested: usize,
+    },
+    /// The body's error, as text: the body's error type need not be `Send`.
+    Failed(String),
+}
+
+/// Reads `body` whole if it fits in `max` bytes, holding in `reservation` the bytes it
+/// keeps: `declared` up front when the length is known; otherwise the first frame,
+/// kept as it came, then the buffer the frames are copied into, grown by doubling (a
+/// buffer of the declared length when there is one).
+///
+/// While a frame or a smaller buffer is copied into a bigger one, both are alive for
+/// that copy only; the copy never awaits, so at most one is under way per thread.
+pub(super) async fn read_within<B>(
+    mut body: B,
+    max: usize,
+    declared: Option<usize>,
+    reservation: &mut Reservation,
+) -> Read
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let declared_len = declared.unwrap_or(0);
+    // Never less than the declared length, which is held up front.
+    let take = |reservation: &mut Reservation, bytes: usize| {
+        let bytes = bytes.max(declared_len);
+        reservation
+            .grow_to(bytes)
+            .map_err(|_| Read::Overloaded { requested: bytes })
+    };
+    if let Err(overloaded) = take(reservation, declared_len) {
+        return overloaded;
+    }
+    let mut first: Option<Bytes> = None;
+    let mut buffer: Option<Vec<u8>> = None;
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let data = match frame {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => data,
+                // Trailers are not kept: the fingerprint covers the body only.
+                Err(_trailers) => continue,
+            },
+            Err(error) => return Read::Failed(error.into().to_string()),
+        };
+        if data.is_empty() {
+            continue;
+        }
+        len += data.len();
+        if len > max {
+            return Read::TooLarge;
+        }
+        match (&first, &mut buffer) {
+            (None, None) => {
+                if let Err(overloaded) = take(reservation, len) {
+                    return overloaded;
+                }
+                first = Some(data);
+            }
+            (_, Some(kept)) if kept.capacity() - kept.len() >= data.len() => {
+                kept.extend_from_slice(&data);
+            }
+            _ => {
+                let previous = first.take();
+                let old: &[u8] = match (&previous, &buffer) {
+                    (Some(frame), _) => frame,
+                    (None, Some(kept)) => kept,
+                    (None, None) => &[],
+                };
+                let capacity = if declared_len >= len {
+                    declared_len
+                } else {
+                    len.max(old.len() * 2).min(max)
+                };
+                if let Err(overloaded) = take(reservation, capacity) {
+                    return overloaded;
+                }
+                let mut bigger = Vec::with_capacity(capacity);
+                bigger.extend_from_slice(old);
+                bigger.extend_from_slice(&data);
+                buffer = Some(bigger);
+            }
+        }
+    }
+    if declared.is_some_and(|declared| declared != len) {
+        return Read::Failed(format!(
+            "the body is {len} bytes long, its Content-Length {declared_len}"
+        ));
+    }
+    let (bytes, held) = match buffer {
+        Some(mut kept) => {
+            // Held until the work ends: no more than the body (shrinking is in place).
+            kept.shrink_to_fit();
+            let capacity = kept.capacity();
+            (Bytes::from(kept), capacity)
+        }
+        None => (first.unwrap_or_default(), len),
+    };
+    reservation.shrink_to(held);
+    Read::Complete(bytes)
+}
+
+pub(super) fn fingerprint<B>(request: &Request<Body<B>>) -> Fingerprint
+where
+    B: http_body::Body<Data = Bytes>,
+{
+    let body = buffered(request.body());
+    Fingerprint::new(
+        request.method(),
+        request.uri().path(),
+        request.uri().query(),
+        request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(HeaderValue::as_bytes),
+        &body,
+    )
+}
+
+/// The bytes of a body `read_body` completed.
+pub(super) fn buffered<B>(body: &Body<B>) -> Bytes {
+    body.complete_bytes().unwrap_or_default()
+}
