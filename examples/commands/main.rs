@@ -299,6 +299,7 @@
 //! [`MokaStore`]: tower_ids::idempotency::MokaStore
 
 mod api;
+mod broker;
 mod load;
 mod memory;
 #[cfg(feature = "metrics")]
@@ -312,6 +313,7 @@ mod server;
 use std::{
     net::SocketAddr,
     num::{NonZeroU64, NonZeroUsize},
+    sync::Arc,
     time::Duration,
 };
 
@@ -325,6 +327,7 @@ use tracing_subscriber::{
 };
 
 use crate::{
+    broker::Broker,
     memory::{Commands, Memory, MAX_COMMANDS},
     publisher::{publish, QUEUE_CAPACITY},
     routes::{app, AppState, Storage},
@@ -338,6 +341,10 @@ use crate::{
 /// key stays claimed by a request whose process died. The lease is renewed while the
 /// request runs, so it bounds only how long retries of a crashed request get `409`.
 const IDEMPOTENCY_LEASE_MS: NonZeroU64 = NonZeroU64::new(DEFAULT_LEASE.as_millis() as u64).unwrap();
+
+/// Default `--amqp-exchange`: named after what it carries, as the routing keys
+/// (`command.created`) are.
+const AMQP_EXCHANGE: &str = "commands";
 
 /// The Command Service: tower-ids' demo of correlation IDs and idempotency keys.
 #[derive(Debug, Parser)]
@@ -417,6 +424,16 @@ struct Args {
     #[arg(long, value_name = "URL")]
     redis_url: Option<String>,
 
+    /// AMQP URL (`amqp://USER:PASS@HOST:PORT/VHOST`): also publish each event to
+    /// RabbitMQ, if it can be reached at start; without it, events are published by
+    /// log only.
+    #[arg(long, value_name = "URL")]
+    amqp_url: Option<String>,
+
+    /// The topic exchange `--amqp-url` publishes to, declared (durable) at start.
+    #[arg(long, value_name = "NAME", default_value = AMQP_EXCHANGE)]
+    amqp_exchange: String,
+
     /// Write each log line before going on, instead of through the writer thread: for a
     /// test that kills the service and reads its log as the record of what it did (a
     /// line still queued in the writer thread dies with the process).
@@ -471,9 +488,16 @@ async fn main() -> std::io::Result<()> {
         "limits in force"
     );
 
+    let broker = match &args.amqp_url {
+        Some(url) => Broker::connect(url, &args.amqp_exchange)
+            .await
+            .map(Arc::new),
+        None => None,
+    };
+
     #[cfg(feature = "postgres")]
     if let Some(url) = &args.database_url {
-        return run_on_database(url, &args, limits).await;
+        return run_on_database(url, &args, limits, broker).await;
     }
 
     // Connect first: a replica that cannot reach its Redis should not start listening.
@@ -493,6 +517,7 @@ async fn main() -> std::io::Result<()> {
         commands.clone(),
         deliveries,
         Duration::from_millis(args.publish_delay_ms),
+        broker,
     ));
 
     let listener = listen_logged(args.addr)?;
@@ -515,7 +540,12 @@ async fn main() -> std::io::Result<()> {
 /// DB mode (`--database-url`): the commands, their outbox and the idempotency records
 /// in PostgreSQL (see [`postgres`]).
 #[cfg(feature = "postgres")]
-async fn run_on_database(url: &str, args: &Args, limits: Limits) -> std::io::Result<()> {
+async fn run_on_database(
+    url: &str,
+    args: &Args,
+    limits: Limits,
+    broker: Option<Arc<Broker>>,
+) -> std::io::Result<()> {
     // Connect first: a replica that cannot reach its database should not start
     // listening.
     let (database, store) = postgres::Database::connect(url, args.max_commands)
@@ -525,6 +555,7 @@ async fn run_on_database(url: &str, args: &Args, limits: Limits) -> std::io::Res
     let publisher = tokio::spawn(postgres::publish(
         database.pool().clone(),
         Duration::from_millis(args.publish_delay_ms),
+        broker,
         stop_requested,
     ));
 
