@@ -32,6 +32,10 @@
 //! cargo run --release --example commands -- \
 //!     --addr 127.0.0.1:0 --log-format json --publish-delay-ms 1000
 //! cargo run --release --example commands -- --handler-delay-ms 2000
+//!
+//! # Each event also to RabbitMQ: exchange `commands`, routing key `command.created`.
+//! cargo run --release --example commands -- \
+//!     --amqp-url amqp://guest:guest@127.0.0.1:5672/%2f --amqp-exchange commands
 //! RUST_LOG=debug cargo run --release --example commands
 //!
 //! # Two replicas sharing one Redis: a retry on either replays the first answer.
@@ -89,6 +93,8 @@
 //! | `--max-commands` | `1000` | commands the in-memory list keeps; creating one more drops the oldest. In DB mode, which keeps every command, how many of the newest `GET /commands` answers |
 //! | `--load-routes` | off | also serve `POST /load/bare` (no layer), `POST /load/noop` (a layer that does nothing), `POST /load/tower-http` (tower-http's request-ID pair), `POST /load/correlated` (correlation layer), `POST /load/idempotent` (both layers, key required) and `GET /load/executions` (handler runs so far), one trivial handler behind each, for `benches/load.sh` |
 //! | `--redis-url` | none (in memory) | with `--features redis`: keep idempotency records in this Redis (or Valkey), shared by every replica started with the same URL; if it cannot be reached at start the service exits, if it goes away later the `POST` routes answer `503` until it is back |
+//! | `--amqp-url` | none (log only) | also publish each event to RabbitMQ (`amqp://USER:PASS@HOST:PORT/VHOST`), see [AMQP](#amqp); if the broker cannot be reached at start, the service logs a WARN and publishes by log only |
+//! | `--amqp-exchange` | `commands` | the topic exchange `--amqp-url` publishes to, declared durable at start |
 //! | `--database-url` | none (in memory) | with `--features postgres`: DB mode, with the commands, their outbox and the idempotency records in this PostgreSQL database (`postgres://USER@HOST:PORT/DATABASE`), shared by every replica started with the same URL; the tables are created at start if missing; if the database cannot be reached at start the service exits. Not with `--redis-url` |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
@@ -222,7 +228,8 @@
 //! - Every replica runs a publisher over the outbox: it takes pending rows at least
 //!   `--publish-delay-ms` old with `FOR UPDATE SKIP LOCKED` (so replicas share the rows
 //!   and never take the same one), logs `commands.published` under the row's correlation
-//!   ID extended for the delivery, sets the row's `sent_at` and the command's status to
+//!   ID extended for the delivery (with `--amqp-url`, after the broker confirmed the
+//!   event; a row it did not stays pending for the next round), sets the row's `sent_at` and the command's status to
 //!   `sent`, and commits. A publisher killed before its commit leaves the rows pending,
 //!   and they are published again: at least once, each delivery under its own extension.
 //! - The demo's pool has 32 connections; a request that finds none free within 1 s, or
@@ -232,6 +239,25 @@
 //! `tests/commands_crash.rs` kills the demo in DB mode with SIGKILL at random moments
 //! while clients create commands, restarts it on the same database, retries every key,
 //! and counts what the database holds.
+//!
+//! # AMQP
+//!
+//! With `--amqp-url`, each event the publisher publishes also goes to RabbitMQ (lapin,
+//! the crate's `amqp` feature): the topic exchange `--amqp-exchange` gets a persistent
+//! JSON body `{"type", "command_id", "device_id", "name", "payload"}` under the routing
+//! key of its type (`command.created`), and the publisher waits for the broker's confirm
+//! before the command counts as published. The headers carry `x-correlation-id`, this
+//! delivery's extension of the request's ID (the ID of its `commands.published` line,
+//! written by [`MessageCorrelation::inject_current`]), and `idempotency-key`, the key of
+//! the request that created the command ([`IdempotencyKey::inject`]; both modes keep it
+//! with the queued message, DB mode in the outbox row's `idempotency_key` column).
+//!
+//! Publishing is "if available". A broker unreachable at start leaves the service
+//! publishing by log only. A publish that fails later (no confirm within 5 s, a nack, a
+//! closed channel) drops the connection, and the next publish opens another: in DB mode
+//! the row stays pending (no `sent_at`) and is published again in the next round; in
+//! memory, which keeps nothing to retry from, the command stays `sent` and the failure is
+//! a WARN. `tests/commands_amqp.rs` consumes the event from an exchange of its own.
 //!
 //! # Routes
 //!
@@ -273,7 +299,10 @@
 //! | `commands.schema_ready` | INFO | DB mode, at start: the tables exist |
 //! | `commands.created` | INFO | a command was stored and queued (in DB mode: written in the request's transaction, which commits after the handler answers, logged `idempotency.stored`) |
 //! | `commands.cancelled` | INFO | a command was cancelled |
-//! | `commands.published` | INFO | the publisher sent a command |
+//! | `commands.published` | INFO | the publisher sent a command (`amqp` = whether it also went to the broker) |
+//! | `commands.amqp_connected` | INFO | `--amqp-url`, at start: the exchange is declared, events go to it |
+//! | `commands.amqp_unavailable` | WARN | `--amqp-url`, at start: the broker could not be reached; events are published by log only |
+//! | `commands.amqp_publish_failed` | WARN | `--amqp-url`: the broker did not confirm an event (`error`); in DB mode its row stays pending and is retried, in memory it is published by log only |
 //! | `commands.publish_skipped` | INFO | the publisher found the command cancelled (`reason` = `cancelled`) or dropped from the list (`evicted`) |
 //! | `commands.database_failed` | WARN | DB mode: a database call of a request failed or timed out (`doing`, `error`); the request is answered `503` |
 //! | `commands.publish_failed` | WARN | DB mode: the publisher could not read or mark the outbox; its rows stay pending and it tries again |
@@ -297,8 +326,11 @@
 //! [`IdempotencyLayer`]: tower_ids::idempotency::IdempotencyLayer
 //! [`CorrelationLayer::access_log`]: tower_ids::correlation::CorrelationLayer::access_log
 //! [`MokaStore`]: tower_ids::idempotency::MokaStore
+//! [`MessageCorrelation::inject_current`]: tower_ids::correlation::MessageCorrelation::inject_current
+//! [`IdempotencyKey::inject`]: tower_ids::idempotency::IdempotencyKey::inject
 
 mod api;
+mod broker;
 mod load;
 mod memory;
 #[cfg(feature = "metrics")]
@@ -312,6 +344,7 @@ mod server;
 use std::{
     net::SocketAddr,
     num::{NonZeroU64, NonZeroUsize},
+    sync::Arc,
     time::Duration,
 };
 
@@ -325,6 +358,7 @@ use tracing_subscriber::{
 };
 
 use crate::{
+    broker::Broker,
     memory::{Commands, Memory, MAX_COMMANDS},
     publisher::{publish, QUEUE_CAPACITY},
     routes::{app, AppState, Storage},
@@ -338,6 +372,10 @@ use crate::{
 /// key stays claimed by a request whose process died. The lease is renewed while the
 /// request runs, so it bounds only how long retries of a crashed request get `409`.
 const IDEMPOTENCY_LEASE_MS: NonZeroU64 = NonZeroU64::new(DEFAULT_LEASE.as_millis() as u64).unwrap();
+
+/// Default `--amqp-exchange`: named after what it carries, as the routing keys
+/// (`command.created`) are.
+const AMQP_EXCHANGE: &str = "commands";
 
 /// The Command Service: tower-ids' demo of correlation IDs and idempotency keys.
 #[derive(Debug, Parser)]
@@ -417,6 +455,16 @@ struct Args {
     #[arg(long, value_name = "URL")]
     redis_url: Option<String>,
 
+    /// AMQP URL (`amqp://USER:PASS@HOST:PORT/VHOST`): also publish each event to
+    /// RabbitMQ, if it can be reached at start; without it, events are published by
+    /// log only.
+    #[arg(long, value_name = "URL")]
+    amqp_url: Option<String>,
+
+    /// The topic exchange `--amqp-url` publishes to, declared (durable) at start.
+    #[arg(long, value_name = "NAME", default_value = AMQP_EXCHANGE)]
+    amqp_exchange: String,
+
     /// Write each log line before going on, instead of through the writer thread: for a
     /// test that kills the service and reads its log as the record of what it did (a
     /// line still queued in the writer thread dies with the process).
@@ -471,9 +519,16 @@ async fn main() -> std::io::Result<()> {
         "limits in force"
     );
 
+    let broker = match &args.amqp_url {
+        Some(url) => Broker::connect(url, &args.amqp_exchange)
+            .await
+            .map(Arc::new),
+        None => None,
+    };
+
     #[cfg(feature = "postgres")]
     if let Some(url) = &args.database_url {
-        return run_on_database(url, &args, limits).await;
+        return run_on_database(url, &args, limits, broker).await;
     }
 
     // Connect first: a replica that cannot reach its Redis should not start listening.
@@ -493,6 +548,7 @@ async fn main() -> std::io::Result<()> {
         commands.clone(),
         deliveries,
         Duration::from_millis(args.publish_delay_ms),
+        broker,
     ));
 
     let listener = listen_logged(args.addr)?;
@@ -515,7 +571,12 @@ async fn main() -> std::io::Result<()> {
 /// DB mode (`--database-url`): the commands, their outbox and the idempotency records
 /// in PostgreSQL (see [`postgres`]).
 #[cfg(feature = "postgres")]
-async fn run_on_database(url: &str, args: &Args, limits: Limits) -> std::io::Result<()> {
+async fn run_on_database(
+    url: &str,
+    args: &Args,
+    limits: Limits,
+    broker: Option<Arc<Broker>>,
+) -> std::io::Result<()> {
     // Connect first: a replica that cannot reach its database should not start
     // listening.
     let (database, store) = postgres::Database::connect(url, args.max_commands)
@@ -525,6 +586,7 @@ async fn run_on_database(url: &str, args: &Args, limits: Limits) -> std::io::Res
     let publisher = tokio::spawn(postgres::publish(
         database.pool().clone(),
         Duration::from_millis(args.publish_delay_ms),
+        broker,
         stop_requested,
     ));
 

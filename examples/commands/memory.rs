@@ -9,7 +9,7 @@ use std::{
 
 use time::OffsetDateTime;
 use tokio::{sync::mpsc, time::Instant};
-use tower_ids::correlation::CorrelationId;
+use tower_ids::{correlation::CorrelationId, idempotency::IdempotencyKey};
 use uuid::Uuid;
 
 use crate::{
@@ -45,6 +45,7 @@ impl Storage for Memory {
         (): (),
         new: NewCommand,
         correlation_id: CorrelationId,
+        idempotency_key: Option<IdempotencyKey>,
     ) -> Result<Command, ApiError> {
         // Take a queue slot first, so a stored command is always queued.
         let slot = self
@@ -73,6 +74,7 @@ impl Storage for Memory {
         slot.send(Publish {
             command_id: command.id,
             correlation_id,
+            idempotency_key,
             queued_at: Instant::now(),
         });
         Ok(command)

@@ -14,9 +14,11 @@
 //! take the same one, publishes them, and marks them sent in the same transaction. A
 //! publisher that dies before its commit leaves its rows pending, and they are published
 //! again (at least once, as from any outbox), each delivery under its own extension of
-//! the request's correlation ID.
+//! the request's correlation ID. With `--amqp-url` each event also goes to RabbitMQ
+//! before its row is marked; a row the broker did not confirm stays pending and is
+//! published again in the next round.
 
-use std::{error::Error, num::NonZeroUsize, time::Duration};
+use std::{error::Error, num::NonZeroUsize, sync::Arc, time::Duration};
 
 use axum::Extension;
 use serde_json::value::RawValue;
@@ -28,14 +30,19 @@ use time::OffsetDateTime;
 use tokio::sync::oneshot::{self, error::TryRecvError};
 use tower_ids::{
     correlation::CorrelationId,
-    idempotency::store::{
-        PostgresStore, Transaction, TransactionError, TransactionGuard, DEFAULT_POSTGRES_TIMEOUT,
+    idempotency::{
+        store::{
+            PostgresStore, Transaction, TransactionError, TransactionGuard,
+            DEFAULT_POSTGRES_TIMEOUT,
+        },
+        IdempotencyKey,
     },
 };
 use uuid::Uuid;
 
 use crate::{
     api::ApiError,
+    broker::{Broker, Event},
     routes::{Command, NewCommand, Status, Storage},
 };
 
@@ -44,8 +51,9 @@ use crate::{
 /// - `commands`: one row per command. `payload` is `json`, which keeps the text as it was
 ///   sent (`jsonb` would re-serialise it).
 /// - `outbox`: one row per event to publish, written in the transaction that wrote the
-///   command, with the correlation ID of the request that caused it. A row is pending
-///   until the publisher sets `sent_at`, or `skipped_at` for a command cancelled first.
+///   command, with the correlation ID and the idempotency key of the request that
+///   caused it. A row is pending until the publisher sets `sent_at`, or `skipped_at` for
+///   a command cancelled first. (`idempotency_key` is added to a table made before it.)
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS commands (
     id         uuid        PRIMARY KEY,
@@ -64,6 +72,7 @@ CREATE TABLE IF NOT EXISTS outbox (
     sent_at        timestamptz,
     skipped_at     timestamptz
 );
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS idempotency_key text;
 CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id)
     WHERE sent_at IS NULL AND skipped_at IS NULL;
 ";
@@ -160,6 +169,7 @@ impl Storage for Database {
         transaction: Self::Transaction,
         new: NewCommand,
         correlation_id: CorrelationId,
+        idempotency_key: Option<IdempotencyKey>,
     ) -> Result<Command, ApiError> {
         // `POST /commands` requires a key, so the layer always offers one.
         let Some(Extension(transaction)) = transaction else {
@@ -187,11 +197,12 @@ impl Storage for Database {
         .map_err(|error| ApiError::database(&error, "inserting a command"))?;
         let command = command(&inserted)?;
         sqlx::query(
-            "INSERT INTO outbox (command_id, event, correlation_id) \
-             VALUES ($1::uuid, 'command.created', $2)",
+            "INSERT INTO outbox (command_id, event, correlation_id, idempotency_key) \
+             VALUES ($1::uuid, 'command.created', $2, $3)",
         )
         .bind(command.id.to_string())
         .bind(correlation_id.as_str())
+        .bind(idempotency_key.as_ref().map(IdempotencyKey::as_str))
         .execute(writes.connection())
         .await
         .map_err(|error| ApiError::database(&error, "inserting an outbox row"))?;
@@ -341,17 +352,23 @@ fn command(row: &PgRow) -> Result<Command, ApiError> {
 }
 
 /// The outbox relay, DB mode's publisher: until `stop`, takes up to [`OUTBOX_BATCH`]
-/// pending rows at least `delay` old, publishes each, marks them, and commits; looks
-/// again at once after a full batch, else after [`OUTBOX_POLL_INTERVAL`].
+/// pending rows at least `delay` old, publishes each (by log and, with `--amqp-url`, to
+/// the `broker`), marks them, and commits; looks again at once after a batch that
+/// settled every row it took, else after [`OUTBOX_POLL_INTERVAL`].
 ///
 /// Each delivery runs under its own extension of the correlation ID stored on the row
 /// (see [`CorrelationId::extend_redelivery`]), as in memory: a row published again
 /// after a crash gets another one, and both lead back to the request. Rows whose
 /// command is locked (a cancel in flight) are skipped until it commits.
-pub(crate) async fn publish(pool: PgPool, delay: Duration, mut stop: oneshot::Receiver<()>) {
+pub(crate) async fn publish(
+    pool: PgPool,
+    delay: Duration,
+    broker: Option<Arc<Broker>>,
+    mut stop: oneshot::Receiver<()>,
+) {
     loop {
-        let full = match publish_batch(&pool, delay).await {
-            Ok(taken) => taken as i64 == OUTBOX_BATCH,
+        let full = match publish_batch(&pool, delay, broker.as_deref()).await {
+            Ok(settled) => settled as i64 == OUTBOX_BATCH,
             Err(error) => {
                 tracing::warn!(
                     event = "commands.publish_failed",
@@ -372,11 +389,18 @@ pub(crate) async fn publish(pool: PgPool, delay: Duration, mut stop: oneshot::Re
     }
 }
 
-/// One transaction of the relay; returns how many rows it took.
-async fn publish_batch(pool: &PgPool, delay: Duration) -> Result<usize, sqlx::Error> {
+/// One transaction of the relay; returns how many rows it settled (marked sent or
+/// skipped). A row the broker failed stays pending and does not count, so a broker that
+/// is down does not make the relay spin on a full batch.
+async fn publish_batch(
+    pool: &PgPool,
+    delay: Duration,
+    broker: Option<&Broker>,
+) -> Result<usize, sqlx::Error> {
     let mut transaction = pool.begin().await?;
     let pending = sqlx::query(
-        "SELECT o.id, o.command_id::text AS command_id, o.correlation_id, c.status, c.device_id \
+        "SELECT o.id, o.command_id::text AS command_id, o.event, o.correlation_id, \
+                o.idempotency_key, c.status, c.device_id, c.name, c.payload::text AS payload \
          FROM outbox o JOIN commands c ON c.id = o.command_id \
          WHERE o.sent_at IS NULL AND o.skipped_at IS NULL \
            AND o.created_at <= now() - make_interval(secs => $1) \
@@ -387,6 +411,7 @@ async fn publish_batch(pool: &PgPool, delay: Duration) -> Result<usize, sqlx::Er
     .bind(OUTBOX_BATCH)
     .fetch_all(&mut *transaction)
     .await?;
+    let mut settled = 0;
     for row in &pending {
         let correlation_id = match CorrelationId::parse(row.try_get("correlation_id")?) {
             Ok(id) => id,
@@ -403,28 +428,47 @@ async fn publish_batch(pool: &PgPool, delay: Duration) -> Result<usize, sqlx::Er
         let delivery = Delivery {
             outbox_id: row.try_get("id")?,
             command_id: row.try_get("command_id")?,
+            event: row.try_get("event")?,
+            // Validated by the idempotency layer before it was stored; rows written
+            // before the column existed have none.
+            idempotency_key: row
+                .try_get::<Option<&str>, _>("idempotency_key")?
+                .and_then(|key| IdempotencyKey::new(key).ok()),
             status: row.try_get("status")?,
             device_id: row.try_get("device_id")?,
+            name: row.try_get("name")?,
+            payload: row.try_get("payload")?,
         };
-        correlation_id
+        let done = correlation_id
             .extend_redelivery()
-            .scope(delivery.deliver(&mut transaction))
+            .scope(delivery.deliver(&mut transaction, broker))
             .await?;
+        settled += usize::from(done);
     }
     transaction.commit().await?;
-    Ok(pending.len())
+    Ok(settled)
 }
 
-/// One pending outbox row, with its command's status.
+/// One pending outbox row, with its command.
 struct Delivery<'r> {
     outbox_id: i64,
     command_id: &'r str,
+    event: &'r str,
+    idempotency_key: Option<IdempotencyKey>,
     status: &'r str,
     device_id: &'r str,
+    name: &'r str,
+    payload: &'r str,
 }
 
 impl Delivery<'_> {
-    async fn deliver(&self, connection: &mut PgConnection) -> Result<(), sqlx::Error> {
+    /// Publishes the row, or skips it if its command is no longer queued, and marks it;
+    /// `false` when the broker failed it and it stays pending.
+    async fn deliver(
+        &self,
+        connection: &mut PgConnection,
+        broker: Option<&Broker>,
+    ) -> Result<bool, sqlx::Error> {
         let command_id = self.command_id;
         if self.status != "queued" {
             let reason = if self.status == "cancelled" {
@@ -442,14 +486,26 @@ impl Delivery<'_> {
                 .bind(self.outbox_id)
                 .execute(&mut *connection)
                 .await?;
-            return Ok(());
+            return Ok(true);
         }
-        // A real relay sends the event to the broker here, before marking the row: a
-        // crash before the commit sends it again.
+        // Sent to the broker before the row is marked: a crash before the commit sends
+        // it again (at least once).
+        if let Some(broker) = broker {
+            if let Err(error) = self.publish_to(broker).await {
+                tracing::warn!(
+                    event = "commands.amqp_publish_failed",
+                    command_id,
+                    error = %error,
+                    "could not publish the event to the AMQP broker; the row stays pending"
+                );
+                return Ok(false);
+            }
+        }
         tracing::info!(
             event = "commands.published",
             command_id,
             device_id = self.device_id,
+            amqp = broker.is_some(),
             "command published"
         );
         sqlx::query("UPDATE outbox SET sent_at = now() WHERE id = $1")
@@ -457,9 +513,21 @@ impl Delivery<'_> {
             .execute(&mut *connection)
             .await?;
         sqlx::query("UPDATE commands SET status = 'sent' WHERE id = $1::uuid")
-            .bind(command_id)
+            .bind(self.command_id)
             .execute(&mut *connection)
             .await?;
-        Ok(())
+        Ok(true)
+    }
+
+    async fn publish_to(&self, broker: &Broker) -> Result<(), Box<dyn Error + Send + Sync>> {
+        let payload: &RawValue = serde_json::from_str(self.payload)?;
+        let event = Event {
+            event: self.event,
+            command_id: self.command_id,
+            device_id: self.device_id,
+            name: self.name,
+            payload,
+        };
+        broker.publish(&event, self.idempotency_key.as_ref()).await
     }
 }

@@ -4,7 +4,7 @@ use std::{future::Future, time::Duration};
 
 use axum::{
     extract::{rejection::JsonRejection, FromRequestParts, Path, Request, State},
-    http::{HeaderName, StatusCode},
+    http::{HeaderMap, HeaderName, StatusCode},
     routing::{get, post},
     Json, Router,
 };
@@ -15,7 +15,7 @@ use tower::{util::MapRequestLayer, ServiceBuilder};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_ids::{
     correlation::{CorrelationId, CorrelationLayer},
-    idempotency::{ClientFromHeader, IdempotencyLayer, IdempotencyStore},
+    idempotency::{ClientFromHeader, IdempotencyKey, IdempotencyLayer, IdempotencyStore},
 };
 use uuid::Uuid;
 
@@ -135,12 +135,14 @@ pub(crate) trait Storage: Clone + Send + Sync + 'static {
     type Transaction: FromRequestParts<AppState<Self>> + Send;
 
     /// Stores a new command, `queued`, and queues it for the publisher under
-    /// `correlation_id`.
+    /// `correlation_id`, with the `idempotency_key` of the request that created it (the
+    /// publisher puts both in the event's AMQP headers).
     fn create(
         &self,
         transaction: Self::Transaction,
         new: NewCommand,
         correlation_id: CorrelationId,
+        idempotency_key: Option<IdempotencyKey>,
     ) -> impl Future<Output = Result<Command, ApiError>> + Send;
 
     /// The commands `GET /commands` answers, oldest first.
@@ -217,13 +219,17 @@ async fn create_command<S: Storage>(
     State(state): State<AppState<S>>,
     correlation_id: CorrelationId,
     transaction: S::Transaction,
+    headers: HeaderMap,
     body: Result<Json<NewCommand>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Command>), ApiError> {
     state.simulate_work().await;
     let Json(new) = body.map_err(ApiError::bad_request)?;
+    // The idempotency layer validated it before the handler ran (the route requires
+    // one); the layer keeps it to itself, so it is read again here.
+    let idempotency_key = IdempotencyKey::from_carrier(&headers).ok().flatten();
     let command = state
         .storage
-        .create(transaction, new, correlation_id)
+        .create(transaction, new, correlation_id, idempotency_key)
         .await?;
     tracing::info!(
         event = "commands.created",

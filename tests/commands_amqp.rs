@@ -1,0 +1,194 @@
+//! The demo service with `--amqp-url`: each published command also reaches RabbitMQ,
+//! with the delivery's correlation ID and the request's idempotency key in its headers.
+//! Each test owns its exchange and removes it; without a broker (and outside CI) the
+//! broker test says SKIPPED and passes.
+
+#[path = "support/demo.rs"]
+mod demo;
+#[path = "support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use demo::Demo;
+use futures_util::StreamExt as _;
+use http::StatusCode;
+use lapin::{
+    options::{
+        BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+        QueueDeclareOptions,
+    },
+    types::FieldTable,
+    Connection, ConnectionProperties, ExchangeKind,
+};
+use serde_json::Value;
+use support::{client, send};
+use tower_ids::{correlation::MessageCorrelation, idempotency::IdempotencyKey};
+
+/// `AMQP_URL`, or the local RabbitMQ as guest.
+fn url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// A connection to the broker, or `None` (said loudly) when none answers and this is
+/// not CI.
+async fn connect() -> Option<Connection> {
+    let connected = tokio::time::timeout(
+        Duration::from_secs(5),
+        Connection::connect(&url(), ConnectionProperties::default()),
+    )
+    .await;
+    match connected {
+        Ok(Ok(connection)) => Some(connection),
+        failed => {
+            let why = match failed {
+                Ok(Err(error)) => error.to_string(),
+                _ => "timed out".to_owned(),
+            };
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "no RabbitMQ at {} ({why}), and CI is set: the AMQP tests must run",
+                url()
+            );
+            eprintln!(
+                "SKIPPED: no RabbitMQ at {} ({why}); start one (rabbitmq-server -detached) or set AMQP_URL; this test did not run",
+                url()
+            );
+            None
+        }
+    }
+}
+
+async fn create(demo: &Demo, correlation_id: &str, key: &str) -> support::Reply {
+    send(
+        &client(),
+        "POST",
+        format!("{}/commands", demo.url),
+        &[
+            ("content-type", "application/json"),
+            ("x-correlation-id", correlation_id),
+            ("x-api-key", "amqp-client"),
+            ("idempotency-key", key),
+        ],
+        r#"{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}"#,
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_created_command_reaches_the_exchange_with_both_ids_and_a_replay_adds_nothing() {
+    let Some(connection) = connect().await else {
+        return;
+    };
+    let exchange = format!("tower-ids.test.commands.{}", std::process::id());
+    let channel = connection.create_channel().await.unwrap();
+    // Declared as the demo declares it, so the queue can be bound before it starts.
+    channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.name().clone(),
+            exchange.as_str().into(),
+            "command.#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            queue.name().clone(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    let demo = Demo::start(&["--amqp-url", &url(), "--amqp-exchange", &exchange]);
+    demo.events("commands.amqp_connected").await;
+    let created = create(&demo, "amqp-demo-1", "amqp-create-1").await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    let command_id = created.json()["id"].as_str().unwrap().to_owned();
+
+    let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("the event reaches the queue within 10 s")
+        .expect("the consumer is open")
+        .unwrap();
+    assert_eq!(delivery.routing_key.as_str(), "command.created");
+    let body: Value = serde_json::from_slice(&delivery.data).unwrap();
+    assert_eq!(body["type"], "command.created");
+    assert_eq!(body["command_id"], command_id.as_str());
+    assert_eq!(body["payload"]["celsius"], 21.5);
+    let headers = delivery.properties.headers();
+    let correlation = MessageCorrelation::new()
+        .read(headers)
+        .unwrap()
+        .expect("a correlation header");
+    assert!(
+        correlation.as_str().starts_with("amqp-demo-1."),
+        "{correlation}"
+    );
+    // The same ID the `commands.published` line was logged under.
+    let published = &demo.events("commands.published").await[0];
+    assert_eq!(published["span"]["correlation_id"], correlation.as_str());
+    assert_eq!(published["fields"]["amqp"], true);
+    let key = IdempotencyKey::from_carrier(headers)
+        .unwrap()
+        .expect("an idempotency-key header");
+    assert_eq!(key.as_str(), "amqp-create-1");
+
+    // A replay answers the first response and publishes nothing.
+    let replayed = create(&demo, "amqp-demo-2", "amqp-create-1").await;
+    assert_eq!(replayed.header("idempotent-replayed"), Some("true"));
+    let more = tokio::time::timeout(Duration::from_millis(500), consumer.next()).await;
+    assert!(more.is_err(), "a replay published again: {more:?}");
+
+    drop(demo);
+    channel
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_unreachable_broker_at_start_leaves_publishing_by_log() {
+    // Port 1: nothing listens there, so the connection is refused at once.
+    let demo = Demo::start(&["--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2f"]);
+    let warned = &demo.events("commands.amqp_unavailable").await[0];
+    assert_eq!(warned["level"], "WARN");
+    let created = create(&demo, "amqp-down-1", "amqp-down-1").await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    let published = &demo.events("commands.published").await[0];
+    assert_eq!(published["fields"]["amqp"], false);
+    assert!(published["span"]["correlation_id"]
+        .as_str()
+        .unwrap()
+        .starts_with("amqp-down-1."));
+}
