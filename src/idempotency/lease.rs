@@ -7,7 +7,7 @@ use std::{
     collections::HashMap,
     future::Future,
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Mutex, PoisonError,
     },
     time::{Duration, SystemTime},
@@ -215,6 +215,30 @@ impl<St: IdempotencyStore> Drop for LeaseGuard<St> {
                 .instrument(tracing::Span::current()),
         );
     }
+}
+
+/// Hands the rest of a dropped response future's work to a task of its own once its
+/// request has claimed its key (`claimed` set), so a handler that started runs to
+/// completion and its outcome is stored for the retry. Before the claim, and for
+/// requests the layer does not protect (`None`), it is dropped: nothing ran.
+pub(super) fn detach_claimed<F>(unfinished: F, claimed: Option<&AtomicBool>)
+where
+    F: Future + Send + 'static,
+{
+    if !claimed.is_some_and(|claimed| claimed.load(Ordering::Acquire)) {
+        return;
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let rest = async move {
+        let _ = unfinished.await;
+    };
+    // Dropped inside the correlation layer's scope, so the ID is still current.
+    match crate::correlation::CorrelationId::current() {
+        Some(id) => runtime.spawn(id.task_local(rest)),
+        None => runtime.spawn(rest),
+    };
 }
 
 /// One renewal; `false` once another request holds the scope (renewing is then over).

@@ -198,23 +198,9 @@ impl<R: 'static, E: 'static> Drop for ResponseFuture<R, E> {
         let Some(unfinished) = self.inner.take() else {
             return;
         };
-        let claimed = self
-            .claimed
-            .as_ref()
-            .is_some_and(|claimed| claimed.load(Ordering::Acquire));
-        if self.unwinding || !claimed {
-            return;
+        if !self.unwinding {
+            crate::idempotency::lease::detach_claimed(unfinished, self.claimed.as_deref());
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let rest = async move {
-            let _ = unfinished.await;
-        };
-        match CorrelationId::current() {
-            Some(id) => runtime.spawn(id.task_local(rest)),
-            None => runtime.spawn(rest),
-        };
     }
 }
 
