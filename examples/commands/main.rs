@@ -329,6 +329,9 @@
 //! [`MessageCorrelation::inject_current`]: tower_ids::correlation::MessageCorrelation::inject_current
 //! [`IdempotencyKey::inject`]: tower_ids::idempotency::IdempotencyKey::inject
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod api;
 mod broker;
 mod load;

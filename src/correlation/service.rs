@@ -208,7 +208,7 @@ where
         }
 
         let future = {
-            let _entered = span.enter();
+            let _entered = super::future::enter(&span);
             id.clone().sync_scope(|| inner.call(request))
         };
         ResponseFuture::called(

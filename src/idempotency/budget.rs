@@ -1,22 +1,28 @@
-use std::{fmt, sync::Arc};
-
-use tokio::sync::Semaphore;
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+};
 
 /// The bytes of request bodies that the requests in flight through one layer (and
-/// its clones) may hold at once: one permit per byte.
+/// its clones) may hold at once.
+///
+/// A counter, not a semaphore: nothing ever waits for bytes (a request that cannot
+/// have them now is refused), and tokio's `Semaphore` takes a mutex on every release,
+/// which every protected request would contend for on a multi-threaded runtime.
 pub(super) struct Budget {
-    semaphore: Semaphore,
+    available: AtomicUsize,
     capacity: usize,
 }
 
 impl Budget {
-    /// A budget of `bytes`, at most [`Semaphore::MAX_PERMITS`] (2^61 - 1 on 64-bit
-    /// targets, far beyond any memory).
+    /// A budget of `bytes`.
     pub(super) fn new(bytes: usize) -> Arc<Self> {
-        let capacity = bytes.min(Semaphore::MAX_PERMITS);
         Arc::new(Self {
-            semaphore: Semaphore::new(capacity),
-            capacity,
+            available: AtomicUsize::new(bytes),
+            capacity: bytes,
         })
     }
 
@@ -26,9 +32,8 @@ impl Budget {
     }
 
     /// The bytes no request holds now.
-    #[cfg(test)]
     pub(super) fn available(&self) -> usize {
-        self.semaphore.available_permits()
+        self.available.load(Ordering::Relaxed)
     }
 
     /// An empty reservation, to grow as a body is read.
@@ -38,13 +43,27 @@ impl Budget {
             bytes: 0,
         }
     }
+
+    /// Takes `bytes` if that many are free; never waits.
+    fn take(&self, bytes: usize) -> Result<(), Overloaded> {
+        self.available
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |available| {
+                available.checked_sub(bytes)
+            })
+            .map(drop)
+            .map_err(|_| Overloaded)
+    }
+
+    fn give_back(&self, bytes: usize) {
+        self.available.fetch_add(bytes, Ordering::AcqRel);
+    }
 }
 
 impl fmt::Debug for Budget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Budget")
             .field("capacity", &self.capacity)
-            .field("available", &self.semaphore.available_permits())
+            .field("available", &self.available())
             .finish()
     }
 }
@@ -65,19 +84,10 @@ impl Reservation {
     /// Holds `bytes` in all, taking more from the budget if needed; never waits: fails
     /// at once, holding what it held, when the budget has not that much free.
     pub(super) fn grow_to(&mut self, bytes: usize) -> Result<(), Overloaded> {
-        let mut more = bytes.saturating_sub(self.bytes);
-        // Taken in steps of at most u32::MAX permits, tokio's largest single take.
-        while more > 0 {
-            let step = u32::try_from(more).unwrap_or(u32::MAX);
-            let permits = self
-                .budget
-                .semaphore
-                .try_acquire_many(step)
-                .map_err(|_| Overloaded)?;
-            // Given back by hand (`shrink_to`, `drop`), so the count lives here.
-            permits.forget();
-            self.bytes += step as usize;
-            more -= step as usize;
+        let more = bytes.saturating_sub(self.bytes);
+        if more > 0 {
+            self.budget.take(more)?;
+            self.bytes += more;
         }
         Ok(())
     }
@@ -85,7 +95,7 @@ impl Reservation {
     /// Gives back all but `bytes`.
     pub(super) fn shrink_to(&mut self, bytes: usize) {
         if bytes < self.bytes {
-            self.budget.semaphore.add_permits(self.bytes - bytes);
+            self.budget.give_back(self.bytes - bytes);
             self.bytes = bytes;
         }
     }
@@ -423,14 +433,18 @@ mod tests {
     }
 
     #[test]
-    fn a_budget_past_tokio_limit_is_clamped() {
+    fn a_budget_of_every_byte_takes_more_than_four_gigabytes_at_once() {
         let budget = Budget::new(usize::MAX);
-        assert_eq!(budget.capacity(), Semaphore::MAX_PERMITS);
         let mut big = budget.reserve();
         let bytes = u32::MAX as usize + 10;
         big.grow_to(bytes).unwrap();
-        assert_eq!(budget.available(), Semaphore::MAX_PERMITS - bytes);
+        assert_eq!(budget.available(), usize::MAX - bytes);
+        assert_eq!(
+            budget.reserve().grow_to(usize::MAX),
+            Err(Overloaded),
+            "no more than what is free"
+        );
         drop(big);
-        assert_eq!(budget.available(), Semaphore::MAX_PERMITS);
+        assert_eq!(budget.available(), usize::MAX);
     }
 }

@@ -1,0 +1,439 @@
+//! Instructions per request under callgrind: the correlation layer against tower-http's
+//! request-ID pair, and the idempotency layer on an axum `Router` against
+//! `axum-idempotent`, each beside the bare service, in one run.
+//!
+//! Seconds on a shared machine move by tens of percent between runs; instruction
+//! counts under `valgrind --tool=callgrind` do not (the same binary and inputs give the
+//! same count, whatever else the machine is doing). Each case runs in a process of its
+//! own, twice: `WARMUP + N` and `WARMUP + 2N` requests; the difference divided by `N` is
+//! the cost of one request in the steady state, without start-up, warm-up or exit.
+//!
+//! Cases (`<group>/<service>/<path>`):
+//! - `correlation/{none,fmt}/...`: a `service_fn` handler answering at once, with no
+//!   subscriber or a fmt subscriber at INFO writing to `io::sink`; `bare`, `tower_ids`
+//!   (`CorrelationLayer::new()`), `tower_http` (`SetRequestIdLayer` with UUIDv4 +
+//!   `PropagateRequestIdLayer`); `restore` sends an ID, `generate` does not.
+//! - `idempotency/...`: a POST with a 64-byte JSON body through an axum `Router`, the
+//!   handler answering `201` with 1 KiB, the response body collected; `bare`, `tower_ids`
+//!   (`IdempotencyLayer::new()`, moka) and `axum_idempotent` (0.6 on ruts' moka session
+//!   store, as `benches/idempotency.rs` sets it up); `first` sends a fresh key every
+//!   request, `replay` one key.
+//!
+//! SHA-256: valgrind does not emulate the SHA extensions (SHA-NI), so under callgrind
+//! `sha2` falls back to its portable code, about 3,500 instructions per 64-byte block
+//! where the extensions take a few hundred. The idempotency layer hashes its scope
+//! and fingerprint (five blocks for these requests). The table therefore gives each
+//! case's instructions both in all and without `sha2::sha256::compress256`, which is
+//! the part a CPU with SHA extensions does in hardware; the ratio to the peer is taken
+//! on the latter.
+//!
+//! Run: `cargo bench --bench instructions` (needs `valgrind` on `PATH`; about two
+//! minutes). `cargo bench --bench instructions -- idempotency` runs the cases whose
+//! name contains `idempotency`.
+#![allow(missing_docs)]
+
+use std::{
+    convert::Infallible,
+    process::Command,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use axum::{body::Body, routing::post, Router};
+use axum_idempotent::{IdempotentLayer, IdempotentOptions};
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::{header, HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use ruts::{
+    store::{moka::MokaStore as SessionMokaStore, SessionStore, Ttl},
+    CookieOptions, Session, SessionLayer,
+};
+use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
+use tower_cookies::CookieManagerLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_ids::{correlation::CorrelationLayer, idempotency::IdempotencyLayer};
+
+/// Requests before the counted ones: caches, allocator and lazily built state settle.
+const WARMUP: u64 = 200;
+/// The counted requests: the two runs differ by this many.
+const N: u64 = 2_000;
+const CASE_VAR: &str = "TOWER_IDS_INSTRUCTIONS_CASE";
+const REQUESTS_VAR: &str = "TOWER_IDS_INSTRUCTIONS_REQUESTS";
+
+const CORRELATION_HEADER: &str = "x-correlation-id";
+const INCOMING_ID: &str = "0193c4a2-7b1e-7cc0-9a51-3f2d6c1e8b47";
+const PATH: &str = "/commands";
+const REQUEST_BODY: &str = r#"{"command":"transfer","from":"acc-1","to":"acc-2","amount":100}"#;
+const RESPONSE_BYTES: usize = 1024;
+const KEY_HEADER: &str = "idempotency-key";
+const SESSION_COOKIE: &str = "session";
+const DUMMY_COOKIE: &str = "session=AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+const TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// As in `benches/idempotency.rs`: axum-idempotent's `first` moves to a fresh session
+/// every this many keys, since its store sweeps a session's keys on every write.
+const KEYS_PER_SESSION: u64 = 64;
+
+/// Every case, in the order of the table: (name, what it is compared with).
+const CASES: &[(&str, Option<&str>)] = &[
+    ("correlation/none/bare/restore", None),
+    ("correlation/none/tower_http/restore", None),
+    (
+        "correlation/none/tower_ids/restore",
+        Some("correlation/none/tower_http/restore"),
+    ),
+    ("correlation/none/bare/generate", None),
+    ("correlation/none/tower_http/generate", None),
+    (
+        "correlation/none/tower_ids/generate",
+        Some("correlation/none/tower_http/generate"),
+    ),
+    ("correlation/fmt/bare/restore", None),
+    ("correlation/fmt/tower_http/restore", None),
+    (
+        "correlation/fmt/tower_ids/restore",
+        Some("correlation/fmt/tower_http/restore"),
+    ),
+    ("correlation/fmt/bare/generate", None),
+    ("correlation/fmt/tower_http/generate", None),
+    (
+        "correlation/fmt/tower_ids/generate",
+        Some("correlation/fmt/tower_http/generate"),
+    ),
+    ("idempotency/bare", None),
+    ("idempotency/axum_idempotent/replay", None),
+    (
+        "idempotency/tower_ids/replay",
+        Some("idempotency/axum_idempotent/replay"),
+    ),
+    ("idempotency/axum_idempotent/first", None),
+    (
+        "idempotency/tower_ids/first",
+        Some("idempotency/axum_idempotent/first"),
+    ),
+];
+
+fn main() {
+    if let Ok(case) = std::env::var(CASE_VAR) {
+        let requests = std::env::var(REQUESTS_VAR)
+            .expect("request count")
+            .parse()
+            .expect("a number");
+        run_case(&case, requests);
+        return;
+    }
+    // `cargo bench` passes `--bench`; any other argument filters the cases.
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|arg| !arg.starts_with("--"))
+        .collect();
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        eprintln!("SKIPPED: benches/instructions needs valgrind ('sudo apt-get install valgrind')");
+        return;
+    }
+    let mut measured: Vec<(&str, f64)> = Vec::new();
+    println!(
+        "{:<40} {:>10} {:>10} {:>10}   compared with (added, without SHA-256)",
+        "case", "all", "no SHA", "added"
+    );
+    for &(case, peer) in CASES {
+        if !filter.is_empty() && !filter.iter().any(|f| case.contains(f.as_str())) {
+            continue;
+        }
+        let (total_long, sha_long) = instructions(case, WARMUP + 2 * N);
+        let (total_short, sha_short) = instructions(case, WARMUP + N);
+        let sha = (sha_long - sha_short) as f64 / N as f64;
+        let all = (total_long - total_short) as f64 / N as f64;
+        let per_request = all - sha;
+        measured.push((case, per_request));
+        let bare = bare_of(case).and_then(|bare| lookup(&measured, &bare));
+        let added = bare.map(|bare| per_request - bare);
+        let versus = peer.and_then(|peer| {
+            let peer_added = lookup(&measured, peer)? - bare?;
+            Some(format!(
+                "{peer}: {:.0} added, ratio {:.2}",
+                peer_added,
+                added? / peer_added
+            ))
+        });
+        println!(
+            "{case:<40} {all:>10.0} {per_request:>10.0} {:>10}   {}",
+            added.map_or_else(|| "-".to_owned(), |added| format!("{added:.0}")),
+            versus.unwrap_or_default()
+        );
+    }
+}
+
+/// The bare case a case is measured against.
+fn bare_of(case: &str) -> Option<String> {
+    if let Some(rest) = case.strip_prefix("correlation/") {
+        let mut parts = rest.split('/');
+        let subscriber = parts.next()?;
+        let path = parts.nth(1)?;
+        return Some(format!("correlation/{subscriber}/bare/{path}"));
+    }
+    case.starts_with("idempotency/")
+        .then(|| "idempotency/bare".to_owned())
+}
+
+fn lookup(measured: &[(&str, f64)], case: &str) -> Option<f64> {
+    measured
+        .iter()
+        .find(|(name, _)| *name == case)
+        .map(|&(_, value)| value)
+}
+
+/// Runs `case` for `requests` requests under callgrind: the instructions it executed,
+/// and those of them in SHA-256's compression function.
+fn instructions(case: &str, requests: u64) -> (u64, u64) {
+    let exe = std::env::current_exe().expect("own path");
+    let profile = std::env::temp_dir().join(format!(
+        "tower-ids-instructions-{}-{requests}.out",
+        std::process::id()
+    ));
+    let output = Command::new("valgrind")
+        .args(["--tool=callgrind", "--cache-sim=no"])
+        .arg(format!("--callgrind-out-file={}", profile.display()))
+        .arg(exe)
+        .env(CASE_VAR, case)
+        .env(REQUESTS_VAR, requests.to_string())
+        .output()
+        .expect("valgrind runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{case} failed:\n{stderr}");
+    let total = stderr
+        .lines()
+        .find_map(|line| {
+            let (_, count) = line.split_once("Collected : ")?;
+            count.trim().parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no instruction count from callgrind:\n{stderr}"));
+    let sha = sha_instructions(&profile);
+    let _ = std::fs::remove_file(&profile);
+    (total, sha)
+}
+
+/// The instructions spent in `sha2::sha256::compress256` and what it calls, as
+/// `callgrind_annotate --inclusive=yes` reads them from `profile`.
+fn sha_instructions(profile: &std::path::Path) -> u64 {
+    let output = Command::new("callgrind_annotate")
+        .args(["--inclusive=yes", "--threshold=100"])
+        .arg(profile)
+        .output()
+        .expect("callgrind_annotate runs (it comes with valgrind)");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .find(|line| line.contains("sha2::sha256::compress256"))
+        .and_then(|line| line.split_whitespace().next())
+        .map_or(0, |count| count.replace(',', "").parse().expect("a count"))
+}
+
+fn run_case(case: &str, requests: u64) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let parts: Vec<&str> = case.split('/').collect();
+    match parts.as_slice() {
+        ["correlation", subscriber, service, path] => {
+            let restore = match *path {
+                "restore" => true,
+                "generate" => false,
+                other => panic!("unknown path {other}"),
+            };
+            let run = || correlation(service, restore, requests);
+            match *subscriber {
+                "none" => run(),
+                "fmt" => {
+                    let subscriber = tracing_subscriber::fmt()
+                        .with_writer(std::io::sink)
+                        .with_max_level(tracing::Level::INFO)
+                        .finish();
+                    tracing::subscriber::with_default(subscriber, run)
+                }
+                other => panic!("unknown subscriber {other}"),
+            }
+        }
+        ["idempotency", "bare"] => runtime.block_on(idempotency_bare(requests)),
+        ["idempotency", "tower_ids", path] => runtime.block_on(tower_ids(path, requests)),
+        ["idempotency", "axum_idempotent", path] => {
+            runtime.block_on(axum_idempotent(path, requests))
+        }
+        _ => panic!("unknown case {case}"),
+    }
+}
+
+async fn correlation_handler(_request: Request<()>) -> Result<Response<&'static str>, Infallible> {
+    Ok(Response::new("ok"))
+}
+
+fn correlation(service: &str, restore: bool, requests: u64) {
+    let header = HeaderName::from_static(CORRELATION_HEADER);
+    match service {
+        "bare" => call_correlation(service_fn(correlation_handler), restore, requests, false),
+        "tower_ids" => call_correlation(
+            ServiceBuilder::new()
+                .layer(CorrelationLayer::new())
+                .service_fn(correlation_handler),
+            restore,
+            requests,
+            true,
+        ),
+        "tower_http" => call_correlation(
+            ServiceBuilder::new()
+                .layer(SetRequestIdLayer::new(header.clone(), MakeRequestUuid))
+                .layer(PropagateRequestIdLayer::new(header))
+                .service_fn(correlation_handler),
+            restore,
+            requests,
+            true,
+        ),
+        other => panic!("unknown service {other}"),
+    }
+}
+
+/// Sends `requests` requests to `service`; `echoes`: whether its answers carry the ID.
+fn call_correlation<S, B>(mut service: S, restore: bool, requests: u64, echoes: bool)
+where
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible>,
+{
+    for _ in 0..requests {
+        let mut builder = Request::builder().uri(PATH);
+        if restore {
+            builder = builder.header(CORRELATION_HEADER, INCOMING_ID);
+        }
+        let request = builder.body(()).expect("valid request");
+        let response = service
+            .call(request)
+            .now_or_never()
+            .expect("ready at once")
+            .expect("infallible");
+        assert_eq!(response.headers().contains_key(CORRELATION_HEADER), echoes);
+        std::hint::black_box(response);
+    }
+}
+
+fn key(n: u64) -> HeaderValue {
+    HeaderValue::try_from(format!("bench-{n:016x}")).expect("visible ASCII")
+}
+
+fn request(key: HeaderValue, cookie: &HeaderValue) -> Request<Body> {
+    Request::post(PATH)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(KEY_HEADER, key)
+        .header(header::COOKIE, cookie.clone())
+        .body(Body::from(REQUEST_BODY))
+        .expect("valid request")
+}
+
+/// Sends one request, reads the whole response body, checks the status.
+async fn send(app: &Router, request: Request<Body>) -> Bytes {
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes()
+}
+
+fn route(runs: Arc<AtomicU64>) -> axum::routing::MethodRouter {
+    let body = Bytes::from(vec![b'x'; RESPONSE_BYTES]);
+    post(move |request: Bytes| {
+        let runs = runs.clone();
+        let body = body.clone();
+        async move {
+            assert_eq!(request.len(), REQUEST_BODY.len(), "request body intact");
+            runs.fetch_add(1, Ordering::Relaxed);
+            (
+                StatusCode::CREATED,
+                [(header::CONTENT_TYPE, "application/octet-stream")],
+                body,
+            )
+        }
+    })
+}
+
+async fn idempotency_bare(requests: u64) {
+    let app = Router::new().route(PATH, route(Arc::default()));
+    let cookie = HeaderValue::from_static(DUMMY_COOKIE);
+    for n in 0..requests {
+        std::hint::black_box(send(&app, request(key(n), &cookie)).await);
+    }
+}
+
+async fn tower_ids(path: &str, requests: u64) {
+    let runs = Arc::new(AtomicU64::new(0));
+    let app = Router::new().route(PATH, route(runs.clone()).layer(IdempotencyLayer::new()));
+    let cookie = HeaderValue::from_static(DUMMY_COOKIE);
+    for n in 0..requests {
+        let n = if path == "replay" { u64::MAX } else { n };
+        std::hint::black_box(send(&app, request(key(n), &cookie)).await);
+    }
+    let expected = if path == "replay" { 1 } else { requests };
+    assert_eq!(runs.load(Ordering::Relaxed), expected, "handler runs");
+}
+
+async fn axum_idempotent(path: &str, requests: u64) {
+    let runs = Arc::new(AtomicU64::new(0));
+    let store = Arc::new(SessionMokaStore::builder().build());
+    let options = IdempotentOptions::default()
+        .use_idempotency_key_header(Some(KEY_HEADER), false)
+        .expire_after(TTL.as_secs() as i64);
+    let cookie_options = CookieOptions::build()
+        .name(SESSION_COOKIE)
+        .max_age(TTL.as_secs())
+        .path("/");
+    let app = Router::new()
+        .route(PATH, route(runs.clone()))
+        .route(
+            "/session",
+            post(|session: Session<SessionMokaStore>| async move {
+                let ttl = Ttl::new(TTL.as_secs() as i64).expect("valid TTL");
+                session.set("user", &"bench", ttl, None).await.expect("set");
+                StatusCode::NO_CONTENT
+            }),
+        )
+        .layer(IdempotentLayer::<SessionMokaStore>::new(options))
+        .layer(SessionLayer::new(store.clone()).with_cookie_options(cookie_options))
+        .layer(CookieManagerLayer::new());
+    let mut cookie = start_session(&app).await;
+    for n in 0..requests {
+        if path == "first" && n > 0 && n % KEYS_PER_SESSION == 0 {
+            end_session(&store, &cookie).await;
+            cookie = start_session(&app).await;
+        }
+        let n = if path == "replay" { u64::MAX } else { n };
+        std::hint::black_box(send(&app, request(key(n), &cookie)).await);
+    }
+    let expected = if path == "replay" { 1 } else { requests };
+    assert_eq!(runs.load(Ordering::Relaxed), expected, "handler runs");
+}
+
+async fn start_session(app: &Router) -> HeaderValue {
+    let request = Request::post("/session")
+        .body(Body::empty())
+        .expect("valid");
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::NO_CONTENT, "session started");
+    let set_cookie = response
+        .headers()
+        .get_all(header::SET_COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.starts_with("session="))
+        .expect("session cookie");
+    let pair = set_cookie.split(';').next().expect("name=value");
+    HeaderValue::from_str(pair).expect("cookie")
+}
+
+async fn end_session(store: &SessionMokaStore, cookie: &HeaderValue) {
+    let id = cookie.to_str().expect("ASCII")[SESSION_COOKIE.len() + 1..]
+        .parse()
+        .expect("session id");
+    store.delete(&id).await.expect("delete");
+}
