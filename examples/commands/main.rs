@@ -329,6 +329,11 @@
 //! [`MessageCorrelation::inject_current`]: tower_ids::correlation::MessageCorrelation::inject_current
 //! [`IdempotencyKey::inject`]: tower_ids::idempotency::IdempotencyKey::inject
 
+// glibc's malloc makes a thread that frees memory another thread allocated wait on that
+// thread's arena lock; on tokio's work-stealing runtime a request is often dropped by
+// the worker that did not read it. Under `benches/load.sh` that was 0.36 futex calls
+// per replay and 0.28 per first execution (0.05 on the correlated route); mimalloc
+// frees without that lock, and took both to 0.04.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
