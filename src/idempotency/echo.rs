@@ -10,7 +10,7 @@
 
 use std::cell::RefCell;
 
-use http::{header::Entry, HeaderValue, Response};
+use http::{header::Entry, Response};
 
 use super::{IdempotencyKey, IDEMPOTENCY_KEY};
 
@@ -46,9 +46,6 @@ impl Drop for KeyScope {
 /// header itself.
 pub(super) fn echo<B>(response: &mut Response<B>, key: &IdempotencyKey) {
     if let Entry::Vacant(entry) = response.headers_mut().entry(IDEMPOTENCY_KEY) {
-        // Checked as visible ASCII when parsed, so always a valid header value.
-        if let Ok(value) = HeaderValue::from_str(key.as_str()) {
-            entry.insert(value);
-        }
+        entry.insert(key.to_header_value());
     }
 }

@@ -1,4 +1,4 @@
-use std::{fmt, sync::Arc};
+use std::fmt;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -22,32 +22,55 @@ pub const ATTEMPT_ID: HeaderName = HeaderName::from_static("attempt-id");
 ///
 /// Parsed from a bare token (`abc-123`) or the draft's structured-field string
 /// (`"abc-123"`); both name the same key. Cheap to clone.
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct IdempotencyKey(Arc<str>);
+#[derive(Clone)]
+pub struct IdempotencyKey(
+    // A header value, so a bare key shares the request header's bytes and is echoed on
+    // the response without a copy.
+    HeaderValue,
+);
 
 impl IdempotencyKey {
     /// Parses a header value: a bare token, or a quoted structured-field string with
     /// `\"` and `\\` escapes.
     pub fn parse(raw: &[u8]) -> Result<Self, InvalidIdempotencyKey> {
         let raw = trim_ows(raw);
-        let text = match raw.first() {
-            Some(b'"') => unquote(raw)?,
-            _ => String::from_utf8(raw.to_vec()).map_err(|_| KeyError::NotVisibleAscii)?,
-        };
-        check_visible(&text, MAX_KEY_LEN)?;
-        Ok(Self(text.into()))
+        match raw.first() {
+            Some(b'"') => Self::new(&unquote(raw)?),
+            _ => Self::new(std::str::from_utf8(raw).map_err(|_| KeyError::NotVisibleAscii)?),
+        }
+    }
+
+    /// [`parse`](Self::parse) for a header value: a bare key keeps the value's bytes
+    /// rather than copying them.
+    pub(crate) fn from_header_value(value: &HeaderValue) -> Result<Self, InvalidIdempotencyKey> {
+        let bytes = value.as_bytes();
+        match bytes {
+            [b'"' | b' ' | b'\t', ..] | [.., b' ' | b'\t'] => Self::parse(bytes),
+            _ => {
+                let text = std::str::from_utf8(bytes).map_err(|_| KeyError::NotVisibleAscii)?;
+                check_visible(text, MAX_KEY_LEN)?;
+                Ok(Self(value.clone()))
+            }
+        }
     }
 
     /// Takes `text` as it is, as a key from a message or a body field, where no header
     /// quoting applies: 1 to [`MAX_KEY_LEN`] visible ASCII characters, else refused.
     pub fn new(text: &str) -> Result<Self, InvalidIdempotencyKey> {
         check_visible(text, MAX_KEY_LEN)?;
-        Ok(Self(text.into()))
+        let value = HeaderValue::from_str(text).map_err(|_| KeyError::NotVisibleAscii)?;
+        Ok(Self(value))
     }
 
     /// The key as text.
     pub fn as_str(&self) -> &str {
-        &self.0
+        // Every constructor checked it is visible ASCII.
+        self.0.to_str().unwrap_or_default()
+    }
+
+    /// The key as a header value (shared, not copied), as `Idempotency-Key` echoes it.
+    pub fn to_header_value(&self) -> HeaderValue {
+        self.0.clone()
     }
 
     /// Reads the key from the headers `names` (the layer's are `Idempotency-Key` and
@@ -72,9 +95,9 @@ impl IdempotencyKey {
             let Some(first) = values.next() else {
                 continue;
             };
-            let key = Self::parse(first.as_bytes())?;
+            let key = Self::from_header_value(first)?;
             for value in values {
-                if Self::parse(value.as_bytes())? != key {
+                if Self::from_header_value(value)? != key {
                     return Err(KeyError::Repeated { name: name.clone() }.into());
                 }
             }
@@ -94,15 +117,31 @@ impl IdempotencyKey {
     }
 }
 
+// By text: a header value's hash would include its `sensitive` flag, which its
+// equality ignores.
+impl PartialEq for IdempotencyKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for IdempotencyKey {}
+
+impl std::hash::Hash for IdempotencyKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
+    }
+}
+
 impl fmt::Display for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
 impl fmt::Debug for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("IdempotencyKey").field(&&*self.0).finish()
+        f.debug_tuple("IdempotencyKey").field(&self.as_str()).finish()
     }
 }
 
