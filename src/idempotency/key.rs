@@ -141,7 +141,9 @@ impl fmt::Display for IdempotencyKey {
 
 impl fmt::Debug for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("IdempotencyKey").field(&self.as_str()).finish()
+        f.debug_tuple("IdempotencyKey")
+            .field(&self.as_str())
+            .finish()
     }
 }
 

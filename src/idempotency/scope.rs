@@ -401,10 +401,9 @@ fn media_type(raw: &[u8]) -> Cow<'_, [u8]> {
     let raw = trim_ows(raw);
     // The common case, a bare lowercase type (`application/json`), is canonical as it
     // is; checked in one pass that vectorises rather than byte by byte below.
-    if raw
-        .iter()
-        .fold(true, |plain, &b| plain & !b.is_ascii_uppercase() & (b != b';'))
-    {
+    if raw.iter().fold(true, |plain, &b| {
+        plain & !b.is_ascii_uppercase() & (b != b';')
+    }) {
         return Cow::Borrowed(raw);
     }
     let mut out = Canonical::new(raw);
