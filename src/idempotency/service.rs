@@ -507,7 +507,9 @@ where
             waiting.nudge();
             let wait = match settings.in_flight {
                 InFlight::Reject { retry_after } => Err(retry_after),
-                InFlight::Wait { timeout } if waiting.settled(timeout).await => Ok(()),
+                // Boxed, as every rarely taken await here: the future of `deduplicate`
+                // is as large as its largest await, and it is moved on every request.
+                InFlight::Wait { timeout } if Box::pin(waiting.settled(timeout)).await => Ok(()),
                 InFlight::Wait { .. } => Err(Duration::from_secs(1)),
             };
             if let Err(retry_after) = wait {
@@ -541,7 +543,7 @@ where
                         );
                         observe::outcome("fail_open");
                         let mut inner = inner;
-                        let response = inner.call(request).await?;
+                        let response = Box::pin(inner.call(request)).await?;
                         Ok(finish(response.map(Body::inner), attempt))
                     }
                 };
@@ -602,9 +604,9 @@ where
                         attempt,
                     )),
                     InFlight::Wait { timeout } => {
-                        match observe::store_call("wait", store.wait(&protected.scope, timeout))
-                            .await
-                        {
+                        let wait =
+                            observe::store_call("wait", store.wait(&protected.scope, timeout));
+                        match Box::pin(wait).await {
                             Ok(Settled::Completed { record }) => Ok(settled(
                                 &record,
                                 fingerprint,
