@@ -61,29 +61,25 @@ use std::{
 };
 
 use axum::{body::Body, response::Response, routing::post, Router};
-use axum_idempotent::{IdempotentLayer, IdempotentOptions};
 use bytes::Bytes;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkGroup, Criterion};
 use http::{header, HeaderMap, HeaderValue, Request, StatusCode};
 use http_body_util::BodyExt;
-use ruts::{
-    store::{moka::MokaStore as SessionMokaStore, SessionStore, Ttl},
-    CookieOptions, Session, SessionLayer,
-};
+use peer::{end_session, start_session, KEY_HEADER};
+use ruts::store::moka::MokaStore as SessionMokaStore;
 use tower::ServiceExt;
-use tower_cookies::CookieManagerLayer;
 use tower_ids::idempotency::{IdempotencyLayer, IDEMPOTENT_REPLAYED};
+
+#[path = "peer/axum_idempotent.rs"]
+mod peer;
 
 const SIZES: [(&str, usize); 2] = [("1KiB", 1024), ("64KiB", 64 * 1024)];
 const PATH: &str = "/commands";
 const REQUEST_BODY: &str = r#"{"command":"transfer","from":"acc-1","to":"acc-2","amount":100}"#;
-const KEY_HEADER: &str = "idempotency-key";
 /// axum-idempotent's default replay marker.
 const THEIR_REPLAYED: &str = "idempotency-replayed";
-const SESSION_COOKIE: &str = "session";
 /// What the rows without sessions send in `cookie`, so every row builds the same request.
 const DUMMY_COOKIE: &str = "session=AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
-const TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// Keys written into one session before `axum_idempotent/first` moves to a fresh one.
 const KEYS_PER_SESSION: u64 = 64;
 /// The key every replay iteration sends.
@@ -208,56 +204,11 @@ fn tower_ids(c: &mut Group<'_>, runtime: &tokio::runtime::Runtime, label: &str, 
     assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
 }
 
-/// The app as axum-idempotent's README sets it up, plus a route that starts a session.
+/// The app as axum-idempotent's README sets it up, around the handler for `size`.
 fn their_app(size: usize) -> (Router, Arc<SessionMokaStore>, Arc<AtomicU64>) {
     let (handler, runs) = route(size);
-    let store = Arc::new(SessionMokaStore::builder().build());
-    let options = IdempotentOptions::default()
-        .use_idempotency_key_header(Some(KEY_HEADER), false)
-        .expire_after(TTL.as_secs() as i64);
-    let cookie = CookieOptions::build()
-        .name(SESSION_COOKIE)
-        .max_age(TTL.as_secs())
-        .path("/");
-    let app = Router::new()
-        .route(PATH, handler)
-        .route(
-            "/session",
-            post(|session: Session<SessionMokaStore>| async move {
-                let ttl = Ttl::new(TTL.as_secs() as i64).expect("valid TTL");
-                session.set("user", &"bench", ttl, None).await.expect("set");
-                StatusCode::NO_CONTENT
-            }),
-        )
-        .layer(IdempotentLayer::<SessionMokaStore>::new(options))
-        .layer(SessionLayer::new(store.clone()).with_cookie_options(cookie))
-        .layer(CookieManagerLayer::new());
+    let (app, store) = peer::their_app(PATH, handler);
     (app, store, runs)
-}
-
-/// Logs in: a request that writes a session field; returns the `cookie` to send.
-async fn start_session(app: &Router) -> HeaderValue {
-    let request = Request::post("/session")
-        .body(Body::empty())
-        .expect("valid");
-    let response = app.clone().oneshot(request).await.expect("infallible");
-    assert_eq!(response.status(), StatusCode::NO_CONTENT, "session started");
-    let set_cookie = response
-        .headers()
-        .get_all(header::SET_COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .find(|v| v.starts_with("session="))
-        .expect("session cookie");
-    let pair = set_cookie.split(';').next().expect("name=value");
-    HeaderValue::from_str(pair).expect("cookie")
-}
-
-async fn end_session(store: &SessionMokaStore, cookie: &HeaderValue) {
-    let id = cookie.to_str().expect("ASCII")[SESSION_COOKIE.len() + 1..]
-        .parse()
-        .expect("session id");
-    store.delete(&id).await.expect("delete");
 }
 
 fn axum_idempotent(c: &mut Group<'_>, runtime: &tokio::runtime::Runtime, label: &str, size: usize) {

@@ -39,23 +39,20 @@ use std::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
-    time::Duration,
 };
 
 use axum::{body::Body, routing::post, Router};
-use axum_idempotent::{IdempotentLayer, IdempotentOptions};
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{header, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use ruts::{
-    store::{moka::MokaStore as SessionMokaStore, SessionStore, Ttl},
-    CookieOptions, Session, SessionLayer,
-};
+use peer::{end_session, start_session, KEY_HEADER};
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
-use tower_cookies::CookieManagerLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_ids::{correlation::CorrelationLayer, idempotency::IdempotencyLayer};
+
+#[path = "peer/axum_idempotent.rs"]
+mod peer;
 
 /// Requests before the counted ones: caches, allocator and lazily built state settle.
 const WARMUP: u64 = 200;
@@ -69,10 +66,7 @@ const INCOMING_ID: &str = "0193c4a2-7b1e-7cc0-9a51-3f2d6c1e8b47";
 const PATH: &str = "/commands";
 const REQUEST_BODY: &str = r#"{"command":"transfer","from":"acc-1","to":"acc-2","amount":100}"#;
 const RESPONSE_BYTES: usize = 1024;
-const KEY_HEADER: &str = "idempotency-key";
-const SESSION_COOKIE: &str = "session";
 const DUMMY_COOKIE: &str = "session=AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
-const TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// As in `benches/idempotency.rs`: axum-idempotent's `first` moves to a fresh session
 /// every this many keys, since its store sweeps a session's keys on every write.
 const KEYS_PER_SESSION: u64 = 64;
@@ -380,27 +374,7 @@ async fn tower_ids(path: &str, requests: u64) {
 
 async fn axum_idempotent(path: &str, requests: u64) {
     let runs = Arc::new(AtomicU64::new(0));
-    let store = Arc::new(SessionMokaStore::builder().build());
-    let options = IdempotentOptions::default()
-        .use_idempotency_key_header(Some(KEY_HEADER), false)
-        .expire_after(TTL.as_secs() as i64);
-    let cookie_options = CookieOptions::build()
-        .name(SESSION_COOKIE)
-        .max_age(TTL.as_secs())
-        .path("/");
-    let app = Router::new()
-        .route(PATH, route(runs.clone()))
-        .route(
-            "/session",
-            post(|session: Session<SessionMokaStore>| async move {
-                let ttl = Ttl::new(TTL.as_secs() as i64).expect("valid TTL");
-                session.set("user", &"bench", ttl, None).await.expect("set");
-                StatusCode::NO_CONTENT
-            }),
-        )
-        .layer(IdempotentLayer::<SessionMokaStore>::new(options))
-        .layer(SessionLayer::new(store.clone()).with_cookie_options(cookie_options))
-        .layer(CookieManagerLayer::new());
+    let (app, store) = peer::their_app(PATH, route(runs.clone()));
     let mut cookie = start_session(&app).await;
     for n in 0..requests {
         if path == "first" && n > 0 && n % KEYS_PER_SESSION == 0 {
@@ -412,28 +386,4 @@ async fn axum_idempotent(path: &str, requests: u64) {
     }
     let expected = if path == "replay" { 1 } else { requests };
     assert_eq!(runs.load(Ordering::Relaxed), expected, "handler runs");
-}
-
-async fn start_session(app: &Router) -> HeaderValue {
-    let request = Request::post("/session")
-        .body(Body::empty())
-        .expect("valid");
-    let response = app.clone().oneshot(request).await.expect("infallible");
-    assert_eq!(response.status(), StatusCode::NO_CONTENT, "session started");
-    let set_cookie = response
-        .headers()
-        .get_all(header::SET_COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .find(|v| v.starts_with("session="))
-        .expect("session cookie");
-    let pair = set_cookie.split(';').next().expect("name=value");
-    HeaderValue::from_str(pair).expect("cookie")
-}
-
-async fn end_session(store: &SessionMokaStore, cookie: &HeaderValue) {
-    let id = cookie.to_str().expect("ASCII")[SESSION_COOKIE.len() + 1..]
-        .parse()
-        .expect("session id");
-    store.delete(&id).await.expect("delete");
 }
