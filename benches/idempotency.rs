@@ -60,22 +60,20 @@ use std::{
     time::{Duration, Instant},
 };
 
-use axum::{body::Body, response::Response, routing::post, Router};
+use axum::{body::Body, response::Response, Router};
 use bytes::Bytes;
+use common::{end_session, key, request, route, start_session, PATH};
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkGroup, Criterion};
-use http::{header, HeaderMap, HeaderValue, Request, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, StatusCode};
 use http_body_util::BodyExt;
-use peer::{end_session, start_session, KEY_HEADER};
 use ruts::store::moka::MokaStore as SessionMokaStore;
 use tower::ServiceExt;
 use tower_ids::idempotency::{IdempotencyLayer, IDEMPOTENT_REPLAYED};
 
-#[path = "peer/axum_idempotent.rs"]
-mod peer;
+#[path = "common/idempotent_route.rs"]
+mod common;
 
 const SIZES: [(&str, usize); 2] = [("1KiB", 1024), ("64KiB", 64 * 1024)];
-const PATH: &str = "/commands";
-const REQUEST_BODY: &str = r#"{"command":"transfer","from":"acc-1","to":"acc-2","amount":100}"#;
 /// axum-idempotent's default replay marker.
 const THEIR_REPLAYED: &str = "idempotency-replayed";
 /// What the rows without sessions send in `cookie`, so every row builds the same request.
@@ -87,47 +85,12 @@ const REPLAY_KEY: u64 = u64::MAX;
 
 type Group<'a> = BenchmarkGroup<'a, criterion::measurement::WallTime>;
 
-/// A fresh key per `n`: the same formatting work in every row.
-fn key(n: u64) -> HeaderValue {
-    HeaderValue::try_from(format!("bench-{n:016x}")).expect("visible ASCII")
-}
-
-fn request(key: HeaderValue, cookie: &HeaderValue) -> Request<Body> {
-    Request::post(PATH)
-        .header(header::CONTENT_TYPE, "application/json")
-        .header(KEY_HEADER, key)
-        .header(header::COOKIE, cookie.clone())
-        .body(Body::from(REQUEST_BODY))
-        .expect("valid request")
-}
-
 /// Sends one request and reads the whole response body.
 async fn send(app: &Router, request: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
     let response: Response = app.clone().oneshot(request).await.expect("infallible");
     let (parts, body) = response.into_parts();
     let body = body.collect().await.expect("body").to_bytes();
     (parts.status, parts.headers, body)
-}
-
-/// The handler: reads the JSON body, counts its runs, answers 201 with `size` bytes.
-fn route(size: usize) -> (axum::routing::MethodRouter, Arc<AtomicU64>) {
-    let runs = Arc::new(AtomicU64::new(0));
-    let counter = runs.clone();
-    let body = Bytes::from(vec![b'x'; size]);
-    let handler = post(move |request: Bytes| {
-        let runs = counter.clone();
-        let body = body.clone();
-        async move {
-            assert_eq!(request.len(), REQUEST_BODY.len(), "request body intact");
-            runs.fetch_add(1, Ordering::Relaxed);
-            (
-                StatusCode::CREATED,
-                [(header::CONTENT_TYPE, "application/octet-stream")],
-                body,
-            )
-        }
-    });
-    (handler, runs)
 }
 
 /// Checks one response: 201, the full body, and the replay marker `marker` as expected
@@ -207,7 +170,7 @@ fn tower_ids(c: &mut Group<'_>, runtime: &tokio::runtime::Runtime, label: &str, 
 /// The app as axum-idempotent's README sets it up, around the handler for `size`.
 fn their_app(size: usize) -> (Router, Arc<SessionMokaStore>, Arc<AtomicU64>) {
     let (handler, runs) = route(size);
-    let (app, store) = peer::their_app(PATH, handler);
+    let (app, store) = common::their_app(PATH, handler);
     (app, store, runs)
 }
 

@@ -32,27 +32,20 @@
 //! name contains `idempotency`.
 #![allow(missing_docs)]
 
-use std::{
-    convert::Infallible,
-    process::Command,
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc,
-    },
-};
+use std::{convert::Infallible, process::Command, sync::atomic::Ordering};
 
-use axum::{body::Body, routing::post, Router};
+use axum::{body::Body, Router};
 use bytes::Bytes;
+use common::{end_session, key, request, route, start_session, PATH};
 use futures_util::FutureExt;
-use http::{header, HeaderName, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use peer::{end_session, start_session, KEY_HEADER};
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_ids::{correlation::CorrelationLayer, idempotency::IdempotencyLayer};
 
-#[path = "peer/axum_idempotent.rs"]
-mod peer;
+#[path = "common/idempotent_route.rs"]
+mod common;
 
 /// Requests before the counted ones: caches, allocator and lazily built state settle.
 const WARMUP: u64 = 200;
@@ -63,8 +56,6 @@ const REQUESTS_VAR: &str = "TOWER_IDS_INSTRUCTIONS_REQUESTS";
 
 const CORRELATION_HEADER: &str = "x-correlation-id";
 const INCOMING_ID: &str = "0193c4a2-7b1e-7cc0-9a51-3f2d6c1e8b47";
-const PATH: &str = "/commands";
-const REQUEST_BODY: &str = r#"{"command":"transfer","from":"acc-1","to":"acc-2","amount":100}"#;
 const RESPONSE_BYTES: usize = 1024;
 const DUMMY_COOKIE: &str = "session=AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
 /// As in `benches/idempotency.rs`: axum-idempotent's `first` moves to a fresh session
@@ -310,19 +301,6 @@ where
     }
 }
 
-fn key(n: u64) -> HeaderValue {
-    HeaderValue::try_from(format!("bench-{n:016x}")).expect("visible ASCII")
-}
-
-fn request(key: HeaderValue, cookie: &HeaderValue) -> Request<Body> {
-    Request::post(PATH)
-        .header(header::CONTENT_TYPE, "application/json")
-        .header(KEY_HEADER, key)
-        .header(header::COOKIE, cookie.clone())
-        .body(Body::from(REQUEST_BODY))
-        .expect("valid request")
-}
-
 /// Sends one request, reads the whole response body, checks the status.
 async fn send(app: &Router, request: Request<Body>) -> Bytes {
     let response = app.clone().oneshot(request).await.expect("infallible");
@@ -335,25 +313,9 @@ async fn send(app: &Router, request: Request<Body>) -> Bytes {
         .to_bytes()
 }
 
-fn route(runs: Arc<AtomicU64>) -> axum::routing::MethodRouter {
-    let body = Bytes::from(vec![b'x'; RESPONSE_BYTES]);
-    post(move |request: Bytes| {
-        let runs = runs.clone();
-        let body = body.clone();
-        async move {
-            assert_eq!(request.len(), REQUEST_BODY.len(), "request body intact");
-            runs.fetch_add(1, Ordering::Relaxed);
-            (
-                StatusCode::CREATED,
-                [(header::CONTENT_TYPE, "application/octet-stream")],
-                body,
-            )
-        }
-    })
-}
-
 async fn idempotency_bare(requests: u64) {
-    let app = Router::new().route(PATH, route(Arc::default()));
+    let (handler, _runs) = route(RESPONSE_BYTES);
+    let app = Router::new().route(PATH, handler);
     let cookie = HeaderValue::from_static(DUMMY_COOKIE);
     for n in 0..requests {
         std::hint::black_box(send(&app, request(key(n), &cookie)).await);
@@ -361,8 +323,8 @@ async fn idempotency_bare(requests: u64) {
 }
 
 async fn tower_ids(path: &str, requests: u64) {
-    let runs = Arc::new(AtomicU64::new(0));
-    let app = Router::new().route(PATH, route(runs.clone()).layer(IdempotencyLayer::new()));
+    let (handler, runs) = route(RESPONSE_BYTES);
+    let app = Router::new().route(PATH, handler.layer(IdempotencyLayer::new()));
     let cookie = HeaderValue::from_static(DUMMY_COOKIE);
     for n in 0..requests {
         let n = if path == "replay" { u64::MAX } else { n };
@@ -373,8 +335,8 @@ async fn tower_ids(path: &str, requests: u64) {
 }
 
 async fn axum_idempotent(path: &str, requests: u64) {
-    let runs = Arc::new(AtomicU64::new(0));
-    let (app, store) = peer::their_app(PATH, route(runs.clone()));
+    let (handler, runs) = route(RESPONSE_BYTES);
+    let (app, store) = common::their_app(PATH, handler);
     let mut cookie = start_session(&app).await;
     for n in 0..requests {
         if path == "first" && n > 0 && n % KEYS_PER_SESSION == 0 {
