@@ -81,7 +81,7 @@ where
                 id,
                 header,
             } => {
-                let _entered = enter(span);
+                let _entered = span.enter();
                 let mut response = ready!(future.poll(cx))?.map(Body::inner);
                 echo(&mut response, id, header.clone());
                 Poll::Ready(Ok(response))
@@ -91,13 +91,6 @@ where
                 .expect("ResponseFuture polled after completion"))),
         }
     }
-}
-
-/// Enters `span` unless no subscriber wants it: entering a disabled span does nothing
-/// but, with tracing's `log` feature, forward the enter and exit to `log` at TRACE, which
-/// costs more than the rest of the layer's poll.
-pub(super) fn enter(span: &Span) -> Option<tracing::span::Entered<'_>> {
-    (!span.is_disabled()).then(|| span.enter())
 }
 
 /// Sets the ID on the response unless the handler set the header itself.

@@ -105,7 +105,7 @@ impl<B> MakeSpan<B> for DefaultMakeSpan {
     fn make_span(&mut self, _request: &Request<B>, id: &CorrelationId) -> Span {
         // No span at all when nothing listens at this level: a disabled span still
         // forwards its enter, exit and close to `log` under tracing's `log` feature.
-        if !level_enabled(self.level) {
+        if !tracing::level_enabled!(self.level) {
             return Span::none();
         }
         #[cfg(not(feature = "opentelemetry"))]
@@ -135,17 +135,6 @@ impl<B> MakeSpan<B> for DefaultMakeSpan {
             Level::DEBUG => span!(Level::DEBUG),
             Level::TRACE => span!(Level::TRACE),
         }
-    }
-}
-
-/// Whether any subscriber listens at `level` (the global maximum, one atomic load).
-fn level_enabled(level: Level) -> bool {
-    match level {
-        Level::ERROR => tracing::level_enabled!(Level::ERROR),
-        Level::WARN => tracing::level_enabled!(Level::WARN),
-        Level::INFO => tracing::level_enabled!(Level::INFO),
-        Level::DEBUG => tracing::level_enabled!(Level::DEBUG),
-        Level::TRACE => tracing::level_enabled!(Level::TRACE),
     }
 }
 

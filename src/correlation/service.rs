@@ -208,7 +208,7 @@ where
         }
 
         let future = {
-            let _entered = super::future::enter(&span);
+            let _entered = span.enter();
             id.clone().sync_scope(|| inner.call(request))
         };
         ResponseFuture::called(
