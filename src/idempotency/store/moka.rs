@@ -250,11 +250,9 @@ impl Shard {
             return false;
         };
         match entry.get() {
-            Scope::InFlight(claim) if u128::from(claim.token) == token => {
-                claim.settled.send_replace(())
-            }
+            Scope::InFlight(claim) if u128::from(claim.token) == token => claim.wake_waiters(),
             _ => return false,
-        };
+        }
         entry.remove();
         self.in_flight -= 1;
         true
@@ -279,14 +277,14 @@ struct InFlight {
     expires_at: SystemTime,
     /// Requests for the scope so far, carried to the record.
     request_count: u64,
-    /// Sends once when the request settles; waiters subscribe.
-    settled: watch::Sender<()>,
+    /// Sends once when the request settles; made by the first waiter, as most requests
+    /// have none (a channel is an allocation and a free on every first execution).
+    settled: Option<watch::Sender<()>>,
 }
 
 impl InFlight {
     /// The claim `lease` held, put back after it was lost.
     fn restored(lease: &Lease, claim: &Claim, now: SystemTime) -> Self {
-        let (settled, _) = watch::channel(());
         Self {
             token: u64::try_from(lease.token).unwrap_or(0),
             fingerprint: claim.fingerprint,
@@ -294,12 +292,25 @@ impl InFlight {
             epoch: claim.epoch,
             expires_at: now + claim.lease,
             request_count: 1,
-            settled,
+            settled: None,
         }
     }
 
     fn holds(&self, now: SystemTime) -> bool {
         self.expires_at > now
+    }
+
+    /// A receiver that wakes when this request settles (or its claim is dropped).
+    fn subscribe(&mut self) -> watch::Receiver<()> {
+        self.settled
+            .get_or_insert_with(|| watch::channel(()).0)
+            .subscribe()
+    }
+
+    fn wake_waiters(&self) {
+        if let Some(settled) = &self.settled {
+            settled.send_replace(());
+        }
     }
 
     fn count_and_describe(&mut self) -> Begin {
@@ -389,7 +400,6 @@ impl IdempotencyStore for MokaStore {
             Entry::Vacant(_) => 0,
         };
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-        let (settled, _) = watch::channel(());
         entry.insert_entry(Scope::InFlight(Box::new(InFlight {
             token,
             fingerprint: claim.fingerprint,
@@ -397,7 +407,7 @@ impl IdempotencyStore for MokaStore {
             epoch: claim.epoch,
             expires_at: now + claim.lease,
             request_count: carried + 1,
-            settled,
+            settled: None,
         })));
         shard.claimed(now);
         Ok(Begin::Claimed {
@@ -476,7 +486,7 @@ impl IdempotencyStore for MokaStore {
             let request_count = match shard.scopes.get(scope) {
                 Some(Scope::InFlight(claim)) => {
                     // Waiters wake once the lock is released, and find the record.
-                    claim.settled.send_replace(());
+                    claim.wake_waiters();
                     shard.in_flight -= 1;
                     claim.request_count
                 }
@@ -505,13 +515,13 @@ impl IdempotencyStore for MokaStore {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let now = self.clock.now();
-            let mut settled = match self.shard(scope).scopes.get(scope) {
+            let mut settled = match self.shard(scope).scopes.get_mut(scope) {
                 Some(Scope::Stored(stored)) if stored.expires_at > now => {
                     return Ok(Settled::Completed {
                         record: stored.record.clone(),
                     })
                 }
-                Some(Scope::InFlight(claim)) if claim.holds(now) => claim.settled.subscribe(),
+                Some(Scope::InFlight(claim)) if claim.holds(now) => claim.subscribe(),
                 _ => return Ok(Settled::Released),
             };
             // A lost claim taken over drops its sender: look again then too.
