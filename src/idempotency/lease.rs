@@ -10,6 +10,7 @@ use std::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Mutex, PoisonError,
     },
+    task::Poll,
     time::{Duration, SystemTime},
 };
 
@@ -92,8 +93,13 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         };
         let period = (self.claim.lease / 3).max(Duration::from_millis(1));
         tokio::pin!(work);
+        // A handler that is ready at once never makes a timer.
+        let first = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
+        if let Poll::Ready(output) = first {
+            return output;
+        }
         loop {
-            // `work` first: a handler that is ready at once never arms the timer.
+            // `work` first: once it is done, no renewal starts.
             tokio::select! {
                 biased;
                 output = &mut work => return output,
