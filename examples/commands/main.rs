@@ -687,7 +687,7 @@ fn init_tracing(
             .boxed(),
         // json-subscriber writes the lines tracing-subscriber's `json()` does, but keeps
         // each span's fields as JSON once recorded, where `json()` parses them again
-        // for every line: under INFO logs that was a third of a replay's CPU.
+        // for every line (see the README's performance section).
         LogFormat::Json => json_subscriber::fmt::layer()
             .with_writer(writer)
             .with_current_span(true)

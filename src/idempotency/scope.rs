@@ -587,6 +587,20 @@ mod tests {
     }
 
     #[test]
+    fn the_short_forms_in_log_lines_are_the_first_eight_bytes_in_hex() {
+        let client = ClientId::new("alice");
+        let scope = scope(Some("alice"), &Method::POST, "/orders", None, "k1");
+        for (shown, short, bytes) in [
+            (client.to_string(), client.short(), client.0),
+            (scope.to_string(), scope.short(), *scope.as_bytes()),
+        ] {
+            assert_eq!(shown, short);
+            assert_eq!(shown, hex::encode(&bytes[..8]));
+            assert_eq!(shown.len(), 16);
+        }
+    }
+
+    #[test]
     fn a_client_header_sent_twice_with_different_values_is_refused() {
         let api_key = ClientFromHeader::new(HeaderName::from_static("x-api-key"));
         let identify = |headers: &[(&str, &str)]| {
