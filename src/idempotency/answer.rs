@@ -7,6 +7,7 @@ use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 
 use super::{
     layer::Settings,
+    lease::Unsettled,
     observe,
     replay::{self, ReplayInfo},
     store::Record,
@@ -280,14 +281,24 @@ pub(super) fn http_date(time: SystemTime) -> HeaderValue {
     })
 }
 
-/// The answer when the handler's transaction did not commit: nothing happened, so a
-/// retry is safe (and replays, if a commit whose answer was lost did go through).
-pub(super) fn not_committed<B>(error: &super::store::StoreError) -> Response<Body<B>> {
-    let problem = Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "idempotency.not_committed",
-        "Request not committed",
-        format!("the request's transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
-    );
+/// The answer when the handler's outcome does not stand, or may not: `not_committed`
+/// only when nothing was committed; `outcome_unknown` when the commit's answer was lost
+/// and the store could not tell whether it landed. A retry with the same key is safe
+/// either way: it replays what committed, or runs again once nothing holds the key.
+pub(super) fn unsettled_answer<B>(unsettled: &Unsettled) -> Response<Body<B>> {
+    let problem = match unsettled {
+        Unsettled::NotCommitted(error) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "idempotency.not_committed",
+                "Request not committed",
+                format!("the request's transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
+            ),
+        Unsettled::Unknown(error) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "idempotency.outcome_unknown",
+                "Request outcome unknown",
+                format!("the request ran, but whether its transaction committed is not known ({error}); retry with the same key: it replays the outcome if it committed, and runs again if it did not"),
+            ),
+    };
     with_retry_after(problem.into_response(), Duration::from_secs(1))
 }

@@ -23,7 +23,7 @@ use super::{
         Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Record, Renewal,
         Settlement, StoreError,
     },
-    ScopeKey,
+    Fingerprint, ScopeKey,
 };
 
 /// The first pause before storing a kept outcome again; it doubles up to
@@ -34,6 +34,32 @@ const FIRST_STORE_RETRY_PAUSE: Duration = Duration::from_millis(50);
 /// retry of the request gets `409` until the outcome is stored, and a store that is
 /// down answers an attempt at once.
 const MAX_STORE_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// The claim a request makes under `lease`.
+///
+/// Each write of the claim (the claim itself and every renewal) holds the key for the
+/// lease and half again, and a running request renews it every quarter of the lease.
+/// So at any moment a live worker's claim has at least the lease left, give or take
+/// the renewal's own round trip (a quarter of the lease is kept for it; it is bounded
+/// by the store's command timeout): a store outage shorter than the lease, counted from
+/// when it began, never lets the claim run out. The cost: a dead worker's key stays
+/// locked for up to one and a half leases after its last renewal.
+pub(super) fn claim(fingerprint: Fingerprint, lease: Duration, epoch: Option<u64>) -> Claim {
+    Claim {
+        fingerprint,
+        lease: lease + lease / 2,
+        epoch,
+    }
+}
+
+/// Why a claimed request's outcome does not stand, as far as the layer knows.
+pub(super) enum Unsettled {
+    /// Nothing the handler wrote in its transaction stands, and the key is released.
+    NotCommitted(StoreError),
+    /// The commit's answer was lost, and whether it landed is not known; the key is
+    /// kept.
+    Unknown(StoreError),
+}
 
 /// Holds a claimed lease; released on drop unless settled, so a handler that panics or
 /// a task that is cancelled before the handler produced anything never leaves its key
@@ -85,13 +111,14 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             .map_or_else(SystemTime::now, |lease| lease.first_seen)
     }
 
-    /// Runs `work`, renewing the claim every third of the lease until it ends, so a
-    /// handler longer than the lease keeps its key while its worker lives.
+    /// Runs `work`, renewing the claim every quarter of the lease (a sixth of the
+    /// claim's hold, see [`claim`]) until it ends, so a handler longer than the lease
+    /// keeps its key while its worker lives.
     pub(super) async fn renewing<F: Future>(&self, work: F) -> F::Output {
         let Some(lease) = &self.lease else {
             return work.await;
         };
-        let period = (self.claim.lease / 3).max(Duration::from_millis(1));
+        let period = (self.claim.lease / 6).max(Duration::from_millis(1));
         tokio::pin!(work);
         // A handler that is ready at once never makes a timer.
         let first = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
@@ -128,7 +155,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         record: Record,
         ttl: Duration,
         max_kept_bytes: usize,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), Unsettled> {
         let Some(lease) = self.lease.take() else {
             return Ok(());
         };
@@ -144,7 +171,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                 Settlement::RolledBack => {
                     let error = StoreError::new("the request's transaction was rolled back");
                     release(&*self.store, &self.scope, &lease, "rolled_back").await;
-                    return Err(error);
+                    return Err(Unsettled::NotCommitted(error));
                 }
                 Settlement::Failed(error) => {
                     tracing::warn!(
@@ -153,7 +180,17 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                         "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
                     );
                     release(&*self.store, &self.scope, &lease, "commit_failed").await;
-                    return Err(error);
+                    return Err(Unsettled::NotCommitted(error));
+                }
+                Settlement::Unknown(error) => {
+                    // Not released: if the commit landed, the record answers retries;
+                    // if not, the claim runs out unrenewed and a retry runs again.
+                    tracing::warn!(
+                        event = "idempotency.outcome_unknown",
+                        error = %Chain(&error),
+                        "the commit's answer was lost and the store could not tell whether it landed; the key is kept, and a retry with it replays the outcome or runs once the claim runs out"
+                    );
+                    return Err(Unsettled::Unknown(error));
                 }
             }
         }

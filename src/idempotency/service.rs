@@ -17,16 +17,16 @@ use tracing::Instrument as _;
 
 use super::{
     answer::{
-        conflict, epoch_mismatch, finish, in_flight, not_committed, refuse, reject_client,
-        reject_key, settled, store_unavailable, with_retry_after,
+        conflict, epoch_mismatch, finish, in_flight, refuse, reject_client, reject_key, settled,
+        store_unavailable, unsettled_answer, with_retry_after,
     },
     echo::{self, KeyScope},
     extract::{ExtractedKey, KeyRejection},
     layer::{InFlight, Settings, StoreFailure},
-    lease::{KeptOutcomes, LeaseGuard},
+    lease::{self, KeptOutcomes, LeaseGuard},
     observe,
     read::{fingerprint, read_body},
-    store::{Begin, Chain, Claim, IdempotencyStore, MokaStore, Record, Settled, StoredResponse},
+    store::{Begin, Chain, IdempotencyStore, MokaStore, Record, Settled, StoredResponse},
     AttemptId, ClientId, ExtractEpoch, IdempotencyKey, IdentifyClient, NoClient, NoEpoch, ScopeKey,
 };
 use crate::{body::Body, correlation::CorrelationId, problem::Problem};
@@ -496,11 +496,7 @@ where
     // A block of its own: this was the body of `run`'s instrumented future.
     {
         let fingerprint = fingerprint(&request);
-        let claim = Claim {
-            fingerprint,
-            lease: settings.lease,
-            epoch: protected.epoch,
-        };
+        let claim = lease::claim(fingerprint, settings.lease, protected.epoch);
         if let Some(waiting) = kept.get(&protected.scope) {
             // This layer ran the request and holds its outcome until the store takes
             // it: never run it again, whatever the store says.
@@ -724,7 +720,7 @@ where
                 .await
             {
                 Ok(()) => Response::from_parts(parts, Body::complete(body)),
-                Err(error) => not_committed(&error),
+                Err(unsettled) => unsettled_answer(&unsettled),
             }
         }
         Collected::Complete(body) => {
@@ -739,11 +735,11 @@ where
                     "response over the idempotency limit: streamed, not stored; duplicates get 410"
                 );
                 let record = record(None);
-                if let Err(error) = guard
+                if let Err(unsettled) = guard
                     .complete(record, settings.ttl, settings.max_kept_bytes)
                     .await
                 {
-                    return Ok(finish(not_committed(&error), attempt.as_ref()));
+                    return Ok(finish(unsettled_answer(&unsettled), attempt.as_ref()));
                 }
             } else {
                 guard.release("not_stored").await;

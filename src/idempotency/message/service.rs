@@ -20,8 +20,8 @@ use super::{layer::MessageSettings, ExtractMessageKey, MessageKey};
 use crate::{
     correlation::CorrelationId,
     idempotency::{
-        lease::{KeptOutcomes, LeaseGuard},
-        store::{Begin, Chain, Claim, IdempotencyStore, Record, Settled, StoredResponse},
+        lease::{self, KeptOutcomes, LeaseGuard, Unsettled},
+        store::{Begin, Chain, IdempotencyStore, Record, Settled, StoredResponse},
         AttemptId, Fingerprint, InFlight, ReplayInfo, StoreFailure,
     },
 };
@@ -319,11 +319,7 @@ where
 {
     let scope = key.scope_key();
     let fingerprint = key.fingerprint_digest();
-    let claim = Claim {
-        fingerprint,
-        lease: settings.lease,
-        epoch: None,
-    };
+    let claim = lease::claim(fingerprint, settings.lease, None);
     if let Some(waiting) = kept.get(&scope) {
         // This layer handled the message and holds its outcome until the store takes
         // it: never run it again, whatever the store says.
@@ -575,9 +571,14 @@ where
         .await
     {
         Ok(()) => Ok(Handled::Ran(outcome)),
-        Err(error) => Ok(Handled::Refused(Refusal::new(
+        Err(Unsettled::NotCommitted(error)) => Ok(Handled::Refused(Refusal::new(
             "idempotency.not_committed",
             format!("the outcome's transaction did not commit ({error}); requeue"),
+            true,
+        ))),
+        Err(Unsettled::Unknown(error)) => Ok(Handled::Refused(Refusal::new(
+            "idempotency.outcome_unknown",
+            format!("whether the outcome's transaction committed is not known ({error}); requeue: the redelivery replays it if it committed"),
             true,
         ))),
     }

@@ -3,6 +3,8 @@
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod codec;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod deadline;
 mod moka;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -132,10 +134,16 @@ pub enum Settlement {
     Committed(Completion),
     /// Nothing to store: the handler's writes were rolled back.
     RolledBack,
-    /// The transaction did not commit (the database failed, or another request holds
-    /// the key): nothing the handler wrote in it stands, and the key is free to run
-    /// again. A commit whose answer was lost may have committed; a retry then replays.
+    /// The transaction did not commit (the database refused it, a statement before the
+    /// commit failed, or another request holds the key): nothing the handler wrote in
+    /// it stands, and the key is free to run again. Only for a commit known not to have
+    /// landed: one whose answer was lost is [`Unknown`](Self::Unknown) until the store
+    /// has found out.
     Failed(StoreError),
+    /// The commit was sent but its answer was lost, and the store could not find out in
+    /// time whether it landed. The key is kept (a retry replays the outcome if the
+    /// commit landed, and runs again once the claim runs out if it did not).
+    Unknown(StoreError),
 }
 
 /// What [`IdempotencyStore::begin`] is asked to claim.

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     codec::{decode, decode_record, encode, encode_record, from_millis, millis},
+    deadline::{read_in_background, StoreClock},
     Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
     SystemClock,
 };
@@ -28,12 +29,31 @@ pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(250);
 /// Bytes of fencing token at the head of a claim's value.
 const TOKEN_LEN: usize = 16;
 
+/// The head of every script that changes state: refuses to act past the deadline in
+/// `ARGV[$n]` (microseconds since the Unix epoch, by Redis's clock; see
+/// [`StoreClock`](super::deadline::StoreClock) for how it is set without synchronised
+/// clocks), so a command that reaches Redis after its caller gave up changes nothing.
+macro_rules! refuse_when_late {
+    ($n:literal) => {
+        concat!(
+            "local now = redis.call('TIME')\n",
+            "if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[",
+            $n,
+            "]) then\n",
+            "  return redis.error_reply('LATE the command reached Redis after its caller gave up; it changed nothing')\n",
+            "end\n"
+        )
+    };
+}
+
 /// Claims the scope unless a record or a live claim holds it; counts the request. A
 /// claim already carrying this value's token is this call repeated: claimed, not
 /// counted again.
-/// KEYS: record, claim, count. ARGV: claim value (token first), lease ms.
+/// KEYS: record, claim, count. ARGV: claim value (token first), lease ms, deadline.
 /// Returns {kind, value, count, record ms left}: kind 0 claimed, 1 record, 2 in flight.
-const BEGIN: &str = r"
+const BEGIN: &str = concat!(
+    refuse_when_late!("3"),
+    r"
 local record = redis.call('GET', KEYS[1])
 if record then
   local n = redis.call('INCR', KEYS[3])
@@ -50,13 +70,16 @@ redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 local n = redis.call('INCR', KEYS[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return {0, '', n, 0}
-";
+"
+);
 
 /// Extends the claim carrying this token; puts it back if it is gone and no record
 /// took its place.
-/// KEYS: record, claim, count. ARGV: claim value (token first), lease ms.
+/// KEYS: record, claim, count. ARGV: claim value (token first), lease ms, deadline.
 /// Returns 1 extended, 2 restored, 0 lost.
-const RENEW: &str = r"
+const RENEW: &str = concat!(
+    refuse_when_late!("3"),
+    r"
 local claim = redis.call('GET', KEYS[2])
 if claim then
   if string.sub(claim, 1, 16) ~= string.sub(ARGV[1], 1, 16) then
@@ -71,13 +94,16 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return 2
-";
+"
+);
 
 /// Stores the record unless another claim or another record holds the scope. A record
 /// already carrying this token is this call repeated.
-/// KEYS: record, claim, count. ARGV: token, record (token first), ttl ms.
+/// KEYS: record, claim, count. ARGV: token, record (token first), ttl ms, deadline.
 /// Returns 1 stored, 2 stored with the claim gone, 0 superseded.
-const COMPLETE: &str = r"
+const COMPLETE: &str = concat!(
+    refuse_when_late!("4"),
+    r"
 local stored = redis.call('GETRANGE', KEYS[1], 0, 15)
 if stored ~= '' then
   if stored == ARGV[1] then
@@ -97,29 +123,36 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('DEL', KEYS[2])
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
 return result
-";
+"
+);
 
 /// Counts a request for a record this replica already holds; a count key that expired
 /// or was evicted is recreated with the record's remaining time, never without expiry.
-/// KEYS: count. ARGV: ms the record has left.
-const COUNT: &str = r"
+/// KEYS: count. ARGV: ms the record has left, deadline.
+const COUNT: &str = concat!(
+    refuse_when_late!("2"),
+    r"
 local n = redis.call('INCR', KEYS[1])
 if redis.call('PTTL', KEYS[1]) < 0 then
   redis.call('PEXPIRE', KEYS[1], ARGV[1])
 end
 return n
-";
+"
+);
 
 /// Drops the claim if it still carries this token.
-/// KEYS: claim. ARGV: token.
-const RELEASE: &str = r"
+/// KEYS: claim. ARGV: token, deadline.
+const RELEASE: &str = concat!(
+    refuse_when_late!("2"),
+    r"
 local claim = redis.call('GET', KEYS[1])
 if not claim or string.sub(claim, 1, 16) ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
 return 1
-";
+"
+);
 
 /// A store in Redis (or Valkey), shared by every replica of a service, so a retry that
 /// lands on another replica is still a duplicate.
@@ -151,6 +184,8 @@ pub struct RedisStore {
     command_timeout: Duration,
     local: Option<Cache<ScopeKey, Local>>,
     clock: Arc<dyn Clock>,
+    /// What Redis's clock is known to read, for the deadline every command carries.
+    redis_clock: Arc<StoreClock>,
     begin: Arc<Script>,
     renew: Arc<Script>,
     complete: Arc<Script>,
@@ -224,6 +259,21 @@ impl RedisStoreBuilder {
         .await
         .map_err(|_| StoreError::new("timed out connecting to Redis"))?
         .map_err(|e| StoreError::with_source("could not connect to Redis", e))?;
+        let redis_clock = Arc::new(StoreClock::new(self.command_timeout));
+        let read_clock = {
+            let connection = connection.clone();
+            move || read_time(connection.clone())
+        };
+        for _ in 0..3 {
+            redis_clock
+                .read(self.command_timeout, read_clock())
+                .await?;
+        }
+        read_in_background(
+            Arc::downgrade(&redis_clock),
+            self.command_timeout,
+            read_clock,
+        );
         let local = self.local_cache_bytes.map(|max_bytes| {
             Cache::builder()
                 .eviction_policy(EvictionPolicy::lru())
@@ -238,6 +288,7 @@ impl RedisStoreBuilder {
             command_timeout: self.command_timeout,
             local,
             clock: self.clock,
+            redis_clock,
             begin: Arc::new(Script::new(BEGIN)),
             renew: Arc::new(Script::new(RENEW)),
             complete: Arc::new(Script::new(COMPLETE)),
@@ -273,33 +324,47 @@ impl RedisStore {
         ]
     }
 
-    /// Runs one command under the command timeout. A command that fails because the
-    /// connection broke (Redis restarted, a proxy cut it) is sent once more: the
-    /// connection manager reconnects as soon as it sees the failure, and every script
-    /// here has the effect of one call when repeated with the same token.
+    /// Runs one command under the command timeout, passing it the deadline (by
+    /// Redis's clock) past which Redis refuses it. A command that fails because the
+    /// connection broke (Redis restarted, a proxy cut it) is sent once more, with a
+    /// deadline of its own: the connection manager reconnects as soon as it sees the
+    /// failure, and every script here has the effect of one call when repeated with
+    /// the same token.
     async fn bounded<T, F>(
         &self,
         what: &'static str,
-        command: impl Fn(ConnectionManager) -> F,
+        command: impl Fn(ConnectionManager, i64) -> F,
     ) -> Result<T, StoreError>
     where
         F: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        match self.attempt(what, command(self.connection.clone())).await {
+        match self.attempt(what, &command).await {
             Err(Failure::Connection(_)) => self
-                .attempt(what, command(self.connection.clone()))
+                .attempt(what, &command)
                 .await
                 .map_err(|failure| failure.into_error(what)),
             first => first.map_err(|failure| failure.into_error(what)),
         }
     }
 
-    async fn attempt<T>(
+    async fn attempt<T, F>(
         &self,
         what: &'static str,
-        command: impl std::future::Future<Output = redis::RedisResult<T>>,
-    ) -> Result<T, Failure> {
-        match tokio::time::timeout(self.command_timeout, command).await {
+        command: impl Fn(ConnectionManager, i64) -> F,
+    ) -> Result<T, Failure>
+    where
+        F: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let give_up = Instant::now() + self.command_timeout;
+        let deadline = self
+            .redis_clock
+            .deadline_or_read(give_up, self.command_timeout, || {
+                read_time(self.connection.clone())
+            })
+            .await
+            .map_err(Failure::Other)?;
+        let command = command(self.connection.clone(), deadline);
+        match tokio::time::timeout_at(give_up.into(), command).await {
             Ok(Ok(value)) => Ok(value),
             // A timeout is not a broken connection: Redis may be paused, and a second
             // attempt would only double the wait.
@@ -374,9 +439,9 @@ impl IdempotencyStore for RedisStore {
                 let left = hit.expires_at.saturating_duration_since(Instant::now());
                 let left_ms = left.as_millis().max(1) as u64;
                 let request_count: u64 = self
-                    .bounded("counting a request in Redis", |mut connection| {
+                    .bounded("counting a request in Redis", |mut connection, deadline| {
                         let mut count = self.count.prepare_invoke();
-                        count.key(&count_key).arg(left_ms);
+                        count.key(&count_key).arg(left_ms).arg(deadline);
                         async move { count.invoke_async(&mut connection).await }
                     })
                     .await?;
@@ -394,14 +459,15 @@ impl IdempotencyStore for RedisStore {
         let value = claim_value(&lease, &claim)?;
         let lease_ms = millis_of(claim.lease);
         let (kind, data, request_count, record_ms): (i64, Vec<u8>, u64, i64) = self
-            .bounded("claiming a key in Redis", |mut connection| {
+            .bounded("claiming a key in Redis", |mut connection, deadline| {
                 let mut begin = self.begin.prepare_invoke();
                 begin
                     .key(&record_key)
                     .key(&claim_key)
                     .key(&count_key)
                     .arg(&value)
-                    .arg(lease_ms);
+                    .arg(lease_ms)
+                    .arg(deadline);
                 async move { begin.invoke_async(&mut connection).await }
             })
             .await?;
@@ -438,14 +504,15 @@ impl IdempotencyStore for RedisStore {
         let value = claim_value(lease, claim)?;
         let lease_ms = millis_of(claim.lease);
         let renewed: i64 = self
-            .bounded("renewing a claim in Redis", |mut connection| {
+            .bounded("renewing a claim in Redis", |mut connection, deadline| {
                 let mut renew = self.renew.prepare_invoke();
                 renew
                     .key(&record_key)
                     .key(&claim_key)
                     .key(&count_key)
                     .arg(&value)
-                    .arg(lease_ms);
+                    .arg(lease_ms)
+                    .arg(deadline);
                 async move { renew.invoke_async(&mut connection).await }
             })
             .await?;
@@ -469,7 +536,7 @@ impl IdempotencyStore for RedisStore {
         encoded.extend(encode_record(&record)?);
         let ttl_ms = millis_of(ttl);
         let completed: i64 = self
-            .bounded("storing a record in Redis", |mut connection| {
+            .bounded("storing a record in Redis", |mut connection, deadline| {
                 let mut complete = self.complete.prepare_invoke();
                 complete
                     .key(&record_key)
@@ -477,7 +544,8 @@ impl IdempotencyStore for RedisStore {
                     .key(&count_key)
                     .arg(&token)
                     .arg(&encoded)
-                    .arg(ttl_ms);
+                    .arg(ttl_ms)
+                    .arg(deadline);
                 async move { complete.invoke_async(&mut connection).await }
             })
             .await?;
@@ -496,9 +564,9 @@ impl IdempotencyStore for RedisStore {
         let [_, claim_key, _] = self.keys(scope);
         let token = lease_token(lease);
         let released: i64 = self
-            .bounded("releasing a key in Redis", |mut connection| {
+            .bounded("releasing a key in Redis", |mut connection, deadline| {
                 let mut release = self.release.prepare_invoke();
-                release.key(&claim_key).arg(&token);
+                release.key(&claim_key).arg(&token).arg(deadline);
                 async move { release.invoke_async(&mut connection).await }
             })
             .await?;
@@ -510,7 +578,8 @@ impl IdempotencyStore for RedisStore {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut pause = Duration::from_millis(5);
         loop {
-            let poll = self.bounded("polling a key in Redis", |mut connection| {
+            // A read: harmless when late, so its deadline is not checked.
+            let poll = self.bounded("polling a key in Redis", |mut connection, _| {
                 let mut mget = redis::cmd("MGET");
                 mget.arg(&record_key).arg(&claim_key);
                 async move { mget.query_async(&mut connection).await }
@@ -537,6 +606,15 @@ impl IdempotencyStore for RedisStore {
             pause = (pause * 2).min(Duration::from_millis(100));
         }
     }
+}
+
+/// Redis's clock, in microseconds since the Unix epoch.
+async fn read_time(mut connection: ConnectionManager) -> Result<i64, StoreError> {
+    let (seconds, micros): (i64, i64) = redis::cmd("TIME")
+        .query_async(&mut connection)
+        .await
+        .map_err(|e| StoreError::with_source("reading Redis's clock", e))?;
+    Ok(seconds.saturating_mul(1_000_000).saturating_add(micros))
 }
 
 /// A claim's value: the lease's token, then what a duplicate needs to know of the

@@ -1,12 +1,13 @@
 use std::{
     sync::{Arc, Weak},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use sqlx::{postgres::PgPoolOptions, PgPool, Row};
 
 use super::{
     codec::{decode_record, encode_record, from_millis, millis},
+    deadline::{read_in_background, StoreClock},
     Begin, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Record, Renewal,
     Settled, StoreError,
 };
@@ -78,6 +79,29 @@ struct Shared {
     table: String,
     timeout: Duration,
     sql: Statements,
+    /// What the database's clock is known to read, for every statement's deadline.
+    clock: Arc<StoreClock>,
+}
+
+impl Shared {
+    /// When a call starting now gives up, and that moment by the database's clock
+    /// (microseconds since the Unix epoch), which the statement is refused past.
+    async fn deadline(&self) -> Result<(Instant, i64), StoreError> {
+        let give_up = Instant::now() + self.timeout;
+        let deadline = self
+            .clock
+            .deadline_or_read(give_up, self.timeout, || read_time(self.pool.clone()))
+            .await?;
+        Ok((give_up, deadline))
+    }
+}
+
+/// The database's clock, in microseconds since the Unix epoch.
+async fn read_time(pool: PgPool) -> Result<i64, StoreError> {
+    sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint")
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| StoreError::with_source("reading PostgreSQL's clock", e))
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -142,11 +166,17 @@ impl PostgresStoreBuilder {
                 self.table
             )));
         }
+        let clock = Arc::new(StoreClock::new(self.timeout));
+        read_in_background(Arc::downgrade(&clock), self.timeout, {
+            let pool = self.pool.clone();
+            move || read_time(pool.clone())
+        });
         let shared = Arc::new(Shared {
             pool: self.pool,
             sql: Statements::for_table(&self.table),
             table: self.table,
             timeout: self.timeout,
+            clock,
         });
         tokio::spawn(clean(
             Arc::downgrade(&shared),
@@ -233,6 +263,20 @@ impl PostgresStore {
     ) -> Result<T, StoreError> {
         bounded(self.shared.timeout, what, call).await
     }
+
+    /// Runs the statement `call` makes, given its deadline, under the timeout; the
+    /// statement refuses to act past the deadline (see [`Statements`]).
+    async fn bounded_by_deadline<T, F>(
+        &self,
+        what: &'static str,
+        call: impl FnOnce(i64) -> F,
+    ) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, sqlx::Error>>,
+    {
+        let (give_up, deadline) = self.shared.deadline().await?;
+        bounded_until(give_up, self.shared.timeout, what, call(deadline)).await
+    }
 }
 
 async fn bounded<T>(
@@ -240,7 +284,16 @@ async fn bounded<T>(
     what: &'static str,
     call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, StoreError> {
-    match tokio::time::timeout(timeout, call).await {
+    bounded_until(Instant::now() + timeout, timeout, what, call).await
+}
+
+async fn bounded_until<T>(
+    give_up: Instant,
+    timeout: Duration,
+    what: &'static str,
+    call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout_at(give_up.into(), call).await {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(error)) => Err(StoreError::with_source(what, error)),
         Err(_) => Err(StoreError::new(format!(
@@ -250,6 +303,12 @@ async fn bounded<T>(
 }
 
 /// The statements, written once for the store's table.
+///
+/// Every statement that changes a row takes a deadline, by the database's clock, and
+/// raises an error instead of acting if it runs past it ([`in_time`]): a statement that
+/// sat in a paused server's socket, or behind a lock, after its caller gave up changes
+/// nothing. Statements inside the handler's transaction need none: nothing there
+/// stands without the commit.
 struct Statements {
     begin: String,
     renew: String,
@@ -258,9 +317,23 @@ struct Statements {
     complete_in_transaction: String,
     complete_late: String,
     completed_by: String,
+    committed_by: String,
     release: String,
     poll: String,
     remove_expired: String,
+}
+
+/// True while the statement runs no later than `$n` (microseconds since the Unix
+/// epoch, by the database's clock); past it, an error that names the deadline. The
+/// error's text is built from `clock_timestamp()` so the planner cannot fold it into a
+/// constant and raise it whether or not the branch is taken. Checked in each row's
+/// qualification, so a statement that waited for a row's lock checks it again once it
+/// holds the lock.
+fn in_time(n: u8) -> String {
+    format!(
+        "(CASE WHEN (extract(epoch FROM clock_timestamp()) * 1000000)::bigint <= ${n} THEN true
+          ELSE ('tower-ids: ' || clock_timestamp()::text || ' is past the deadline: the caller gave up')::boolean END)"
+    )
 }
 
 impl Statements {
@@ -269,7 +342,7 @@ impl Statements {
         // count of a lost claim (its requests were real) but not of an expired record.
         let begin = format!(
             "INSERT INTO {t} AS t (scope, token, fingerprint, first_seen_ms, epoch, expires_at)
-             VALUES ($1, $2, $3, $4, $5, now() + $6 * interval '1 millisecond')
+             SELECT $1, $2, $3, $4, $5, now() + $6 * interval '1 millisecond' WHERE {guard}
              ON CONFLICT (scope) DO UPDATE SET
                token = CASE WHEN t.expires_at > now() THEN t.token ELSE EXCLUDED.token END,
                completed = t.completed AND t.expires_at > now(),
@@ -281,27 +354,33 @@ impl Statements {
                request_count = CASE WHEN t.expires_at > now() OR NOT t.completed
                                     THEN t.request_count + 1 ELSE 1 END,
                expires_at = CASE WHEN t.expires_at > now() THEN t.expires_at ELSE EXCLUDED.expires_at END
+             WHERE {guard}
              RETURNING token, completed, fingerprint, first_seen_ms, epoch, request_count, record,
-               (extract(epoch FROM expires_at - now()) * 1000)::bigint AS ms_left"
+               (extract(epoch FROM expires_at - now()) * 1000)::bigint AS ms_left",
+            guard = in_time(7)
         );
         let renew = format!(
             "UPDATE {t} SET expires_at = now() + $3 * interval '1 millisecond'
-             WHERE scope = $1 AND token = $2 AND NOT completed AND expires_at > now()"
+             WHERE scope = $1 AND token = $2 AND NOT completed AND expires_at > now() AND {}",
+            in_time(4)
         );
         let restore = format!(
             "INSERT INTO {t} AS t (scope, token, fingerprint, first_seen_ms, epoch, expires_at)
-             VALUES ($1, $2, $3, $4, $5, now() + $6 * interval '1 millisecond')
+             SELECT $1, $2, $3, $4, $5, now() + $6 * interval '1 millisecond' WHERE {guard}
              ON CONFLICT (scope) DO UPDATE SET
                token = EXCLUDED.token, completed = false, fingerprint = EXCLUDED.fingerprint,
                first_seen_ms = EXCLUDED.first_seen_ms, epoch = EXCLUDED.epoch, status = NULL,
                record = NULL, expires_at = EXCLUDED.expires_at,
                request_count = CASE WHEN t.token = EXCLUDED.token THEN t.request_count ELSE 1 END
-             WHERE (t.token = EXCLUDED.token AND NOT t.completed) OR t.expires_at <= now()"
+             WHERE ((t.token = EXCLUDED.token AND NOT t.completed) OR t.expires_at <= now())
+               AND {guard}",
+            guard = in_time(7)
         );
         let complete = format!(
             "UPDATE {t} SET completed = true, status = $3, record = $4,
                expires_at = now() + $5 * interval '1 millisecond'
-             WHERE scope = $1 AND token = $2 AND NOT completed AND expires_at > now()"
+             WHERE scope = $1 AND token = $2 AND NOT completed AND expires_at > now() AND {}",
+            in_time(6)
         );
         // In the handler's transaction the claim is kept by renewal until the handler
         // returns; its lease running out since is no reason to roll the writes back.
@@ -313,17 +392,28 @@ impl Statements {
         let complete_late = format!(
             "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
                                     status, record, expires_at)
-             VALUES ($1, $2, true, $3, $4, $5, $6, $7, now() + $8 * interval '1 millisecond')
+             SELECT $1, $2, true, $3, $4, $5, $6, $7, now() + $8 * interval '1 millisecond'
+             WHERE {guard}
              ON CONFLICT (scope) DO UPDATE SET
                token = EXCLUDED.token, completed = true, fingerprint = EXCLUDED.fingerprint,
                first_seen_ms = EXCLUDED.first_seen_ms, epoch = EXCLUDED.epoch,
                status = EXCLUDED.status, record = EXCLUDED.record, expires_at = EXCLUDED.expires_at,
                request_count = CASE WHEN t.completed THEN 1 ELSE t.request_count END
-             WHERE (t.token = EXCLUDED.token AND NOT t.completed) OR t.expires_at <= now()"
+             WHERE ((t.token = EXCLUDED.token AND NOT t.completed) OR t.expires_at <= now())
+               AND {guard}",
+            guard = in_time(9)
         );
         let completed_by =
             format!("SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1");
-        let release = format!("DELETE FROM {t} WHERE scope = $1 AND token = $2 AND NOT completed");
+        // Waits for the lock of any transaction still writing the row, so its answer
+        // is final: the transaction that stored this token committed, or it did not.
+        let committed_by = format!(
+            "SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1 FOR SHARE"
+        );
+        let release = format!(
+            "DELETE FROM {t} WHERE scope = $1 AND token = $2 AND NOT completed AND {}",
+            in_time(3)
+        );
         let poll = format!(
             "SELECT completed, record, expires_at > now() AS live FROM {t} WHERE scope = $1"
         );
@@ -340,6 +430,7 @@ impl Statements {
             complete_in_transaction,
             complete_late,
             completed_by,
+            committed_by,
             release,
             poll,
             remove_expired,
@@ -431,8 +522,7 @@ impl IdempotencyStore for PostgresStore {
         };
         let token = token_bytes(&lease);
         let row = self
-            .bounded(
-                "claiming a key in PostgreSQL",
+            .bounded_by_deadline("claiming a key in PostgreSQL", |deadline| {
                 sqlx::query(&self.shared.sql.begin)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
@@ -440,8 +530,9 @@ impl IdempotencyStore for PostgresStore {
                     .bind(first_seen_ms(&lease))
                     .bind(epoch_i64(claim.epoch))
                     .bind(millis_i64(claim.lease))
-                    .fetch_one(&self.shared.pool),
-            )
+                    .bind(deadline)
+                    .fetch_one(&self.shared.pool)
+            })
             .await?;
         let corrupt = |e| StoreError::with_source("corrupt row in PostgreSQL", e);
         let held: Vec<u8> = row.try_get("token").map_err(corrupt)?;
@@ -479,22 +570,21 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<Renewal, StoreError> {
         let token = token_bytes(lease);
         let extended = self
-            .bounded(
-                "renewing a claim in PostgreSQL",
+            .bounded_by_deadline("renewing a claim in PostgreSQL", |deadline| {
                 sqlx::query(&self.shared.sql.renew)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
                     .bind(millis_i64(claim.lease))
-                    .execute(&self.shared.pool),
-            )
+                    .bind(deadline)
+                    .execute(&self.shared.pool)
+            })
             .await?
             .rows_affected();
         if extended == 1 {
             return Ok(Renewal::Extended);
         }
         let restored = self
-            .bounded(
-                "restoring a claim in PostgreSQL",
+            .bounded_by_deadline("restoring a claim in PostgreSQL", |deadline| {
                 sqlx::query(&self.shared.sql.restore)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
@@ -502,8 +592,9 @@ impl IdempotencyStore for PostgresStore {
                     .bind(first_seen_ms(lease))
                     .bind(epoch_i64(claim.epoch))
                     .bind(millis_i64(claim.lease))
-                    .execute(&self.shared.pool),
-            )
+                    .bind(deadline)
+                    .execute(&self.shared.pool)
+            })
             .await?
             .rows_affected();
         Ok(if restored == 1 {
@@ -524,16 +615,16 @@ impl IdempotencyStore for PostgresStore {
         let encoded = encode_record(&record)?;
         let status = status_i16(&record);
         let stored = self
-            .bounded(
-                "storing a record in PostgreSQL",
+            .bounded_by_deadline("storing a record in PostgreSQL", |deadline| {
                 sqlx::query(&self.shared.sql.complete)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
                     .bind(status)
                     .bind(&encoded)
                     .bind(millis_i64(ttl))
-                    .execute(&self.shared.pool),
-            )
+                    .bind(deadline)
+                    .execute(&self.shared.pool)
+            })
             .await?
             .rows_affected();
         if stored == 1 {
@@ -542,8 +633,7 @@ impl IdempotencyStore for PostgresStore {
         // The claim is not live: the lease ran out, the row is gone, or this is a
         // repeat of a completion whose answer was lost.
         let late = self
-            .bounded(
-                "storing a record in PostgreSQL",
+            .bounded_by_deadline("storing a record in PostgreSQL", |deadline| {
                 sqlx::query(&self.shared.sql.complete_late)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
@@ -553,8 +643,9 @@ impl IdempotencyStore for PostgresStore {
                     .bind(status)
                     .bind(&encoded)
                     .bind(millis_i64(ttl))
-                    .execute(&self.shared.pool),
-            )
+                    .bind(deadline)
+                    .execute(&self.shared.pool)
+            })
             .await?
             .rows_affected();
         if late == 1 {
@@ -579,13 +670,13 @@ impl IdempotencyStore for PostgresStore {
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
         let token = token_bytes(lease);
         let released = self
-            .bounded(
-                "releasing a key in PostgreSQL",
+            .bounded_by_deadline("releasing a key in PostgreSQL", |deadline| {
                 sqlx::query(&self.shared.sql.release)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
-                    .execute(&self.shared.pool),
-            )
+                    .bind(deadline)
+                    .execute(&self.shared.pool)
+            })
             .await?
             .rows_affected();
         Ok(released == 1)

@@ -6,10 +6,12 @@ use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 use sqlx::{PgConnection, Postgres};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
-use super::{bounded, epoch_i64, first_seen_ms, millis_i64, status_i16, token_bytes, Shared};
+use super::{
+    bounded, bounded_until, epoch_i64, first_seen_ms, millis_i64, status_i16, token_bytes, Shared,
+};
 use crate::idempotency::{
     store::{
-        codec::encode_record, Completion, HandlerTransaction, Lease, Record, Settlement, StoreError,
+        codec::encode_record, Chain, Completion, HandlerTransaction, Lease, Record, Settlement, StoreError,
     },
     ScopeKey,
 };
@@ -164,12 +166,25 @@ impl HandlerTransaction for Offered {
                 Some((record, ttl)) => {
                     match commit(&slot.shared, transaction, &scope, &lease, &record, ttl).await {
                         Ok(completion) => Settlement::Committed(completion),
-                        Err(error) => Settlement::Failed(error),
+                        Err(Uncommitted::Failed(error)) => Settlement::Failed(error),
+                        Err(Uncommitted::Unanswered(completion, error)) => {
+                            find_out(&slot.shared, &scope, &lease, completion, error).await
+                        }
                     }
                 }
             }
         })
     }
+}
+
+/// Why [`commit`] did not answer `Ok`.
+enum Uncommitted {
+    /// Nothing committed: a statement before the commit failed, or the database
+    /// refused the commit.
+    Failed(StoreError),
+    /// The commit was sent and its answer never came (a timeout, a broken
+    /// connection): it may have committed, with this completion.
+    Unanswered(Completion, StoreError),
 }
 
 /// Stores `record` in `transaction` for `lease`'s claim and commits; rolls back if
@@ -181,9 +196,9 @@ async fn commit(
     lease: &Lease,
     record: &Record,
     ttl: Duration,
-) -> Result<Completion, StoreError> {
+) -> Result<Completion, Uncommitted> {
     let token = token_bytes(lease);
-    let encoded = encode_record(record)?;
+    let encoded = encode_record(record).map_err(Uncommitted::Failed)?;
     let status = status_i16(record);
     // The claim row is locked from here to the commit: one round trip.
     let stored = bounded(
@@ -197,12 +212,15 @@ async fn commit(
             .bind(millis_i64(ttl))
             .execute(&mut *transaction),
     )
-    .await?
+    .await
+    .map_err(Uncommitted::Failed)?
     .rows_affected();
     let completion = if stored == 1 {
         Completion::Stored
     } else {
-        let late = bounded(
+        let (give_up, deadline) = shared.deadline().await.map_err(Uncommitted::Failed)?;
+        let late = bounded_until(
+            give_up,
             shared.timeout,
             "storing a record in the request's transaction",
             sqlx::query(&shared.sql.complete_late)
@@ -214,25 +232,96 @@ async fn commit(
                 .bind(status)
                 .bind(&encoded)
                 .bind(millis_i64(ttl))
+                .bind(deadline)
                 .execute(&mut *transaction),
         )
-        .await?
+        .await
+        .map_err(Uncommitted::Failed)?
         .rows_affected();
         if late != 1 {
             // Dropping the transaction rolls the handler's writes back.
-            return Err(StoreError::new(
+            return Err(Uncommitted::Failed(StoreError::new(
                 "another request holds this key: the request's writes were rolled back",
-            ));
+            )));
         }
         Completion::StoredWithoutClaim
     };
-    bounded(
-        shared.timeout,
-        "committing the request's transaction",
-        transaction.commit(),
-    )
-    .await?;
-    Ok(completion)
+    let timeout = shared.timeout;
+    match tokio::time::timeout(timeout, transaction.commit()).await {
+        Ok(Ok(())) => Ok(completion),
+        // The database answered: it refused the commit (a deferred constraint, a
+        // serialization failure), and a refused commit is a rollback.
+        Ok(Err(sqlx::Error::Database(error))) => Err(Uncommitted::Failed(
+            StoreError::with_source("committing the request's transaction", error),
+        )),
+        Ok(Err(error)) => Err(Uncommitted::Unanswered(
+            completion,
+            StoreError::with_source("committing the request's transaction", error),
+        )),
+        Err(_) => Err(Uncommitted::Unanswered(
+            completion,
+            StoreError::new(format!(
+                "committing the request's transaction: no answer within {timeout:?}"
+            )),
+        )),
+    }
+}
+
+/// How long a commit whose answer was lost is looked into before the layer says it
+/// does not know: the store's timeout five times over, enough to outlast an fsync
+/// stall or a slow synchronous standby of a few seconds.
+const FIND_OUT_TIMEOUTS: u32 = 5;
+
+/// Finds out whether a commit whose answer was lost committed: reads the claim's row
+/// with `FOR SHARE`, which waits for the committing transaction to end, so the answer
+/// is final (the row carries this lease's token and the record, or the commit did not
+/// land). Tries again on another connection until the server answers, within
+/// [`FIND_OUT_TIMEOUTS`] times the store's timeout.
+async fn find_out(
+    shared: &Shared,
+    scope: &ScopeKey,
+    lease: &Lease,
+    completion: Completion,
+    unanswered: StoreError,
+) -> Settlement {
+    let token = token_bytes(lease);
+    let until = tokio::time::Instant::now() + shared.timeout * FIND_OUT_TIMEOUTS;
+    loop {
+        let read = bounded(
+            shared.timeout,
+            "reading back the request's record",
+            sqlx::query_scalar::<_, bool>(&shared.sql.committed_by)
+                .bind(&scope.as_bytes()[..])
+                .bind(&token[..])
+                .fetch_optional(&shared.pool),
+        )
+        .await;
+        match read {
+            Ok(Some(true)) => {
+                tracing::info!(
+                    event = "idempotency.commit_confirmed",
+                    error = %Chain(&unanswered),
+                    "the commit's answer was lost, but the record is in the database with this request's token: it committed"
+                );
+                return Settlement::Committed(completion);
+            }
+            Ok(_) => {
+                return Settlement::Failed(StoreError::with_source(
+                    "the request's transaction did not commit (read back after its answer was lost)",
+                    unanswered,
+                ))
+            }
+            Err(_) if tokio::time::Instant::now() < until => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(error) => {
+                return Settlement::Unknown(StoreError::with_source(
+                    format!("could not read back whether the commit landed ({error})"),
+                    unanswered,
+                ))
+            }
+        }
+    }
 }
 
 #[cfg(feature = "axum")]
