@@ -190,13 +190,20 @@ mod tests {
         let clock = StoreClock::new(Duration::from_millis(200));
         let sent = Instant::now();
         clock.observe(1_000_000_000, sent, sent + Duration::from_millis(60));
-        assert!(clock.deadline(sent).is_none(), "a reading over 50 ms is dropped");
+        assert!(
+            clock.deadline(sent).is_none(),
+            "a reading over 50 ms is dropped"
+        );
         clock.observe(1_000_000_000, sent, sent + Duration::from_millis(40));
         let loose = clock.deadline(sent).unwrap();
         clock.observe(1_000_000_000, sent, sent + Duration::from_millis(2));
         let tight = clock.deadline(sent).unwrap();
         assert!(tight > loose);
         clock.observe(1_000_000_000, sent, sent + Duration::from_millis(30));
-        assert_eq!(clock.deadline(sent).unwrap(), tight, "a looser, fresh reading waits");
+        assert_eq!(
+            clock.deadline(sent).unwrap(),
+            tight,
+            "a looser, fresh reading waits"
+        );
     }
 }
