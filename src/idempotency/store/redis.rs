@@ -265,9 +265,7 @@ impl RedisStoreBuilder {
             move || read_time(connection.clone())
         };
         for _ in 0..3 {
-            redis_clock
-                .read(self.command_timeout, read_clock())
-                .await?;
+            redis_clock.read(self.command_timeout, read_clock()).await?;
         }
         read_in_background(
             Arc::downgrade(&redis_clock),

@@ -407,9 +407,8 @@ impl Statements {
             format!("SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1");
         // Waits for the lock of any transaction still writing the row, so its answer
         // is final: the transaction that stored this token committed, or it did not.
-        let committed_by = format!(
-            "SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1 FOR SHARE"
-        );
+        let committed_by =
+            format!("SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1 FOR SHARE");
         let release = format!(
             "DELETE FROM {t} WHERE scope = $1 AND token = $2 AND NOT completed AND {}",
             in_time(3)

@@ -11,7 +11,8 @@ use super::{
 };
 use crate::idempotency::{
     store::{
-        codec::encode_record, Chain, Completion, HandlerTransaction, Lease, Record, Settlement, StoreError,
+        codec::encode_record, Chain, Completion, HandlerTransaction, Lease, Record, Settlement,
+        StoreError,
     },
     ScopeKey,
 };
@@ -251,9 +252,10 @@ async fn commit(
         Ok(Ok(())) => Ok(completion),
         // The database answered: it refused the commit (a deferred constraint, a
         // serialization failure), and a refused commit is a rollback.
-        Ok(Err(sqlx::Error::Database(error))) => Err(Uncommitted::Failed(
-            StoreError::with_source("committing the request's transaction", error),
-        )),
+        Ok(Err(sqlx::Error::Database(error))) => Err(Uncommitted::Failed(StoreError::with_source(
+            "committing the request's transaction",
+            error,
+        ))),
         Ok(Err(error)) => Err(Uncommitted::Unanswered(
             completion,
             StoreError::with_source("committing the request's transaction", error),
@@ -305,12 +307,10 @@ async fn find_out(
                 );
                 return Settlement::Committed(completion);
             }
-            Ok(_) => {
-                return Settlement::Failed(StoreError::with_source(
-                    "the request's transaction did not commit (read back after its answer was lost)",
-                    unanswered,
-                ))
-            }
+            Ok(_) => return Settlement::Failed(StoreError::with_source(
+                "the request's transaction did not commit (read back after its answer was lost)",
+                unanswered,
+            )),
             Err(_) if tokio::time::Instant::now() < until => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
