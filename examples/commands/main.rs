@@ -84,7 +84,7 @@
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
 //! | `--commit-delay-ms` | `0` | time the two `POST` handlers wait after their writes, before answering; in DB mode the layer commits once the handler has answered, so this is the time between the writes and the commit (in which a crash leaves nothing) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
-//! | `--idempotency-lease-ms` | `10000` | how long a key stays claimed by a request that stopped renewing its claim (its process died): retries get `409` until then (the library's `DEFAULT_LEASE`) |
+//! | `--idempotency-lease-ms` | `10000` | the longest store outage a running request's claim outlives (the library's `DEFAULT_LEASE`); a request that stopped renewing its claim (its process died) keeps its key for at most one and a half leases: retries get `409` until then |
 //! | `--header-read-timeout-ms` | `10000` | how long a connection may take to send a request's head, and may stay idle between requests; then the server closes it |
 //! | `--body-timeout-ms` | `10000` | how long a request body may go without sending a byte; then `408` and the connection is closed |
 //! | `--request-timeout-ms` | `30000` | how long a request may take from its head to its answer; then `408` and the connection is closed |
@@ -376,9 +376,10 @@ use crate::{
     },
 };
 
-/// Default `--idempotency-lease-ms`: the library's [`DEFAULT_LEASE`] (10 s), how long a
-/// key stays claimed by a request whose process died. The lease is renewed while the
-/// request runs, so it bounds only how long retries of a crashed request get `409`.
+/// Default `--idempotency-lease-ms`: the library's [`DEFAULT_LEASE`] (10 s), the longest
+/// store outage a running request's claim outlives. The claim is renewed while the
+/// request runs; a crashed request's retries get `409` for at most one and a half
+/// leases.
 const IDEMPOTENCY_LEASE_MS: NonZeroU64 = NonZeroU64::new(DEFAULT_LEASE.as_millis() as u64).unwrap();
 
 /// Default `--amqp-exchange`: named after what it carries, as the routing keys

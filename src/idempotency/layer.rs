@@ -18,10 +18,13 @@ use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
 /// client's retries across a working day and a restart.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// How long a lost worker's key stays locked: 10 seconds. A claim is renewed every
-/// third of its lease while its handler runs, so the lease bounds how long a crashed
-/// worker blocks retries, not how long a handler may run; 10 seconds outlasts a store
-/// pause or restart of a few seconds between two renewals.
+/// How long a store outage a running request's claim outlives: 10 seconds. A claim is
+/// written to hold its key for the lease and half again and renewed every quarter of
+/// the lease while its handler runs, so at any moment it has at least the lease left:
+/// a store paused, down or restarting for less than the lease, counted from when the
+/// outage began, never frees the key of a request still running. A crashed worker's
+/// key stays locked for at most one and a half leases after its last renewal. The
+/// lease does not bound how long a handler may run.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
 /// The most response bytes kept by outcomes waiting for the store (it failed when they
@@ -299,11 +302,13 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
-    /// How long the key of a request in flight stays locked after its worker is lost
-    /// (the process crashed, or cannot reach the store). Default [`DEFAULT_LEASE`].
-    /// The claim is renewed every third of the lease while the handler runs, so a
-    /// handler may run longer than its lease; a shorter lease frees a crashed worker's
-    /// keys sooner but renews more often.
+    /// The longest store outage a running request's claim outlives, counted from when
+    /// the outage began. Default [`DEFAULT_LEASE`]. The claim holds the key for the
+    /// lease and half again and is renewed every quarter of the lease while the
+    /// handler runs, so a handler may run longer than its lease, and a crashed worker
+    /// locks its key for at most one and a half leases. A shorter lease frees such keys
+    /// sooner but renews more often; keep it at least four times the store's command
+    /// timeout (the renewal's own round trip is what the quarter is kept for).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.settings().lease = lease;
         self

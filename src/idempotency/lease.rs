@@ -347,7 +347,7 @@ async fn release<St: IdempotencyStore>(
             error = %Chain(&error),
             phase = "release",
             reason,
-            "could not release the key; it frees itself when the lease runs out"
+            "could not release the key; it frees itself when the claim runs out"
         ),
     }
 }

@@ -95,9 +95,15 @@
 //!   completion, and its outcome is stored for the retry. A handler that panics or
 //!   fails releases the key; waiters get `409` `idempotency.original_failed`.
 //! - **TTL** 24 h ([`DEFAULT_TTL`]); expired keys run again. A **lease** of 10 s
-//!   ([`DEFAULT_LEASE`]) on requests in flight, renewed every third of it while the
-//!   handler runs: a handler may run longer than its lease, and a lost worker locks
-//!   its key for at most the lease.
+//!   ([`DEFAULT_LEASE`]) on requests in flight: the claim holds the key for the lease
+//!   and half again and is renewed every quarter of it while the handler runs, so a
+//!   handler may run longer than its lease, a store outage shorter than the lease never
+//!   frees a running request's key, and a lost worker locks its key for at most one
+//!   and a half leases.
+//! - **No store command acts after its request gave up.** Every command to Redis or
+//!   PostgreSQL carries a deadline by the store's own clock and changes nothing past
+//!   it, so a claim answered `503` (it sat in a paused server's socket) never takes
+//!   the key when the server comes back.
 //! - **Once the handler has produced an outcome, the key is never released.** If the
 //!   store cannot take the outcome, the client still gets its answer; the layer keeps
 //!   the outcome (up to [`max_kept_bytes`](IdempotencyLayer::max_kept_bytes)) and

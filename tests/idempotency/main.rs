@@ -795,7 +795,8 @@ async fn a_lost_lease_frees_the_key_and_the_late_outcome_is_not_stored() {
         }
     });
     until_runs(&app.runs, 1).await;
-    clock.advance(Duration::from_secs(61));
+    // A claim holds its key for one and a half leases.
+    clock.advance(Duration::from_secs(91));
     let takeover = app.post("/commands", &[KEY], BODY).await;
     slow.await.unwrap();
     let replay = app.post("/commands", &[KEY], BODY).await;

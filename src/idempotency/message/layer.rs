@@ -119,8 +119,10 @@ impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
         self
     }
 
-    /// How long the key of a message in flight stays locked after its consumer is
-    /// lost; renewed every third of it while the handler runs. Default
+    /// The longest store outage the claim of a message in flight outlives; the claim
+    /// holds the key for the lease and half again, renewed every quarter of it while
+    /// the handler runs, so a lost consumer locks its key for at most one and a half
+    /// leases. Default
     /// [`DEFAULT_LEASE`] (10 s). A redelivery of the message of a consumer that was
     /// killed mid-handler waits out the rest of it ([`Handled::InFlight`](super::Handled::InFlight)).
     pub fn lease(mut self, lease: Duration) -> Self {

@@ -70,7 +70,7 @@
 //! the message again, and the redelivery publishes the stored outcome again, identical;
 //! the handler does not run again (with a store that outlives the consumer:
 //! `RedisStore` or `PostgresStore`). A consumer killed while its handler runs leaves
-//! its key claimed until the lease runs out (10 s by default): redeliveries meanwhile
+//! its key claimed until the claim runs out (one and a half leases, 15 s by default): redeliveries meanwhile
 //! are `InFlight`, and the first one after it runs the handler again, as the HTTP
 //! layer's "process killed mid-handler" row in the README says.
 //!

@@ -172,7 +172,13 @@ return 1
 ///
 /// Every command is bounded by [`command_timeout`](RedisStoreBuilder::command_timeout);
 /// a timeout or a lost connection is a [`StoreError`], and the connection manager
-/// reconnects by itself when Redis comes back.
+/// reconnects by itself when Redis comes back. Every script that changes state also
+/// carries its caller's deadline by Redis's own clock and refuses to act past it, so a
+/// command that reaches Redis after its caller gave up (it waited in a paused server's
+/// socket, or went out on a connection re-made after the timeout) changes nothing.
+/// The store reads Redis's clock (`TIME`) when it connects and once a second after, to
+/// set those deadlines; the two clocks need not agree, only run at the same rate.
+/// Needs Redis 5 or later (or Valkey), whose scripts may read the clock and write.
 ///
 /// # Clone
 ///

@@ -62,7 +62,12 @@ const MIGRATION: &str =
 ///
 /// Every call is bounded by [`timeout`](PostgresStoreBuilder::timeout); a timeout or a
 /// connection failure is a [`StoreError`] (so the layer answers `503`, failing
-/// closed), and the pool reconnects by itself.
+/// closed), and the pool reconnects by itself. Every statement that changes a row also
+/// carries its caller's deadline by the database's clock (read with
+/// `clock_timestamp()` once a second; the clocks need not agree) and fails instead of
+/// acting past it, so a statement that reaches the server after its caller gave up
+/// changes nothing. A transactional `COMMIT` whose answer is lost is read back before
+/// the layer answers (see [`Transaction`]).
 ///
 /// [`cleanup_interval`]: PostgresStoreBuilder::cleanup_interval
 ///

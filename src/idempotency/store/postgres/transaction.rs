@@ -30,6 +30,15 @@ use crate::idempotency::{
 /// fails or panics roll the transaction back. A handler that never takes it gets the
 /// durable mode: claim, run, store.
 ///
+/// A `COMMIT` that gets no answer within the store's timeout (an fsync stall, a slow
+/// synchronous standby, a connection cut mid-commit) may still land. The layer then
+/// reads the record back by the request's fencing token, with `FOR SHARE`, which waits
+/// for the commit to end, for up to five of the store's timeouts: if it committed, the
+/// client gets the handler's answer; if not, `503 idempotency.not_committed`; if the
+/// database cannot be read in that time, `503 idempotency.outcome_unknown` (the key is
+/// kept: a retry replays the outcome if it committed and runs again, once the claim
+/// runs out, if it did not).
+///
 /// The transaction begins on the first [`lock`](Self::lock), on a connection of the
 /// store's pool, and stays open until the response is stored: keep the pool larger
 /// than the number of such requests running at once.
