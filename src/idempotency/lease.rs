@@ -170,7 +170,8 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                 Settlement::NotTaken => {}
                 Settlement::RolledBack => {
                     let error = StoreError::new("the request's transaction was rolled back");
-                    release(&*self.store, &self.scope, &lease, "rolled_back").await;
+                    release(&self.store, &self.scope, &lease, self.claim.lease, "rolled_back")
+                        .await;
                     return Err(Unsettled::NotCommitted(error));
                 }
                 Settlement::Failed(error) => {
@@ -179,7 +180,8 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                         error = %Chain(&error),
                         "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
                     );
-                    release(&*self.store, &self.scope, &lease, "commit_failed").await;
+                    release(&self.store, &self.scope, &lease, self.claim.lease, "commit_failed")
+                        .await;
                     return Err(Unsettled::NotCommitted(error));
                 }
                 Settlement::Unknown(error) => {
@@ -234,7 +236,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             // Nothing to store: whatever the handler wrote in it is rolled back.
             transaction.settle(self.scope, lease.clone(), None).await;
         }
-        release(&*self.store, &self.scope, &lease, reason).await;
+        release(&self.store, &self.scope, &lease, self.claim.lease, reason).await;
     }
 }
 
@@ -248,13 +250,14 @@ impl<St: IdempotencyStore> Drop for LeaseGuard<St> {
         };
         let store = self.store.clone();
         let scope = self.scope;
+        let hold = self.claim.lease;
         let reason = if std::thread::panicking() {
             "handler_panicked"
         } else {
             "abandoned"
         };
         runtime.spawn(
-            async move { release(&*store, &scope, &lease, reason).await }
+            async move { release(&store, &scope, &lease, hold, reason).await }
                 .instrument(tracing::Span::current()),
         );
     }
@@ -322,33 +325,87 @@ async fn renew<St: IdempotencyStore>(
     }
 }
 
+/// Gives the key up. If the store cannot answer now, keeps trying from a task of its
+/// own (backing off as kept outcomes do) until it answers or the claim, held for
+/// `hold`, would have run out anyway: a retry then runs as soon as the store is back,
+/// not a claim's length later. However late, a release is harmless: it is fenced by
+/// the lease's token and refused past its deadline.
 async fn release<St: IdempotencyStore>(
+    store: &Arc<St>,
+    scope: &ScopeKey,
+    lease: &Lease,
+    hold: Duration,
+    reason: &'static str,
+) {
+    if try_release(&**store, scope, lease, reason, 1).await {
+        return;
+    }
+    let (store, scope, lease) = (store.clone(), *scope, lease.clone());
+    let until = tokio::time::Instant::now() + hold;
+    let retry = async move {
+        let mut pause = FIRST_STORE_RETRY_PAUSE;
+        for attempts in 2.. {
+            if tokio::time::Instant::now() + pause >= until {
+                return;
+            }
+            tokio::time::sleep(pause).await;
+            if try_release(&*store, &scope, &lease, reason, attempts).await {
+                return;
+            }
+            pause = (pause * 2).min(MAX_STORE_RETRY_PAUSE);
+        }
+    };
+    tokio::spawn(retry.instrument(tracing::Span::current()));
+}
+
+/// One attempt at a release; `false` if the store did not answer.
+async fn try_release<St: IdempotencyStore>(
     store: &St,
     scope: &ScopeKey,
     lease: &Lease,
     reason: &'static str,
-) {
+    attempts: u32,
+) -> bool {
     match observe::store_call("release", store.release(scope, lease)).await {
         Ok(true) => {
             tracing::info!(
                 event = "idempotency.released",
                 reason,
+                attempts,
                 "released the idempotency key; a retry runs again"
             );
             observe::released(reason);
+            true
         }
-        Ok(false) => tracing::warn!(
-            event = "idempotency.lease_lost",
-            reason,
-            "nothing to release: this request's claim had run out and another request holds the key"
-        ),
-        Err(error) => tracing::warn!(
-            event = "idempotency.store_failed",
-            error = %Chain(&error),
-            phase = "release",
-            reason,
-            "could not release the key; it frees itself when the claim runs out"
-        ),
+        Ok(false) => {
+            tracing::warn!(
+                event = "idempotency.lease_lost",
+                reason,
+                "nothing to release: this request's claim had run out and another request holds the key"
+            );
+            true
+        }
+        Err(error) if attempts == 1 => {
+            tracing::warn!(
+                event = "idempotency.store_failed",
+                error = %Chain(&error),
+                phase = "release",
+                reason,
+                "could not release the key; trying again until the store answers or the claim runs out"
+            );
+            false
+        }
+        Err(error) => {
+            tracing::debug!(
+                event = "idempotency.store_failed",
+                error = %Chain(&error),
+                phase = "release",
+                reason,
+                attempts,
+                "still cannot release the key; trying again"
+            );
+            false
+        }
     }
 }
 

@@ -167,7 +167,9 @@
 //! | `422` | `idempotency.epoch_mismatch` | with [`epoch`](IdempotencyLayer::epoch): the key was first seen in another epoch |
 //! | `500` | `idempotency.response_failed` | the handler's response body failed mid-read |
 //! | `503` | `idempotency.overloaded` | the request bodies in flight fill the byte budget ([`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)); `Retry-After: 1`, nothing ran |
-//! | `503` | `idempotency.store_unavailable` | the store failed (fail closed) |
+//! | `503` | `idempotency.store_unavailable` | the store failed (fail closed); nothing ran, and the refused claim never lands later |
+//! | `503` | `idempotency.not_committed` | transactional mode: the handler's transaction did not commit; nothing it wrote stands; retry |
+//! | `503` | `idempotency.outcome_unknown` | transactional mode: the commit got no answer and the store could not be read back in time; retry with the same key (replays if it committed) |
 //!
 //! # Events
 //!
@@ -186,7 +188,8 @@
 //! - DEBUG: `idempotency.accepted`.
 //! - INFO: `idempotency.replayed`, `idempotency.stored`, `idempotency.released`,
 //!   `idempotency.in_flight`, `idempotency.not_replayable`,
-//!   `idempotency.original_failed`.
+//!   `idempotency.original_failed`, `idempotency.commit_confirmed` (a commit whose
+//!   answer was lost was read back, and had landed).
 //! - WARN, once per layer: `idempotency.uncorrelated`, a request ran with no correlation
 //!   ID in scope (see [Layer order](#layer-order)).
 //! - WARN: `idempotency.rejected` (the `400`s and the `401` on the key, the client or
@@ -198,7 +201,8 @@
 //!   `idempotency.store_failed` (with `phase`: `begin`, `renew`, `complete`,
 //!   `release`, `wait`, and the `error` with its cause), `idempotency.claim_restored`
 //!   (the store had lost a running request's claim), `idempotency.kept_over_budget`,
-//!   `idempotency.commit_failed` (the handler's transaction did not commit);
+//!   `idempotency.commit_failed` (the handler's transaction did not commit),
+//!   `idempotency.outcome_unknown` (whether it committed is not known);
 //!   `idempotency.stored` is WARN with `claim=missing` when the store had lost the
 //!   claim.
 //! - TRACE: `idempotency.lease_renewed`.

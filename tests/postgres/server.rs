@@ -127,16 +127,42 @@ impl PostgresServer {
             .is_ok_and(|status| status.success())
     }
 
-    /// Sends `signal` to the whole server (its process group).
+    /// Every process of the server: the postmaster and its children. A signal to the
+    /// postmaster's process group is not enough: PostgreSQL puts each child (every
+    /// backend, the checkpointer, the WAL writer) in a session of its own, so only the
+    /// postmaster would stop and open connections would go on being answered.
+    fn processes(&self) -> Vec<u32> {
+        let postmaster = self.child.as_ref().expect("running").id();
+        let mut processes = vec![postmaster];
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+                continue;
+            };
+            if parent(pid) == Some(postmaster) {
+                processes.push(pid);
+            }
+        }
+        processes
+    }
+
+    /// Sends `signal` to every process of the server: the postmaster first (so it
+    /// starts no child meanwhile), then its children, any of which may have exited
+    /// since they were listed.
     fn signal(&self, signal: &str) {
-        let pid = self.child.as_ref().expect("running").id();
-        let status = Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg("--")
-            .arg(format!("-{pid}"))
-            .status()
-            .expect("kill(1) runs");
-        assert!(status.success(), "kill -{signal} failed");
+        let kill = |pid: u32| {
+            Command::new("kill")
+                .arg(format!("-{signal}"))
+                .arg(pid.to_string())
+                .stderr(Stdio::null())
+                .status()
+                .expect("kill(1) runs")
+                .success()
+        };
+        let processes = self.processes();
+        assert!(kill(processes[0]), "kill -{signal} of the postmaster failed");
+        for child in &processes[1..] {
+            kill(*child);
+        }
     }
 
     /// Freezes every process of the server: connections stay open, nothing answers.
@@ -157,7 +183,7 @@ impl PostgresServer {
         if let Some(mut child) = self.child.take() {
             let _ = child.wait();
         }
-        // Backends die with the group; give the kernel a moment to reap them.
+        // Every backend was killed too; give the kernel a moment to reap them.
         std::thread::sleep(Duration::from_millis(100));
     }
 
@@ -178,6 +204,13 @@ impl Drop for PostgresServer {
 
 /// The directory of `initdb` and `postgres`: `pg_config --bindir`, or the newest under
 /// `/usr/lib/postgresql` (Debian's layout).
+/// The parent of `pid`, from `/proc/PID/stat` (`pid (comm) state ppid ...`).
+fn parent(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, after_comm) = stat.rsplit_once(')')?;
+    after_comm.split_whitespace().nth(1)?.parse().ok()
+}
+
 fn binaries() -> Option<PathBuf> {
     let from_pg_config = Command::new("pg_config")
         .arg("--bindir")

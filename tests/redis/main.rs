@@ -19,6 +19,7 @@ mod support;
 mod contract;
 
 mod faults;
+mod messages;
 mod server;
 
 use std::{

@@ -144,6 +144,7 @@ impl Refusal {
     /// | `idempotency.original_failed` | yes | waiting mode: the delivery waited for failed and stored nothing |
     /// | `idempotency.store_unavailable` | yes | the store failed (fail closed) |
     /// | `idempotency.not_committed` | yes | the store refused the outcome's transaction |
+    /// | `idempotency.outcome_unknown` | yes | the outcome's commit got no answer and could not be read back: the redelivery replays it if it landed |
     pub fn code(&self) -> &'static str {
         self.code
     }
