@@ -170,8 +170,14 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                 Settlement::NotTaken => {}
                 Settlement::RolledBack => {
                     let error = StoreError::new("the request's transaction was rolled back");
-                    release(&self.store, &self.scope, &lease, self.claim.lease, "rolled_back")
-                        .await;
+                    release(
+                        &self.store,
+                        &self.scope,
+                        &lease,
+                        self.claim.lease,
+                        "rolled_back",
+                    )
+                    .await;
                     return Err(Unsettled::NotCommitted(error));
                 }
                 Settlement::Failed(error) => {
@@ -180,8 +186,14 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                         error = %Chain(&error),
                         "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
                     );
-                    release(&self.store, &self.scope, &lease, self.claim.lease, "commit_failed")
-                        .await;
+                    release(
+                        &self.store,
+                        &self.scope,
+                        &lease,
+                        self.claim.lease,
+                        "commit_failed",
+                    )
+                    .await;
                     return Err(Unsettled::NotCommitted(error));
                 }
                 Settlement::Unknown(error) => {

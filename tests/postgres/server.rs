@@ -159,7 +159,10 @@ impl PostgresServer {
                 .success()
         };
         let processes = self.processes();
-        assert!(kill(processes[0]), "kill -{signal} of the postmaster failed");
+        assert!(
+            kill(processes[0]),
+            "kill -{signal} of the postmaster failed"
+        );
         for child in &processes[1..] {
             kill(*child);
         }
