@@ -197,13 +197,20 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                     return Err(Unsettled::NotCommitted(error));
                 }
                 Settlement::Unknown(error) => {
-                    // Not released: if the commit landed, the record answers retries;
-                    // if not, the claim runs out unrenewed and a retry runs again.
                     tracing::warn!(
                         event = "idempotency.outcome_unknown",
                         error = %Chain(&error),
-                        "the commit's answer was lost and the store could not tell whether it landed; the key is kept, and a retry with it replays the outcome or runs once the claim runs out"
+                        "the commit's answer was lost and the store could not tell whether it landed; a retry with this key replays the outcome if it did, and runs again once the store confirms it did not"
                     );
+                    // A release never removes a stored outcome (the store's contract),
+                    // and the commit, until it ends, holds what the release would
+                    // change: so releasing is right whichever way the commit went,
+                    // and frees the key as soon as the store can tell.
+                    let (store, scope, hold) = (self.store.clone(), self.scope, self.claim.lease);
+                    let release = async move {
+                        release(&store, &scope, &lease, hold, "outcome_unknown").await;
+                    };
+                    tokio::spawn(release.instrument(tracing::Span::current()));
                     return Err(Unsettled::Unknown(error));
                 }
             }
@@ -387,6 +394,13 @@ async fn try_release<St: IdempotencyStore>(
                 "released the idempotency key; a retry runs again"
             );
             observe::released(reason);
+            true
+        }
+        Ok(false) if reason == "outcome_unknown" => {
+            tracing::info!(
+                event = "idempotency.commit_confirmed",
+                "nothing to release: the commit whose answer was lost had landed, and its record answers retries"
+            );
             true
         }
         Ok(false) => {

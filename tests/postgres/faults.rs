@@ -19,7 +19,7 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
-        store::{PostgresStore, Transaction},
+        store::{PostgresStore, Transaction, DEFAULT_POSTGRES_TIMEOUT},
         IdempotencyLayer,
     },
 };
@@ -330,7 +330,13 @@ fn seen(reply: Option<&Reply>) -> String {
 /// it out, or not (`Node::start` keeps sqlx's default, which does). Without the test, a
 /// command goes out on an idle connection at once, even to a server that does not
 /// answer.
-async fn replica(database: &str, ledger: &Ledger, mode: Mode, ping: bool) -> Node {
+async fn replica(
+    database: &str,
+    ledger: &Ledger,
+    mode: Mode,
+    ping: bool,
+    timeout: Duration,
+) -> Node {
     let pool = PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(1))
@@ -338,7 +344,10 @@ async fn replica(database: &str, ledger: &Ledger, mode: Mode, ping: bool) -> Nod
         .connect(database)
         .await
         .expect("the throwaway server accepts connections");
-    let store = PostgresStore::builder(pool).build().unwrap();
+    let store = PostgresStore::builder(pool)
+        .timeout(timeout)
+        .build()
+        .unwrap();
     let layer = IdempotencyLayer::with_store(store).lease(LEASE);
     let route = match mode {
         Mode::Durable => post(durable).layer(layer),
@@ -357,6 +366,15 @@ async fn replica(database: &str, ledger: &Ledger, mode: Mode, ping: bool) -> Nod
 /// A throwaway server with the `commands` table and the store's table, and two replicas
 /// on it (`mode`, pools that `ping` idle connections or not), sharing one ledger.
 async fn replicas(mode: Mode, ping: bool) -> Option<(PostgresServer, PgPool, Ledger, Node, Node)> {
+    replicas_with_timeout(mode, ping, DEFAULT_POSTGRES_TIMEOUT).await
+}
+
+/// [`replicas`] whose stores bound each call by `timeout`.
+async fn replicas_with_timeout(
+    mode: Mode,
+    ping: bool,
+    timeout: Duration,
+) -> Option<(PostgresServer, PgPool, Ledger, Node, Node)> {
     let server = PostgresServer::start()?;
     let setup = pool(&server.url()).await;
     sqlx::raw_sql("CREATE TABLE commands (key text NOT NULL, run bigint NOT NULL)")
@@ -370,8 +388,8 @@ async fn replicas(mode: Mode, ping: bool) -> Option<(PostgresServer, PgPool, Led
         .await
         .unwrap();
     let ledger = Ledger::default();
-    let a = replica(&server.url(), &ledger, mode, ping).await;
-    let b = replica(&server.url(), &ledger, mode, ping).await;
+    let a = replica(&server.url(), &ledger, mode, ping, timeout).await;
+    let b = replica(&server.url(), &ledger, mode, ping, timeout).await;
     Some((server, setup, ledger, a, b))
 }
 
@@ -424,7 +442,7 @@ async fn commit_trial(
     (pool, ledger, a, b): (PgPool, Ledger, Node, Node),
     fault: CommitFault,
     trial: usize,
-) {
+) -> (Option<String>, Duration) {
     let key = format!("commit-{fault:?}-{trial}");
     let (sleep, fail) = match fault {
         CommitFault::Slow(sleep) => (sleep, false),
@@ -524,6 +542,7 @@ async fn commit_trial(
         assert_eq!(rows, [2], "only the retry's command");
         assert_eq!(runs, 2);
     }
+    (first_code, settled)
 }
 
 /// (S3) COMMITs slower than the store's 1 s timeout (1.5 s, 3 s) and, as controls,
@@ -680,4 +699,42 @@ async fn a_request_refused_while_the_server_is_down_leaves_no_claim() {
     for ping in [true, false] {
         outage_trial(Outage::Killed, ping).await;
     }
+}
+
+/// A COMMIT whose answer is lost and that the store cannot read back in time (stores
+/// with a 200 ms timeout, so five timeouts are 1 s; the COMMIT takes 3 s): the layer
+/// says `outcome_unknown`, never `not_committed`. Committed, the retry replays it;
+/// failed, the retry runs again as soon as the commit has ended (the release waits
+/// behind it), not a claim's length later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_cannot_be_read_back_in_time_is_outcome_unknown() {
+    let timeout = Duration::from_millis(200);
+    let Some((server, pool, ledger, a, b)) =
+        replicas_with_timeout(Mode::Transactional, true, timeout).await
+    else {
+        return;
+    };
+    sqlx::raw_sql(COMMIT_FAULTS).execute(&pool).await.unwrap();
+    for (fault, trial) in [
+        (CommitFault::Slow(Duration::from_secs(3)), 1),
+        (CommitFault::Slow(Duration::from_secs(3)), 2),
+        (CommitFault::Fails(Duration::from_secs(3)), 1),
+        (CommitFault::Fails(Duration::from_secs(3)), 2),
+    ] {
+        let replicas = (pool.clone(), ledger.clone(), a.clone(), b.clone());
+        let (first, settled) = commit_trial(replicas, fault, trial).await;
+        // The commit ends 4 s after the request (the 1 s handler, then 3 s); the retry
+        // that runs after it takes the handler's 1 s. The claim alone would hold the
+        // key until 7.5 s.
+        assert!(
+            settled < Duration::from_millis(6000),
+            "{fault:?}: the retry got its 201 {settled:?} after the first was sent, not soon after the commit ended"
+        );
+        assert_eq!(
+            first.as_deref(),
+            Some("idempotency.outcome_unknown"),
+            "{fault:?}: the store could not tell within 1 s"
+        );
+    }
+    drop(server);
 }

@@ -4,6 +4,10 @@
 //! client gets its answer, and a client retrying on both replicas gets the replay
 //! within a few seconds of Redis returning.
 //!
+//! And commands whose caller gave up (timed out, answered 503) but which reach Redis
+//! after all, when it resumes or on the reconnected connection: they change nothing,
+//! so a key is neither run twice nor left locked.
+//!
 //! Each trial prints one line (`cargo test --test redis faults -- --nocapture`): the
 //! fault, its placement, executions, and how long the replay took.
 
@@ -129,21 +133,12 @@ fn replayed(reply: &Reply) -> bool {
 /// replay, when it came, and every status seen before it (`0` for a failed connection).
 async fn retry_until_replayed(nodes: [Node; 2], key: String) -> (Reply, Instant, Vec<u16>) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut seen = Vec::new();
-    for turn in 0.. {
-        let reply = nodes[turn % 2].post(&key, None).await;
-        match reply {
-            Ok(reply) if replayed(&reply) => return (reply, Instant::now(), seen),
-            Ok(reply) => seen.push(reply.status.as_u16()),
-            Err(_) => seen.push(0),
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no replay for {key} within 30 s; saw {seen:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    unreachable!()
+    let every = Duration::from_millis(100);
+    let (replay, seen) = retry_until(&nodes, &key, every, deadline, replayed).await;
+    let Some((replay, at)) = replay else {
+        panic!("no replay for {key} within 30 s; saw {seen:?}");
+    };
+    (replay, at, seen)
 }
 
 /// Polls until `key` has started running.
@@ -160,30 +155,50 @@ async fn started(ledger: &Ledger, key: &str) -> Instant {
 enum Fault {
     /// SIGSTOP, then SIGCONT this much later.
     Pause(Duration),
-    /// SIGKILL, then a restart (with the append-only file) this much later.
+    /// SIGKILL, then a restart (with the append-only file, if the server keeps one)
+    /// this much later.
     Kill(Duration),
 }
 
 impl Fault {
     /// Applies the fault on a blocking thread; returns the server and when it was back.
-    async fn apply(self, mut redis: RedisServer) -> (RedisServer, Instant) {
-        tokio::task::spawn_blocking(move || {
+    async fn apply(self, redis: RedisServer) -> (RedisServer, Instant) {
+        let (_, back) = self.begin(redis).await;
+        back.await.unwrap()
+    }
+
+    /// Starts the fault and returns once it is in place: when it started, and the
+    /// blocking task that ends it, which returns the server and when it was back.
+    async fn begin(
+        self,
+        mut redis: RedisServer,
+    ) -> (Instant, tokio::task::JoinHandle<(RedisServer, Instant)>) {
+        let (redis, began) = tokio::task::spawn_blocking(move || {
             match self {
-                Self::Pause(pause) => {
-                    redis.pause();
-                    std::thread::sleep(pause);
-                    redis.resume();
-                }
-                Self::Kill(down) => {
-                    redis.kill();
-                    std::thread::sleep(down);
-                    redis.restart();
-                }
+                Self::Pause(_) => redis.pause(),
+                Self::Kill(_) => redis.kill(),
             }
             (redis, Instant::now())
         })
         .await
-        .unwrap()
+        .unwrap();
+        let back = tokio::task::spawn_blocking(move || {
+            let mut redis = redis;
+            std::thread::sleep(self.length().saturating_sub(began.elapsed()));
+            match self {
+                Self::Pause(_) => redis.resume(),
+                Self::Kill(_) => redis.restart(),
+            }
+            (redis, Instant::now())
+        });
+        (began, back)
+    }
+
+    /// How long Redis is gone.
+    fn length(self) -> Duration {
+        match self {
+            Self::Pause(length) | Self::Kill(length) => length,
+        }
     }
 }
 
@@ -483,4 +498,376 @@ async fn a_redis_that_lost_the_claim_is_noticed_and_logged() {
     let replay = a.post("lost", None).await.unwrap();
     assert!(replayed(&replay), "the outcome was stored after all");
     assert_eq!(ledger.runs("lost"), 1);
+}
+
+// Commands whose caller gave up. A command that timed out (its request already got a
+// 503) stays queued in a paused Redis's socket, or goes out on the reconnected
+// connection after a restart, and may reach Redis after all. It must change nothing:
+// neither take a key whose worker's claim ran out during the pause, nor lock the key of
+// a request that was refused.
+
+/// The lease of the trials whose pause outlasts it.
+const SHORT_LEASE: Duration = Duration::from_secs(3);
+
+/// How long the retrying client of these trials waits after each answer.
+const RETRY_EVERY: Duration = Duration::from_millis(300);
+
+/// How soon after Redis returns a retry of a refused request must run.
+const EXECUTED_WITHIN: Duration = Duration::from_secs(1);
+
+/// The guarantees a trial saw broken, one line each, so that every trial runs and
+/// prints its line before the test fails.
+#[derive(Default)]
+struct Broken(Vec<String>);
+
+impl Broken {
+    fn check(&mut self, trial: &str, held: bool, what: impl std::fmt::Display) {
+        if !held {
+            self.0.push(format!("{trial}: {what}"));
+        }
+    }
+
+    fn assert_none(self) {
+        assert!(self.0.is_empty(), "broken:\n{}", self.0.join("\n"));
+    }
+}
+
+/// Sends `key` to `nodes` in turn, pausing `every` after each answer, until `done`
+/// accepts a reply or `until` has passed; returns that reply and when it came, if one
+/// did, and every status seen before it (`0` for a failed connection).
+async fn retry_until(
+    nodes: &[Node],
+    key: &str,
+    every: Duration,
+    until: Instant,
+    done: impl Fn(&Reply) -> bool,
+) -> (Option<(Reply, Instant)>, Vec<u16>) {
+    let mut seen = Vec::new();
+    for turn in 0.. {
+        match nodes[turn % nodes.len()].post(key, None).await {
+            Ok(reply) if done(&reply) => return (Some((reply, Instant::now())), seen),
+            Ok(reply) => seen.push(reply.status.as_u16()),
+            Err(_) => seen.push(0),
+        }
+        if Instant::now() >= until {
+            break;
+        }
+        tokio::time::sleep(every).await;
+    }
+    (None, seen)
+}
+
+fn created(reply: &Reply) -> bool {
+    reply.status == StatusCode::CREATED
+}
+
+/// The `code` of a problem body.
+fn problem_code(reply: &Reply) -> Option<String> {
+    let body: serde_json::Value = serde_json::from_slice(&reply.body).ok()?;
+    body.get("code")?.as_str().map(str::to_owned)
+}
+
+/// Statuses in order, repeats counted: `503x4, 409x9, 201`.
+fn tally(seen: &[u16]) -> String {
+    let mut runs: Vec<(u16, usize)> = Vec::new();
+    for &status in seen {
+        match runs.last_mut() {
+            Some((last, n)) if *last == status => *n += 1,
+            _ => runs.push((status, 1)),
+        }
+    }
+    let runs: Vec<_> = runs
+        .into_iter()
+        .map(|(status, n)| match n {
+            1 => status.to_string(),
+            n => format!("{status}x{n}"),
+        })
+        .collect();
+    runs.join(", ")
+}
+
+/// `Some(d)` as `d`, `None` as `never`.
+fn or_never(duration: Option<Duration>) -> String {
+    duration.map_or_else(|| "never".to_owned(), |duration| format!("{duration:?}"))
+}
+
+/// A reply as the client sees it: `201 idempotent-replayed: true`, or `409
+/// idempotency.in_flight`.
+fn describe(reply: &Reply) -> String {
+    match (reply.header("idempotent-replayed"), problem_code(reply)) {
+        (_, Some(code)) => format!("{} {code}", reply.status.as_u16()),
+        (Some(replayed), None) => {
+            format!("{} idempotent-replayed: {replayed}", reply.status.as_u16())
+        }
+        (None, None) => reply.status.as_u16().to_string(),
+    }
+}
+
+/// One request on each replica: every script is loaded and both connections are open.
+async fn warm_up(a: &Node, b: &Node) {
+    for (node, key) in [(a, "warm-a"), (b, "warm-b")] {
+        let reply = node.post(key, None).await.unwrap();
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
+    }
+}
+
+/// One trial: a 1 s handler on A under a 3 s lease, Redis paused for 2.9 s from 0.9 s
+/// into the handler, so A's claim runs out during the pause. A client retries on B
+/// every 300 ms from the start of the pause: B's claims time out (503) but stay queued
+/// in Redis, the first ahead of A's attempt to store its outcome.
+async fn stale_claims_trial(trial: usize, broken: &mut Broken) {
+    let at = Duration::from_millis(900);
+    let fault = Fault::Pause(Duration::from_millis(2900));
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let ledger = Ledger::default();
+    let a = Node::start(&redis.url(), &ledger, Some(SHORT_LEASE)).await;
+    let b = Node::start(&redis.url(), &ledger, Some(SHORT_LEASE)).await;
+    warm_up(&a, &b).await;
+    let key = format!("stale-claims-{trial}");
+
+    let first = tokio::spawn({
+        let (a, key) = (a.clone(), key.clone());
+        async move {
+            let sent = Instant::now();
+            let reply = a.post(&key, Some(HANDLER)).await;
+            (reply, sent.elapsed())
+        }
+    });
+    let handler_started = started(&ledger, &key).await;
+    tokio::time::sleep_until((handler_started + at).into()).await;
+    let (_, back) = fault.begin(redis).await;
+    let retries = tokio::spawn({
+        let (b, key) = (b.clone(), key.clone());
+        let until = Instant::now() + Duration::from_secs(15);
+        async move { retry_until(&[b], &key, RETRY_EVERY, until, created).await }
+    });
+    let (redis, back) = back.await.unwrap();
+    let (first, answered) = first.await.unwrap();
+    let first = first.expect("the first client gets an answer");
+    let (answer, seen) = retries.await.unwrap();
+    // Whatever was still in flight lands before the count is read.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let runs = ledger.runs(&key);
+    let to_201 = answer
+        .as_ref()
+        .map(|(_, at)| at.saturating_duration_since(back));
+    let answer = answer.map(|(reply, _)| reply);
+    let replayed_header = answer
+        .as_ref()
+        .and_then(|reply| reply.header("idempotent-replayed"));
+    let same_body = answer.as_ref().map(|reply| reply.body == first.body);
+    eprintln!(
+        "stale claims, trial {trial}: {fault:?} at {at:?} into a {HANDLER:?} handler on A, lease {SHORT_LEASE:?}, retries on B every {RETRY_EVERY:?}: executions {runs}, first answer {} after {answered:?}, retries saw [{}], first 201 {} after Redis returned (idempotent-replayed {replayed_header:?}, the first answer's body {same_body:?})",
+        first.status,
+        tally(&seen),
+        or_never(to_201),
+    );
+    let trial = format!("stale claims, trial {trial}");
+    broken.check(&trial, runs == 1, format!("the handler ran {runs} times"));
+    broken.check(
+        &trial,
+        first.status == StatusCode::CREATED && first.header("idempotent-replayed") == Some("false"),
+        format!("the first client got {} {}", first.status, first.text()),
+    );
+    broken.check(
+        &trial,
+        answered < HANDLER + Duration::from_secs(1),
+        format!("the first client waited {answered:?}"),
+    );
+    broken.check(
+        &trial,
+        seen.iter().all(|status| [409, 503].contains(status)),
+        format!("before the first 201, only 409 or 503: [{}]", tally(&seen)),
+    );
+    match &answer {
+        None => broken.check(&trial, false, "the retrying client never got a 201"),
+        Some(reply) => broken.check(
+            &trial,
+            replayed(reply) && reply.body == first.body,
+            format!(
+                "the retrying client's 201 is not the replay of the first answer: idempotent-replayed {replayed_header:?}, body {}",
+                reply.text()
+            ),
+        ),
+    }
+    broken.check(
+        &trial,
+        to_201.is_some_and(|to_201| to_201 <= REPLAY_WITHIN),
+        format!("replayed {} after Redis returned", or_never(to_201)),
+    );
+    drop(redis);
+}
+
+/// One trial: `fault` begins before a request arrives on A, which is refused with
+/// 503; its claim, timed out, may still reach Redis when it returns (queued in the
+/// paused server's socket, or sent on the reconnected connection). A client retries
+/// the key alternately on B and A from the refusal on; a retry must run the handler
+/// soon after Redis returns, and the retries after it get its replay.
+async fn refused_trial(fault: Fault, trial: usize, broken: &mut Broken) {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let ledger = Ledger::default();
+    let a = Node::start(&redis.url(), &ledger, None).await;
+    let b = Node::start(&redis.url(), &ledger, None).await;
+    warm_up(&a, &b).await;
+    let key = format!("refused-{fault:?}-{trial}");
+
+    let (began, back) = fault.begin(redis).await;
+    let sent = Instant::now();
+    let refused = a.post(&key, None).await.expect("A answers");
+    let refused_after = sent.elapsed();
+    let nodes = [b.clone(), a.clone()];
+    let retries = tokio::spawn({
+        let (nodes, key) = (nodes.clone(), key.clone());
+        // Long enough to see the key free, not the whole lease it would be locked for.
+        let until = began + fault.length() + Duration::from_secs(3);
+        async move {
+            tokio::time::sleep(RETRY_EVERY).await;
+            retry_until(&nodes, &key, RETRY_EVERY, until, created).await
+        }
+    });
+    let (redis, back) = back.await.unwrap();
+    let (executed, seen) = retries.await.unwrap();
+    // The 201 came on turn `seen.len()`; the retries go on from the other replica until
+    // one replays it. A replica still reconnecting after a restart may answer 503 first.
+    let names = ["B", "A"];
+    let turn = seen.len();
+    let after = match &executed {
+        Some(_) => {
+            let nodes = [nodes[(turn + 1) % 2].clone(), nodes[turn % 2].clone()];
+            tokio::time::sleep(RETRY_EVERY).await;
+            let until = back + REPLAY_WITHIN;
+            Some(retry_until(&nodes, &key, RETRY_EVERY, until, replayed).await)
+        }
+        None => None,
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let runs = ledger.runs(&key);
+    let code = problem_code(&refused);
+    let to_201 = executed
+        .as_ref()
+        .map(|(_, at)| at.saturating_duration_since(back));
+    let executed = executed.map(|(reply, _)| reply);
+    let executed_header = executed
+        .as_ref()
+        .and_then(|reply| reply.header("idempotent-replayed"));
+    let (replay, between) = after.unwrap_or_default();
+    let to_replay = replay
+        .as_ref()
+        .map(|(_, at)| at.saturating_duration_since(back));
+    let same_body = replay.as_ref().is_some_and(|(reply, _)| {
+        Some(&reply.body) == executed.as_ref().map(|executed| &executed.body)
+    });
+    let then = match (&executed, &replay) {
+        (None, _) => "no 201".to_owned(),
+        (Some(executed), replay) => {
+            format!(
+                "first 201 {} after Redis returned, on {} ({}); then [{}] from {}, and {}",
+                or_never(to_201),
+                names[turn % 2],
+                describe(executed),
+                tally(&between),
+                names[(turn + 1) % 2],
+                match replay {
+                    Some((reply, _)) => format!(
+                        "on {} {} after Redis returned {} ({})",
+                        names[(turn + 1 + between.len()) % 2],
+                        or_never(to_replay),
+                        describe(reply),
+                        if same_body {
+                            "the 201's body"
+                        } else {
+                            "another body"
+                        },
+                    ),
+                    None => format!("no replay within {REPLAY_WITHIN:?}"),
+                }
+            )
+        }
+    };
+    eprintln!(
+        "refused, trial {trial}: {fault:?} from before the request, warm replicas: A refused it with {} {code:?} after {refused_after:?}; retries alternately on B and A every {RETRY_EVERY:?} saw [{}], {then}; executions {runs}",
+        refused.status,
+        tally(&seen),
+    );
+    let trial = format!("refused {fault:?}, trial {trial}");
+    broken.check(
+        &trial,
+        refused.status == StatusCode::SERVICE_UNAVAILABLE
+            && code.as_deref() == Some("idempotency.store_unavailable"),
+        format!(
+            "the request during the outage got {} {}",
+            refused.status,
+            refused.text()
+        ),
+    );
+    broken.check(
+        &trial,
+        seen.iter().all(|status| [409, 503].contains(status)),
+        format!("before the first 201, only 409 or 503: [{}]", tally(&seen)),
+    );
+    broken.check(
+        &trial,
+        executed_header == Some("false"),
+        format!(
+            "a retry ran the handler (201, idempotent-replayed false): got {executed_header:?}"
+        ),
+    );
+    broken.check(
+        &trial,
+        to_201.is_some_and(|to_201| to_201 <= EXECUTED_WITHIN),
+        format!(
+            "the first 201 came {} after Redis returned",
+            or_never(to_201)
+        ),
+    );
+    if executed.is_some() {
+        broken.check(
+            &trial,
+            replay.is_some() && same_body,
+            format!("the retries after the 201 replay it: {then}"),
+        );
+        broken.check(
+            &trial,
+            between.iter().all(|status| *status == 503),
+            format!(
+                "between the 201 and its replay, only 503: [{}]",
+                tally(&between)
+            ),
+        );
+    }
+    broken.check(&trial, runs == 1, format!("the handler ran {runs} times"));
+    drop(redis);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_that_timed_out_in_a_paused_redis_never_run_the_handler_twice() {
+    let mut broken = Broken::default();
+    for trial in 0..3 {
+        stale_claims_trial(trial, &mut broken).await;
+    }
+    broken.assert_none();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_while_redis_is_paused_does_not_lock_its_key() {
+    let mut broken = Broken::default();
+    for trial in 0..3 {
+        refused_trial(Fault::Pause(Duration::from_secs(2)), trial, &mut broken).await;
+    }
+    broken.assert_none();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_while_redis_is_killed_does_not_lock_its_key() {
+    let mut broken = Broken::default();
+    for trial in 0..3 {
+        refused_trial(Fault::Kill(Duration::from_secs(1)), trial, &mut broken).await;
+    }
+    broken.assert_none();
 }

@@ -141,8 +141,10 @@ pub enum Settlement {
     /// has found out.
     Failed(StoreError),
     /// The commit was sent but its answer was lost, and the store could not find out in
-    /// time whether it landed. The key is kept (a retry replays the outcome if the
-    /// commit landed, and runs again once the claim runs out if it did not).
+    /// time whether it landed. The layer then releases the lease from a task of its
+    /// own, which must never remove a stored outcome, and, for a store whose commit
+    /// holds the claim until it ends, waits for the commit: a retry replays the outcome
+    /// if the commit landed, and runs again once the store confirms it did not.
     Unknown(StoreError),
 }
 

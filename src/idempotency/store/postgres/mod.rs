@@ -310,10 +310,10 @@ async fn bounded_until<T>(
 /// The statements, written once for the store's table.
 ///
 /// Every statement that changes a row takes a deadline, by the database's clock, and
-/// raises an error instead of acting if it runs past it ([`in_time`]): a statement that
-/// sat in a paused server's socket, or behind a lock, after its caller gave up changes
-/// nothing. Statements inside the handler's transaction need none: nothing there
-/// stands without the commit.
+/// fails instead of acting if it acts past it ([`in_time`]): a statement that sat in a
+/// paused server's socket, or behind another transaction's lock, after its caller gave
+/// up changes nothing. Statements inside the handler's transaction need none: nothing
+/// there stands without the commit.
 struct Statements {
     begin: String,
     renew: String,
@@ -331,13 +331,25 @@ struct Statements {
 /// True while the statement runs no later than `$n` (microseconds since the Unix
 /// epoch, by the database's clock); past it, an error that names the deadline. The
 /// error's text is built from `clock_timestamp()` so the planner cannot fold it into a
-/// constant and raise it whether or not the branch is taken. Checked in each row's
-/// qualification, so a statement that waited for a row's lock checks it again once it
-/// holds the lock.
+/// constant and raise it whether or not the branch is taken.
 fn in_time(n: u8) -> String {
     format!(
         "(CASE WHEN (extract(epoch FROM clock_timestamp()) * 1000000)::bigint <= ${n} THEN true
           ELSE ('tower-ids: ' || clock_timestamp()::text || ' is past the deadline: the caller gave up')::boolean END)"
+    )
+}
+
+/// `change` (an `INSERT`, `UPDATE` or `DELETE` with a `RETURNING` list), refused past
+/// the deadline in `$n`: the deadline is checked on each row the change returns, so
+/// after the row was changed, and after any wait for its lock; past it, the error
+/// undoes the whole statement. (Checked in the change's own `WHERE`, it would be read
+/// before such a wait, and a lock whose holder rolls back is not checked again.)
+/// Returns what `change` returns, or, with `count`, how many rows it changed.
+fn guarded(change: &str, n: u8, count: bool) -> String {
+    let select = if count { "count(*)" } else { "*" };
+    format!(
+        "WITH changed AS ({change}) SELECT {select} FROM changed WHERE {}",
+        in_time(n)
     )
 }
 
@@ -347,7 +359,7 @@ impl Statements {
         // count of a lost claim (its requests were real) but not of an expired record.
         let begin = format!(
             "INSERT INTO {t} AS t (scope, token, fingerprint, first_seen_ms, epoch, expires_at)
-             SELECT $1, $2, $3, $4, $5, now() + $6 * interval '1 millisecond' WHERE {guard}
+             VALUES ($1, $2, $3, $4, $5, now() + $6 * interval '1 millisecond')
              ON CONFLICT (scope) DO UPDATE SET
                token = CASE WHEN t.expires_at > now() THEN t.token ELSE EXCLUDED.token END,
                completed = t.completed AND t.expires_at > now(),
@@ -359,33 +371,40 @@ impl Statements {
                request_count = CASE WHEN t.expires_at > now() OR NOT t.completed
                                     THEN t.request_count + 1 ELSE 1 END,
                expires_at = CASE WHEN t.expires_at > now() THEN t.expires_at ELSE EXCLUDED.expires_at END
-             WHERE {guard}
              RETURNING token, completed, fingerprint, first_seen_ms, epoch, request_count, record,
-               (extract(epoch FROM expires_at - now()) * 1000)::bigint AS ms_left",
-            guard = in_time(7)
+               (extract(epoch FROM expires_at - now()) * 1000)::bigint AS ms_left"
         );
-        let renew = format!(
-            "UPDATE {t} SET expires_at = now() + $3 * interval '1 millisecond'
-             WHERE scope = $1 AND token = $2 AND NOT completed AND expires_at > now() AND {}",
-            in_time(4)
+        let begin = guarded(&begin, 7, false);
+        let renew = guarded(
+            &format!(
+                "UPDATE {t} SET expires_at = now() + $3 * interval '1 millisecond'
+                 WHERE scope = $1 AND token = $2 AND NOT completed AND expires_at > now()
+                 RETURNING 1"
+            ),
+            4,
+            true,
         );
         let restore = format!(
             "INSERT INTO {t} AS t (scope, token, fingerprint, first_seen_ms, epoch, expires_at)
-             SELECT $1, $2, $3, $4, $5, now() + $6 * interval '1 millisecond' WHERE {guard}
+             VALUES ($1, $2, $3, $4, $5, now() + $6 * interval '1 millisecond')
              ON CONFLICT (scope) DO UPDATE SET
                token = EXCLUDED.token, completed = false, fingerprint = EXCLUDED.fingerprint,
                first_seen_ms = EXCLUDED.first_seen_ms, epoch = EXCLUDED.epoch, status = NULL,
                record = NULL, expires_at = EXCLUDED.expires_at,
                request_count = CASE WHEN t.token = EXCLUDED.token THEN t.request_count ELSE 1 END
-             WHERE ((t.token = EXCLUDED.token AND NOT t.completed) OR t.expires_at <= now())
-               AND {guard}",
-            guard = in_time(7)
+             WHERE (t.token = EXCLUDED.token AND NOT t.completed) OR t.expires_at <= now()
+             RETURNING 1"
         );
-        let complete = format!(
-            "UPDATE {t} SET completed = true, status = $3, record = $4,
-               expires_at = now() + $5 * interval '1 millisecond'
-             WHERE scope = $1 AND token = $2 AND NOT completed AND expires_at > now() AND {}",
-            in_time(6)
+        let restore = guarded(&restore, 7, true);
+        let complete = guarded(
+            &format!(
+                "UPDATE {t} SET completed = true, status = $3, record = $4,
+                   expires_at = now() + $5 * interval '1 millisecond'
+                 WHERE scope = $1 AND token = $2 AND NOT completed AND expires_at > now()
+                 RETURNING 1"
+            ),
+            6,
+            true,
         );
         // In the handler's transaction the claim is kept by renewal until the handler
         // returns; its lease running out since is no reason to roll the writes back.
@@ -397,26 +416,28 @@ impl Statements {
         let complete_late = format!(
             "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
                                     status, record, expires_at)
-             SELECT $1, $2, true, $3, $4, $5, $6, $7, now() + $8 * interval '1 millisecond'
-             WHERE {guard}
+             VALUES ($1, $2, true, $3, $4, $5, $6, $7, now() + $8 * interval '1 millisecond')
              ON CONFLICT (scope) DO UPDATE SET
                token = EXCLUDED.token, completed = true, fingerprint = EXCLUDED.fingerprint,
                first_seen_ms = EXCLUDED.first_seen_ms, epoch = EXCLUDED.epoch,
                status = EXCLUDED.status, record = EXCLUDED.record, expires_at = EXCLUDED.expires_at,
                request_count = CASE WHEN t.completed THEN 1 ELSE t.request_count END
-             WHERE ((t.token = EXCLUDED.token AND NOT t.completed) OR t.expires_at <= now())
-               AND {guard}",
-            guard = in_time(9)
+             WHERE (t.token = EXCLUDED.token AND NOT t.completed) OR t.expires_at <= now()
+             RETURNING 1"
         );
+        let complete_late = guarded(&complete_late, 9, true);
         let completed_by =
             format!("SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1");
         // Waits for the lock of any transaction still writing the row, so its answer
         // is final: the transaction that stored this token committed, or it did not.
         let committed_by =
             format!("SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1 FOR SHARE");
-        let release = format!(
-            "DELETE FROM {t} WHERE scope = $1 AND token = $2 AND NOT completed AND {}",
-            in_time(3)
+        let release = guarded(
+            &format!(
+                "DELETE FROM {t} WHERE scope = $1 AND token = $2 AND NOT completed RETURNING 1"
+            ),
+            3,
+            true,
         );
         let poll = format!(
             "SELECT completed, record, expires_at > now() AS live FROM {t} WHERE scope = $1"
@@ -575,21 +596,20 @@ impl IdempotencyStore for PostgresStore {
         let token = token_bytes(lease);
         let extended = self
             .bounded_by_deadline("renewing a claim in PostgreSQL", |deadline| {
-                sqlx::query(&self.shared.sql.renew)
+                sqlx::query_scalar::<_, i64>(&self.shared.sql.renew)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
                     .bind(millis_i64(claim.lease))
                     .bind(deadline)
-                    .execute(&self.shared.pool)
+                    .fetch_one(&self.shared.pool)
             })
-            .await?
-            .rows_affected();
+            .await?;
         if extended == 1 {
             return Ok(Renewal::Extended);
         }
         let restored = self
             .bounded_by_deadline("restoring a claim in PostgreSQL", |deadline| {
-                sqlx::query(&self.shared.sql.restore)
+                sqlx::query_scalar::<_, i64>(&self.shared.sql.restore)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
                     .bind(&claim.fingerprint.as_bytes()[..])
@@ -597,10 +617,9 @@ impl IdempotencyStore for PostgresStore {
                     .bind(epoch_i64(claim.epoch))
                     .bind(millis_i64(claim.lease))
                     .bind(deadline)
-                    .execute(&self.shared.pool)
+                    .fetch_one(&self.shared.pool)
             })
-            .await?
-            .rows_affected();
+            .await?;
         Ok(if restored == 1 {
             Renewal::Restored
         } else {
@@ -620,17 +639,16 @@ impl IdempotencyStore for PostgresStore {
         let status = status_i16(&record);
         let stored = self
             .bounded_by_deadline("storing a record in PostgreSQL", |deadline| {
-                sqlx::query(&self.shared.sql.complete)
+                sqlx::query_scalar::<_, i64>(&self.shared.sql.complete)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
                     .bind(status)
                     .bind(&encoded)
                     .bind(millis_i64(ttl))
                     .bind(deadline)
-                    .execute(&self.shared.pool)
+                    .fetch_one(&self.shared.pool)
             })
-            .await?
-            .rows_affected();
+            .await?;
         if stored == 1 {
             return Ok(Completion::Stored);
         }
@@ -638,7 +656,7 @@ impl IdempotencyStore for PostgresStore {
         // repeat of a completion whose answer was lost.
         let late = self
             .bounded_by_deadline("storing a record in PostgreSQL", |deadline| {
-                sqlx::query(&self.shared.sql.complete_late)
+                sqlx::query_scalar::<_, i64>(&self.shared.sql.complete_late)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
                     .bind(&record.fingerprint.as_bytes()[..])
@@ -648,10 +666,9 @@ impl IdempotencyStore for PostgresStore {
                     .bind(&encoded)
                     .bind(millis_i64(ttl))
                     .bind(deadline)
-                    .execute(&self.shared.pool)
+                    .fetch_one(&self.shared.pool)
             })
-            .await?
-            .rows_affected();
+            .await?;
         if late == 1 {
             return Ok(Completion::StoredWithoutClaim);
         }
@@ -675,14 +692,13 @@ impl IdempotencyStore for PostgresStore {
         let token = token_bytes(lease);
         let released = self
             .bounded_by_deadline("releasing a key in PostgreSQL", |deadline| {
-                sqlx::query(&self.shared.sql.release)
+                sqlx::query_scalar::<_, i64>(&self.shared.sql.release)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
                     .bind(deadline)
-                    .execute(&self.shared.pool)
+                    .fetch_one(&self.shared.pool)
             })
-            .await?
-            .rows_affected();
+            .await?;
         Ok(released == 1)
     }
 

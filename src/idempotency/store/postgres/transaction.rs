@@ -35,9 +35,10 @@ use crate::idempotency::{
 /// reads the record back by the request's fencing token, with `FOR SHARE`, which waits
 /// for the commit to end, for up to five of the store's timeouts: if it committed, the
 /// client gets the handler's answer; if not, `503 idempotency.not_committed`; if the
-/// database cannot be read in that time, `503 idempotency.outcome_unknown` (the key is
-/// kept: a retry replays the outcome if it committed and runs again, once the claim
-/// runs out, if it did not).
+/// database cannot be read in that time, `503 idempotency.outcome_unknown`: a retry
+/// replays the outcome if it committed, and runs again once the database can tell it
+/// did not (the layer's release waits behind the commit's lock on the claim's row, and
+/// never removes a completed record).
 ///
 /// The transaction begins on the first [`lock`](Self::lock), on a connection of the
 /// store's pool, and stays open until the response is stored: keep the pool larger
@@ -233,7 +234,7 @@ async fn commit(
             give_up,
             shared.timeout,
             "storing a record in the request's transaction",
-            sqlx::query(&shared.sql.complete_late)
+            sqlx::query_scalar::<_, i64>(&shared.sql.complete_late)
                 .bind(&scope.as_bytes()[..])
                 .bind(&token[..])
                 .bind(&record.fingerprint.as_bytes()[..])
@@ -243,11 +244,10 @@ async fn commit(
                 .bind(&encoded)
                 .bind(millis_i64(ttl))
                 .bind(deadline)
-                .execute(&mut *transaction),
+                .fetch_one(&mut *transaction),
         )
         .await
-        .map_err(Uncommitted::Failed)?
-        .rows_affected();
+        .map_err(Uncommitted::Failed)?;
         if late != 1 {
             // Dropping the transaction rolls the handler's writes back.
             return Err(Uncommitted::Failed(StoreError::new(
