@@ -611,19 +611,34 @@ async fn warm_up(a: &Node, b: &Node) {
     }
 }
 
-/// One trial: a 1 s handler on A under a 3 s lease, Redis paused for 2.9 s from 0.9 s
-/// into the handler, so A's claim runs out during the pause. A client retries on B
-/// every 300 ms from the start of the pause: B's claims time out (503) but stay queued
-/// in Redis, the first ahead of A's attempt to store its outcome.
-async fn stale_claims_trial(trial: usize, broken: &mut Broken) {
-    let at = Duration::from_millis(900);
-    let fault = Fault::Pause(Duration::from_millis(2900));
+/// Where a pause shorter than the lease falls in a handler's run.
+#[derive(Clone, Copy, Debug)]
+struct Outage {
+    lease: Duration,
+    handler: Duration,
+    /// When the pause begins, after the handler started.
+    at: Duration,
+    pause: Duration,
+}
+
+/// One trial: a handler on A, Redis paused for less than the lease from `at` into the
+/// handler. A client retries on B every 300 ms from the start of the pause: B's claims
+/// time out (503) but stay queued in Redis, the first ahead of A's attempt to store its
+/// outcome; A's own renewal, if one falls in the pause, times out too.
+async fn stale_claims_trial(trial: usize, outage: Outage, broken: &mut Broken) {
+    let Outage {
+        lease,
+        handler,
+        at,
+        pause,
+    } = outage;
+    let fault = Fault::Pause(pause);
     let Some(redis) = RedisServer::start() else {
         return;
     };
     let ledger = Ledger::default();
-    let a = Node::start(&redis.url(), &ledger, Some(SHORT_LEASE)).await;
-    let b = Node::start(&redis.url(), &ledger, Some(SHORT_LEASE)).await;
+    let a = Node::start(&redis.url(), &ledger, Some(lease)).await;
+    let b = Node::start(&redis.url(), &ledger, Some(lease)).await;
     warm_up(&a, &b).await;
     let key = format!("stale-claims-{trial}");
 
@@ -631,7 +646,7 @@ async fn stale_claims_trial(trial: usize, broken: &mut Broken) {
         let (a, key) = (a.clone(), key.clone());
         async move {
             let sent = Instant::now();
-            let reply = a.post(&key, Some(HANDLER)).await;
+            let reply = a.post(&key, Some(handler)).await;
             (reply, sent.elapsed())
         }
     });
@@ -660,12 +675,12 @@ async fn stale_claims_trial(trial: usize, broken: &mut Broken) {
         .and_then(|reply| reply.header("idempotent-replayed"));
     let same_body = answer.as_ref().map(|reply| reply.body == first.body);
     eprintln!(
-        "stale claims, trial {trial}: {fault:?} at {at:?} into a {HANDLER:?} handler on A, lease {SHORT_LEASE:?}, retries on B every {RETRY_EVERY:?}: executions {runs}, first answer {} after {answered:?}, retries saw [{}], first 201 {} after Redis returned (idempotent-replayed {replayed_header:?}, the first answer's body {same_body:?})",
+        "stale claims, trial {trial}: {fault:?} at {at:?} into a {handler:?} handler on A, lease {lease:?}, retries on B every {RETRY_EVERY:?}: executions {runs}, first answer {} after {answered:?}, retries saw [{}], first 201 {} after Redis returned (idempotent-replayed {replayed_header:?}, the first answer's body {same_body:?})",
         first.status,
         tally(&seen),
         or_never(to_201),
     );
-    let trial = format!("stale claims, trial {trial}");
+    let trial = format!("stale claims, trial {trial}, {outage:?}");
     broken.check(&trial, runs == 1, format!("the handler ran {runs} times"));
     broken.check(
         &trial,
@@ -674,7 +689,7 @@ async fn stale_claims_trial(trial: usize, broken: &mut Broken) {
     );
     broken.check(
         &trial,
-        answered < HANDLER + Duration::from_secs(1),
+        answered < handler + Duration::from_secs(1),
         format!("the first client waited {answered:?}"),
     );
     broken.check(
@@ -847,9 +862,41 @@ async fn refused_trial(fault: Fault, trial: usize, broken: &mut Broken) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_that_timed_out_in_a_paused_redis_never_run_the_handler_twice() {
+    let ms = Duration::from_millis;
+    // A 3 s lease: renewals every 750 ms, each write of the claim holding it 4.5 s.
+    let short = |handler, at, pause| Outage {
+        lease: SHORT_LEASE,
+        handler: ms(handler),
+        at: ms(at),
+        pause: ms(pause),
+    };
+    let trials = [
+        // Just after the first renewal; the claim of the old schedule ran out in it.
+        short(1000, 900, 2900),
+        short(1000, 900, 2900),
+        short(1000, 900, 2900),
+        // Just before the first renewal, for nearly the whole lease.
+        short(2000, 700, 2950),
+        short(2000, 700, 2950),
+        // The default 10 s lease: a 7 s pause from 3.25 s into a 5 s handler (just
+        // before the old schedule's first renewal), and 9.5 s from 2.45 s (just before
+        // the new one's).
+        Outage {
+            lease: Duration::from_secs(10),
+            handler: ms(5000),
+            at: ms(3250),
+            pause: ms(7000),
+        },
+        Outage {
+            lease: Duration::from_secs(10),
+            handler: ms(5000),
+            at: ms(2450),
+            pause: ms(9500),
+        },
+    ];
     let mut broken = Broken::default();
-    for trial in 0..3 {
-        stale_claims_trial(trial, &mut broken).await;
+    for (trial, outage) in trials.into_iter().enumerate() {
+        stale_claims_trial(trial, outage, &mut broken).await;
     }
     broken.assert_none();
 }
