@@ -3,7 +3,8 @@
 //! restarted under a running layer, and records that expire in Redis.
 //!
 //! The fault trials (`faults.rs`) pause Redis, kill and restart it around the moment the
-//! handler returns, and count executions.
+//! handler returns, and count executions. `cluster.rs` runs the store on a six-node
+//! Redis Cluster made by the test and kills the primary of a key's slot.
 //!
 //! Each test starts its own `redis-server` from `PATH` on a free loopback port in a
 //! temporary directory (without persistence unless a test says so) and kills it when
@@ -18,6 +19,8 @@ mod support;
 #[path = "../contract/mod.rs"]
 mod contract;
 
+mod cluster;
+mod cluster_server;
 mod faults;
 mod messages;
 mod server;

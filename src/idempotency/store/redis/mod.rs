@@ -4,12 +4,13 @@ use std::{
 };
 
 use moka::{future::Cache, policy::EvictionPolicy, Expiry};
-use redis::{
-    aio::{ConnectionManager, ConnectionManagerConfig},
-    Script,
-};
+use redis::{Cmd, FromRedisValue};
 use serde::{Deserialize, Serialize};
 
+use self::{
+    connection::{Connection, Wait},
+    scripts::{StoreScript, BEGIN, COMPLETE, COUNT, RELEASE, RENEW, TOKEN_LEN},
+};
 use super::{
     codec::{decode, decode_record, encode, encode_record, from_millis, millis},
     deadline::{read_in_background, StoreClock},
@@ -18,6 +19,9 @@ use super::{
 };
 use crate::idempotency::{Fingerprint, ScopeKey};
 
+mod connection;
+mod scripts;
+
 /// Default prefix of the store's Redis keys.
 pub const DEFAULT_REDIS_PREFIX: &str = "tower-ids:idem:";
 
@@ -25,134 +29,6 @@ pub const DEFAULT_REDIS_PREFIX: &str = "tower-ids:idem:";
 /// millisecond on a healthy network; past this the store is failing, and the layer
 /// answers by its store-failure rule rather than hang the request.
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(250);
-
-/// Bytes of fencing token at the head of a claim's value.
-const TOKEN_LEN: usize = 16;
-
-/// The head of every script that changes state: refuses to act past the deadline in
-/// `ARGV[$n]` (microseconds since the Unix epoch, by Redis's clock; see
-/// [`StoreClock`](super::deadline::StoreClock) for how it is set without synchronised
-/// clocks), so a command that reaches Redis after its caller gave up changes nothing.
-macro_rules! refuse_when_late {
-    ($n:literal) => {
-        concat!(
-            "local now = redis.call('TIME')\n",
-            "if tonumber(now[1]) * 1000000 + tonumber(now[2]) > tonumber(ARGV[",
-            $n,
-            "]) then\n",
-            "  return redis.error_reply('LATE the command reached Redis after its caller gave up; it changed nothing')\n",
-            "end\n"
-        )
-    };
-}
-
-/// Claims the scope unless a record or a live claim holds it; counts the request. A
-/// claim already carrying this value's token is this call repeated: claimed, not
-/// counted again.
-/// KEYS: record, claim, count. ARGV: claim value (token first), lease ms, deadline.
-/// Returns {kind, value, count, record ms left}: kind 0 claimed, 1 record, 2 in flight.
-const BEGIN: &str = concat!(
-    refuse_when_late!("3"),
-    r"
-local record = redis.call('GET', KEYS[1])
-if record then
-  local n = redis.call('INCR', KEYS[3])
-  return {1, record, n, redis.call('PTTL', KEYS[1])}
-end
-local claim = redis.call('GET', KEYS[2])
-if claim then
-  if string.sub(claim, 1, 16) == string.sub(ARGV[1], 1, 16) then
-    return {0, '', tonumber(redis.call('GET', KEYS[3]) or '1'), 0}
-  end
-  return {2, claim, redis.call('INCR', KEYS[3]), 0}
-end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-local n = redis.call('INCR', KEYS[3])
-redis.call('PEXPIRE', KEYS[3], ARGV[2])
-return {0, '', n, 0}
-"
-);
-
-/// Extends the claim carrying this token; puts it back if it is gone and no record
-/// took its place.
-/// KEYS: record, claim, count. ARGV: claim value (token first), lease ms, deadline.
-/// Returns 1 extended, 2 restored, 0 lost.
-const RENEW: &str = concat!(
-    refuse_when_late!("3"),
-    r"
-local claim = redis.call('GET', KEYS[2])
-if claim then
-  if string.sub(claim, 1, 16) ~= string.sub(ARGV[1], 1, 16) then
-    return 0
-  end
-  redis.call('PEXPIRE', KEYS[2], ARGV[2])
-  redis.call('PEXPIRE', KEYS[3], ARGV[2])
-  return 1
-end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return 0
-end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-return 2
-"
-);
-
-/// Stores the record unless another claim or another record holds the scope. A record
-/// already carrying this token is this call repeated.
-/// KEYS: record, claim, count. ARGV: token, record (token first), ttl ms, deadline.
-/// Returns 1 stored, 2 stored with the claim gone, 0 superseded.
-const COMPLETE: &str = concat!(
-    refuse_when_late!("4"),
-    r"
-local stored = redis.call('GETRANGE', KEYS[1], 0, 15)
-if stored ~= '' then
-  if stored == ARGV[1] then
-    return 1
-  end
-  return 0
-end
-local claim = redis.call('GET', KEYS[2])
-local result = 2
-if claim then
-  if string.sub(claim, 1, 16) ~= ARGV[1] then
-    return 0
-  end
-  result = 1
-end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-redis.call('DEL', KEYS[2])
-redis.call('PEXPIRE', KEYS[3], ARGV[3])
-return result
-"
-);
-
-/// Counts a request for a record this replica already holds; a count key that expired
-/// or was evicted is recreated with the record's remaining time, never without expiry.
-/// KEYS: count. ARGV: ms the record has left, deadline.
-const COUNT: &str = concat!(
-    refuse_when_late!("2"),
-    r"
-local n = redis.call('INCR', KEYS[1])
-if redis.call('PTTL', KEYS[1]) < 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
-end
-return n
-"
-);
-
-/// Drops the claim if it still carries this token.
-/// KEYS: claim. ARGV: token, deadline.
-const RELEASE: &str = concat!(
-    refuse_when_late!("2"),
-    r"
-local claim = redis.call('GET', KEYS[1])
-if not claim or string.sub(claim, 1, 16) ~= ARGV[1] then
-  return 0
-end
-redis.call('DEL', KEYS[1])
-return 1
-"
-);
 
 /// A store in Redis (or Valkey), shared by every replica of a service, so a retry that
 /// lands on another replica is still a duplicate.
@@ -170,6 +46,13 @@ return 1
 /// Waiting for a request in flight polls with backoff (5 ms doubling to 100 ms) up to
 /// the wait timeout, so it works across replicas without a subscription.
 ///
+/// On Redis Cluster ([`RedisStore::cluster`]) the same scripts run on the primary of
+/// the scope's slot: the hash tag keeps one scope's keys in one slot, and the cluster
+/// client follows the topology (`MOVED`, `ASK`, a replica promoted) by itself. A write
+/// a primary acknowledged can still be lost if it dies before its replica has it and
+/// the replica is promoted: [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas)
+/// makes a claim and a completion count only once replicas acknowledged them.
+///
 /// Every command is bounded by [`command_timeout`](RedisStoreBuilder::command_timeout);
 /// a timeout or a lost connection is a [`StoreError`], and the connection manager
 /// reconnects by itself when Redis comes back. Every script that changes state also
@@ -182,21 +65,27 @@ return 1
 ///
 /// # Clone
 ///
-/// Clones share one connection manager and the optional local cache.
+/// Clones share one connection (manager, or cluster client) and the optional local
+/// cache.
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: ConnectionManager,
+    connection: Connection,
     prefix: Arc<str>,
     command_timeout: Duration,
+    wait: Option<Wait>,
     local: Option<Cache<ScopeKey, Local>>,
     clock: Arc<dyn Clock>,
     /// What Redis's clock is known to read, for the deadline every command carries.
     redis_clock: Arc<StoreClock>,
-    begin: Arc<Script>,
-    renew: Arc<Script>,
-    complete: Arc<Script>,
-    release: Arc<Script>,
-    count: Arc<Script>,
+    scripts: Arc<Scripts>,
+}
+
+struct Scripts {
+    begin: StoreScript,
+    renew: StoreScript,
+    complete: StoreScript,
+    release: StoreScript,
+    count: StoreScript,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -204,6 +93,11 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
             .field("command_timeout", &self.command_timeout)
+            .field(
+                "cluster",
+                &matches!(self.connection, Connection::Cluster(_)),
+            )
+            .field("wait", &self.wait)
             .field("local_cache", &self.local.is_some())
             .finish_non_exhaustive()
     }
@@ -212,9 +106,11 @@ impl std::fmt::Debug for RedisStore {
 /// Builds a [`RedisStore`].
 #[must_use]
 pub struct RedisStoreBuilder {
-    url: String,
+    /// One node's URL, or a cluster's seed nodes.
+    target: Target,
     prefix: String,
     command_timeout: Duration,
+    wait: Option<Wait>,
     local_cache_bytes: Option<u64>,
     clock: Arc<dyn Clock>,
 }
@@ -229,6 +125,20 @@ impl RedisStoreBuilder {
     /// The longest a Redis command may take. Default [`DEFAULT_COMMAND_TIMEOUT`].
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.command_timeout = timeout;
+        self
+    }
+
+    /// Counts a claim and a completion only once `replicas` replicas acknowledged them
+    /// (Redis's `WAIT`, sent right behind the write on the same connection), waiting
+    /// at most `timeout` (on top of the command timeout). Not acknowledged in time is a
+    /// store failure: a claim is given up and its request answered `503` without
+    /// running; a completion is kept by the layer and stored again until it is
+    /// acknowledged, never released. This closes the window in which a primary that
+    /// dies right after acknowledging a write loses it to a replica promoted without
+    /// it, at the cost of a replica round trip on every first execution (replays read,
+    /// and wait for nothing). `0` (the default) waits for none.
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait = (replicas > 0).then_some(Wait { replicas, timeout });
         self
     }
 
@@ -249,26 +159,22 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connects. Fails if the URL is invalid or Redis cannot be reached now; once
+    /// Connects. Fails if a URL is invalid or Redis cannot be reached now; once
     /// connected, the store reconnects by itself.
     pub async fn build(self) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(self.url.as_str())
-            .map_err(|e| StoreError::with_source("invalid Redis URL", e))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.command_timeout))
-            .set_response_timeout(Some(self.command_timeout))
-            .set_max_delay(Duration::from_secs(1));
-        let connection = tokio::time::timeout(
-            self.command_timeout * 4,
-            ConnectionManager::new_with_config(client, config),
-        )
-        .await
-        .map_err(|_| StoreError::new("timed out connecting to Redis"))?
-        .map_err(|e| StoreError::with_source("could not connect to Redis", e))?;
+        // The client's own bound on an answer leaves room for the replicas' wait; the
+        // store bounds each command itself.
+        let answer_within = self.command_timeout + self.wait.map_or(Duration::ZERO, |w| w.timeout);
+        let connection = match &self.target {
+            Target::Node(url) => Connection::node(url, self.command_timeout, answer_within).await?,
+            Target::Cluster(seeds) => {
+                Connection::cluster(seeds, self.command_timeout, answer_within).await?
+            }
+        };
         let redis_clock = Arc::new(StoreClock::new(self.command_timeout));
         let read_clock = {
             let connection = connection.clone();
-            move || read_time(connection.clone())
+            move || connection.clone().time()
         };
         for _ in 0..3 {
             redis_clock.read(self.command_timeout, read_clock()).await?;
@@ -290,14 +196,17 @@ impl RedisStoreBuilder {
             connection,
             prefix: self.prefix.into(),
             command_timeout: self.command_timeout,
+            wait: self.wait,
             local,
             clock: self.clock,
             redis_clock,
-            begin: Arc::new(Script::new(BEGIN)),
-            renew: Arc::new(Script::new(RENEW)),
-            complete: Arc::new(Script::new(COMPLETE)),
-            release: Arc::new(Script::new(RELEASE)),
-            count: Arc::new(Script::new(COUNT)),
+            scripts: Arc::new(Scripts {
+                begin: StoreScript::new(BEGIN),
+                renew: StoreScript::new(RENEW),
+                complete: StoreScript::new(COMPLETE),
+                release: StoreScript::new(RELEASE),
+                count: StoreScript::new(COUNT),
+            }),
         })
     }
 }
@@ -305,10 +214,26 @@ impl RedisStoreBuilder {
 impl RedisStore {
     /// A builder for a store at `url` (`redis://host:port/db`).
     pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        Self::builder_for(Target::Node(url.into()))
+    }
+
+    /// A builder for a store on the Redis Cluster that `seeds` (`redis://host:port`,
+    /// one or more of its nodes) belong to; the client learns the rest of the cluster
+    /// from them.
+    pub fn cluster<I, S>(seeds: I) -> RedisStoreBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self::builder_for(Target::Cluster(seeds.into_iter().map(Into::into).collect()))
+    }
+
+    fn builder_for(target: Target) -> RedisStoreBuilder {
         RedisStoreBuilder {
-            url: url.into(),
+            target,
             prefix: DEFAULT_REDIS_PREFIX.to_owned(),
             command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            wait: None,
             local_cache_bytes: None,
             clock: Arc::new(SystemClock),
         }
@@ -328,48 +253,49 @@ impl RedisStore {
         ]
     }
 
-    /// Runs one command under the command timeout, passing it the deadline (by
-    /// Redis's clock) past which Redis refuses it. A command that fails because the
+    /// Runs `script` under the command timeout (and the replicas' wait, if `durable`
+    /// and the store waits for them), with the call `call` makes given its deadline by
+    /// Redis's clock, past which Redis refuses it. A call that fails because the
     /// connection broke (Redis restarted, a proxy cut it) is sent once more, with a
-    /// deadline of its own: the connection manager reconnects as soon as it sees the
-    /// failure, and every script here has the effect of one call when repeated with
-    /// the same token.
-    async fn bounded<T, F>(
+    /// deadline of its own: the connection reconnects as soon as it sees the failure,
+    /// and every script here has the effect of one call when repeated with the same
+    /// token. Returns the answer and, when waited for, how many replicas acknowledged.
+    async fn bounded<T: FromRedisValue>(
         &self,
         what: &'static str,
-        command: impl Fn(ConnectionManager, i64) -> F,
-    ) -> Result<T, StoreError>
-    where
-        F: std::future::Future<Output = redis::RedisResult<T>>,
-    {
-        match self.attempt(what, &command).await {
+        script: &StoreScript,
+        durable: bool,
+        call: impl Fn(i64) -> Cmd,
+    ) -> Result<(T, Option<u64>), StoreError> {
+        let wait = self.wait.filter(|_| durable);
+        match self.attempt(what, script, wait, &call).await {
             Err(Failure::Connection(_)) => self
-                .attempt(what, &command)
+                .attempt(what, script, wait, &call)
                 .await
                 .map_err(|failure| failure.into_error(what)),
             first => first.map_err(|failure| failure.into_error(what)),
         }
     }
 
-    async fn attempt<T, F>(
+    async fn attempt<T: FromRedisValue>(
         &self,
         what: &'static str,
-        command: impl Fn(ConnectionManager, i64) -> F,
-    ) -> Result<T, Failure>
-    where
-        F: std::future::Future<Output = redis::RedisResult<T>>,
-    {
-        let give_up = Instant::now() + self.command_timeout;
+        script: &StoreScript,
+        wait: Option<Wait>,
+        call: impl Fn(i64) -> Cmd,
+    ) -> Result<(T, Option<u64>), Failure> {
+        let timeout = self.command_timeout + wait.map_or(Duration::ZERO, |wait| wait.timeout);
+        let give_up = Instant::now() + timeout;
         let deadline = self
             .redis_clock
             .deadline_or_read(give_up, self.command_timeout, || {
-                read_time(self.connection.clone())
+                self.connection.clone().time()
             })
             .await
             .map_err(Failure::Other)?;
-        let command = command(self.connection.clone(), deadline);
-        match tokio::time::timeout_at(give_up.into(), command).await {
-            Ok(Ok(value)) => Ok(value),
+        let run = self.connection.clone().run(script, call(deadline), wait);
+        match tokio::time::timeout_at(give_up.into(), run).await {
+            Ok(Ok(answer)) => Ok(answer),
             // A timeout is not a broken connection: Redis may be paused, and a second
             // attempt would only double the wait.
             Ok(Err(error))
@@ -380,9 +306,25 @@ impl RedisStore {
             }
             Ok(Err(error)) => Err(Failure::Other(StoreError::with_source(what, error))),
             Err(_) => Err(Failure::Other(StoreError::new(format!(
-                "{what}: timed out after {:?}",
-                self.command_timeout
+                "{what}: timed out after {timeout:?}"
             )))),
+        }
+    }
+
+    /// Fails unless `acknowledged` replicas are as many as the store waits for.
+    fn acknowledged(
+        &self,
+        what: &'static str,
+        acknowledged: Option<u64>,
+    ) -> Result<(), StoreError> {
+        match (self.wait, acknowledged) {
+            (Some(wait), Some(acknowledged)) if acknowledged < u64::from(wait.replicas) => {
+                Err(StoreError::new(format!(
+                    "{what}: acknowledged by {acknowledged} of the {} replicas required within {:?}",
+                    wait.replicas, wait.timeout
+                )))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -401,6 +343,12 @@ impl RedisStore {
             tokio::spawn(async move { local.insert(scope, entry).await });
         }
     }
+}
+
+/// What the store connects to.
+enum Target {
+    Node(String),
+    Cluster(Vec<String>),
 }
 
 /// Why one attempt at a command failed.
@@ -442,11 +390,12 @@ impl IdempotencyStore for RedisStore {
             if let Some(hit) = local.get(scope).await {
                 let left = hit.expires_at.saturating_duration_since(Instant::now());
                 let left_ms = left.as_millis().max(1) as u64;
-                let request_count: u64 = self
-                    .bounded("counting a request in Redis", |mut connection, deadline| {
-                        let mut count = self.count.prepare_invoke();
-                        count.key(&count_key).arg(left_ms).arg(deadline);
-                        async move { count.invoke_async(&mut connection).await }
+                let script = &self.scripts.count;
+                let (request_count, _): (u64, _) = self
+                    .bounded("counting a request in Redis", script, false, |deadline| {
+                        let mut call = script.call(&[&count_key]);
+                        call.arg(left_ms).arg(deadline);
+                        call
                     })
                     .await?;
                 return Ok(Begin::Completed {
@@ -462,21 +411,24 @@ impl IdempotencyStore for RedisStore {
         };
         let value = claim_value(&lease, &claim)?;
         let lease_ms = millis_of(claim.lease);
-        let (kind, data, request_count, record_ms): (i64, Vec<u8>, u64, i64) = self
-            .bounded("claiming a key in Redis", |mut connection, deadline| {
-                let mut begin = self.begin.prepare_invoke();
-                begin
-                    .key(&record_key)
-                    .key(&claim_key)
-                    .key(&count_key)
-                    .arg(&value)
-                    .arg(lease_ms)
-                    .arg(deadline);
-                async move { begin.invoke_async(&mut connection).await }
+        let script = &self.scripts.begin;
+        let ((kind, data, request_count, record_ms), acknowledged): ((i64, Vec<u8>, u64, i64), _) =
+            self.bounded("claiming a key in Redis", script, true, |deadline| {
+                let mut call = script.call(&[&record_key, &claim_key, &count_key]);
+                call.arg(&value).arg(lease_ms).arg(deadline);
+                call
             })
             .await?;
         match kind {
-            0 => Ok(Begin::Claimed { lease }),
+            0 => {
+                if let Err(error) = self.acknowledged("claiming a key in Redis", acknowledged) {
+                    // Nothing ran: give the claim up rather than lock the key for a
+                    // lease. If this fails too, the claim runs out by itself.
+                    let _ = self.release(scope, &lease).await;
+                    return Err(error);
+                }
+                Ok(Begin::Claimed { lease })
+            }
             1 => {
                 let record = Arc::new(decode_stored(&data)?);
                 let ttl = Duration::from_millis(u64::try_from(record_ms).unwrap_or(0));
@@ -507,19 +459,17 @@ impl IdempotencyStore for RedisStore {
         let [record_key, claim_key, count_key] = self.keys(scope);
         let value = claim_value(lease, claim)?;
         let lease_ms = millis_of(claim.lease);
-        let renewed: i64 = self
-            .bounded("renewing a claim in Redis", |mut connection, deadline| {
-                let mut renew = self.renew.prepare_invoke();
-                renew
-                    .key(&record_key)
-                    .key(&claim_key)
-                    .key(&count_key)
-                    .arg(&value)
-                    .arg(lease_ms)
-                    .arg(deadline);
-                async move { renew.invoke_async(&mut connection).await }
+        let script = &self.scripts.renew;
+        let (renewed, acknowledged): (i64, _) = self
+            .bounded("renewing a claim in Redis", script, true, |deadline| {
+                let mut call = script.call(&[&record_key, &claim_key, &count_key]);
+                call.arg(&value).arg(lease_ms).arg(deadline);
+                call
             })
             .await?;
+        if renewed != 0 {
+            self.acknowledged("renewing a claim in Redis", acknowledged)?;
+        }
         Ok(match renewed {
             1 => Renewal::Extended,
             2 => Renewal::Restored,
@@ -539,18 +489,12 @@ impl IdempotencyStore for RedisStore {
         let mut encoded = token.clone();
         encoded.extend(encode_record(&record)?);
         let ttl_ms = millis_of(ttl);
-        let completed: i64 = self
-            .bounded("storing a record in Redis", |mut connection, deadline| {
-                let mut complete = self.complete.prepare_invoke();
-                complete
-                    .key(&record_key)
-                    .key(&claim_key)
-                    .key(&count_key)
-                    .arg(&token)
-                    .arg(&encoded)
-                    .arg(ttl_ms)
-                    .arg(deadline);
-                async move { complete.invoke_async(&mut connection).await }
+        let script = &self.scripts.complete;
+        let (completed, acknowledged): (i64, _) = self
+            .bounded("storing a record in Redis", script, true, |deadline| {
+                let mut call = script.call(&[&record_key, &claim_key, &count_key]);
+                call.arg(&token).arg(&encoded).arg(ttl_ms).arg(deadline);
+                call
             })
             .await?;
         let completion = match completed {
@@ -559,6 +503,9 @@ impl IdempotencyStore for RedisStore {
             _ => Completion::Superseded,
         };
         if completion.is_stored() {
+            // Not acknowledged, it is a failure the layer answers by keeping the
+            // outcome and completing again (the same token: stored once), until it is.
+            self.acknowledged("storing a record in Redis", acknowledged)?;
             self.remember(scope, &record, ttl);
         }
         Ok(completion)
@@ -567,11 +514,12 @@ impl IdempotencyStore for RedisStore {
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
         let [_, claim_key, _] = self.keys(scope);
         let token = lease_token(lease);
-        let released: i64 = self
-            .bounded("releasing a key in Redis", |mut connection, deadline| {
-                let mut release = self.release.prepare_invoke();
-                release.key(&claim_key).arg(&token).arg(deadline);
-                async move { release.invoke_async(&mut connection).await }
+        let script = &self.scripts.release;
+        let (released, _): (i64, _) = self
+            .bounded("releasing a key in Redis", script, false, |deadline| {
+                let mut call = script.call(&[&claim_key]);
+                call.arg(&token).arg(deadline);
+                call
             })
             .await?;
         Ok(released == 1)
@@ -582,17 +530,24 @@ impl IdempotencyStore for RedisStore {
         let deadline = tokio::time::Instant::now() + timeout;
         let mut pause = Duration::from_millis(5);
         loop {
-            // A read: harmless when late, so its deadline is not checked.
-            let poll = self.bounded("polling a key in Redis", |mut connection, _| {
-                let mut mget = redis::cmd("MGET");
-                mget.arg(&record_key).arg(&claim_key);
-                async move { mget.query_async(&mut connection).await }
-            });
+            // A read: harmless when late, so it carries no deadline.
+            let mut connection = self.connection.clone();
+            let mut mget = redis::cmd("MGET");
+            mget.arg(&record_key).arg(&claim_key);
+            let poll = mget.query_async::<(Option<Vec<u8>>, Option<Vec<u8>>)>(&mut connection);
+            let poll = tokio::time::timeout(self.command_timeout, poll);
             // The wait ends at its deadline even if Redis is slow to answer.
             let Ok(polled) = tokio::time::timeout_at(deadline, poll).await else {
                 return Ok(Settled::TimedOut);
             };
-            let (record, claim): (Option<Vec<u8>>, Option<Vec<u8>>) = polled?;
+            let (record, claim) = polled
+                .map_err(|_| {
+                    StoreError::new(format!(
+                        "polling a key in Redis: timed out after {:?}",
+                        self.command_timeout
+                    ))
+                })?
+                .map_err(|e| StoreError::with_source("polling a key in Redis", e))?;
             match (record, claim) {
                 (Some(record), _) => {
                     return Ok(Settled::Completed {
@@ -610,15 +565,6 @@ impl IdempotencyStore for RedisStore {
             pause = (pause * 2).min(Duration::from_millis(100));
         }
     }
-}
-
-/// Redis's clock, in microseconds since the Unix epoch.
-async fn read_time(mut connection: ConnectionManager) -> Result<i64, StoreError> {
-    let (seconds, micros): (i64, i64) = redis::cmd("TIME")
-        .query_async(&mut connection)
-        .await
-        .map_err(|e| StoreError::with_source("reading Redis's clock", e))?;
-    Ok(seconds.saturating_mul(1_000_000).saturating_add(micros))
 }
 
 /// A claim's value: the lease's token, then what a duplicate needs to know of the

@@ -1,0 +1,204 @@
+//! The store's way to Redis: one node, or a cluster whose client follows its topology
+//! (MOVED, ASK, failovers) by itself; and, optionally, replicas' acknowledgement of a
+//! write (`WAIT`) on the same connection as the write.
+
+use std::time::Duration;
+
+use redis::{
+    aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
+    cluster::ClusterClient,
+    cluster_async::ClusterConnection,
+    cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo},
+    Cmd, FromRedisValue, Pipeline, RedisFuture, RedisResult, Value,
+};
+
+use super::scripts::StoreScript;
+use crate::idempotency::store::StoreError;
+
+/// A connection to one Redis node (reconnecting by itself) or to a cluster.
+#[derive(Clone)]
+pub(super) enum Connection {
+    Node(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Node(connection) => connection.req_packed_command(cmd),
+            Self::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Node(connection) => connection.req_packed_commands(cmd, offset, count),
+            Self::Cluster(connection) => connection.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Node(connection) => connection.get_db(),
+            Self::Cluster(connection) => connection.get_db(),
+        }
+    }
+}
+
+impl Connection {
+    /// Connects to the node at `url`, within `timeout`; answers are awaited for
+    /// `answer_within`.
+    pub(super) async fn node(
+        url: &str,
+        timeout: Duration,
+        answer_within: Duration,
+    ) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url)
+            .map_err(|e| StoreError::with_source("invalid Redis URL", e))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(answer_within))
+            .set_max_delay(Duration::from_secs(1));
+        let connection = tokio::time::timeout(
+            timeout * 4,
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| StoreError::new("timed out connecting to Redis"))?
+        .map_err(|e| StoreError::with_source("could not connect to Redis", e))?;
+        Ok(Self::Node(connection))
+    }
+
+    /// Connects to the cluster that `seeds` belong to, within `timeout`; answers are
+    /// awaited for `answer_within`.
+    pub(super) async fn cluster(
+        seeds: &[String],
+        timeout: Duration,
+        answer_within: Duration,
+    ) -> Result<Self, StoreError> {
+        let client = ClusterClient::builder(seeds.iter().map(String::as_str))
+            .connection_timeout(timeout)
+            .response_timeout(answer_within)
+            // A failover takes seconds: the store's own timeout, not the client's
+            // retries, decides how long a request waits for it.
+            .retries(2)
+            .build()
+            .map_err(|e| StoreError::with_source("invalid Redis Cluster seed URLs", e))?;
+        let connection = tokio::time::timeout(timeout * 4, client.get_async_connection())
+            .await
+            .map_err(|_| StoreError::new("timed out connecting to Redis Cluster"))?
+            .map_err(|e| StoreError::with_source("could not connect to Redis Cluster", e))?;
+        Ok(Self::Cluster(connection))
+    }
+
+    /// Redis's clock, in microseconds since the Unix epoch. On a cluster, the earliest
+    /// of its primaries' clocks: the deadline then bounds the node whose clock is
+    /// furthest behind, and so every node.
+    pub(super) async fn time(self) -> Result<i64, StoreError> {
+        let failed = |e| StoreError::with_source("reading Redis's clock", e);
+        let value = match self {
+            Self::Node(mut connection) => redis::cmd("TIME")
+                .query_async::<Value>(&mut connection)
+                .await
+                .map_err(failed)?,
+            Self::Cluster(mut connection) => connection
+                .route_command(
+                    redis::cmd("TIME"),
+                    RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),
+                )
+                .await
+                .map_err(failed)?,
+        };
+        let mut times = Vec::new();
+        collect_times(&value, &mut times);
+        times
+            .into_iter()
+            .min()
+            .ok_or_else(|| StoreError::new("reading Redis's clock: TIME answered nothing"))
+    }
+
+    /// Runs `call` of `script` and, with `wait`, waits for replicas to acknowledge it
+    /// (`WAIT` pipelined behind it, so on the connection that wrote); returns its
+    /// answer and how many replicas acknowledged. A server that does not know the
+    /// script yet (`NOSCRIPT`: a fresh node, a promoted replica) is sent it once.
+    pub(super) async fn run<T: FromRedisValue>(
+        mut self,
+        script: &StoreScript,
+        call: Cmd,
+        wait: Option<Wait>,
+    ) -> RedisResult<(T, Option<u64>)> {
+        let mut loaded = false;
+        loop {
+            let answer = match wait {
+                None => call
+                    .query_async::<T>(&mut self)
+                    .await
+                    .map(|value| (value, None)),
+                Some(wait) => {
+                    let mut pipe = redis::pipe();
+                    pipe.add_command(call.clone())
+                        .cmd("WAIT")
+                        .arg(wait.replicas)
+                        .arg(
+                            u64::try_from(wait.timeout.as_millis())
+                                .unwrap_or(u64::MAX)
+                                .max(1),
+                        );
+                    pipe.query_async::<(T, u64)>(&mut self)
+                        .await
+                        .map(|(value, acknowledged)| (value, Some(acknowledged)))
+                }
+            };
+            match answer {
+                Err(error) if !loaded && error.code() == Some("NOSCRIPT") => {
+                    redis::cmd("SCRIPT")
+                        .arg("LOAD")
+                        .arg(script.source())
+                        .query_async::<Value>(&mut self)
+                        .await?;
+                    loaded = true;
+                }
+                answer => return answer,
+            }
+        }
+    }
+}
+
+/// How many replicas must acknowledge a claim or a completion, and how long to wait.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Wait {
+    pub(super) replicas: u32,
+    pub(super) timeout: Duration,
+}
+
+/// Every `TIME` answer (two integers) in `value`, as microseconds.
+fn collect_times(value: &Value, times: &mut Vec<i64>) {
+    let integer = |value: &Value| -> Option<i64> {
+        match value {
+            Value::Int(n) => Some(*n),
+            Value::BulkString(bytes) => std::str::from_utf8(bytes).ok()?.parse().ok(),
+            Value::SimpleString(text) => text.parse().ok(),
+            _ => None,
+        }
+    };
+    match value {
+        Value::Array(items) | Value::Set(items) => {
+            if let [seconds, micros] = items.as_slice() {
+                if let (Some(seconds), Some(micros)) = (integer(seconds), integer(micros)) {
+                    times.push(seconds.saturating_mul(1_000_000).saturating_add(micros));
+                    return;
+                }
+            }
+            items.iter().for_each(|item| collect_times(item, times));
+        }
+        Value::Map(pairs) => pairs
+            .iter()
+            .for_each(|(_, item)| collect_times(item, times)),
+        _ => {}
+    }
+}
