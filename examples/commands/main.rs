@@ -93,6 +93,8 @@
 //! | `--max-commands` | `1000` | commands the in-memory list keeps; creating one more drops the oldest. In DB mode, which keeps every command, how many of the newest `GET /commands` answers |
 //! | `--load-routes` | off | also serve `POST /load/bare` (no layer), `POST /load/noop` (a layer that does nothing), `POST /load/tower-http` (tower-http's request-ID pair), `POST /load/correlated` (correlation layer), `POST /load/idempotent` (both layers, key required) and `GET /load/executions` (handler runs so far), one trivial handler behind each, for `benches/load.sh` |
 //! | `--redis-url` | none (in memory) | with `--features redis`: keep idempotency records in this Redis (or Valkey), shared by every replica started with the same URL; if it cannot be reached at start the service exits, if it goes away later the `POST` routes answer `503` until it is back |
+//! | `--redis-cluster-url` | none | with `--features redis`, instead of `--redis-url`: a seed node of a Redis Cluster that keeps the idempotency records (repeat it for more seeds) |
+//! | `--redis-wait-replicas` | `0` | with Redis: a claim and a completion count only once this many replicas acknowledged them (`WAIT`, within 500 ms); not acknowledged, the request is answered `503` without running, or its outcome is kept and stored again |
 //! | `--amqp-url` | none (log only) | also publish each event to RabbitMQ (`amqp://USER:PASS@HOST:PORT/VHOST`), see [AMQP](#amqp); if the broker cannot be reached at start, the service logs a WARN and publishes by log only |
 //! | `--amqp-exchange` | `commands` | the topic exchange `--amqp-url` publishes to, declared durable at start |
 //! | `--database-url` | none (in memory) | with `--features postgres`: DB mode, with the commands, their outbox and the idempotency records in this PostgreSQL database (`postgres://USER@HOST:PORT/DATABASE`), shared by every replica started with the same URL; the tables are created at start if missing; if the database cannot be reached at start the service exits. Not with `--redis-url` |
@@ -382,6 +384,11 @@ use crate::{
 /// leases.
 const IDEMPOTENCY_LEASE_MS: NonZeroU64 = NonZeroU64::new(DEFAULT_LEASE.as_millis() as u64).unwrap();
 
+/// How long `--redis-wait-replicas` waits for the replicas' acknowledgement: a replica
+/// on the same network answers in a millisecond; half a second rides out a busy one.
+#[cfg(feature = "redis")]
+const REDIS_WAIT_TIMEOUT: Duration = Duration::from_millis(500);
+
 /// Default `--amqp-exchange`: named after what it carries, as the routing keys
 /// (`command.created`) are.
 const AMQP_EXCHANGE: &str = "commands";
@@ -455,14 +462,30 @@ struct Args {
     /// everything is in memory.
     #[cfg(feature = "postgres")]
     #[arg(long, value_name = "URL")]
-    #[cfg_attr(feature = "redis", arg(conflicts_with = "redis_url"))]
+    #[cfg_attr(
+        feature = "redis",
+        arg(conflicts_with_all = ["redis_url", "redis_cluster_url"])
+    )]
     database_url: Option<String>,
 
     /// Redis (or Valkey) URL for the idempotency records, shared by every replica
     /// started with it (`redis://HOST:PORT`); without it, records are kept in memory.
     #[cfg(feature = "redis")]
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", conflicts_with = "redis_cluster_url")]
     redis_url: Option<String>,
+
+    /// A node of the Redis Cluster that keeps the idempotency records, shared by every
+    /// replica started with it (`redis://HOST:PORT`); repeat it for more seed nodes.
+    /// The client learns the rest of the cluster from them.
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "URL")]
+    redis_cluster_url: Vec<String>,
+
+    /// With Redis: count a claim and a completion only once this many replicas of
+    /// the primary acknowledged them (Redis's WAIT, within 500 ms); 0 waits for none.
+    #[cfg(feature = "redis")]
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    redis_wait_replicas: u32,
 
     /// AMQP URL (`amqp://USER:PASS@HOST:PORT/VHOST`): also publish each event to
     /// RabbitMQ, if it can be reached at start; without it, events are published by
@@ -542,13 +565,25 @@ async fn main() -> std::io::Result<()> {
 
     // Connect first: a replica that cannot reach its Redis should not start listening.
     #[cfg(feature = "redis")]
-    let redis = match &args.redis_url {
-        Some(url) => Some(
-            tower_ids::idempotency::store::RedisStore::connect(url.as_str())
-                .await
-                .map_err(std::io::Error::other)?,
-        ),
-        None => None,
+    let redis = {
+        use tower_ids::idempotency::store::RedisStore;
+        let builder = match &args.redis_url {
+            Some(url) => Some(RedisStore::builder(url.as_str())),
+            None if !args.redis_cluster_url.is_empty() => {
+                Some(RedisStore::cluster(args.redis_cluster_url.iter().cloned()))
+            }
+            None => None,
+        };
+        match builder {
+            Some(builder) => Some(
+                builder
+                    .wait_for_replicas(args.redis_wait_replicas, REDIS_WAIT_TIMEOUT)
+                    .build()
+                    .await
+                    .map_err(std::io::Error::other)?,
+            ),
+            None => None,
+        }
     };
 
     let commands = Commands::new(args.max_commands);
