@@ -13,9 +13,11 @@
 //!   `RedisStore` (defaults, no local cache) on a `redis-server` this bench starts on a
 //!   free loopback port and kills at the end; only with `redis-server` on `PATH`
 //!   (otherwise a message says the rows were skipped; the `redis` feature is on for
-//!   benches through the crate's dev-dependency on itself). That
-//!   Redis is capped at 512 MiB with LRU eviction, so `first` at 64 KiB cannot fill
-//!   the machine's memory.
+//!   benches through the crate's dev-dependency on itself). That Redis is capped at
+//!   512 MiB with LRU eviction, so `first` at 64 KiB cannot fill the machine's memory.
+//! - `tower_ids_redis_wait1/first`, `tower_ids_redis_wait1/replay`: the same with
+//!   `wait_for_replicas(1, 500 ms)`, against a replica of that server the bench starts
+//!   too: a claim and a completion wait for the replica's acknowledgement (`WAIT`).
 //!
 //! Every row builds the same request in the loop (POST, a small JSON body,
 //! `content-type`, `idempotency-key`, a session `cookie`), sends it with `oneshot` on a
@@ -302,6 +304,9 @@ fn idempotency(c: &mut Criterion) {
         #[cfg(feature = "redis")]
         if let Some(redis) = &redis {
             redis_rows::tower_ids_redis(&mut group, &runtime, label, size, &redis.url());
+            if redis.has_replica() {
+                redis_rows::tower_ids_redis_wait1(&mut group, &runtime, label, size, &redis.url());
+            }
         }
         #[cfg(feature = "postgres")]
         if let Some(postgres) = &postgres {
@@ -327,11 +332,13 @@ mod redis_rows {
 
     use super::Group;
 
-    /// A `redis-server` on a free loopback port, without persistence, killed on drop.
+    /// A `redis-server` on a free loopback port, without persistence, and a replica of
+    /// it (for the rows that wait for one), both killed on drop.
     pub(super) struct RedisServer {
         port: u16,
         dir: PathBuf,
         child: Child,
+        replica: Option<Child>,
     }
 
     impl RedisServer {
@@ -364,7 +371,12 @@ mod redis_rows {
                     return None;
                 }
             };
-            let server = Self { port, dir, child };
+            let mut server = Self {
+                port,
+                dir,
+                child,
+                replica: None,
+            };
             let deadline = Instant::now() + Duration::from_secs(10);
             while !server.ping() {
                 assert!(
@@ -373,7 +385,55 @@ mod redis_rows {
                 );
                 std::thread::sleep(Duration::from_millis(10));
             }
+            server.replica = server.start_replica();
             Some(server)
+        }
+
+        /// A replica of it on another free port, once in sync; `None` (and a message
+        /// that the rows waiting for it are skipped) if it cannot be had.
+        fn start_replica(&self) -> Option<Child> {
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port();
+            let dir = self.dir.join("replica");
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let mut replica = Command::new("redis-server")
+                .arg("--port")
+                .arg(port.to_string())
+                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .arg("--replicaof")
+                .args(["127.0.0.1", &self.port.to_string()])
+                .arg("--dir")
+                .arg(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .ok()?;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let info = Command::new("redis-cli")
+                    .args(["-p", &self.port.to_string(), "INFO", "replication"])
+                    .output()
+                    .ok()
+                    .map(|output| String::from_utf8_lossy(&output.stdout).into_owned())
+                    .unwrap_or_default();
+                if info.contains("connected_slaves:1") && info.contains("state=online") {
+                    return Some(replica);
+                }
+                if Instant::now() >= deadline {
+                    eprintln!("SKIPPED tower_ids_redis_wait1 rows: the replica never synced");
+                    let _ = replica.kill();
+                    let _ = replica.wait();
+                    return None;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+
+        /// Whether a replica is in sync, for the rows that wait for one.
+        pub(super) fn has_replica(&self) -> bool {
+            self.replica.is_some()
         }
 
         pub(super) fn url(&self) -> String {
@@ -393,6 +453,10 @@ mod redis_rows {
 
     impl Drop for RedisServer {
         fn drop(&mut self) {
+            if let Some(mut replica) = self.replica.take() {
+                let _ = replica.kill();
+                let _ = replica.wait();
+            }
             let _ = self.child.kill();
             let _ = self.child.wait();
             let _ = std::fs::remove_dir_all(&self.dir);
@@ -410,6 +474,27 @@ mod redis_rows {
         super::store_rows(c, runtime, label, size, "tower_ids_redis", |row| {
             runtime
                 .block_on(RedisStore::builder(url).prefix(format!("{row}:")).build())
+                .expect("Redis store")
+        });
+    }
+
+    /// As `tower_ids_redis`, counting a claim and a completion only once the replica
+    /// acknowledged them (`wait_for_replicas(1, ..)`): the price of `WAIT`.
+    pub(super) fn tower_ids_redis_wait1(
+        c: &mut Group<'_>,
+        runtime: &tokio::runtime::Runtime,
+        label: &str,
+        size: usize,
+        url: &str,
+    ) {
+        super::store_rows(c, runtime, label, size, "tower_ids_redis_wait1", |row| {
+            runtime
+                .block_on(
+                    RedisStore::builder(url)
+                        .prefix(format!("{row}:"))
+                        .wait_for_replicas(1, Duration::from_millis(500))
+                        .build(),
+                )
                 .expect("Redis store")
         });
     }

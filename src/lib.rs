@@ -90,7 +90,7 @@
 //! | `idempotency` | yes | [`idempotency`]: the layer and its in-memory [`MokaStore`] |
 //! | `client` | yes | [`client`]: [`RetryLayer`] and `derive_key` |
 //! | `axum` | yes | [`CorrelationId`] as an axum extractor |
-//! | `redis` | no | `RedisStore`, one record per key for every replica |
+//! | `redis` | no | `RedisStore`, one record per key for every replica, on one Redis or on Redis Cluster |
 //! | `postgres` | no | `PostgresStore`, durable records, and the handler's writes committed with the record |
 //! | `access-log` | no | [`CorrelationLayer::access_log`]: one access line per request inside its span, on tower-http's `TraceLayer` |
 //! | `opentelemetry` | no | W3C `traceparent` continued on the request's span and sent on outgoing calls, the `trace_id` in logs, optional W3C `baggage` (`tracing-opentelemetry`) |

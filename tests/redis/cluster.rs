@@ -327,3 +327,101 @@ async fn a_primary_killed_without_waiting_for_replicas_recovers() {
         "at most one more run per lost write: {doubled:?}"
     );
 }
+
+/// Four clients send new keys (the first request on one replica, its retry on the
+/// other) while every slot of one primary moves to another (`MOVED` and `ASK` on the
+/// way, followed by the cluster client): every key runs once, and replays after the
+/// move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_run_once_while_their_slots_move_to_another_primary() {
+    let Some(cluster) = RedisCluster::start() else {
+        return;
+    };
+    let ledger = Ledger::default();
+    let a = Node::start(store(&cluster, "moving:", 0).await, &ledger).await;
+    let b = Node::start(store(&cluster, "moving:", 0).await, &ledger).await;
+    let primaries: Vec<u16> = cluster
+        .nodes_info()
+        .unwrap()
+        .into_iter()
+        .filter(|node| node.primary && !node.slots.is_empty())
+        .map(|node| node.port)
+        .collect();
+    let (from, to) = (primaries[0], primaries[1]);
+
+    let moving = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let clients: Vec<_> = (0..4)
+        .map(|client| {
+            let (a, b, moving) = (a.clone(), b.clone(), moving.clone());
+            tokio::spawn(async move {
+                let mut keys = Vec::new();
+                let mut statuses = Vec::new();
+                for n in 0.. {
+                    if !moving.load(std::sync::atomic::Ordering::Relaxed) && n >= 5 {
+                        break;
+                    }
+                    let key = format!("moving-{client}-{n}");
+                    let started = Instant::now();
+                    // Until the retry on the other replica replays it.
+                    for attempt in 0.. {
+                        let node = if attempt % 2 == 0 { &a } else { &b };
+                        match node.post(&key, None).await {
+                            Some(reply) if replayed(&reply) => break,
+                            // The first execution: now its retry, on the other replica.
+                            Some(reply) if reply.status == StatusCode::CREATED => {}
+                            Some(reply) => statuses.push(reply.status.as_u16()),
+                            None => statuses.push(0),
+                        }
+                        assert!(
+                            started.elapsed() < Duration::from_secs(20),
+                            "{key} never replayed: {statuses:?}"
+                        );
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    keys.push(key);
+                }
+                (keys, statuses)
+            })
+        })
+        .collect();
+    let began = Instant::now();
+    let cluster = tokio::task::spawn_blocking(move || {
+        cluster.move_all_slots(from, to);
+        cluster
+    })
+    .await
+    .unwrap();
+    let took = began.elapsed();
+    moving.store(false, std::sync::atomic::Ordering::Relaxed);
+    let mut keys = Vec::new();
+    let mut statuses = Vec::new();
+    for client in clients {
+        let (mine, seen) = client.await.unwrap();
+        keys.extend(mine);
+        statuses.extend(seen);
+    }
+    let twice: Vec<_> = keys.iter().filter(|key| ledger.runs(key) != 1).collect();
+    eprintln!(
+        "cluster reshard: every slot of {from} moved to {to} in {took:?}; {} keys, run more or less than once: {twice:?}; answers other than the replay: {} (503: {}, 409: {})",
+        keys.len(),
+        statuses.len(),
+        statuses.iter().filter(|s| **s == 503).count(),
+        statuses.iter().filter(|s| **s == 409).count(),
+    );
+    assert!(twice.is_empty(), "every key ran once: {twice:?}");
+    assert!(
+        cluster
+            .nodes_info()
+            .unwrap()
+            .iter()
+            .any(|node| node.port == from && node.slots.is_empty()),
+        "the slots moved"
+    );
+    // After the move, every key replays on both replicas from its new primary.
+    for key in &keys {
+        for node in [&a, &b] {
+            let reply = node.post(key, None).await.unwrap();
+            assert!(replayed(&reply), "{key}: {} {}", reply.status, reply.text());
+        }
+    }
+}

@@ -28,6 +28,7 @@ pub(crate) struct RedisCluster {
 /// One line of `CLUSTER NODES`, as far as the tests need it.
 #[derive(Debug, Clone)]
 pub(crate) struct NodeInfo {
+    pub(crate) id: String,
     pub(crate) port: u16,
     pub(crate) primary: bool,
     pub(crate) failed: bool,
@@ -184,6 +185,7 @@ impl RedisCluster {
                 })
                 .collect();
             nodes.push(NodeInfo {
+                id: fields.first()?.to_string(),
                 port,
                 primary: flags.contains("master"),
                 failed: flags.contains("fail") && !flags.contains("fail?"),
@@ -242,6 +244,34 @@ impl RedisCluster {
                     .collect::<Vec<_>>()
             })
             .collect()
+    }
+
+    /// Moves every slot of the primary on `from` to the primary on `to`, key by key
+    /// (`redis-cli --cluster reshard`), while the cluster serves.
+    pub(crate) fn move_all_slots(&self, from: u16, to: u16) {
+        let nodes = self.nodes_info().expect("CLUSTER NODES answers");
+        let node = |port| {
+            nodes
+                .iter()
+                .find(|node| node.port == port)
+                .expect("a node of this cluster")
+        };
+        let (from, to) = (node(from), node(to));
+        let slots: u32 = from
+            .slots
+            .iter()
+            .map(|(first, last)| u32::from(last - first) + 1)
+            .sum();
+        let moved = Command::new("redis-cli")
+            .args(["--cluster", "reshard"])
+            .arg(format!("127.0.0.1:{}", to.port))
+            .args(["--cluster-from", &from.id, "--cluster-to", &to.id])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("redis-cli runs");
+        assert!(moved.success(), "redis-cli --cluster reshard failed");
     }
 
     /// Kills the node on `port` (SIGKILL: its connections just drop).
