@@ -307,8 +307,10 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// lease and half again and is renewed every quarter of the lease while the
     /// handler runs, so a handler may run longer than its lease, and a crashed worker
     /// locks its key for at most one and a half leases. A shorter lease frees such keys
-    /// sooner but renews more often; keep it at least four times the store's command
-    /// timeout (the renewal's own round trip is what the quarter is kept for).
+    /// sooner but renews more often; keep it at least four times the longest a store
+    /// call may take (the command timeout, plus the replicas' wait with
+    /// `wait_for_replicas`): the renewal's own round trip is what the quarter is kept
+    /// for.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.settings().lease = lease;
         self

@@ -57,7 +57,7 @@ pub(super) enum Unsettled {
     /// Nothing the handler wrote in its transaction stands, and the key is released.
     NotCommitted(StoreError),
     /// The commit's answer was lost, and whether it landed is not known; the key is
-    /// kept.
+    /// released in the background, which removes nothing if the commit landed.
     Unknown(StoreError),
 }
 
@@ -136,7 +136,13 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             tokio::pin!(renewal);
             let held = tokio::select! {
                 biased;
-                output = &mut work => return output,
+                output = &mut work => {
+                    // A renewal already sent finishes (it is bounded) before the key is
+                    // completed or released: on a store with more than one connection,
+                    // a late renewal could otherwise put the claim back after a release.
+                    let _ = renewal.await;
+                    return output;
+                }
                 held = &mut renewal => held,
             };
             if !held {
@@ -398,8 +404,9 @@ async fn try_release<St: IdempotencyStore>(
         }
         Ok(false) if reason == "outcome_unknown" => {
             tracing::info!(
-                event = "idempotency.commit_confirmed",
-                "nothing to release: the commit whose answer was lost had landed, and its record answers retries"
+                event = "idempotency.nothing_to_release",
+                reason,
+                "nothing to release: the commit whose answer was lost landed (its record answers retries), or the claim had run out and another request holds the key"
             );
             true
         }

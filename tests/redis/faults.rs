@@ -918,3 +918,56 @@ async fn a_request_refused_while_redis_is_killed_does_not_lock_its_key() {
     }
     broken.assert_none();
 }
+
+/// A client that hangs up while its request's claim waits in a paused Redis: the claim
+/// still lands when Redis resumes (within its deadline), but nothing will run it; the
+/// store gives it up by its token, so a retry right after runs instead of getting
+/// `409` for a claim's length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_client_hung_up_is_given_up() {
+    let mut broken = Broken::default();
+    for trial in 0..3 {
+        let Some(redis) = RedisServer::start() else {
+            return;
+        };
+        let ledger = Ledger::default();
+        let a = Node::start(&redis.url(), &ledger, None).await;
+        warm_up(&a, &a).await;
+        let key = format!("hung-up-{trial}");
+        redis.pause();
+        let hung_up = tokio::time::timeout(Duration::from_millis(100), a.post(&key, None)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        redis.resume();
+        let back = Instant::now();
+        let (answer, seen) = retry_until(
+            std::slice::from_ref(&a),
+            &key,
+            Duration::from_millis(100),
+            back + Duration::from_secs(20),
+            created,
+        )
+        .await;
+        let ran_after = answer.as_ref().map(|(_, at)| at.duration_since(back));
+        eprintln!(
+            "hung up, trial {trial}: the client gave up ({}), Redis resumed 50 ms later; the retry's first 201 {} after it, after [{}]; executions {}",
+            if hung_up.is_err() { "yes" } else { "no: it was answered" },
+            or_never(ran_after),
+            tally(&seen),
+            ledger.runs(&key),
+        );
+        let trial = format!("hung up, trial {trial}");
+        broken.check(
+            &trial,
+            hung_up.is_err(),
+            "the client was answered within 100 ms",
+        );
+        broken.check(
+            &trial,
+            ran_after.is_some_and(|after| after < Duration::from_secs(2)),
+            format!("the retry ran {} after Redis resumed", or_never(ran_after)),
+        );
+        broken.check(&trial, ledger.runs(&key) == 1, "one execution");
+        drop(redis);
+    }
+    broken.assert_none();
+}

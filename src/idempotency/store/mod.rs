@@ -19,6 +19,8 @@ use std::{
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
+#[cfg(any(feature = "redis", feature = "postgres"))]
+use tracing::Instrument as _;
 
 pub use self::moka::{MokaStore, MokaStoreBuilder, DEFAULT_MAX_BYTES, ENTRY_OVERHEAD_BYTES};
 #[cfg(all(feature = "postgres", feature = "axum"))]
@@ -34,6 +36,72 @@ pub use self::redis::{
     RedisStore, RedisStoreBuilder, DEFAULT_COMMAND_TIMEOUT, DEFAULT_REDIS_PREFIX,
 };
 use super::{AttemptId, Fingerprint, ScopeKey};
+
+/// A claim sent to a store outside the process whose answer has not come back. If the
+/// caller gives up on it (an error, a timeout, a dropped future), the claim may still
+/// have landed, or land later; so, dropped before [`answered`](Self::answered), it is
+/// released from a task of its own, again and again until the store answers or the
+/// claim, held for `hold`, would have run out anyway. A release is fenced by the
+/// claim's token, so it never touches another request's claim, nor a record.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+struct SentClaim<St: IdempotencyStore + Clone> {
+    store: St,
+    scope: ScopeKey,
+    lease: Option<Lease>,
+    hold: Duration,
+}
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+impl<St: IdempotencyStore + Clone> SentClaim<St> {
+    fn new(store: St, scope: ScopeKey, lease: Lease, hold: Duration) -> Self {
+        Self {
+            store,
+            scope,
+            lease: Some(lease),
+            hold,
+        }
+    }
+
+    /// The store answered: whatever it says of the claim is known.
+    fn answered(mut self) {
+        self.lease = None;
+    }
+}
+
+#[cfg(any(feature = "redis", feature = "postgres"))]
+impl<St: IdempotencyStore + Clone> Drop for SentClaim<St> {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, scope, hold) = (self.store.clone(), self.scope, self.hold);
+        let release = async move {
+            let until = tokio::time::Instant::now() + hold;
+            let mut pause = Duration::from_millis(50);
+            loop {
+                match store.release(&scope, &lease).await {
+                    Ok(released) => {
+                        tracing::debug!(
+                            event = "idempotency.unanswered_claim_released",
+                            released,
+                            "gave up a claim whose answer never came; its request ran nothing"
+                        );
+                        return;
+                    }
+                    Err(_) if tokio::time::Instant::now() + pause < until => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_millis(500));
+                    }
+                    Err(_) => return,
+                }
+            }
+        };
+        runtime.spawn(release.instrument(tracing::Span::current()));
+    }
+}
 
 /// A record store for the idempotency layer, shared behind an `Arc`.
 ///

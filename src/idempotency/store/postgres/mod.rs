@@ -9,7 +9,7 @@ use super::{
     codec::{decode_record, encode_record, from_millis, millis},
     deadline::{read_in_background, StoreClock},
     Begin, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Record, Renewal,
-    Settled, StoreError,
+    SentClaim, Settled, StoreError,
 };
 
 mod transaction;
@@ -322,7 +322,7 @@ struct Statements {
     complete_in_transaction: String,
     complete_late: String,
     completed_by: String,
-    committed_by: String,
+    transaction_status: String,
     release: String,
     poll: String,
     remove_expired: String,
@@ -408,10 +408,12 @@ impl Statements {
         );
         // In the handler's transaction the claim is kept by renewal until the handler
         // returns; its lease running out since is no reason to roll the writes back.
+        // Returns the transaction's ID, to ask its status if its commit's answer is lost.
         let complete_in_transaction = format!(
             "UPDATE {t} SET completed = true, status = $3, record = $4,
                expires_at = now() + $5 * interval '1 millisecond'
-             WHERE scope = $1 AND token = $2 AND NOT completed"
+             WHERE scope = $1 AND token = $2 AND NOT completed
+             RETURNING pg_current_xact_id()::text"
         );
         let complete_late = format!(
             "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
@@ -428,10 +430,6 @@ impl Statements {
         let complete_late = guarded(&complete_late, 9, true);
         let completed_by =
             format!("SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1");
-        // Waits for the lock of any transaction still writing the row, so its answer
-        // is final: the transaction that stored this token committed, or it did not.
-        let committed_by =
-            format!("SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1 FOR SHARE");
         let release = guarded(
             &format!(
                 "DELETE FROM {t} WHERE scope = $1 AND token = $2 AND NOT completed RETURNING 1"
@@ -455,7 +453,7 @@ impl Statements {
             complete_in_transaction,
             complete_late,
             completed_by,
-            committed_by,
+            transaction_status: "SELECT pg_xact_status($1::xid8)".to_owned(),
             release,
             poll,
             remove_expired,
@@ -546,6 +544,7 @@ impl IdempotencyStore for PostgresStore {
             first_seen: std::time::SystemTime::now(),
         };
         let token = token_bytes(&lease);
+        let sent = SentClaim::new(self.clone(), *scope, lease.clone(), claim.lease);
         let row = self
             .bounded_by_deadline("claiming a key in PostgreSQL", |deadline| {
                 sqlx::query(&self.shared.sql.begin)
@@ -559,6 +558,7 @@ impl IdempotencyStore for PostgresStore {
                     .fetch_one(&self.shared.pool)
             })
             .await?;
+        sent.answered();
         let corrupt = |e| StoreError::with_source("corrupt row in PostgreSQL", e);
         let held: Vec<u8> = row.try_get("token").map_err(corrupt)?;
         if held == token {

@@ -32,10 +32,11 @@ use crate::idempotency::{
 ///
 /// A `COMMIT` that gets no answer within the store's timeout (an fsync stall, a slow
 /// synchronous standby, a connection cut mid-commit) may still land. The layer then
-/// reads the record back by the request's fencing token, with `FOR SHARE`, which waits
-/// for the commit to end, for up to five of the store's timeouts: if it committed, the
-/// client gets the handler's answer; if not, `503 idempotency.not_committed`; if the
-/// database cannot be read in that time, `503 idempotency.outcome_unknown`: a retry
+/// asks the database for the transaction's status (`pg_xact_status` of the ID it read
+/// in the transaction before committing; PostgreSQL 13 or later), every 100 ms for up
+/// to five of the store's timeouts: if it committed, the client gets the handler's
+/// answer; if it aborted, `503 idempotency.not_committed`; if the database cannot tell
+/// in that time, `503 idempotency.outcome_unknown`: a retry
 /// replays the outcome if it committed, and runs again once the database can tell it
 /// did not (the layer's release waits behind the commit's lock on the claim's row, and
 /// never removes a completed record).
@@ -178,8 +179,8 @@ impl HandlerTransaction for Offered {
                     match commit(&slot.shared, transaction, &scope, &lease, &record, ttl).await {
                         Ok(completion) => Settlement::Committed(completion),
                         Err(Uncommitted::Failed(error)) => Settlement::Failed(error),
-                        Err(Uncommitted::Unanswered(completion, error)) => {
-                            find_out(&slot.shared, &scope, &lease, completion, error).await
+                        Err(Uncommitted::Unanswered(completion, xid, error)) => {
+                            find_out(&slot.shared, &xid, completion, error).await
                         }
                     }
                 }
@@ -194,8 +195,9 @@ enum Uncommitted {
     /// refused the commit.
     Failed(StoreError),
     /// The commit was sent and its answer never came (a timeout, a broken
-    /// connection): it may have committed, with this completion.
-    Unanswered(Completion, StoreError),
+    /// connection): it may have committed, with this completion; the transaction's ID
+    /// (`xid8`, as text) tells.
+    Unanswered(Completion, String, StoreError),
 }
 
 /// Stores `record` in `transaction` for `lease`'s claim and commits; rolls back if
@@ -215,19 +217,18 @@ async fn commit(
     let stored = bounded(
         shared.timeout,
         "storing a record in the request's transaction",
-        sqlx::query(&shared.sql.complete_in_transaction)
+        sqlx::query_scalar::<_, String>(&shared.sql.complete_in_transaction)
             .bind(&scope.as_bytes()[..])
             .bind(&token[..])
             .bind(status)
             .bind(&encoded)
             .bind(millis_i64(ttl))
-            .execute(&mut *transaction),
+            .fetch_optional(&mut *transaction),
     )
     .await
-    .map_err(Uncommitted::Failed)?
-    .rows_affected();
-    let completion = if stored == 1 {
-        Completion::Stored
+    .map_err(Uncommitted::Failed)?;
+    let (completion, xid) = if let Some(xid) = stored {
+        (Completion::Stored, xid)
     } else {
         let (give_up, deadline) = shared.deadline().await.map_err(Uncommitted::Failed)?;
         let late = bounded_until(
@@ -254,7 +255,15 @@ async fn commit(
                 "another request holds this key: the request's writes were rolled back",
             )));
         }
-        Completion::StoredWithoutClaim
+        let xid = bounded(
+            shared.timeout,
+            "reading the request's transaction ID",
+            sqlx::query_scalar::<_, String>("SELECT pg_current_xact_id()::text")
+                .fetch_one(&mut *transaction),
+        )
+        .await
+        .map_err(Uncommitted::Failed)?;
+        (Completion::StoredWithoutClaim, xid)
     };
     let timeout = shared.timeout;
     match tokio::time::timeout(timeout, transaction.commit()).await {
@@ -267,10 +276,12 @@ async fn commit(
         ))),
         Ok(Err(error)) => Err(Uncommitted::Unanswered(
             completion,
+            xid,
             StoreError::with_source("committing the request's transaction", error),
         )),
         Err(_) => Err(Uncommitted::Unanswered(
             completion,
+            xid,
             StoreError::new(format!(
                 "committing the request's transaction: no answer within {timeout:?}"
             )),
@@ -283,53 +294,52 @@ async fn commit(
 /// stall or a slow synchronous standby of a few seconds.
 const FIND_OUT_TIMEOUTS: u32 = 5;
 
-/// Finds out whether a commit whose answer was lost committed: reads the claim's row
-/// with `FOR SHARE`, which waits for the committing transaction to end, so the answer
-/// is final (the row carries this lease's token and the record, or the commit did not
-/// land). Tries again on another connection until the server answers, within
+/// Finds out whether a commit whose answer was lost committed: asks the database for
+/// the transaction's status (`pg_xact_status`, which takes no lock, and is final once
+/// the transaction has ended: `committed` or `aborted`), on another connection, every
+/// 100 ms while it is `in progress` or the database does not answer, within
 /// [`FIND_OUT_TIMEOUTS`] times the store's timeout.
 async fn find_out(
     shared: &Shared,
-    scope: &ScopeKey,
-    lease: &Lease,
+    xid: &str,
     completion: Completion,
     unanswered: StoreError,
 ) -> Settlement {
-    let token = token_bytes(lease);
     let until = tokio::time::Instant::now() + shared.timeout * FIND_OUT_TIMEOUTS;
     loop {
-        let read = bounded(
+        let status = bounded(
             shared.timeout,
-            "reading back the request's record",
-            sqlx::query_scalar::<_, bool>(&shared.sql.committed_by)
-                .bind(&scope.as_bytes()[..])
-                .bind(&token[..])
-                .fetch_optional(&shared.pool),
+            "asking for the request's transaction status",
+            sqlx::query_scalar::<_, Option<String>>(&shared.sql.transaction_status)
+                .bind(xid)
+                .fetch_one(&shared.pool),
         )
         .await;
-        match read {
-            Ok(Some(true)) => {
+        let last = match status.as_ref().map(|status| status.as_deref()) {
+            Ok(Some("committed")) => {
                 tracing::info!(
                     event = "idempotency.commit_confirmed",
                     error = %Chain(&unanswered),
-                    "the commit's answer was lost, but the record is in the database with this request's token: it committed"
+                    "the commit's answer was lost, but the database says the transaction committed"
                 );
                 return Settlement::Committed(completion);
             }
-            Ok(_) => return Settlement::Failed(StoreError::with_source(
-                "the request's transaction did not commit (read back after its answer was lost)",
-                unanswered,
-            )),
-            Err(_) if tokio::time::Instant::now() < until => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(error) => {
-                return Settlement::Unknown(StoreError::with_source(
-                    format!("could not read back whether the commit landed ({error})"),
+            Ok(Some("aborted")) => {
+                return Settlement::Failed(StoreError::with_source(
+                    "the request's transaction did not commit (the database says it aborted after its commit's answer was lost)",
                     unanswered,
                 ))
             }
+            Ok(other) => format!("status {other:?}"),
+            Err(error) => error.to_string(),
+        };
+        if tokio::time::Instant::now() >= until {
+            return Settlement::Unknown(StoreError::with_source(
+                format!("could not tell whether the commit landed ({last})"),
+                unanswered,
+            ));
         }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -8,7 +8,9 @@ use redis::{
     aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
     cluster::ClusterClient,
     cluster_async::ClusterConnection,
-    cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo},
+    cluster_routing::{
+        MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+    },
     Cmd, FromRedisValue, Pipeline, RedisFuture, RedisResult, Value,
 };
 
@@ -156,16 +158,43 @@ impl Connection {
             };
             match answer {
                 Err(error) if !loaded && error.code() == Some("NOSCRIPT") => {
-                    redis::cmd("SCRIPT")
-                        .arg("LOAD")
-                        .arg(script.source())
-                        .query_async::<Value>(&mut self)
-                        .await?;
+                    self.load(script, &call).await?;
                     loaded = true;
                 }
                 answer => return answer,
             }
         }
+    }
+}
+
+impl Connection {
+    /// Loads `script` where `call` goes: on a cluster, the primary of its key's slot
+    /// only (`SCRIPT LOAD` would otherwise go to every node, and fail while any is
+    /// down, which is when a promoted replica needs it).
+    async fn load(&mut self, script: &StoreScript, call: &Cmd) -> RedisResult<()> {
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg(script.source());
+        match self {
+            Self::Node(connection) => load.query_async::<Value>(connection).await?,
+            Self::Cluster(connection) => {
+                // `EVALSHA digest numkeys key ...`: the first key (the fourth word)
+                // names the slot.
+                let key = call.args_iter().nth(3).and_then(|arg| match arg {
+                    redis::Arg::Simple(key) => Some(key.to_vec()),
+                    _ => None,
+                });
+                match key {
+                    Some(key) => {
+                        let route = Route::with_key(key, SlotAddr::Master);
+                        let routing =
+                            RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+                        connection.route_command(load, routing).await?
+                    }
+                    None => load.query_async::<Value>(connection).await?,
+                }
+            }
+        };
+        Ok(())
     }
 }
 

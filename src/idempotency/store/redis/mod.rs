@@ -14,8 +14,8 @@ use self::{
 use super::{
     codec::{decode, decode_record, encode, encode_record, from_millis, millis},
     deadline::{read_in_background, StoreClock},
-    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
-    SystemClock,
+    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, SentClaim, Settled,
+    StoreError, SystemClock,
 };
 use crate::idempotency::{Fingerprint, ScopeKey};
 
@@ -285,10 +285,13 @@ impl RedisStore {
         call: impl Fn(i64) -> Cmd,
     ) -> Result<(T, Option<u64>), Failure> {
         let timeout = self.command_timeout + wait.map_or(Duration::ZERO, |wait| wait.timeout);
-        let give_up = Instant::now() + timeout;
+        let sent = Instant::now();
+        let give_up = sent + timeout;
+        // The script itself must run within the command timeout: run later, the
+        // replicas' wait behind it could not end before the caller gives up.
         let deadline = self
             .redis_clock
-            .deadline_or_read(give_up, self.command_timeout, || {
+            .deadline_or_read(sent + self.command_timeout, self.command_timeout, || {
                 self.connection.clone().time()
             })
             .await
@@ -411,6 +414,7 @@ impl IdempotencyStore for RedisStore {
         };
         let value = claim_value(&lease, &claim)?;
         let lease_ms = millis_of(claim.lease);
+        let sent = SentClaim::new(self.clone(), *scope, lease.clone(), claim.lease);
         let script = &self.scripts.begin;
         let ((kind, data, request_count, record_ms), acknowledged): ((i64, Vec<u8>, u64, i64), _) =
             self.bounded("claiming a key in Redis", script, true, |deadline| {
@@ -421,15 +425,13 @@ impl IdempotencyStore for RedisStore {
             .await?;
         match kind {
             0 => {
-                if let Err(error) = self.acknowledged("claiming a key in Redis", acknowledged) {
-                    // Nothing ran: give the claim up rather than lock the key for a
-                    // lease. If this fails too, the claim runs out by itself.
-                    let _ = self.release(scope, &lease).await;
-                    return Err(error);
-                }
+                // Not acknowledged, nothing runs: `sent`, dropped, gives the claim up.
+                self.acknowledged("claiming a key in Redis", acknowledged)?;
+                sent.answered();
                 Ok(Begin::Claimed { lease })
             }
             1 => {
+                sent.answered();
                 let record = Arc::new(decode_stored(&data)?);
                 let ttl = Duration::from_millis(u64::try_from(record_ms).unwrap_or(0));
                 self.remember(scope, &record, ttl);
@@ -439,6 +441,7 @@ impl IdempotencyStore for RedisStore {
                 })
             }
             _ => {
+                sent.answered();
                 let info: ClaimInfo = decode(data.get(TOKEN_LEN..).unwrap_or_default())?;
                 Ok(Begin::InFlight {
                     fingerprint: Fingerprint::from_bytes(info.fingerprint),

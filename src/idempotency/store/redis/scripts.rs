@@ -38,6 +38,8 @@ end
 local claim = redis.call('GET', KEYS[2])
 if claim then
   if string.sub(claim, 1, 16) == string.sub(ARGV[1], 1, 16) then
+    -- A write, so that a WAIT behind this repeat covers the claim it repeats.
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
     return {0, '', tonumber(redis.call('GET', KEYS[3]) or '1'), 0}
   end
   return {2, claim, redis.call('INCR', KEYS[3]), 0}
@@ -74,7 +76,9 @@ return 2
 );
 
 /// Stores the record unless another claim or another record holds the scope. A record
-/// already carrying this token is this call repeated.
+/// already carrying this token is this call repeated. Every branch that answers
+/// "claimed" or "stored" writes, even on a repeat: Redis's `WAIT` covers a connection's
+/// last write, and a repeat on a new connection must not pass it for nothing.
 /// KEYS: record, claim, count. ARGV: token, record (token first), ttl ms, deadline.
 /// Returns 1 stored, 2 stored with the claim gone, 0 superseded.
 pub(super) const COMPLETE: &str = concat!(
@@ -83,6 +87,8 @@ pub(super) const COMPLETE: &str = concat!(
 local stored = redis.call('GETRANGE', KEYS[1], 0, 15)
 if stored ~= '' then
   if stored == ARGV[1] then
+    -- A write, so that a WAIT behind this repeat covers the record it repeats.
+    redis.call('PEXPIRE', KEYS[3], ARGV[3])
     return 1
   end
   return 0
