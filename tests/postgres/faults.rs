@@ -122,23 +122,9 @@ struct Node {
 }
 
 impl Node {
+    /// A replica with sqlx's defaults (its pool tests an idle connection before use).
     async fn start(database: &str, ledger: &Ledger, mode: Mode) -> Self {
-        let store = PostgresStore::builder(pool(database).await)
-            .build()
-            .unwrap();
-        let layer = IdempotencyLayer::with_store(store).lease(LEASE);
-        let route = match mode {
-            Mode::Durable => post(durable).layer(layer),
-            Mode::Transactional => post(transactional).layer(layer),
-        };
-        let router = Router::new()
-            .route("/commands", route)
-            .with_state(ledger.clone())
-            .layer(CorrelationLayer::new());
-        Self {
-            url: format!("http://{}/commands", serve(router).await),
-            client: client(),
-        }
+        replica(database, ledger, mode, true, DEFAULT_POSTGRES_TIMEOUT).await
     }
 
     async fn post(&self, key: &str) -> Option<Reply> {
