@@ -303,9 +303,9 @@ fn idempotency(c: &mut Criterion) {
         tower_ids(&mut group, &runtime, label, size);
         #[cfg(feature = "redis")]
         if let Some(redis) = &redis {
-            redis_rows::tower_ids_redis(&mut group, &runtime, label, size, &redis.url());
+            redis_rows::tower_ids_redis(&mut group, &runtime, label, size, &redis.url(), 0);
             if redis.has_replica() {
-                redis_rows::tower_ids_redis_wait1(&mut group, &runtime, label, size, &redis.url());
+                redis_rows::tower_ids_redis(&mut group, &runtime, label, size, &redis.url(), 1);
             }
         }
         #[cfg(feature = "postgres")]
@@ -463,39 +463,28 @@ mod redis_rows {
         }
     }
 
-    /// As `tower_ids`, with a `RedisStore` (one per row, on a fresh key prefix).
+    /// As `tower_ids`, with a `RedisStore` (one per row, on a fresh key prefix) that
+    /// waits for `replicas` replicas' acknowledgement of a claim and a completion:
+    /// rows `tower_ids_redis` (none) and `tower_ids_redis_wait1` (one, the price of
+    /// `WAIT`).
     pub(super) fn tower_ids_redis(
         c: &mut Group<'_>,
         runtime: &tokio::runtime::Runtime,
         label: &str,
         size: usize,
         url: &str,
+        replicas: u32,
     ) {
-        super::store_rows(c, runtime, label, size, "tower_ids_redis", |row| {
-            runtime
-                .block_on(RedisStore::builder(url).prefix(format!("{row}:")).build())
-                .expect("Redis store")
-        });
-    }
-
-    /// As `tower_ids_redis`, counting a claim and a completion only once the replica
-    /// acknowledged them (`wait_for_replicas(1, ..)`): the price of `WAIT`.
-    pub(super) fn tower_ids_redis_wait1(
-        c: &mut Group<'_>,
-        runtime: &tokio::runtime::Runtime,
-        label: &str,
-        size: usize,
-        url: &str,
-    ) {
-        super::store_rows(c, runtime, label, size, "tower_ids_redis_wait1", |row| {
-            runtime
-                .block_on(
-                    RedisStore::builder(url)
-                        .prefix(format!("{row}:"))
-                        .wait_for_replicas(1, Duration::from_millis(500))
-                        .build(),
-                )
-                .expect("Redis store")
+        let name = match replicas {
+            0 => "tower_ids_redis".to_owned(),
+            n => format!("tower_ids_redis_wait{n}"),
+        };
+        super::store_rows(c, runtime, label, size, &name, |row| {
+            let store = RedisStore::builder(url)
+                .prefix(format!("{row}:"))
+                .wait_for_replicas(replicas, Duration::from_millis(500))
+                .build();
+            runtime.block_on(store).expect("Redis store")
         });
     }
 }

@@ -122,11 +122,6 @@ struct Node {
 }
 
 impl Node {
-    /// A replica with sqlx's defaults (its pool tests an idle connection before use).
-    async fn start(database: &str, ledger: &Ledger, mode: Mode) -> Self {
-        replica(database, ledger, mode, true, DEFAULT_POSTGRES_TIMEOUT).await
-    }
-
     async fn post(&self, key: &str) -> Option<Reply> {
         try_send(
             &self.client,
@@ -151,23 +146,9 @@ enum Fault {
 }
 
 async fn trial(mode: Mode, fault: Fault, at: Duration) {
-    let Some(server) = PostgresServer::start() else {
+    let Some((server, setup, ledger, a, b)) = replicas(mode, true).await else {
         return;
     };
-    let setup = pool(&server.url()).await;
-    sqlx::raw_sql("CREATE TABLE commands (key text NOT NULL, run bigint NOT NULL)")
-        .execute(&setup)
-        .await
-        .unwrap();
-    PostgresStore::builder(setup.clone())
-        .build()
-        .unwrap()
-        .migrate()
-        .await
-        .unwrap();
-    let ledger = Ledger::default();
-    let a = Node::start(&server.url(), &ledger, mode).await;
-    let b = Node::start(&server.url(), &ledger, mode).await;
     let key = format!("{mode:?}-{fault:?}-{at:?}");
 
     let first = tokio::spawn({
@@ -180,7 +161,7 @@ async fn trial(mode: Mode, fault: Fault, at: Duration) {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     tokio::time::sleep(at).await;
-    let (server, back) = tokio::task::spawn_blocking(move || {
+    let (_server, back) = tokio::task::spawn_blocking(move || {
         let mut server = server;
         match fault {
             Fault::Pause(pause) => {
@@ -216,10 +197,9 @@ async fn trial(mode: Mode, fault: Fault, at: Duration) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let to_replay = back.elapsed();
-    let verify = pool(&server.url()).await;
     let rows: Vec<i64> = sqlx::query_scalar("SELECT run FROM commands WHERE key = $1")
         .bind(&key)
-        .fetch_all(&verify)
+        .fetch_all(&setup)
         .await
         .unwrap();
     let runs = ledger.runs(&key);
@@ -313,7 +293,7 @@ fn seen(reply: Option<&Reply>) -> String {
 }
 
 /// A replica whose pool tests (`SELECT 1`-like ping) an idle connection before it hands
-/// it out, or not (`Node::start` keeps sqlx's default, which does). Without the test, a
+/// it out, or not (sqlx's default is to test it). Without the test, a
 /// command goes out on an idle connection at once, even to a server that does not
 /// answer.
 async fn replica(

@@ -518,16 +518,16 @@ const EXECUTED_WITHIN: Duration = Duration::from_secs(1);
 /// The guarantees a trial saw broken, one line each, so that every trial runs and
 /// prints its line before the test fails.
 #[derive(Default)]
-struct Broken(Vec<String>);
+pub(crate) struct Broken(Vec<String>);
 
 impl Broken {
-    fn check(&mut self, trial: &str, held: bool, what: impl std::fmt::Display) {
+    pub(crate) fn check(&mut self, trial: &str, held: bool, what: impl std::fmt::Display) {
         if !held {
             self.0.push(format!("{trial}: {what}"));
         }
     }
 
-    fn assert_none(self) {
+    pub(crate) fn assert_none(self) {
         assert!(self.0.is_empty(), "broken:\n{}", self.0.join("\n"));
     }
 }

@@ -23,7 +23,7 @@ use tower_ids::idempotency::{
     IdempotencyKey, KeyRejection,
 };
 
-use super::server::RedisServer;
+use super::{faults::Broken, server::RedisServer};
 
 /// The message: its key, its data (the fingerprint), and how long handling it takes.
 #[derive(Clone, Debug)]
@@ -267,23 +267,6 @@ const RAN_WITHIN: Duration = Duration::from_secs(1);
 
 /// How soon after Redis returns a redelivery must get the stored outcome.
 const REPLAY_WITHIN: Duration = Duration::from_secs(3);
-
-/// The guarantees a trial saw broken, one line each, so that every trial runs and
-/// prints its line before the test fails.
-#[derive(Default)]
-struct Broken(Vec<String>);
-
-impl Broken {
-    fn check(&mut self, trial: &str, held: bool, what: impl std::fmt::Display) {
-        if !held {
-            self.0.push(format!("{trial}: {what}"));
-        }
-    }
-
-    fn assert_none(self) {
-        assert!(self.0.is_empty(), "broken:\n{}", self.0.join("\n"));
-    }
-}
 
 /// (M1) Redis paused before a delivery reaches A, for `outage`: A refuses it as
 /// `idempotency.store_unavailable` (requeue) within the command timeout; its claim,

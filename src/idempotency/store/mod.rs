@@ -44,16 +44,17 @@ use super::{AttemptId, Fingerprint, ScopeKey};
 /// claim, held for `hold`, would have run out anyway. A release is fenced by the
 /// claim's token, so it never touches another request's claim, nor a record.
 #[cfg(any(feature = "redis", feature = "postgres"))]
-struct SentClaim<St: IdempotencyStore + Clone> {
-    store: St,
+struct SentClaim<'a, St: IdempotencyStore + Clone> {
+    /// Borrowed: a clone is made only if the claim must be given up.
+    store: &'a St,
     scope: ScopeKey,
     lease: Option<Lease>,
     hold: Duration,
 }
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
-impl<St: IdempotencyStore + Clone> SentClaim<St> {
-    fn new(store: St, scope: ScopeKey, lease: Lease, hold: Duration) -> Self {
+impl<'a, St: IdempotencyStore + Clone> SentClaim<'a, St> {
+    fn new(store: &'a St, scope: ScopeKey, lease: Lease, hold: Duration) -> Self {
         Self {
             store,
             scope,
@@ -69,7 +70,7 @@ impl<St: IdempotencyStore + Clone> SentClaim<St> {
 }
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
-impl<St: IdempotencyStore + Clone> Drop for SentClaim<St> {
+impl<St: IdempotencyStore + Clone> Drop for SentClaim<'_, St> {
     fn drop(&mut self) {
         let Some(lease) = self.lease.take() else {
             return;

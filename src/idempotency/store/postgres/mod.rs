@@ -544,7 +544,7 @@ impl IdempotencyStore for PostgresStore {
             first_seen: std::time::SystemTime::now(),
         };
         let token = token_bytes(&lease);
-        let sent = SentClaim::new(self.clone(), *scope, lease.clone(), claim.lease);
+        let sent = SentClaim::new(self, *scope, lease.clone(), claim.lease);
         let row = self
             .bounded_by_deadline("claiming a key in PostgreSQL", |deadline| {
                 sqlx::query(&self.shared.sql.begin)

@@ -414,7 +414,7 @@ impl IdempotencyStore for RedisStore {
         };
         let value = claim_value(&lease, &claim)?;
         let lease_ms = millis_of(claim.lease);
-        let sent = SentClaim::new(self.clone(), *scope, lease.clone(), claim.lease);
+        let sent = SentClaim::new(self, *scope, lease.clone(), claim.lease);
         let script = &self.scripts.begin;
         let ((kind, data, request_count, record_ms), acknowledged): ((i64, Vec<u8>, u64, i64), _) =
             self.bounded("claiming a key in Redis", script, true, |deadline| {
