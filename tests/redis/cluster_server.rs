@@ -71,33 +71,8 @@ impl RedisCluster {
             nodes: Vec::new(),
         };
         for _ in 0..6 {
-            let port = free_port();
-            let node_dir = cluster.dir.join(port.to_string());
-            std::fs::create_dir_all(&node_dir).unwrap();
-            let child = Command::new("redis-server")
-                .arg("--port")
-                .arg(port.to_string())
-                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-                .args(["--cluster-enabled", "yes"])
-                .args(["--cluster-config-file", "nodes.conf"])
-                .arg("--cluster-node-timeout")
-                .arg(NODE_TIMEOUT_MS.to_string())
-                .arg("--dir")
-                .arg(&node_dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server starts");
-            cluster.nodes.push(ClusterNode {
-                port,
-                child: Some(child),
-            });
-        }
-        for node in &cluster.nodes {
-            wait_until(Duration::from_secs(10), || {
-                cli(node.port, &["PING"]).is_some_and(|reply| reply.trim() == "PONG")
-            })
-            .expect("every node answers PING");
+            let node = cluster.spawn_node();
+            cluster.nodes.push(node);
         }
         let addresses: Vec<String> = cluster
             .nodes
@@ -128,6 +103,44 @@ impl RedisCluster {
             .expect("every replica is in sync within 30 s");
         }
         Some(cluster)
+    }
+
+    /// One node on a free port, answering `PING`. A port can be taken between the probe
+    /// and the bind (tests make clusters side by side): then another port.
+    fn spawn_node(&self) -> ClusterNode {
+        for _ in 0..10 {
+            let port = free_port();
+            let node_dir = self.dir.join(port.to_string());
+            std::fs::create_dir_all(&node_dir).unwrap();
+            let mut child = Command::new("redis-server")
+                .arg("--port")
+                .arg(port.to_string())
+                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(["--cluster-enabled", "yes"])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .arg("--cluster-node-timeout")
+                .arg(NODE_TIMEOUT_MS.to_string())
+                .arg("--dir")
+                .arg(&node_dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server starts");
+            let mut exited = false;
+            let up = wait_until(Duration::from_secs(10), || {
+                exited = child.try_wait().ok().flatten().is_some();
+                exited || cli(port, &["PING"]).is_some_and(|reply| reply.trim() == "PONG")
+            });
+            if up.is_ok() && !exited {
+                return ClusterNode {
+                    port,
+                    child: Some(child),
+                };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("no cluster node started in 10 tries");
     }
 
     /// The seed nodes' URLs, `redis://127.0.0.1:PORT`.
