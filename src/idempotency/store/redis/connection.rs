@@ -127,74 +127,67 @@ impl Connection {
     /// Runs `call` of `script` and, with `wait`, waits for replicas to acknowledge it
     /// (`WAIT` pipelined behind it, so on the connection that wrote); returns its
     /// answer and how many replicas acknowledged. A server that does not know the
-    /// script yet (`NOSCRIPT`: a fresh node, a promoted replica) is sent it once.
+    /// script yet (`NOSCRIPT`: a fresh node, a promoted replica) is sent it, and the
+    /// answer is `None`: call again, with a deadline of its own (loading took part of
+    /// this one's).
     pub(super) async fn run<T: FromRedisValue>(
         mut self,
         script: &StoreScript,
         call: Cmd,
         wait: Option<Wait>,
-    ) -> RedisResult<(T, Option<u64>)> {
-        let mut loaded = false;
-        loop {
-            let answer = match wait {
-                None => call
-                    .query_async::<T>(&mut self)
+    ) -> RedisResult<Option<(T, Option<u64>)>> {
+        let answer = match wait {
+            None => call
+                .query_async::<T>(&mut self)
+                .await
+                .map(|value| (value, None)),
+            Some(wait) => {
+                let mut pipe = redis::pipe();
+                pipe.add_command(call.clone())
+                    .cmd("WAIT")
+                    .arg(wait.replicas)
+                    .arg(
+                        u64::try_from(wait.timeout.as_millis())
+                            .unwrap_or(u64::MAX)
+                            .max(1),
+                    );
+                pipe.query_async::<(T, u64)>(&mut self)
                     .await
-                    .map(|value| (value, None)),
-                Some(wait) => {
-                    let mut pipe = redis::pipe();
-                    pipe.add_command(call.clone())
-                        .cmd("WAIT")
-                        .arg(wait.replicas)
-                        .arg(
-                            u64::try_from(wait.timeout.as_millis())
-                                .unwrap_or(u64::MAX)
-                                .max(1),
-                        );
-                    pipe.query_async::<(T, u64)>(&mut self)
-                        .await
-                        .map(|(value, acknowledged)| (value, Some(acknowledged)))
-                }
-            };
-            match answer {
-                Err(error) if !loaded && error.code() == Some("NOSCRIPT") => {
-                    self.load(script, &call).await?;
-                    loaded = true;
-                }
-                answer => return answer,
+                    .map(|(value, acknowledged)| (value, Some(acknowledged)))
             }
+        };
+        match answer {
+            Err(error) if error.code() == Some("NOSCRIPT") => {
+                self.load(script, &call).await?;
+                Ok(None)
+            }
+            answer => answer.map(Some),
         }
     }
 }
 
 impl Connection {
-    /// Loads `script` where `call` goes: on a cluster, the primary of its key's slot
-    /// only (`SCRIPT LOAD` would otherwise go to every node, and fail while any is
-    /// down, which is when a promoted replica needs it).
+    /// Loads `script`. On a cluster, on every node, so a replica promoted later has it
+    /// already; if a node cannot take it (down, which is when a replica gets
+    /// promoted), on the primary of `call`'s slot only, which is where `call` goes.
     async fn load(&mut self, script: &StoreScript, call: &Cmd) -> RedisResult<()> {
         let mut load = redis::cmd("SCRIPT");
         load.arg("LOAD").arg(script.source());
-        match self {
-            Self::Node(connection) => load.query_async::<Value>(connection).await?,
-            Self::Cluster(connection) => {
-                // `EVALSHA digest numkeys key ...`: the first key (the fourth word)
-                // names the slot.
-                let key = call.args_iter().nth(3).and_then(|arg| match arg {
-                    redis::Arg::Simple(key) => Some(key.to_vec()),
-                    _ => None,
-                });
-                match key {
-                    Some(key) => {
-                        let route = Route::with_key(key, SlotAddr::Master);
-                        let routing =
-                            RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
-                        connection.route_command(load, routing).await?
-                    }
-                    None => load.query_async::<Value>(connection).await?,
-                }
-            }
+        let everywhere = load.query_async::<Value>(&mut *self).await;
+        let Self::Cluster(connection) = self else {
+            return everywhere.map(drop);
         };
-        Ok(())
+        if everywhere.is_ok() {
+            return Ok(());
+        }
+        // `EVALSHA digest numkeys key ...`: the first key (the fourth word) names the
+        // slot.
+        let Some(redis::Arg::Simple(key)) = call.args_iter().nth(3) else {
+            return everywhere.map(drop);
+        };
+        let route = Route::with_key(key, SlotAddr::Master);
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+        connection.route_command(load, routing).await.map(drop)
     }
 }
 

@@ -285,33 +285,44 @@ impl RedisStore {
         call: impl Fn(i64) -> Cmd,
     ) -> Result<(T, Option<u64>), Failure> {
         let timeout = self.command_timeout + wait.map_or(Duration::ZERO, |wait| wait.timeout);
-        let sent = Instant::now();
-        let give_up = sent + timeout;
-        // The script itself must run within the command timeout: run later, the
-        // replicas' wait behind it could not end before the caller gives up.
-        let deadline = self
-            .redis_clock
-            .deadline_or_read(sent + self.command_timeout, self.command_timeout, || {
-                self.connection.clone().time()
-            })
-            .await
-            .map_err(Failure::Other)?;
-        let run = self.connection.clone().run(script, call(deadline), wait);
-        match tokio::time::timeout_at(give_up.into(), run).await {
-            Ok(Ok(answer)) => Ok(answer),
-            // A timeout is not a broken connection: Redis may be paused, and a second
-            // attempt would only double the wait.
-            Ok(Err(error))
-                if (error.is_unrecoverable_error() || error.is_io_error())
-                    && !error.is_timeout() =>
-            {
-                Err(Failure::Connection(error))
+        // A script the server had to be sent is called once more, with a deadline of
+        // its own.
+        for _ in 0..2 {
+            let sent = Instant::now();
+            let give_up = sent + timeout;
+            // The script itself must run within the command timeout: run later, the
+            // replicas' wait behind it could not end before the caller gives up.
+            let deadline = self
+                .redis_clock
+                .deadline_or_read(sent + self.command_timeout, self.command_timeout, || {
+                    self.connection.clone().time()
+                })
+                .await
+                .map_err(Failure::Other)?;
+            let run = self.connection.clone().run(script, call(deadline), wait);
+            match tokio::time::timeout_at(give_up.into(), run).await {
+                Ok(Ok(Some(answer))) => return Ok(answer),
+                // Sent the script it lacked: once more.
+                Ok(Ok(None)) => {}
+                // A timeout is not a broken connection: Redis may be paused, and a
+                // second attempt would only double the wait.
+                Ok(Err(error))
+                    if (error.is_unrecoverable_error() || error.is_io_error())
+                        && !error.is_timeout() =>
+                {
+                    return Err(Failure::Connection(error))
+                }
+                Ok(Err(error)) => return Err(Failure::Other(StoreError::with_source(what, error))),
+                Err(_) => {
+                    return Err(Failure::Other(StoreError::new(format!(
+                        "{what}: timed out after {timeout:?}"
+                    ))))
+                }
             }
-            Ok(Err(error)) => Err(Failure::Other(StoreError::with_source(what, error))),
-            Err(_) => Err(Failure::Other(StoreError::new(format!(
-                "{what}: timed out after {timeout:?}"
-            )))),
         }
+        Err(Failure::Other(StoreError::new(format!(
+            "{what}: Redis does not keep the script it was sent"
+        ))))
     }
 
     /// Fails unless `acknowledged` replicas are as many as the store waits for.
