@@ -1,5 +1,7 @@
-//! The idempotency layer's metrics (feature `metrics`), read from a recorder after a
-//! first run, a replay, a conflict and a refusal through a real axum server.
+//! The idempotency layers' metrics (feature `metrics`), read from a recorder after a
+//! first run, a replay, a conflict and a refusal: through a real axum server for HTTP,
+//! and through the message layer for a consumer. The two transports share one engine,
+//! so they report the same series.
 #![allow(missing_docs)]
 
 #[path = "support/mod.rs"]
@@ -7,19 +9,53 @@ mod support;
 
 use axum::{routing::post, Router};
 use http::StatusCode;
-use std::collections::HashMap;
+use std::{
+    collections::HashMap,
+    convert::Infallible,
+    sync::OnceLock,
+};
 
 use metrics_util::{
     debugging::{DebugValue, DebuggingRecorder, Snapshotter},
     MetricKind,
 };
 use support::{client, send, serve};
+use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
-        IdempotencyLayer, METRIC_REQUESTS, METRIC_REQUESTS_IN_FLIGHT, METRIC_STORE_CALL_DURATION,
+        message::{Handled, MessageIdempotencyLayer, MessageKey},
+        IdempotencyKey, IdempotencyLayer, KeyRejection, METRIC_REQUESTS, METRIC_REQUESTS_IN_FLIGHT,
+        METRIC_STORE_CALL_DURATION,
     },
 };
+
+/// The recorder is global to the process, and its counters are not per layer: one
+/// test at a time reads them.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn totals() -> Totals {
+    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
+    let snapshotter = SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().unwrap();
+        tower_ids::idempotency::describe_metrics();
+        snapshotter
+    });
+    let mut totals = Totals {
+        snapshotter: snapshotter.clone(),
+        counters: HashMap::new(),
+        latencies: HashMap::new(),
+        in_flight: 0.0,
+    };
+    // What changed before this test is not its own.
+    totals.update();
+    totals.counters.clear();
+    totals.latencies.clear();
+    totals.in_flight = 0.0;
+    totals
+}
 
 /// Totals since the recorder was installed: the debugging recorder hands out what
 /// changed since its last snapshot.
@@ -79,15 +115,8 @@ impl Totals {
 
 #[tokio::test]
 async fn counters_per_outcome_and_store_latency_after_a_replay() {
-    let recorder = DebuggingRecorder::new();
-    let mut totals = Totals {
-        snapshotter: recorder.snapshotter(),
-        counters: HashMap::new(),
-        latencies: HashMap::new(),
-        in_flight: 0.0,
-    };
-    recorder.install().unwrap();
-    tower_ids::idempotency::describe_metrics();
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut totals = totals();
 
     let app = Router::new()
         .route(
@@ -129,4 +158,65 @@ async fn counters_per_outcome_and_store_latency_after_a_replay() {
     assert!(begin.iter().all(|s| (0.0..1.0).contains(s)));
     assert_eq!(totals.latencies["complete"].len(), 1);
     assert_eq!(totals.in_flight, 0.0, "every request done");
+}
+
+struct Command {
+    key: &'static str,
+    body: &'static str,
+}
+
+#[tokio::test]
+async fn a_message_consumer_reports_the_same_series() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut totals = totals();
+
+    let key = |command: &Command| -> Result<Option<MessageKey>, KeyRejection> {
+        if command.key.is_empty() {
+            return Ok(None);
+        }
+        let key = IdempotencyKey::new(command.key)?;
+        Ok(Some(MessageKey::new(key).fingerprint(command.body)))
+    };
+    let mut consumer = ServiceBuilder::new()
+        .layer(MessageIdempotencyLayer::new(key).require_key(true))
+        .service(service_fn(|command: Command| async move {
+            Ok::<_, Infallible>(format!("done {}", command.body))
+        }));
+    async fn deliver<S>(consumer: &mut S, key: &'static str, body: &'static str) -> S::Response
+    where
+        S: Service<Command, Error = Infallible>,
+    {
+        let command = Command { key, body };
+        consumer.ready().await.unwrap().call(command).await.unwrap()
+    }
+
+    assert!(matches!(
+        deliver(&mut consumer, "k-1", "a").await,
+        Handled::Ran(_)
+    ));
+    assert_eq!(totals.outcome("executed"), 1);
+    assert_eq!(totals.outcome("replayed"), 0);
+
+    assert!(deliver(&mut consumer, "k-1", "a").await.is_replay());
+    assert_eq!(totals.outcome("replayed"), 1, "goes up after a replay");
+    assert_eq!(totals.outcome("executed"), 1, "the replay ran nothing");
+
+    let Handled::Refused(conflict) = deliver(&mut consumer, "k-1", "b").await else {
+        panic!("another message under the same key is refused");
+    };
+    assert_eq!(conflict.code(), "idempotency.fingerprint_mismatch");
+    assert_eq!(totals.outcome("conflict"), 1);
+    let Handled::Refused(missing) = deliver(&mut consumer, "", "a").await else {
+        panic!("a message without a key is refused");
+    };
+    assert_eq!(missing.code(), "idempotency.key_missing");
+    assert_eq!(totals.outcome("rejected"), 1);
+
+    totals.update();
+    // Three messages reached the store: three claims (`begin`), one completion.
+    let begin = &totals.latencies["begin"];
+    assert_eq!(begin.len(), 3, "{begin:?}");
+    assert!(begin.iter().all(|s| (0.0..1.0).contains(s)));
+    assert_eq!(totals.latencies["complete"].len(), 1);
+    assert_eq!(totals.in_flight, 0.0, "every message done");
 }

@@ -6,13 +6,12 @@ use std::time::{Duration, SystemTime};
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 
 use super::{
+    core::{self, Unsettled, Verdict},
     layer::Settings,
-    lease::Unsettled,
-    observe,
     replay::{self, ReplayInfo},
     store::Record,
-    AttemptId, Fingerprint, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT,
-    IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
+    AttemptId, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
+    ORIGINAL_ATTEMPT_ID,
 };
 use crate::{body::Body, problem::Problem};
 
@@ -72,14 +71,7 @@ pub(super) fn refuse<B>(
     detail: String,
     attempt: Option<&AttemptId>,
 ) -> Response<Body<B>> {
-    tracing::warn!(
-        event = "idempotency.rejected",
-        reason,
-        detail = detail.as_str(),
-        status = status.as_u16(),
-        "request refused: {title}"
-    );
-    observe::outcome("rejected");
+    core::rejected(reason, code, &detail, Some(status.as_u16()));
     let problem = Problem::new(status, code, title, detail);
     finish(problem.into_response(), attempt)
 }
@@ -104,8 +96,7 @@ pub(super) fn with_retry_after<B>(mut response: Response<B>, retry_after: Durati
     response
 }
 
-pub(super) fn store_unavailable<B>() -> Response<Body<B>> {
-    observe::outcome("store_unavailable");
+fn store_unavailable<B>() -> Response<Body<B>> {
     let problem = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "idempotency.store_unavailable",
@@ -115,13 +106,7 @@ pub(super) fn store_unavailable<B>() -> Response<Body<B>> {
     with_retry_after(problem.into_response(), Duration::from_secs(1))
 }
 
-pub(super) fn conflict<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
-    tracing::warn!(
-        event = "idempotency.conflict",
-        status = 422,
-        "idempotency key reused with another request"
-    );
-    observe::outcome("conflict");
+fn conflict<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
     let problem = Problem::new(
         StatusCode::UNPROCESSABLE_ENTITY,
         "idempotency.fingerprint_mismatch",
@@ -131,19 +116,11 @@ pub(super) fn conflict<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
     finish(problem.into_response(), attempt)
 }
 
-pub(super) fn epoch_mismatch<B>(
+fn epoch_mismatch<B>(
     recorded: Option<u64>,
     requested: Option<u64>,
     attempt: Option<&AttemptId>,
 ) -> Response<Body<B>> {
-    tracing::warn!(
-        event = "idempotency.epoch_mismatch",
-        recorded_epoch = recorded,
-        request_epoch = requested,
-        status = 422,
-        "idempotency key used in another epoch"
-    );
-    observe::outcome("conflict");
     let describe = |epoch: Option<u64>| epoch.map_or_else(|| "none".to_owned(), |e| e.to_string());
     let problem = Problem::new(
         StatusCode::UNPROCESSABLE_ENTITY,
@@ -158,19 +135,12 @@ pub(super) fn epoch_mismatch<B>(
     finish(problem.into_response(), attempt)
 }
 
-pub(super) fn in_flight<B>(
+fn in_flight<B>(
     first_seen: SystemTime,
     request_count: Option<u64>,
     retry_after: Duration,
     attempt: Option<&AttemptId>,
 ) -> Response<Body<B>> {
-    tracing::info!(
-        event = "idempotency.in_flight",
-        request_count,
-        status = 409,
-        "a request with this idempotency key is still running"
-    );
-    observe::outcome("in_flight");
     let problem = Problem::new(
         StatusCode::CONFLICT,
         "idempotency.in_flight",
@@ -186,43 +156,87 @@ pub(super) fn in_flight<B>(
     finish(response, attempt)
 }
 
-/// The answer to a duplicate of a completed request.
-pub(super) fn settled<B>(
+/// The answer the engine decided on instead of running the handler.
+pub(super) fn decided<B>(
+    verdict: Verdict,
+    attempt: Option<&AttemptId>,
+    settings: &Settings,
+) -> Response<Body<B>> {
+    match verdict {
+        Verdict::Replay {
+            record,
+            request_count,
+        } => replay(&record, request_count, attempt, settings),
+        Verdict::NotReplayable {
+            record,
+            request_count,
+        } => not_replayable(&record, request_count, attempt),
+        Verdict::InFlight {
+            first_seen,
+            request_count,
+            retry_after,
+        } => in_flight(first_seen, request_count, retry_after, attempt),
+        Verdict::Conflict => conflict(attempt),
+        Verdict::EpochMismatch {
+            recorded,
+            requested,
+        } => epoch_mismatch(recorded, requested, attempt),
+        Verdict::OriginalFailed => original_failed(attempt),
+        Verdict::StoreUnavailable => finish(store_unavailable(), attempt),
+    }
+}
+
+fn original_failed<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
+    let problem = Problem::new(
+        StatusCode::CONFLICT,
+        "idempotency.original_failed",
+        "Original request failed",
+        "the request with this key that was running failed and stored nothing; retry to run it again",
+    );
+    finish(
+        with_retry_after(problem.into_response(), Duration::from_secs(1)),
+        attempt,
+    )
+}
+
+/// The `500` for a handler whose response body failed mid-read.
+pub(super) fn response_failed<B>() -> Response<Body<B>> {
+    let problem = Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "idempotency.response_failed",
+        "Response failed",
+        "the response could not be produced; nothing was stored, so a retry runs again",
+    );
+    problem.into_response()
+}
+
+/// The `410` for a duplicate of a request whose response was too large to keep.
+fn not_replayable<B>(
     record: &Record,
-    fingerprint: Fingerprint,
+    request_count: u64,
+    attempt: Option<&AttemptId>,
+) -> Response<Body<B>> {
+    let problem = Problem::new(
+        StatusCode::GONE,
+        "idempotency.not_replayable",
+        "Response not replayable",
+        "the request with this idempotency key ran, but its response was too large to keep for replay; it will not run again",
+    );
+    let mut response = problem.into_response();
+    replay_headers(response.headers_mut(), record, request_count);
+    finish(response, attempt)
+}
+
+/// The stored response, for a duplicate of a request that completed.
+fn replay<B>(
+    record: &Record,
     request_count: u64,
     attempt: Option<&AttemptId>,
     settings: &Settings,
 ) -> Response<Body<B>> {
-    if record.fingerprint != fingerprint {
-        return conflict(attempt);
-    }
     let Some(stored) = &record.response else {
-        tracing::info!(
-            event = "idempotency.not_replayable",
-            request_count,
-            status = 410,
-            "the request ran but its response was too large to keep"
-        );
-        observe::outcome("not_replayable");
-        let problem = Problem::new(
-            StatusCode::GONE,
-            "idempotency.not_replayable",
-            "Response not replayable",
-            "the request with this idempotency key ran, but its response was too large to keep for replay; it will not run again",
-        );
-        let mut response = problem.into_response();
-        replay_headers(response.headers_mut(), record, request_count);
-        return finish(response, attempt);
+        return not_replayable(record, request_count, attempt);
     };
-    tracing::info!(
-        event = "idempotency.replayed",
-        request_count,
-        status = stored.status.as_u16(),
-        original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
-        "replayed the stored response"
-    );
-    observe::outcome("replayed");
     let mut response = Response::new(stored.body.clone());
     *response.status_mut() = stored.status;
     let headers = response.headers_mut();
@@ -252,7 +266,7 @@ pub(super) fn settled<B>(
 }
 
 /// What a duplicate learns of the original: when it came, how many came, which attempt.
-pub(super) fn replay_headers(headers: &mut HeaderMap, record: &Record, request_count: u64) {
+fn replay_headers(headers: &mut HeaderMap, record: &Record, request_count: u64) {
     headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(record.first_seen));
     headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
     if let Some(original) = &record.original_attempt {

@@ -5,32 +5,15 @@ use tower_layer::Layer;
 
 use super::{
     budget::Budget,
+    core::{observe::LayerOrder, Engine, InFlight, StoreFailure},
     extract::{ExtractKey, KeyFromHeaders},
-    lease::KeptOutcomes,
-    observe::LayerOrder,
     replay::OnReplay,
     store::{IdempotencyStore, MokaStore},
     Idempotency, NoClient, NoEpoch, ATTEMPT_ID,
 };
+#[cfg(doc)]
+use super::{DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL};
 use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
-
-/// How long a stored outcome is replayed: 24 hours, as Stripe's keys, covering a
-/// client's retries across a working day and a restart.
-pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
-
-/// How long a store outage a running request's claim outlives: 10 seconds. A claim is
-/// written to hold its key for the lease and half again and renewed every quarter of
-/// the lease while its handler runs, so at any moment it has at least the lease left:
-/// a store paused, down or restarting for less than the lease, counted from when the
-/// outage began, never frees the key of a request still running. A crashed worker's
-/// key stays locked for at most one and a half leases after its last renewal. The
-/// lease does not bound how long a handler may run.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
-
-/// The most response bytes kept by outcomes waiting for the store (it failed when they
-/// were stored): 64 MiB, per layer. Past it an outcome is kept without its response,
-/// so its duplicates get `410`, never a second run.
-pub const DEFAULT_MAX_KEPT_BYTES: usize = 64 * 1024 * 1024;
 
 /// The largest request body read to fingerprint: 1 MiB; larger is `413`.
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
@@ -49,34 +32,6 @@ pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
 /// The largest response kept for replay: 1 MiB; larger is streamed on, never stored.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 
-/// `Retry-After` on a `409` for a request in flight: 1 second.
-pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
-
-/// What a duplicate does while the first request is still running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InFlight {
-    /// Answer `409 Conflict` with `Retry-After` (the default).
-    Reject {
-        /// The `Retry-After` to send.
-        retry_after: Duration,
-    },
-    /// Wait up to `timeout` for the first outcome and replay it; past the timeout,
-    /// answer `409` as `Reject` does with a `Retry-After` of one second.
-    Wait {
-        /// The longest wait.
-        timeout: Duration,
-    },
-}
-
-/// What to do when the store cannot answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoreFailure {
-    /// Answer `503` and run nothing (the default): no duplicate can slip through.
-    FailClosed,
-    /// Run the request without deduplication and log a WARN: availability over safety.
-    FailOpen,
-}
-
 pub(super) type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 
 #[derive(Clone)]
@@ -87,14 +42,9 @@ pub(super) struct Settings {
     pub(super) require_key: bool,
     pub(super) require_client: bool,
     pub(super) include_query: bool,
-    pub(super) ttl: Duration,
-    pub(super) lease: Duration,
     pub(super) max_request_bytes: usize,
     pub(super) max_response_bytes: usize,
-    pub(super) max_kept_bytes: usize,
     pub(super) budget: Arc<Budget>,
-    pub(super) in_flight: InFlight,
-    pub(super) store_failure: StoreFailure,
     pub(super) not_replayed: Vec<HeaderName>,
     pub(super) per_attempt: Vec<HeaderName>,
     pub(super) store_if: StorePredicate,
@@ -122,8 +72,7 @@ pub fn default_store_if(status: StatusCode) -> bool {
 /// behind `Arc`s: one layer cloned onto several routes has one budget for all of them.
 #[must_use]
 pub struct IdempotencyLayer<St = MokaStore, C = NoClient, E = NoEpoch> {
-    pub(super) store: Arc<St>,
-    pub(super) kept: Arc<KeptOutcomes>,
+    pub(super) engine: Engine<St>,
     pub(super) identify: C,
     pub(super) epoch: E,
     pub(super) settings: Arc<Settings>,
@@ -156,8 +105,7 @@ impl<St> IdempotencyLayer<St> {
     /// A layer over a store already behind an `Arc`.
     pub fn with_shared_store(store: Arc<St>) -> Self {
         Self {
-            store,
-            kept: Arc::default(),
+            engine: Engine::new(store),
             identify: NoClient,
             epoch: NoEpoch,
             settings: Arc::new(Settings {
@@ -167,16 +115,9 @@ impl<St> IdempotencyLayer<St> {
                 require_key: false,
                 require_client: false,
                 include_query: false,
-                ttl: DEFAULT_TTL,
-                lease: DEFAULT_LEASE,
                 max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-                max_kept_bytes: DEFAULT_MAX_KEPT_BYTES,
                 budget: Budget::new(DEFAULT_MAX_BUFFERED_BYTES),
-                in_flight: InFlight::Reject {
-                    retry_after: DEFAULT_RETRY_AFTER,
-                },
-                store_failure: StoreFailure::FailClosed,
                 not_replayed: vec![header::SET_COOKIE],
                 per_attempt: vec![
                     X_CORRELATION_ID,
@@ -204,8 +145,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// are global.
     pub fn client<C2>(self, identify: C2) -> IdempotencyLayer<St, C2, E> {
         IdempotencyLayer {
-            store: self.store,
-            kept: self.kept,
+            engine: self.engine,
             identify,
             epoch: self.epoch,
             settings: self.settings,
@@ -222,8 +162,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// [`EpochFromHeader`]: super::EpochFromHeader
     pub fn epoch<E2>(self, epoch: E2) -> IdempotencyLayer<St, C, E2> {
         IdempotencyLayer {
-            store: self.store,
-            kept: self.kept,
+            engine: self.engine,
             identify: self.identify,
             epoch,
             settings: self.settings,
@@ -298,7 +237,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
 
     /// How long an outcome is replayed. Default [`DEFAULT_TTL`].
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.settings().ttl = ttl;
+        self.engine.policy.ttl = ttl;
         self
     }
 
@@ -312,7 +251,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// `wait_for_replicas`): the renewal's own round trip is what the quarter is kept
     /// for.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.settings().lease = lease;
+        self.engine.policy.lease = lease;
         self
     }
 
@@ -321,7 +260,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// it can). Default [`DEFAULT_MAX_KEPT_BYTES`]; past it, an outcome is kept without
     /// its response, and its duplicates get `410 idempotency.not_replayable`.
     pub fn max_kept_bytes(mut self, max: usize) -> Self {
-        self.settings().max_kept_bytes = max;
+        self.engine.policy.max_kept_bytes = max;
         self
     }
 
@@ -361,13 +300,13 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// What a duplicate does while the first is running. Default
     /// [`InFlight::Reject`] with [`DEFAULT_RETRY_AFTER`].
     pub fn in_flight(mut self, in_flight: InFlight) -> Self {
-        self.settings().in_flight = in_flight;
+        self.engine.policy.in_flight = in_flight;
         self
     }
 
     /// What to do when the store fails. Default [`StoreFailure::FailClosed`].
     pub fn on_store_failure(mut self, failure: StoreFailure) -> Self {
-        self.settings().store_failure = failure;
+        self.engine.policy.store_failure = failure;
         self
     }
 
@@ -404,8 +343,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
 impl<St, C: Clone, E: Clone> Clone for IdempotencyLayer<St, C, E> {
     fn clone(&self) -> Self {
         Self {
-            store: self.store.clone(),
-            kept: self.kept.clone(),
+            engine: self.engine.clone(),
             identify: self.identify.clone(),
             epoch: self.epoch.clone(),
             settings: self.settings.clone(),
@@ -419,10 +357,10 @@ impl<St, C, E> fmt::Debug for IdempotencyLayer<St, C, E> {
             .field("methods", &self.settings.methods)
             .field("require_key", &self.settings.require_key)
             .field("require_client", &self.settings.require_client)
-            .field("ttl", &self.settings.ttl)
-            .field("lease", &self.settings.lease)
-            .field("in_flight", &self.settings.in_flight)
-            .field("store_failure", &self.settings.store_failure)
+            .field("ttl", &self.engine.policy.ttl)
+            .field("lease", &self.engine.policy.lease)
+            .field("in_flight", &self.engine.policy.in_flight)
+            .field("store_failure", &self.engine.policy.store_failure)
             .field("max_buffered_bytes", &self.settings.budget.capacity())
             .finish_non_exhaustive()
     }
@@ -434,8 +372,7 @@ impl<S, St: IdempotencyStore, C: Clone, E: Clone> Layer<S> for IdempotencyLayer<
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency {
             inner,
-            store: self.store.clone(),
-            kept: self.kept.clone(),
+            engine: self.engine.clone(),
             identify: self.identify.clone(),
             epoch: self.epoch.clone(),
             settings: self.settings.clone(),

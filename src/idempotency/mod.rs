@@ -281,14 +281,13 @@
 
 mod answer;
 mod budget;
+mod core;
 mod echo;
 mod epoch;
 mod extract;
 mod key;
 mod layer;
-mod lease;
 pub mod message;
-mod observe;
 mod read;
 mod replay;
 mod scope;
@@ -298,6 +297,14 @@ pub mod store;
 use http::HeaderName;
 
 pub use self::{
+    core::observe::{
+        METRIC_RELEASED, METRIC_REQUESTS, METRIC_REQUESTS_IN_FLIGHT, METRIC_STORE_CALL_DURATION,
+        METRIC_STORE_FAILURES,
+    },
+    core::{
+        InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER,
+        DEFAULT_TTL,
+    },
     epoch::{
         EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch, IDEMPOTENCY_EPOCH,
     },
@@ -309,13 +316,8 @@ pub use self::{
         MAX_ATTEMPT_ID_LEN, MAX_KEY_LEN, X_IDEMPOTENCY_KEY,
     },
     layer::{
-        default_store_if, IdempotencyLayer, InFlight, StoreFailure, DEFAULT_LEASE,
-        DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_REQUEST_BYTES,
-        DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
-    },
-    observe::{
-        METRIC_RELEASED, METRIC_REQUESTS, METRIC_REQUESTS_IN_FLIGHT, METRIC_STORE_CALL_DURATION,
-        METRIC_STORE_FAILURES,
+        default_store_if, IdempotencyLayer, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_MAX_RESPONSE_BYTES,
     },
     replay::{JsonReplayMarker, OnReplay, ReplayInfo},
     scope::{
@@ -326,9 +328,9 @@ pub use self::{
     store::{IdempotencyStore, MokaStore},
 };
 
-pub(crate) use self::echo::current_key;
 #[cfg(feature = "metrics")]
-pub use self::observe::describe_metrics;
+pub use self::core::observe::describe_metrics;
+pub(crate) use self::echo::current_key;
 
 /// `idempotent-replayed`: `true` on a replay, `false` on every other response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");

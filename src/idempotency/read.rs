@@ -8,8 +8,8 @@ use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 
 use super::{
-    answer::with_retry_after, budget::Reservation, layer::Settings, observe, service::BoxError,
-    Fingerprint,
+    answer::with_retry_after, budget::Reservation, core::observe, layer::Settings,
+    service::BoxError, Fingerprint,
 };
 use crate::{body::Body, problem::Problem};
 

@@ -1,12 +1,8 @@
 use std::{
     future::Future,
     pin::Pin,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
+    sync::Arc,
     task::{Context, Poll},
-    time::Duration,
 };
 
 use bytes::{Bytes, BytesMut};
@@ -16,22 +12,53 @@ use tower_service::Service;
 use tracing::Instrument as _;
 
 use super::{
-    answer::{
-        conflict, epoch_mismatch, finish, in_flight, refuse, reject_client, reject_key, settled,
-        store_unavailable, unsettled_answer, with_retry_after,
-    },
+    answer::{self, finish, refuse, reject_client, reject_key, unsettled_answer},
+    core::{ClaimFlag, Decision, Detaching, Engine, LeaseGuard},
     echo::{self, KeyScope},
     extract::{ExtractedKey, KeyRejection},
-    layer::{InFlight, Settings, StoreFailure},
-    lease::{self, KeptOutcomes, LeaseGuard},
-    observe,
+    layer::Settings,
     read::{fingerprint, read_body},
-    store::{Begin, Chain, IdempotencyStore, MokaStore, Record, Settled, StoredResponse},
+    store::{IdempotencyStore, MokaStore, StoredResponse},
     AttemptId, ClientId, ExtractEpoch, IdempotencyKey, IdentifyClient, NoClient, NoEpoch, ScopeKey,
 };
-use crate::{body::Body, correlation::CorrelationId, problem::Problem};
+use crate::{body::Body, correlation::CorrelationId};
 
 pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The service a protected route wraps, as the layer needs it: it takes the request
+/// with its body buffered (or streamed on), and it and its future move across tasks.
+pub(super) trait Handler<ReqBody, ResBody>:
+    Service<
+        Request<Body<ReqBody>>,
+        Response = Response<ResBody>,
+        Future: Send + 'static,
+        Error: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<S, ReqBody, ResBody> Handler<ReqBody, ResBody> for S where
+    S: Service<
+            Request<Body<ReqBody>>,
+            Response = Response<ResBody>,
+            Future: Send + 'static,
+            Error: Send + 'static,
+        > + Send
+        + 'static
+{
+}
+
+/// A request or response body the layer reads whole (within its limits).
+pub(super) trait ReadableBody:
+    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
+{
+}
+
+impl<B> ReadableBody for B where
+    B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
+{
+}
 
 /// Middleware that runs each idempotent request once and replays its response.
 ///
@@ -39,8 +66,7 @@ pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// [module docs](crate::idempotency).
 pub struct Idempotency<S, St = MokaStore, C = NoClient, E = NoEpoch> {
     pub(super) inner: S,
-    pub(super) store: Arc<St>,
-    pub(super) kept: Arc<KeptOutcomes>,
+    pub(super) engine: Engine<St>,
     pub(super) identify: C,
     pub(super) epoch: E,
     pub(super) settings: Arc<Settings>,
@@ -50,8 +76,7 @@ impl<S: Clone, St, C: Clone, E: Clone> Clone for Idempotency<S, St, C, E> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            store: self.store.clone(),
-            kept: self.kept.clone(),
+            engine: self.engine.clone(),
             identify: self.identify.clone(),
             epoch: self.epoch.clone(),
             settings: self.settings.clone(),
@@ -67,12 +92,7 @@ impl<S: std::fmt::Debug, St, C, E> std::fmt::Debug for Idempotency<S, St, C, E> 
     }
 }
 
-type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<Body<B>>, E>> + Send>>;
-
 /// Response future of [`Idempotency`].
-///
-/// Boxed: the work is several awaits on the store and the body, which no hand-written
-/// state machine would make clearer.
 ///
 /// Dropped before it finishes (the client went away) once its request has claimed its
 /// key, it hands the rest of its work to a task of its own, in the same span and with
@@ -80,13 +100,7 @@ type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<Body<B>>, E>>
 /// is stored for the client's retry. Dropped before the claim, it is cancelled, as any
 /// future: nothing ran, and the request body stops being read.
 pub struct ResponseFuture<B: 'static, E: 'static> {
-    inner: Option<BoxFuture<B, E>>,
-    /// Set by the work when its request claims the key; `None` for requests the layer
-    /// does not protect.
-    claimed: Option<Arc<AtomicBool>>,
-    /// Set while the work is polled: if that poll panics (the handler panicked), the
-    /// work must not be resumed elsewhere; its lease guard has already let the key go.
-    unwinding: bool,
+    work: Detaching<Result<Response<Body<B>>, E>>,
     /// The request's idempotency key, current while the work is polled (its problem
     /// details name it) and echoed on the response.
     key: Option<IdempotencyKey>,
@@ -97,32 +111,15 @@ impl<B, E> Future for ResponseFuture<B, E> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
-        let Some(inner) = this.inner.as_mut() else {
-            panic!("ResponseFuture polled after completion");
-        };
-        this.unwinding = true;
         let poll = {
             let _key = KeyScope::enter(this.key.as_ref());
-            inner.as_mut().poll(cx)
+            Pin::new(&mut this.work).poll(cx)
         };
-        this.unwinding = false;
         let mut output = std::task::ready!(poll);
-        this.inner = None;
         if let (Ok(response), Some(key)) = (&mut output, &this.key) {
             echo::echo(response, key);
         }
         Poll::Ready(output)
-    }
-}
-
-impl<B: 'static, E: 'static> Drop for ResponseFuture<B, E> {
-    fn drop(&mut self) {
-        let Some(unfinished) = self.inner.take() else {
-            return;
-        };
-        if !self.unwinding {
-            super::lease::detach_claimed(unfinished, self.claimed.as_deref());
-        }
     }
 }
 
@@ -143,16 +140,14 @@ struct Protected {
 
 impl<S, St, C, E, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, C, E>
 where
-    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>>
+        + Handler<ReqBody, ResBody>
+        + Clone,
     St: IdempotencyStore,
     C: IdentifyClient<ReqBody>,
     E: ExtractEpoch<ReqBody>,
-    ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ResBody::Error: Into<BoxError>,
+    ReqBody: ReadableBody,
+    ResBody: ReadableBody,
 {
     type Response = Response<Body<ResBody>>;
     type Error = S::Error;
@@ -169,11 +164,11 @@ where
         let settings = self.settings.clone();
 
         if !settings.methods.contains(request.method()) {
-            return boxed(pass_through(inner, request, None));
+            return unclaimed(pass_through(inner, request, None), None);
         }
         let attempt = match AttemptId::from_headers(request.headers()) {
             Ok(attempt) => attempt,
-            Err(error) => return boxed(ready(reject_key(&error, None))),
+            Err(error) => return unclaimed(ready(reject_key(&error, None)), None),
         };
         // Read from the head now (the body type changes once it is read), applied once
         // the key is known: a request without a key never hears of them.
@@ -182,53 +177,38 @@ where
             client: self.identify.identify_client(&request),
             attempt,
         };
-        let claimed = Arc::new(AtomicBool::new(false));
-        let store = self.store.clone();
-        let kept = self.kept.clone();
-        let key_scope;
-        let work = if settings.key.reads_body() {
-            key_scope = KeyScope::enter(None);
+        let engine = self.engine.clone();
+        if settings.key.reads_body() {
             // The key is in the body: read it first (within the limits), then decide.
-            Box::pin(run_keyed_by_body(
-                inner,
-                store,
-                kept,
-                settings,
-                request,
-                identity,
-                claimed.clone(),
-            )) as BoxFuture<ResBody, S::Error>
-        } else {
-            let (parts, body) = request.into_parts();
-            let extracted = settings.key.extract_key(&parts, &Bytes::new());
-            // From here on every answer names the key (see `echo`).
-            let key = extracted.as_ref().ok().and_then(Option::as_ref);
-            key_scope = KeyScope::enter(key.map(ExtractedKey::key));
-            let protected = protect(&settings, extracted, identity, &parts);
-            let request = Request::from_parts(parts, body);
-            let protected = match protected {
-                Decided::Protected(protected) => protected,
-                Decided::PassThrough(attempt) => {
-                    return boxed(pass_through(inner, request, attempt))
-                }
-                Decided::Refused(refused) => return boxed(ready(refused)),
+            return ResponseFuture {
+                work: Detaching::claiming(|claimed| {
+                    run_keyed_by_body(inner, engine, settings, request, identity, claimed)
+                }),
+                key: None,
             };
-            Box::pin(run(
-                inner,
-                store,
-                kept,
-                settings,
-                request,
-                protected,
-                claimed.clone(),
-            ))
+        }
+        let (parts, body) = request.into_parts();
+        let extracted = settings.key.extract_key(&parts, &Bytes::new());
+        // From here on every answer names the key (see `echo`).
+        let key = extracted
+            .as_ref()
+            .ok()
+            .and_then(Option::as_ref)
+            .map(|extracted| extracted.key().clone());
+        let _key_scope = KeyScope::enter(key.as_ref());
+        let protected = protect(&settings, extracted, identity, &parts);
+        let request = Request::from_parts(parts, body);
+        let protected = match protected {
+            Decided::Protected(protected) => protected,
+            Decided::PassThrough(attempt) => {
+                return unclaimed(pass_through(inner, request, attempt), key)
+            }
+            Decided::Refused(refused) => return unclaimed(ready(refused), key),
         };
-        let key = echo::current_key();
-        drop(key_scope);
         ResponseFuture {
-            inner: Some(work),
-            claimed: Some(claimed),
-            unwinding: false,
+            work: Detaching::claiming(|claimed| {
+                run(inner, engine, settings, request, protected, claimed)
+            }),
             key,
         }
     }
@@ -339,14 +319,14 @@ fn protect<B>(
     })
 }
 
-fn boxed<B, E>(
+/// The future of a request that claims no key: refused, or passed through.
+fn unclaimed<B, E>(
     future: impl Future<Output = Result<Response<Body<B>>, E>> + Send + 'static,
+    key: Option<IdempotencyKey>,
 ) -> ResponseFuture<B, E> {
     ResponseFuture {
-        inner: Some(Box::pin(future)),
-        claimed: None,
-        unwinding: false,
-        key: echo::current_key(),
+        work: Detaching::new(future),
+        key,
     }
 }
 
@@ -366,27 +346,24 @@ where
     Ok(finish(response.map(Body::inner), attempt.as_ref()))
 }
 
+/// A protected request whose key is in its head: its body read (within the limits),
+/// then deduplicated, inside its `idempotency` span.
 async fn run<S, St, ReqBody, ResBody>(
     inner: S,
-    store: Arc<St>,
-    kept: Arc<KeptOutcomes>,
+    engine: Engine<St>,
     settings: Arc<Settings>,
     request: Request<ReqBody>,
     protected: Protected,
-    claimed: Arc<AtomicBool>,
+    claimed: ClaimFlag,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
-    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
-    ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ResBody::Error: Into<BoxError>,
+    ReqBody: ReadableBody,
+    ResBody: ReadableBody,
 {
     let span = idempotency_span(&protected, &settings);
-    let _in_flight = observe::InFlight::enter();
+    let _in_flight = engine.track();
     async move {
         // The body's bytes of the layer's budget, held until this work ends (dropped
         // with it on every path, including a cancelled or abandoned future).
@@ -394,7 +371,7 @@ where
             Ok(read) => read,
             Err(refused) => return Ok(finish(refused, protected.attempt.as_ref())),
         };
-        deduplicate(inner, store, kept, settings, request, protected, claimed).await
+        deduplicate(inner, engine, settings, request, protected, claimed).await
     }
     .instrument(span)
     .await
@@ -428,23 +405,19 @@ fn idempotency_span(protected: &Protected, settings: &Settings) -> tracing::Span
 /// the request deduplicated, passed through without a key, or refused.
 async fn run_keyed_by_body<S, St, ReqBody, ResBody>(
     mut inner: S,
-    store: Arc<St>,
-    kept: Arc<KeptOutcomes>,
+    engine: Engine<St>,
     settings: Arc<Settings>,
     request: Request<ReqBody>,
     identity: Identity,
-    claimed: Arc<AtomicBool>,
+    claimed: ClaimFlag,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
-    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
-    ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ResBody::Error: Into<BoxError>,
+    ReqBody: ReadableBody,
+    ResBody: ReadableBody,
 {
+    let _in_flight = engine.track();
     let (request, _budget) = match read_body(request, &settings).await {
         Ok(read) => read,
         Err(refused) => return Ok(finish(refused, identity.attempt.as_ref())),
@@ -453,12 +426,18 @@ where
     let extracted = settings
         .key
         .extract_key(&parts, &body.complete_bytes().unwrap_or_default());
+    let key = extracted
+        .as_ref()
+        .ok()
+        .and_then(Option::as_ref)
+        .map(|extracted| extracted.key().clone());
+    let _key_scope = KeyScope::enter(key.as_ref());
     let protected = protect(&settings, extracted, identity, &parts);
     let request = Request::from_parts(parts, body);
-    match protected {
+    let response = match protected {
         Decided::Protected(protected) => {
             let span = idempotency_span(&protected, &settings);
-            deduplicate(inner, store, kept, settings, request, protected, claimed)
+            deduplicate(inner, engine, settings, request, protected, claimed)
                 .instrument(span)
                 .await
         }
@@ -467,191 +446,45 @@ where
             Ok(finish(response.map(Body::inner), attempt.as_ref()))
         }
         Decided::Refused(refused) => Ok(refused),
-    }
+    };
+    // The key was read here, after the response future was made: echo it here too.
+    response.map(|mut response| {
+        if let Some(key) = &key {
+            echo::echo(&mut response, key);
+        }
+        response
+    })
 }
 
-/// Claims the key of a protected request whose body is read, then runs it, replays
-/// its outcome or refuses it.
+/// Asks the engine what to do with a protected request whose body is read, and does
+/// it: runs the handler, or answers for the engine.
 async fn deduplicate<S, St, ReqBody, ResBody>(
-    inner: S,
-    store: Arc<St>,
-    kept: Arc<KeptOutcomes>,
+    mut inner: S,
+    engine: Engine<St>,
     settings: Arc<Settings>,
     request: Request<Body<ReqBody>>,
     protected: Protected,
-    claimed: Arc<AtomicBool>,
+    claimed: ClaimFlag,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
-    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
-    ReqBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ResBody::Error: Into<BoxError>,
+    ReqBody: ReadableBody,
+    ResBody: ReadableBody,
 {
-    let attempt = protected.attempt.clone();
-    let attempt = attempt.as_ref();
-    // A block of its own: this was the body of `run`'s instrumented future.
-    {
-        let fingerprint = fingerprint(&request);
-        let claim = lease::claim(fingerprint, settings.lease, protected.epoch);
-        if let Some(waiting) = kept.get(&protected.scope) {
-            // This layer ran the request and holds its outcome until the store takes
-            // it: never run it again, whatever the store says.
-            waiting.nudge();
-            let wait = match settings.in_flight {
-                InFlight::Reject { retry_after } => Err(retry_after),
-                // Boxed, as every rarely taken await here: the future of `deduplicate`
-                // is as large as its largest await, and it is moved on every request.
-                InFlight::Wait { timeout } if Box::pin(waiting.settled(timeout)).await => Ok(()),
-                InFlight::Wait { .. } => Err(Duration::from_secs(1)),
-            };
-            if let Err(retry_after) = wait {
-                return Ok(in_flight(waiting.first_seen, None, retry_after, attempt));
-            }
+    let fingerprint = fingerprint(&request);
+    let decision = engine
+        .decide(protected.scope, fingerprint, protected.epoch, &claimed)
+        .await;
+    let attempt = protected.attempt;
+    match decision {
+        // Boxed, so the replay path's future stays small.
+        Decision::Run(guard) => Box::pin(execute(inner, &settings, request, guard, attempt)).await,
+        Decision::FailOpen => {
+            let response = Box::pin(inner.call(request)).await?;
+            Ok(finish(response.map(Body::inner), attempt.as_ref()))
         }
-        let begin = match observe::store_call("begin", store.begin(&protected.scope, claim.clone()))
-            .await
-        {
-            Ok(begin) => begin,
-            Err(error) => {
-                return match settings.store_failure {
-                    StoreFailure::FailClosed => {
-                        tracing::warn!(
-                            event = "idempotency.store_failed",
-                            error = %Chain(&error),
-                            phase = "begin",
-                            mode = "fail_closed",
-                            status = 503,
-                            "idempotency store failed; request refused"
-                        );
-                        Ok(finish(store_unavailable(), attempt))
-                    }
-                    StoreFailure::FailOpen => {
-                        tracing::warn!(
-                            event = "idempotency.store_failed",
-                            error = %Chain(&error),
-                            phase = "begin",
-                            mode = "fail_open",
-                            "idempotency store failed; running the request without deduplication"
-                        );
-                        observe::outcome("fail_open");
-                        let mut inner = inner;
-                        let response = Box::pin(inner.call(request)).await?;
-                        Ok(finish(response.map(Body::inner), attempt))
-                    }
-                };
-            }
-        };
-        match begin {
-            Begin::Claimed { lease } => {
-                claimed.store(true, Ordering::Release);
-                observe::outcome("executed");
-                tracing::debug!(
-                    event = "idempotency.accepted",
-                    "idempotency key accepted; running the request"
-                );
-                let guard = LeaseGuard::new(store, protected.scope, claim, lease, kept);
-                // Boxed, so the replay path's future stays small.
-                Box::pin(execute(
-                    inner,
-                    settings.clone(),
-                    request,
-                    guard,
-                    protected.attempt.clone(),
-                    protected.epoch,
-                ))
-                .await
-            }
-            Begin::Completed {
-                record,
-                request_count,
-            } => {
-                if record.epoch != protected.epoch {
-                    return Ok(epoch_mismatch(record.epoch, protected.epoch, attempt));
-                }
-                Ok(settled(
-                    &record,
-                    fingerprint,
-                    request_count,
-                    attempt,
-                    &settings,
-                ))
-            }
-            Begin::InFlight {
-                fingerprint: running,
-                first_seen,
-                epoch,
-                request_count,
-            } => {
-                if epoch != protected.epoch {
-                    return Ok(epoch_mismatch(epoch, protected.epoch, attempt));
-                }
-                if running != fingerprint {
-                    return Ok(conflict(attempt));
-                }
-                match settings.in_flight {
-                    InFlight::Reject { retry_after } => Ok(in_flight(
-                        first_seen,
-                        Some(request_count),
-                        retry_after,
-                        attempt,
-                    )),
-                    InFlight::Wait { timeout } => {
-                        let wait =
-                            observe::store_call("wait", store.wait(&protected.scope, timeout));
-                        match Box::pin(wait).await {
-                            Ok(Settled::Completed { record }) => Ok(settled(
-                                &record,
-                                fingerprint,
-                                request_count,
-                                attempt,
-                                &settings,
-                            )),
-                            Ok(Settled::TimedOut) => Ok(in_flight(
-                                first_seen,
-                                Some(request_count),
-                                Duration::from_secs(1),
-                                attempt,
-                            )),
-                            Ok(Settled::Released) => {
-                                tracing::info!(
-                                    event = "idempotency.original_failed",
-                                    status = 409,
-                                    "the request this one waited for did not complete; retry"
-                                );
-                                observe::outcome("original_failed");
-                                let problem = Problem::new(
-                                    StatusCode::CONFLICT,
-                                    "idempotency.original_failed",
-                                    "Original request failed",
-                                    "the request with this key that was running failed and stored nothing; retry to run it again",
-                                );
-                                Ok(finish(
-                                    with_retry_after(
-                                        problem.into_response(),
-                                        Duration::from_secs(1),
-                                    ),
-                                    attempt,
-                                ))
-                            }
-                            Err(error) => {
-                                tracing::warn!(
-                                    event = "idempotency.store_failed",
-                                    error = %Chain(&error),
-                                    phase = "wait",
-                                    status = 503,
-                                    "idempotency store failed while waiting"
-                                );
-                                Ok(finish(store_unavailable(), attempt))
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        Decision::Answer(verdict) => Ok(answer::decided(verdict, attempt.as_ref(), &settings)),
     }
 }
 
@@ -659,23 +492,16 @@ where
 /// body run, then stores the outcome or releases the key.
 async fn execute<S, St, ReqBody, ResBody>(
     mut inner: S,
-    settings: Arc<Settings>,
-    request: Request<Body<ReqBody>>,
+    settings: &Settings,
+    mut request: Request<Body<ReqBody>>,
     mut guard: LeaseGuard<St>,
     attempt: Option<AttemptId>,
-    epoch: Option<u64>,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
-    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
-    ReqBody: Send + 'static,
-    ResBody: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: ReadableBody,
 {
-    let fingerprint = guard.claim().fingerprint;
-    let mut request = request;
     guard.offer_transaction(request.extensions_mut());
     // Runs in the caller's task; if the caller goes away, `ResponseFuture`'s drop moves
     // this work to a task of its own, so it still completes and is stored.
@@ -694,14 +520,6 @@ where
         }
     };
     let storable = (settings.store_if)(parts.status);
-    let first_seen = guard.first_seen();
-    let record = |response| Record {
-        fingerprint,
-        first_seen,
-        original_attempt: attempt.clone(),
-        epoch,
-        response,
-    };
     let response = match body {
         Collected::Complete(body) if storable => {
             let headers = parts
@@ -710,15 +528,12 @@ where
                 .filter(|(name, _)| !settings.per_attempt.contains(name))
                 .map(|(name, value)| (name.clone(), value.clone()))
                 .collect();
-            let record = record(Some(StoredResponse {
+            let response = StoredResponse {
                 status: parts.status,
                 headers,
                 body: body.clone(),
-            }));
-            match guard
-                .complete(record, settings.ttl, settings.max_kept_bytes)
-                .await
-            {
+            };
+            match guard.complete(attempt.clone(), Some(response)).await {
                 Ok(()) => Response::from_parts(parts, Body::complete(body)),
                 Err(unsettled) => unsettled_answer(&unsettled),
             }
@@ -734,11 +549,7 @@ where
                     max_bytes = settings.max_response_bytes,
                     "response over the idempotency limit: streamed, not stored; duplicates get 410"
                 );
-                let record = record(None);
-                if let Err(unsettled) = guard
-                    .complete(record, settings.ttl, settings.max_kept_bytes)
-                    .await
-                {
+                if let Err(unsettled) = guard.complete(attempt.clone(), None).await {
                     return Ok(finish(unsettled_answer(&unsettled), attempt.as_ref()));
                 }
             } else {
@@ -754,13 +565,7 @@ where
                 "the response body failed while being read"
             );
             guard.release("response_failed").await;
-            let problem = Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "idempotency.response_failed",
-                "Response failed",
-                "the response could not be produced; nothing was stored, so a retry runs again",
-            );
-            problem.into_response()
+            answer::response_failed()
         }
     };
     Ok(finish(response, attempt.as_ref()))

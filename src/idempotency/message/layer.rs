@@ -4,22 +4,18 @@ use tower_layer::Layer;
 
 use super::MessageIdempotency;
 use crate::idempotency::{
-    lease::KeptOutcomes,
+    core::Engine,
     store::{IdempotencyStore, MokaStore},
-    InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
-    DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+    InFlight, StoreFailure, DEFAULT_MAX_RESPONSE_BYTES,
 };
+#[cfg(doc)]
+use crate::idempotency::{DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_TTL};
 
 pub(super) type OutcomePredicate<R> = Arc<dyn Fn(&R) -> bool + Send + Sync>;
 
 pub(super) struct MessageSettings<R> {
     pub(super) require_key: bool,
-    pub(super) ttl: Duration,
-    pub(super) lease: Duration,
     pub(super) max_outcome_bytes: usize,
-    pub(super) max_kept_bytes: usize,
-    pub(super) in_flight: InFlight,
-    pub(super) store_failure: StoreFailure,
     pub(super) store_if: Option<OutcomePredicate<R>>,
 }
 
@@ -27,12 +23,7 @@ impl<R> Clone for MessageSettings<R> {
     fn clone(&self) -> Self {
         Self {
             require_key: self.require_key,
-            ttl: self.ttl,
-            lease: self.lease,
             max_outcome_bytes: self.max_outcome_bytes,
-            max_kept_bytes: self.max_kept_bytes,
-            in_flight: self.in_flight,
-            store_failure: self.store_failure,
             store_if: self.store_if.clone(),
         }
     }
@@ -53,8 +44,7 @@ impl<R> Clone for MessageSettings<R> {
 #[must_use]
 pub struct MessageIdempotencyLayer<K, R, St = MokaStore> {
     pub(super) extract: Arc<K>,
-    pub(super) store: Arc<St>,
-    pub(super) kept: Arc<KeptOutcomes>,
+    pub(super) engine: Engine<St>,
     pub(super) settings: Arc<MessageSettings<R>>,
     pub(super) outcome: PhantomData<fn() -> R>,
 }
@@ -83,18 +73,10 @@ impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
     pub fn with_shared_store(store: Arc<St>, extract: K) -> Self {
         Self {
             extract: Arc::new(extract),
-            store,
-            kept: Arc::default(),
+            engine: Engine::new(store),
             settings: Arc::new(MessageSettings {
                 require_key: false,
-                ttl: DEFAULT_TTL,
-                lease: DEFAULT_LEASE,
                 max_outcome_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-                max_kept_bytes: DEFAULT_MAX_KEPT_BYTES,
-                in_flight: InFlight::Reject {
-                    retry_after: DEFAULT_RETRY_AFTER,
-                },
-                store_failure: StoreFailure::FailClosed,
                 store_if: None,
             }),
             outcome: PhantomData,
@@ -115,7 +97,7 @@ impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
     /// How long an outcome is kept for duplicates: at least the longest redelivery or
     /// retry window. Default [`DEFAULT_TTL`] (24 h).
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.settings().ttl = ttl;
+        self.engine.policy.ttl = ttl;
         self
     }
 
@@ -126,7 +108,7 @@ impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
     /// [`DEFAULT_LEASE`] (10 s). A redelivery of the message of a consumer that was
     /// killed mid-handler waits out the rest of it ([`Handled::InFlight`](super::Handled::InFlight)).
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.settings().lease = lease;
+        self.engine.policy.lease = lease;
         self
     }
 
@@ -143,7 +125,7 @@ impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
     /// handler ended (stored from a task of their own meanwhile). Default
     /// [`DEFAULT_MAX_KEPT_BYTES`] (64 MiB).
     pub fn max_kept_bytes(mut self, max: usize) -> Self {
-        self.settings().max_kept_bytes = max;
+        self.engine.policy.max_kept_bytes = max;
         self
     }
 
@@ -152,7 +134,7 @@ impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
     /// [`Handled::InFlight`](super::Handled::InFlight) at once, for the consumer to
     /// requeue it; [`InFlight::Wait`] waits up to its timeout for the outcome.
     pub fn in_flight(mut self, in_flight: InFlight) -> Self {
-        self.settings().in_flight = in_flight;
+        self.engine.policy.in_flight = in_flight;
         self
     }
 
@@ -160,7 +142,7 @@ impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
     /// message is refused as retryable (`idempotency.store_unavailable`) and nothing
     /// runs.
     pub fn on_store_failure(mut self, failure: StoreFailure) -> Self {
-        self.settings().store_failure = failure;
+        self.engine.policy.store_failure = failure;
         self
     }
 
@@ -177,8 +159,7 @@ impl<K, R, St> Clone for MessageIdempotencyLayer<K, R, St> {
     fn clone(&self) -> Self {
         Self {
             extract: self.extract.clone(),
-            store: self.store.clone(),
-            kept: self.kept.clone(),
+            engine: self.engine.clone(),
             settings: self.settings.clone(),
             outcome: PhantomData,
         }
@@ -189,10 +170,10 @@ impl<K, R, St> fmt::Debug for MessageIdempotencyLayer<K, R, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MessageIdempotencyLayer")
             .field("require_key", &self.settings.require_key)
-            .field("ttl", &self.settings.ttl)
-            .field("lease", &self.settings.lease)
-            .field("in_flight", &self.settings.in_flight)
-            .field("store_failure", &self.settings.store_failure)
+            .field("ttl", &self.engine.policy.ttl)
+            .field("lease", &self.engine.policy.lease)
+            .field("in_flight", &self.engine.policy.in_flight)
+            .field("store_failure", &self.engine.policy.store_failure)
             .finish_non_exhaustive()
     }
 }
@@ -204,8 +185,7 @@ impl<S, K, R, St: IdempotencyStore> Layer<S> for MessageIdempotencyLayer<K, R, S
         MessageIdempotency {
             inner,
             extract: self.extract.clone(),
-            store: self.store.clone(),
-            kept: self.kept.clone(),
+            engine: self.engine.clone(),
             settings: self.settings.clone(),
         }
     }

@@ -2,10 +2,7 @@ use std::{
     fmt,
     future::Future,
     pin::Pin,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
+    sync::Arc,
     task::{Context, Poll},
     time::Duration,
 };
@@ -20,9 +17,9 @@ use super::{layer::MessageSettings, ExtractMessageKey, MessageKey};
 use crate::{
     correlation::CorrelationId,
     idempotency::{
-        lease::{self, KeptOutcomes, LeaseGuard, Unsettled},
-        store::{Begin, Chain, IdempotencyStore, Record, Settled, StoredResponse},
-        AttemptId, Fingerprint, InFlight, ReplayInfo, StoreFailure,
+        core::{self, ClaimFlag, Decision, Detaching, Engine, LeaseGuard, Unsettled, Verdict},
+        store::{IdempotencyStore, Record, StoredResponse},
+        AttemptId, ReplayInfo,
     },
 };
 
@@ -32,8 +29,7 @@ use crate::{
 pub struct MessageIdempotency<S, K, R, St> {
     pub(super) inner: S,
     pub(super) extract: Arc<K>,
-    pub(super) store: Arc<St>,
-    pub(super) kept: Arc<KeptOutcomes>,
+    pub(super) engine: Engine<St>,
     pub(super) settings: Arc<MessageSettings<R>>,
 }
 
@@ -42,8 +38,7 @@ impl<S: Clone, K, R, St> Clone for MessageIdempotency<S, K, R, St> {
         Self {
             inner: self.inner.clone(),
             extract: self.extract.clone(),
-            store: self.store.clone(),
-            kept: self.kept.clone(),
+            engine: self.engine.clone(),
             settings: self.settings.clone(),
         }
     }
@@ -163,8 +158,6 @@ impl fmt::Display for Refusal {
 
 impl std::error::Error for Refusal {}
 
-type BoxFuture<R, E> = Pin<Box<dyn Future<Output = Result<Handled<R>, E>> + Send>>;
-
 /// Response future of [`MessageIdempotency`].
 ///
 /// Dropped once its message has claimed its key (the consumer's task was cancelled),
@@ -172,36 +165,14 @@ type BoxFuture<R, E> = Pin<Box<dyn Future<Output = Result<Handled<R>, E>> + Send
 /// handler that started runs to completion and its outcome is stored for the
 /// redelivery. Dropped before the claim, it is cancelled.
 pub struct ResponseFuture<R: 'static, E: 'static> {
-    inner: Option<BoxFuture<R, E>>,
-    claimed: Option<Arc<AtomicBool>>,
-    unwinding: bool,
+    work: Detaching<Result<Handled<R>, E>>,
 }
 
 impl<R, E> Future for ResponseFuture<R, E> {
     type Output = Result<Handled<R>, E>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        let Some(inner) = this.inner.as_mut() else {
-            panic!("ResponseFuture polled after completion");
-        };
-        this.unwinding = true;
-        let poll = inner.as_mut().poll(cx);
-        this.unwinding = false;
-        let output = std::task::ready!(poll);
-        this.inner = None;
-        Poll::Ready(output)
-    }
-}
-
-impl<R: 'static, E: 'static> Drop for ResponseFuture<R, E> {
-    fn drop(&mut self) {
-        let Some(unfinished) = self.inner.take() else {
-            return;
-        };
-        if !self.unwinding {
-            crate::idempotency::lease::detach_claimed(unfinished, self.claimed.as_deref());
-        }
+        Pin::new(&mut self.work).poll(cx)
     }
 }
 
@@ -243,7 +214,7 @@ where
                 ));
             }
             Ok(None) => {
-                return boxed(async move { inner.call(message).await.map(Handled::Ran) });
+                return unclaimed(async move { inner.call(message).await.map(Handled::Ran) });
             }
             Err(rejection) => {
                 return ready(refuse(
@@ -253,64 +224,47 @@ where
                 ));
             }
         };
-        let claimed = Arc::new(AtomicBool::new(false));
         let span = tracing::info_span!(
             "idempotency",
             idempotency_key = key.key().as_str(),
             scope = %key.scope_key(),
         );
-        let work = deduplicate(
-            inner,
-            self.store.clone(),
-            self.kept.clone(),
-            settings,
-            message,
-            key,
-            claimed.clone(),
-        )
-        .instrument(span);
+        let engine = self.engine.clone();
         ResponseFuture {
-            inner: Some(Box::pin(work)),
-            claimed: Some(claimed),
-            unwinding: false,
+            work: Detaching::claiming(|claimed| {
+                deduplicate(inner, engine, settings, message, key, claimed).instrument(span)
+            }),
         }
     }
 }
 
-fn boxed<R, E>(
+fn unclaimed<R, E>(
     future: impl Future<Output = Result<Handled<R>, E>> + Send + 'static,
 ) -> ResponseFuture<R, E> {
     ResponseFuture {
-        inner: Some(Box::pin(future)),
-        claimed: None,
-        unwinding: false,
+        work: Detaching::new(future),
     }
 }
 
 fn ready<R: Send + 'static, E: Send + 'static>(handled: Handled<R>) -> ResponseFuture<R, E> {
-    boxed(std::future::ready(Ok(handled)))
+    unclaimed(std::future::ready(Ok(handled)))
 }
 
-/// A refusal of a message the layer cannot key, with its WARN event.
+/// A refusal of a message the layer cannot key.
 fn refuse<R>(code: &'static str, reason: &'static str, detail: String) -> Handled<R> {
-    tracing::warn!(
-        event = "idempotency.rejected",
-        reason,
-        code,
-        detail = detail.as_str(),
-        "message refused"
-    );
+    core::rejected(reason, code, &detail, None);
     Handled::Refused(Refusal::new(code, detail, false))
 }
 
+/// Asks the engine what to do with a keyed message, and does it: runs the handler, or
+/// answers for the engine.
 async fn deduplicate<S, R, St, M>(
-    inner: S,
-    store: Arc<St>,
-    kept: Arc<KeptOutcomes>,
+    mut inner: S,
+    engine: Engine<St>,
     settings: Arc<MessageSettings<R>>,
     message: M,
     key: MessageKey,
-    claimed: Arc<AtomicBool>,
+    claimed: ClaimFlag,
 ) -> Result<Handled<R>, S::Error>
 where
     S: Service<M, Response = R> + Send + 'static,
@@ -318,160 +272,67 @@ where
     R: Serialize + DeserializeOwned + Send + 'static,
     St: IdempotencyStore,
 {
-    let scope = key.scope_key();
-    let fingerprint = key.fingerprint_digest();
-    let claim = lease::claim(fingerprint, settings.lease, None);
-    if let Some(waiting) = kept.get(&scope) {
-        // This layer handled the message and holds its outcome until the store takes
-        // it: never run it again, whatever the store says.
-        waiting.nudge();
-        let wait = match settings.in_flight {
-            InFlight::Reject { retry_after } => Err(retry_after),
-            InFlight::Wait { timeout } if waiting.settled(timeout).await => Ok(()),
-            InFlight::Wait { .. } => Err(Duration::from_secs(1)),
-        };
-        if let Err(retry_after) = wait {
-            return Ok(in_flight(None, retry_after));
-        }
+    let _in_flight = engine.track();
+    let decision = engine
+        .decide(key.scope_key(), key.fingerprint_digest(), None, &claimed)
+        .await;
+    match decision {
+        Decision::Run(guard) => Box::pin(execute(inner, &settings, message, guard)).await,
+        Decision::FailOpen => inner.call(message).await.map(Handled::Ran),
+        Decision::Answer(verdict) => Ok(decided(verdict)),
     }
-    let begin = match store.begin(&scope, claim.clone()).await {
-        Ok(begin) => begin,
-        Err(error) => {
-            return match settings.store_failure {
-                StoreFailure::FailClosed => {
-                    tracing::warn!(
-                        event = "idempotency.store_failed",
-                        error = %Chain(&error),
-                        phase = "begin",
-                        mode = "fail_closed",
-                        "idempotency store failed; message not handled"
-                    );
-                    Ok(store_unavailable())
-                }
-                StoreFailure::FailOpen => {
-                    tracing::warn!(
-                        event = "idempotency.store_failed",
-                        error = %Chain(&error),
-                        phase = "begin",
-                        mode = "fail_open",
-                        "idempotency store failed; handling the message without deduplication"
-                    );
-                    let mut inner = inner;
-                    inner.call(message).await.map(Handled::Ran)
-                }
-            };
-        }
-    };
-    match begin {
-        Begin::Claimed { lease } => {
-            claimed.store(true, Ordering::Release);
-            tracing::debug!(
-                event = "idempotency.accepted",
-                "idempotency key accepted; handling the message"
-            );
-            let guard = LeaseGuard::new(store, scope, claim, lease, kept);
-            Box::pin(execute(inner, settings, message, guard)).await
-        }
-        Begin::Completed {
+}
+
+/// What a delivery gets instead of running the handler.
+fn decided<R: DeserializeOwned>(verdict: Verdict) -> Handled<R> {
+    match verdict {
+        Verdict::Replay {
             record,
             request_count,
-        } => Ok(settled(&record, fingerprint, request_count)),
-        Begin::InFlight {
-            fingerprint: running,
-            request_count,
-            ..
-        } => {
-            if running != fingerprint {
-                return Ok(conflict());
-            }
-            match settings.in_flight {
-                InFlight::Reject { retry_after } => Ok(in_flight(Some(request_count), retry_after)),
-                InFlight::Wait { timeout } => match store.wait(&scope, timeout).await {
-                    Ok(Settled::Completed { record }) => {
-                        Ok(settled(&record, fingerprint, request_count))
-                    }
-                    Ok(Settled::TimedOut) => {
-                        Ok(in_flight(Some(request_count), Duration::from_secs(1)))
-                    }
-                    Ok(Settled::Released) => {
-                        tracing::info!(
-                            event = "idempotency.original_failed",
-                            "the delivery this one waited for did not complete; requeue"
-                        );
-                        Ok(Handled::Refused(Refusal::new(
-                            "idempotency.original_failed",
-                            "the delivery with this key that was being handled failed and stored nothing; a redelivery runs it again",
-                            true,
-                        )))
-                    }
-                    Err(error) => {
-                        tracing::warn!(
-                            event = "idempotency.store_failed",
-                            error = %Chain(&error),
-                            phase = "wait",
-                            "idempotency store failed while waiting"
-                        );
-                        Ok(store_unavailable())
-                    }
-                },
-            }
-        }
+        } => replay(&record, request_count),
+        Verdict::NotReplayable { .. } => not_replayable(),
+        Verdict::InFlight { retry_after, .. } => Handled::InFlight { retry_after },
+        // Messages carry no epoch, so a mismatch cannot happen; a conflict if it did.
+        Verdict::Conflict | Verdict::EpochMismatch { .. } => Handled::Refused(Refusal::new(
+            "idempotency.fingerprint_mismatch",
+            "this idempotency key came before with a different message; use a new key for a new command",
+            false,
+        )),
+        Verdict::OriginalFailed => Handled::Refused(Refusal::new(
+            "idempotency.original_failed",
+            "the delivery with this key that was being handled failed and stored nothing; a redelivery runs it again",
+            true,
+        )),
+        Verdict::StoreUnavailable => Handled::Refused(Refusal::new(
+            "idempotency.store_unavailable",
+            "the idempotency store cannot check this key now, so nothing ran; requeue",
+            true,
+        )),
     }
 }
 
-fn store_unavailable<R>() -> Handled<R> {
+fn not_replayable<R>() -> Handled<R> {
     Handled::Refused(Refusal::new(
-        "idempotency.store_unavailable",
-        "the idempotency store cannot check this key now, so nothing ran; requeue",
-        true,
-    ))
-}
-
-fn in_flight<R>(request_count: Option<u64>, retry_after: Duration) -> Handled<R> {
-    tracing::info!(
-        event = "idempotency.in_flight",
-        request_count,
-        retry_after_ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX),
-        "a delivery with this idempotency key is still being handled"
-    );
-    Handled::InFlight { retry_after }
-}
-
-fn conflict<R>() -> Handled<R> {
-    tracing::warn!(
-        event = "idempotency.conflict",
-        "idempotency key reused with another message"
-    );
-    Handled::Refused(Refusal::new(
-        "idempotency.fingerprint_mismatch",
-        "this idempotency key came before with a different message; use a new key for a new command",
+        "idempotency.not_replayable",
+        "the message with this key was handled, but its outcome was not kept; it will not run again",
         false,
     ))
 }
 
-/// The answer to a duplicate of a message that was handled.
-fn settled<R: DeserializeOwned>(
-    record: &Record,
-    fingerprint: Fingerprint,
-    request_count: u64,
-) -> Handled<R> {
-    if record.fingerprint != fingerprint {
-        return conflict();
-    }
+/// The stored outcome, decoded, for a duplicate of a message that was handled.
+fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R> {
     let Some(stored) = &record.response else {
-        tracing::info!(
-            event = "idempotency.not_replayable",
-            request_count,
-            "the message was handled but its outcome was not kept"
-        );
-        return Handled::Refused(Refusal::new(
-            "idempotency.not_replayable",
-            "the message with this key was handled, but its outcome was not kept; it will not run again",
-            false,
-        ));
+        return not_replayable();
     };
-    let outcome = match serde_json::from_slice(&stored.body) {
-        Ok(outcome) => outcome,
+    match serde_json::from_slice(&stored.body) {
+        Ok(outcome) => Handled::Replayed {
+            outcome,
+            replay: ReplayInfo {
+                request_count,
+                first_seen: record.first_seen,
+                original_attempt: record.original_attempt.clone(),
+            },
+        },
         Err(error) => {
             tracing::warn!(
                 event = "idempotency.outcome_undecodable",
@@ -479,26 +340,12 @@ fn settled<R: DeserializeOwned>(
                 request_count,
                 "the stored outcome does not decode into the outcome type"
             );
-            return Handled::Refused(Refusal::new(
+            Handled::Refused(Refusal::new(
                 "idempotency.outcome_undecodable",
                 "the message with this key was handled, but its stored outcome does not decode into this consumer's outcome type; it will not run again",
                 false,
-            ));
+            ))
         }
-    };
-    tracing::info!(
-        event = "idempotency.replayed",
-        request_count,
-        original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
-        "replayed the stored outcome"
-    );
-    Handled::Replayed {
-        outcome,
-        replay: ReplayInfo {
-            request_count,
-            first_seen: record.first_seen,
-            original_attempt: record.original_attempt.clone(),
-        },
     }
 }
 
@@ -506,7 +353,7 @@ fn settled<R: DeserializeOwned>(
 /// its outcome or releases the key.
 async fn execute<S, R, St, M>(
     mut inner: S,
-    settings: Arc<MessageSettings<R>>,
+    settings: &MessageSettings<R>,
     message: M,
     mut guard: LeaseGuard<St>,
 ) -> Result<Handled<R>, S::Error>
@@ -516,7 +363,6 @@ where
     R: Serialize + Send + 'static,
     St: IdempotencyStore,
 {
-    let fingerprint = guard.claim().fingerprint;
     let outcome = match guard.renewing(inner.call(message)).await {
         Ok(outcome) => outcome,
         Err(error) => {
@@ -560,17 +406,7 @@ where
     // The delivery that ran, named by its correlation ID: replays log it.
     let original_attempt =
         CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()));
-    let record = Record {
-        fingerprint,
-        first_seen: guard.first_seen(),
-        original_attempt,
-        epoch: None,
-        response,
-    };
-    match guard
-        .complete(record, settings.ttl, settings.max_kept_bytes)
-        .await
-    {
+    match guard.complete(original_attempt, response).await {
         Ok(()) => Ok(Handled::Ran(outcome)),
         Err(Unsettled::NotCommitted(error)) => Ok(Handled::Refused(Refusal::new(
             "idempotency.not_committed",

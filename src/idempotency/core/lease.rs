@@ -7,7 +7,7 @@ use std::{
     collections::HashMap,
     future::Future,
     sync::{
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicUsize, Ordering},
         Arc, Mutex, PoisonError,
     },
     task::Poll,
@@ -17,13 +17,13 @@ use std::{
 use tokio::sync::{watch, Notify};
 use tracing::Instrument as _;
 
-use super::{
-    observe,
+use super::{observe, settings::Policy};
+use crate::idempotency::{
     store::{
         Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Record, Renewal,
-        Settlement, StoreError,
+        Settlement, StoreError, StoredResponse,
     },
-    Fingerprint, ScopeKey,
+    AttemptId, Fingerprint, ScopeKey,
 };
 
 /// The first pause before storing a kept outcome again; it doubles up to
@@ -44,7 +44,7 @@ const MAX_STORE_RETRY_PAUSE: Duration = Duration::from_millis(500);
 /// by the store's command timeout): a store outage shorter than the lease, counted from
 /// when it began, never lets the claim run out. The cost: a dead worker's key stays
 /// locked for up to one and a half leases after its last renewal.
-pub(super) fn claim(fingerprint: Fingerprint, lease: Duration, epoch: Option<u64>) -> Claim {
+pub(crate) fn claim(fingerprint: Fingerprint, lease: Duration, epoch: Option<u64>) -> Claim {
     Claim {
         fingerprint,
         lease: lease + lease / 2,
@@ -53,7 +53,7 @@ pub(super) fn claim(fingerprint: Fingerprint, lease: Duration, epoch: Option<u64
 }
 
 /// Why a claimed request's outcome does not stand, as far as the layer knows.
-pub(super) enum Unsettled {
+pub(crate) enum Unsettled {
     /// Nothing the handler wrote in its transaction stands, and the key is released.
     NotCommitted(StoreError),
     /// The commit's answer was lost, and whether it landed is not known; the key is
@@ -64,23 +64,27 @@ pub(super) enum Unsettled {
 /// Holds a claimed lease; released on drop unless settled, so a handler that panics or
 /// a task that is cancelled before the handler produced anything never leaves its key
 /// locked until the lease runs out.
-pub(super) struct LeaseGuard<St: IdempotencyStore> {
+pub(crate) struct LeaseGuard<St: IdempotencyStore> {
     store: Arc<St>,
     scope: ScopeKey,
     claim: Claim,
     lease: Option<Lease>,
     kept: Arc<KeptOutcomes>,
+    /// How long the outcome is kept, and how many bytes kept outcomes may hold.
+    ttl: Duration,
+    max_kept_bytes: usize,
     /// The transaction the store offers the handler, if it can commit the record in it.
     transaction: Option<Box<dyn HandlerTransaction>>,
 }
 
 impl<St: IdempotencyStore> LeaseGuard<St> {
-    pub(super) fn new(
+    pub(crate) fn new(
         store: Arc<St>,
         scope: ScopeKey,
         claim: Claim,
         lease: Lease,
         kept: Arc<KeptOutcomes>,
+        policy: &Policy,
     ) -> Self {
         let transaction = store.handler_transaction();
         Self {
@@ -89,32 +93,23 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             claim,
             lease: Some(lease),
             kept,
+            ttl: policy.ttl,
+            max_kept_bytes: policy.max_kept_bytes,
             transaction,
         }
     }
 
     /// Offers the store's transaction, if any, to the handler in `extensions`.
-    pub(super) fn offer_transaction(&self, extensions: &mut http::Extensions) {
+    pub(crate) fn offer_transaction(&self, extensions: &mut http::Extensions) {
         if let Some(transaction) = &self.transaction {
             transaction.offer(extensions);
         }
     }
 
-    /// What the request claimed with.
-    pub(super) fn claim(&self) -> &Claim {
-        &self.claim
-    }
-
-    pub(super) fn first_seen(&self) -> SystemTime {
-        self.lease
-            .as_ref()
-            .map_or_else(SystemTime::now, |lease| lease.first_seen)
-    }
-
     /// Runs `work`, renewing the claim every quarter of the lease (a sixth of the
     /// claim's hold, see [`claim`]) until it ends, so a handler longer than the lease
     /// keeps its key while its worker lives.
-    pub(super) async fn renewing<F: Future>(&self, work: F) -> F::Output {
+    pub(crate) async fn renewing<F: Future>(&self, work: F) -> F::Output {
         let Some(lease) = &self.lease else {
             return work.await;
         };
@@ -151,20 +146,28 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         }
     }
 
-    /// Stores `record`: in the handler's transaction if it took one (committing its
+    /// Stores the outcome (the response, `None` when it was too large to keep, and the
+    /// attempt that ran): in the handler's transaction if it took one (committing its
     /// writes with it), else in the store; if the store fails, keeps it and stores it
     /// from a task of its own (see [`KeptOutcomes`]). Never releases the key, but for
     /// a handler's transaction that did not commit: then nothing the handler wrote in
     /// it stands, the key is released, and the error is returned.
-    pub(super) async fn complete(
+    pub(crate) async fn complete(
         &mut self,
-        record: Record,
-        ttl: Duration,
-        max_kept_bytes: usize,
+        original_attempt: Option<AttemptId>,
+        response: Option<StoredResponse>,
     ) -> Result<(), Unsettled> {
         let Some(lease) = self.lease.take() else {
             return Ok(());
         };
+        let record = Record {
+            fingerprint: self.claim.fingerprint,
+            first_seen: lease.first_seen,
+            original_attempt,
+            epoch: self.claim.epoch,
+            response,
+        };
+        let (ttl, max_kept_bytes) = (self.ttl, self.max_kept_bytes);
         let record = Arc::new(record);
         if let Some(transaction) = self.transaction.take() {
             let outcome = Some((record.clone(), ttl));
@@ -253,7 +256,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
 
     /// Gives the key up so a retry runs again: for a request that produced nothing to
     /// keep (the handler failed, or its response is not stored).
-    pub(super) async fn release(&mut self, reason: &'static str) {
+    pub(crate) async fn release(&mut self, reason: &'static str) {
         let Some(lease) = self.lease.take() else {
             return;
         };
@@ -286,30 +289,6 @@ impl<St: IdempotencyStore> Drop for LeaseGuard<St> {
                 .instrument(tracing::Span::current()),
         );
     }
-}
-
-/// Hands the rest of a dropped response future's work to a task of its own once its
-/// request has claimed its key (`claimed` set), so a handler that started runs to
-/// completion and its outcome is stored for the retry. Before the claim, and for
-/// requests the layer does not protect (`None`), it is dropped: nothing ran.
-pub(super) fn detach_claimed<F>(unfinished: F, claimed: Option<&AtomicBool>)
-where
-    F: Future + Send + 'static,
-{
-    if !claimed.is_some_and(|claimed| claimed.load(Ordering::Acquire)) {
-        return;
-    }
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    let rest = async move {
-        let _ = unfinished.await;
-    };
-    // Dropped inside the correlation layer's scope, so the ID is still current.
-    match crate::correlation::CorrelationId::current() {
-        Some(id) => runtime.spawn(id.task_local(rest)),
-        None => runtime.spawn(rest),
-    };
 }
 
 /// One renewal; `false` once another request holds the scope (renewing is then over).
@@ -489,7 +468,7 @@ struct Outcome {
 /// `409` (or wait, with `InFlight::Wait`) and nudge it to try at once; duplicates on
 /// other replicas find the claim and get `409` too.
 #[derive(Default)]
-pub(super) struct KeptOutcomes {
+pub(crate) struct KeptOutcomes {
     by_scope: Mutex<HashMap<ScopeKey, Arc<Waiting>>>,
     /// Entries in `by_scope`, read without the lock on every request.
     count: AtomicUsize,
@@ -498,9 +477,9 @@ pub(super) struct KeptOutcomes {
 }
 
 /// What a duplicate needs of a kept outcome.
-pub(super) struct Waiting {
+pub(crate) struct Waiting {
     /// When the original request arrived.
-    pub(super) first_seen: SystemTime,
+    pub(crate) first_seen: SystemTime,
     /// Wakes the storing task for an attempt now.
     nudge: Notify,
     /// Sends once the outcome is stored (or superseded).
@@ -509,13 +488,13 @@ pub(super) struct Waiting {
 
 impl Waiting {
     /// Asks for an attempt to store the outcome now.
-    pub(super) fn nudge(&self) {
+    pub(crate) fn nudge(&self) {
         self.nudge.notify_one();
     }
 
     /// Waits until the outcome is settled in the store, or `timeout`; `false` on the
     /// timeout.
-    pub(super) async fn settled(&self, timeout: Duration) -> bool {
+    pub(crate) async fn settled(&self, timeout: Duration) -> bool {
         let mut settled = self.settled.subscribe();
         tokio::time::timeout(timeout, settled.changed())
             .await
@@ -525,7 +504,7 @@ impl Waiting {
 
 impl KeptOutcomes {
     /// The kept outcome of `scope`, if this layer holds one.
-    pub(super) fn get(&self, scope: &ScopeKey) -> Option<Arc<Waiting>> {
+    pub(crate) fn get(&self, scope: &ScopeKey) -> Option<Arc<Waiting>> {
         if self.count.load(Ordering::Acquire) == 0 {
             return None;
         }

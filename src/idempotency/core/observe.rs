@@ -17,8 +17,8 @@ use std::{
     sync::atomic::{AtomicBool, Ordering},
 };
 
-use super::store::StoreError;
 use crate::correlation::CorrelationId;
+use crate::idempotency::store::StoreError;
 
 /// Counter: protected requests the layer answered, by `outcome`.
 pub const METRIC_REQUESTS: &str = "tower_ids_idempotency_requests_total";
@@ -65,7 +65,7 @@ pub fn describe_metrics() {
 /// `in_flight`, `conflict`, `not_replayable`, `original_failed`, `rejected`,
 /// `store_unavailable` or `fail_open`.
 #[inline]
-pub(super) fn outcome(outcome: &'static str) {
+pub(crate) fn outcome(outcome: &'static str) {
     #[cfg(feature = "metrics")]
     metrics::counter!(METRIC_REQUESTS, "outcome" => outcome).increment(1);
     #[cfg(not(feature = "metrics"))]
@@ -74,7 +74,7 @@ pub(super) fn outcome(outcome: &'static str) {
 
 /// A key released with `reason`.
 #[inline]
-pub(super) fn released(reason: &'static str) {
+pub(crate) fn released(reason: &'static str) {
     #[cfg(feature = "metrics")]
     metrics::counter!(METRIC_RELEASED, "reason" => reason).increment(1);
     #[cfg(not(feature = "metrics"))]
@@ -83,7 +83,7 @@ pub(super) fn released(reason: &'static str) {
 
 /// Times the store call `call` as `operation`, and counts it if it fails.
 #[inline]
-pub(super) async fn store_call<T>(
+pub(crate) async fn store_call<T>(
     operation: &'static str,
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
@@ -107,11 +107,11 @@ pub(super) async fn store_call<T>(
 
 /// Counts one protected request in flight until dropped.
 #[must_use]
-pub(super) struct InFlight(());
+pub(crate) struct InFlight(());
 
 impl InFlight {
     #[inline]
-    pub(super) fn enter() -> Self {
+    pub(crate) fn enter() -> Self {
         #[cfg(feature = "metrics")]
         metrics::gauge!(METRIC_REQUESTS_IN_FLIGHT).increment(1.0);
         Self(())
@@ -130,13 +130,13 @@ impl Drop for InFlight {
 /// correlation ID in scope: the correlation layer is inside the idempotency layer, or
 /// missing, so its replays and refusals carry no correlation ID at all.
 #[derive(Debug, Default)]
-pub(super) struct LayerOrder {
+pub(crate) struct LayerOrder {
     warned: AtomicBool,
 }
 
 impl LayerOrder {
     /// The current correlation ID; the first time there is none, the WARN.
-    pub(super) fn correlation_id(&self) -> Option<CorrelationId> {
+    pub(crate) fn correlation_id(&self) -> Option<CorrelationId> {
         let id = CorrelationId::current();
         if id.is_none() && !self.warned.swap(true, Ordering::Relaxed) {
             tracing::warn!(

@@ -1,0 +1,107 @@
+//! The response future every transport's service returns: once its work has claimed
+//! its key, dropping it (the client went away, the consumer's task was cancelled)
+//! moves the rest of the work to a task of its own, so a handler that started runs to
+//! completion and its outcome is stored for the retry.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    task::{Context, Poll},
+};
+
+/// Set by the engine when the work's request claims its key.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ClaimFlag(Arc<AtomicBool>);
+
+impl ClaimFlag {
+    pub(crate) fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// A boxed piece of work that, dropped after its claim, finishes in a task of its own.
+///
+/// Boxed: the work is several awaits on the store and the body, which no hand-written
+/// state machine would make clearer.
+pub(crate) struct Detaching<T: 'static> {
+    work: Option<BoxFuture<T>>,
+    /// `None` for work that never claims a key (refusals, requests passed through).
+    claimed: Option<ClaimFlag>,
+    /// Set while the work is polled: if that poll panics (the handler panicked), the
+    /// work must not be resumed elsewhere; its lease guard has already let the key go.
+    unwinding: bool,
+}
+
+impl<T: 'static> Detaching<T> {
+    /// Work that claims no key: dropped, it is cancelled, as any future.
+    pub(crate) fn new(work: impl Future<Output = T> + Send + 'static) -> Self {
+        Self {
+            work: Some(Box::pin(work)),
+            claimed: None,
+            unwinding: false,
+        }
+    }
+
+    /// Work made by `make`, which hands its [`ClaimFlag`] to the engine.
+    pub(crate) fn claiming<F>(make: impl FnOnce(ClaimFlag) -> F) -> Self
+    where
+        F: Future<Output = T> + Send + 'static,
+    {
+        let claimed = ClaimFlag::default();
+        Self {
+            work: Some(Box::pin(make(claimed.clone()))),
+            claimed: Some(claimed),
+            unwinding: false,
+        }
+    }
+}
+
+impl<T: 'static> Future for Detaching<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let this = &mut *self;
+        let Some(work) = this.work.as_mut() else {
+            panic!("ResponseFuture polled after completion");
+        };
+        this.unwinding = true;
+        let poll = work.as_mut().poll(cx);
+        this.unwinding = false;
+        let output = std::task::ready!(poll);
+        this.work = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<T: 'static> Drop for Detaching<T> {
+    fn drop(&mut self) {
+        let Some(unfinished) = self.work.take() else {
+            return;
+        };
+        if self.unwinding || !self.claimed.as_ref().is_some_and(ClaimFlag::is_set) {
+            // Before the claim nothing ran; after a panic the guard let the key go.
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let rest = async move {
+            let _ = unfinished.await;
+        };
+        // Dropped inside the correlation layer's scope, so the ID is still current.
+        match crate::correlation::CorrelationId::current() {
+            Some(id) => runtime.spawn(id.task_local(rest)),
+            None => runtime.spawn(rest),
+        };
+    }
+}

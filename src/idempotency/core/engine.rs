@@ -1,0 +1,329 @@
+//! The decision every transport asks for: given a scope, a fingerprint and an epoch,
+//! run (with a guard that completes or releases the claim), replay, or refuse, and
+//! why. Every event and metric of the decision is recorded here, once.
+
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use super::{
+    detach::ClaimFlag,
+    lease::{self, KeptOutcomes, LeaseGuard},
+    observe,
+    settings::{InFlight, Policy, StoreFailure},
+};
+use crate::idempotency::{
+    store::{Begin, Chain, IdempotencyStore, Record, Settled},
+    AttemptId, Fingerprint, ScopeKey,
+};
+
+/// The redelivery or retry delay after a wait that timed out or failed.
+const AFTER_WAIT: Duration = Duration::from_secs(1);
+
+/// The deduplication engine of one layer (and its clones): the store, the outcomes
+/// kept for it, and the settings every transport shares.
+pub(crate) struct Engine<St> {
+    store: Arc<St>,
+    kept: Arc<KeptOutcomes>,
+    pub(crate) policy: Policy,
+}
+
+impl<St> Clone for Engine<St> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            kept: self.kept.clone(),
+            policy: self.policy,
+        }
+    }
+}
+
+/// What to do with one protected request or message.
+pub(crate) enum Decision<St: IdempotencyStore> {
+    /// This request holds the key: run the handler, then complete or release it.
+    Run(LeaseGuard<St>),
+    /// The store cannot answer: run without deduplication (fail open).
+    FailOpen,
+    /// Do not run the handler: answer this.
+    Answer(Verdict),
+}
+
+/// What to answer instead of running the handler.
+pub(crate) enum Verdict {
+    /// A duplicate of work that completed: answer with its stored outcome.
+    Replay {
+        record: Arc<Record>,
+        request_count: u64,
+    },
+    /// A duplicate of work that ran but whose outcome was too large to keep.
+    NotReplayable {
+        record: Arc<Record>,
+        request_count: u64,
+    },
+    /// Work with this key is running (here or elsewhere): come back later.
+    InFlight {
+        first_seen: SystemTime,
+        /// `None` when this layer holds the outcome and the store was not asked.
+        request_count: Option<u64>,
+        retry_after: Duration,
+    },
+    /// The key came before with another fingerprint.
+    Conflict,
+    /// The key was first seen in another control epoch.
+    EpochMismatch {
+        recorded: Option<u64>,
+        requested: Option<u64>,
+    },
+    /// The work this one waited for failed and stored nothing: retry to run it.
+    OriginalFailed,
+    /// The store cannot answer: nothing ran, and nothing will (fail closed).
+    StoreUnavailable,
+}
+
+impl<St: IdempotencyStore> Engine<St> {
+    /// Decides what becomes of the work scoped by `scope`; `claimed` is set when it
+    /// claims the key, so that its response future finishes it if dropped.
+    pub(crate) async fn decide(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        epoch: Option<u64>,
+        claimed: &ClaimFlag,
+    ) -> Decision<St> {
+        let policy = &self.policy;
+        let claim = lease::claim(fingerprint, policy.lease, epoch);
+        if let Some(waiting) = self.kept.get(&scope) {
+            // This layer ran the work and holds its outcome until the store takes
+            // it: never run it again, whatever the store says.
+            waiting.nudge();
+            let wait = match policy.in_flight {
+                InFlight::Reject { retry_after } => Err(retry_after),
+                // Boxed, as every rarely taken await here: the future is as large as
+                // its largest await, and it is moved on every request.
+                InFlight::Wait { timeout } if Box::pin(waiting.settled(timeout)).await => Ok(()),
+                InFlight::Wait { .. } => Err(AFTER_WAIT),
+            };
+            if let Err(retry_after) = wait {
+                return in_flight(waiting.first_seen, None, retry_after);
+            }
+        }
+        let begin = observe::store_call("begin", self.store.begin(&scope, claim.clone()));
+        let begin = match begin.await {
+            Ok(begin) => begin,
+            Err(error) => {
+                return match policy.store_failure {
+                    StoreFailure::FailClosed => {
+                        tracing::warn!(
+                            event = "idempotency.store_failed",
+                            error = %Chain(&error),
+                            phase = "begin",
+                            mode = "fail_closed",
+                            "idempotency store failed; nothing ran"
+                        );
+                        observe::outcome("store_unavailable");
+                        Decision::Answer(Verdict::StoreUnavailable)
+                    }
+                    StoreFailure::FailOpen => {
+                        tracing::warn!(
+                            event = "idempotency.store_failed",
+                            error = %Chain(&error),
+                            phase = "begin",
+                            mode = "fail_open",
+                            "idempotency store failed; running without deduplication"
+                        );
+                        observe::outcome("fail_open");
+                        Decision::FailOpen
+                    }
+                };
+            }
+        };
+        match begin {
+            Begin::Claimed { lease } => {
+                claimed.set();
+                observe::outcome("executed");
+                tracing::debug!(
+                    event = "idempotency.accepted",
+                    "idempotency key accepted; running the handler"
+                );
+                Decision::Run(LeaseGuard::new(
+                    self.store.clone(),
+                    scope,
+                    claim,
+                    lease,
+                    self.kept.clone(),
+                    policy,
+                ))
+            }
+            Begin::Completed {
+                record,
+                request_count,
+            } => {
+                if record.epoch != epoch {
+                    return epoch_mismatch(record.epoch, epoch);
+                }
+                settled(record, fingerprint, request_count)
+            }
+            Begin::InFlight {
+                fingerprint: running,
+                first_seen,
+                epoch: running_epoch,
+                request_count,
+            } => {
+                if running_epoch != epoch {
+                    return epoch_mismatch(running_epoch, epoch);
+                }
+                if running != fingerprint {
+                    return conflict();
+                }
+                let timeout = match policy.in_flight {
+                    InFlight::Reject { retry_after } => {
+                        return in_flight(first_seen, Some(request_count), retry_after)
+                    }
+                    InFlight::Wait { timeout } => timeout,
+                };
+                let wait = observe::store_call("wait", self.store.wait(&scope, timeout));
+                match Box::pin(wait).await {
+                    Ok(Settled::Completed { record }) => {
+                        settled(record, fingerprint, request_count)
+                    }
+                    Ok(Settled::TimedOut) => in_flight(first_seen, Some(request_count), AFTER_WAIT),
+                    Ok(Settled::Released) => {
+                        tracing::info!(
+                            event = "idempotency.original_failed",
+                            "the work this one waited for did not complete; retry"
+                        );
+                        observe::outcome("original_failed");
+                        Decision::Answer(Verdict::OriginalFailed)
+                    }
+                    Err(error) => {
+                        tracing::warn!(
+                            event = "idempotency.store_failed",
+                            error = %Chain(&error),
+                            phase = "wait",
+                            "idempotency store failed while waiting"
+                        );
+                        observe::outcome("store_unavailable");
+                        Decision::Answer(Verdict::StoreUnavailable)
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<St> Engine<St> {
+    pub(crate) fn new(store: Arc<St>) -> Self {
+        Self {
+            store,
+            kept: Arc::default(),
+            policy: Policy::default(),
+        }
+    }
+
+    /// Counts one protected request or message in flight until the guard is dropped.
+    pub(crate) fn track(&self) -> observe::InFlight {
+        observe::InFlight::enter()
+    }
+}
+
+/// A refusal before the engine is asked (no key, an invalid key or client): its WARN
+/// event and its count. `detail` is the layer's own text, never the request's.
+///
+/// `status` is the HTTP status of the refusal, for the HTTP layer.
+pub(crate) fn rejected(
+    reason: &'static str,
+    code: &'static str,
+    detail: &str,
+    status: Option<u16>,
+) {
+    tracing::warn!(
+        event = "idempotency.rejected",
+        reason,
+        code,
+        detail,
+        status,
+        "refused before deduplication: {code}"
+    );
+    observe::outcome("rejected");
+}
+
+fn in_flight<St: IdempotencyStore>(
+    first_seen: SystemTime,
+    request_count: Option<u64>,
+    retry_after: Duration,
+) -> Decision<St> {
+    tracing::info!(
+        event = "idempotency.in_flight",
+        request_count,
+        retry_after_ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX),
+        "work with this idempotency key is still running"
+    );
+    observe::outcome("in_flight");
+    Decision::Answer(Verdict::InFlight {
+        first_seen,
+        request_count,
+        retry_after,
+    })
+}
+
+fn conflict<St: IdempotencyStore>() -> Decision<St> {
+    tracing::warn!(
+        event = "idempotency.conflict",
+        "idempotency key reused with another request"
+    );
+    observe::outcome("conflict");
+    Decision::Answer(Verdict::Conflict)
+}
+
+fn epoch_mismatch<St: IdempotencyStore>(
+    recorded: Option<u64>,
+    requested: Option<u64>,
+) -> Decision<St> {
+    tracing::warn!(
+        event = "idempotency.epoch_mismatch",
+        recorded_epoch = recorded,
+        request_epoch = requested,
+        "idempotency key used in another epoch"
+    );
+    observe::outcome("conflict");
+    Decision::Answer(Verdict::EpochMismatch {
+        recorded,
+        requested,
+    })
+}
+
+/// The decision for a duplicate of work that completed.
+fn settled<St: IdempotencyStore>(
+    record: Arc<Record>,
+    fingerprint: Fingerprint,
+    request_count: u64,
+) -> Decision<St> {
+    if record.fingerprint != fingerprint {
+        return conflict();
+    }
+    if record.response.is_none() {
+        tracing::info!(
+            event = "idempotency.not_replayable",
+            request_count,
+            "the work ran but its outcome was too large to keep"
+        );
+        observe::outcome("not_replayable");
+        return Decision::Answer(Verdict::NotReplayable {
+            record,
+            request_count,
+        });
+    }
+    tracing::info!(
+        event = "idempotency.replayed",
+        request_count,
+        status = record.response.as_ref().map(|r| r.status.as_u16()),
+        original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
+        "replayed the stored outcome"
+    );
+    observe::outcome("replayed");
+    Decision::Answer(Verdict::Replay {
+        record,
+        request_count,
+    })
+}

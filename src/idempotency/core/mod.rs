@@ -1,0 +1,23 @@
+//! The deduplication engine every transport shares.
+//!
+//! An adapter (the HTTP layer, the message layer) turns its request into a scope, a
+//! fingerprint and an optional epoch, asks [`Engine::decide`] what to do, and
+//! translates the [`Decision`] into its transport's answer; nothing else. The engine
+//! owns the store, the outcomes kept for it, the lease and its renewal, the one
+//! completion path ([`LeaseGuard`]), and every event and metric of the decision, so a
+//! fix or a metric lands once for every transport.
+
+mod detach;
+mod engine;
+mod lease;
+pub(crate) mod observe;
+mod settings;
+
+pub use self::settings::{
+    InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+};
+pub(crate) use self::{
+    detach::{ClaimFlag, Detaching},
+    engine::{rejected, Decision, Engine, Verdict},
+    lease::{LeaseGuard, Unsettled},
+};
