@@ -9,11 +9,7 @@ mod support;
 
 use axum::{routing::post, Router};
 use http::StatusCode;
-use std::{
-    collections::HashMap,
-    convert::Infallible,
-    sync::OnceLock,
-};
+use std::{collections::HashMap, convert::Infallible, sync::OnceLock};
 
 use metrics_util::{
     debugging::{DebugValue, DebuggingRecorder, Snapshotter},

@@ -279,22 +279,13 @@
     doc = "[`describe_metrics`]: crate::idempotency"
 )]
 
-mod answer;
-mod budget;
 mod core;
-mod echo;
-mod epoch;
-mod extract;
+mod http;
 mod key;
-mod layer;
 pub mod message;
-mod read;
-mod replay;
-mod scope;
-mod service;
 pub mod store;
 
-use http::HeaderName;
+use ::http::HeaderName;
 
 pub use self::{
     core::observe::{
@@ -302,35 +293,27 @@ pub use self::{
         METRIC_STORE_FAILURES,
     },
     core::{
-        InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER,
-        DEFAULT_TTL,
+        ClientId, Fingerprint, InFlight, ScopeKey, StoreFailure, DEFAULT_LEASE,
+        DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
-    epoch::{
-        EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch, IDEMPOTENCY_EPOCH,
-    },
-    extract::{
-        ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeaders, KeyFromJson, KeyRejection,
+    http::{
+        default_store_if, ClientFromAuthorization, ClientFromExtension, ClientFromHeader,
+        EpochFromExtension, EpochFromHeader, ExtractEpoch, ExtractKey, ExtractedKey, Idempotency,
+        IdempotencyLayer, IdentifyClient, IntoClientIdentity, IntoExtractedKey, InvalidClient,
+        InvalidEpoch, JsonReplayMarker, KeyFromHeaders, KeyFromJson, KeyRejection, NoClient,
+        NoEpoch, OnReplay, ReplayInfo, ResponseFuture, DEFAULT_MAX_BUFFERED_BYTES,
+        DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IDEMPOTENCY_EPOCH,
     },
     key::{
         AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY,
         MAX_ATTEMPT_ID_LEN, MAX_KEY_LEN, X_IDEMPOTENCY_KEY,
     },
-    layer::{
-        default_store_if, IdempotencyLayer, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,
-        DEFAULT_MAX_RESPONSE_BYTES,
-    },
-    replay::{JsonReplayMarker, OnReplay, ReplayInfo},
-    scope::{
-        ClientFromAuthorization, ClientFromExtension, ClientFromHeader, ClientId, Fingerprint,
-        IdentifyClient, IntoClientIdentity, InvalidClient, NoClient, ScopeKey,
-    },
-    service::{Idempotency, ResponseFuture},
     store::{IdempotencyStore, MokaStore},
 };
 
 #[cfg(feature = "metrics")]
 pub use self::core::observe::describe_metrics;
-pub(crate) use self::echo::current_key;
+pub(crate) use self::http::current_key;
 
 /// `idempotent-replayed`: `true` on a replay, `false` on every other response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");

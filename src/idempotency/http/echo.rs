@@ -12,7 +12,7 @@ use std::cell::RefCell;
 
 use http::{header::Entry, Response};
 
-use super::{IdempotencyKey, IDEMPOTENCY_KEY};
+use crate::idempotency::{IdempotencyKey, IDEMPOTENCY_KEY};
 
 thread_local! {
     static CURRENT: RefCell<Option<IdempotencyKey>> = const { RefCell::new(None) };

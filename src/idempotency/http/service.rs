@@ -13,13 +13,16 @@ use tracing::Instrument as _;
 
 use super::{
     answer::{self, finish, refuse, reject_client, reject_key, unsettled_answer},
-    core::{ClaimFlag, Decision, Detaching, Engine, LeaseGuard},
     echo::{self, KeyScope},
     extract::{ExtractedKey, KeyRejection},
     layer::Settings,
     read::{fingerprint, read_body},
+    ExtractEpoch, IdentifyClient, InvalidClient, InvalidEpoch, NoClient, NoEpoch,
+};
+use crate::idempotency::{
+    core::{ClaimFlag, Decision, Detaching, Engine, LeaseGuard},
     store::{IdempotencyStore, MokaStore, StoredResponse},
-    AttemptId, ClientId, ExtractEpoch, IdempotencyKey, IdentifyClient, NoClient, NoEpoch, ScopeKey,
+    AttemptId, ClientId, IdempotencyKey, ScopeKey,
 };
 use crate::{body::Body, correlation::CorrelationId};
 
@@ -216,8 +219,8 @@ where
 
 /// What the head of a covered request says besides its key, read before its body.
 struct Identity {
-    epoch: Result<Option<u64>, super::InvalidEpoch>,
-    client: Result<Option<ClientId>, super::InvalidClient>,
+    epoch: Result<Option<u64>, InvalidEpoch>,
+    client: Result<Option<ClientId>, InvalidClient>,
     attempt: Option<AttemptId>,
 }
 

@@ -6,17 +6,20 @@ use std::time::{Duration, SystemTime};
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 
 use super::{
-    core::{self, Unsettled, Verdict},
     layer::Settings,
     replay::{self, ReplayInfo},
+    InvalidClient,
+};
+use crate::idempotency::{
+    core::{self, Unsettled, Verdict},
     store::Record,
-    AttemptId, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
-    ORIGINAL_ATTEMPT_ID,
+    AttemptId, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN,
+    IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
 };
 use crate::{body::Body, problem::Problem};
 
 pub(super) fn reject_key<B>(
-    error: &super::InvalidIdempotencyKey,
+    error: &InvalidIdempotencyKey,
     attempt: Option<&AttemptId>,
 ) -> Response<Body<B>> {
     let (code, title) = match error.code() {
@@ -43,7 +46,7 @@ pub(super) fn reject_key<B>(
 
 /// The `400` for a request whose client cannot be told (two different API keys).
 pub(super) fn reject_client<B>(
-    error: &super::InvalidClient,
+    error: &InvalidClient,
     attempt: Option<&AttemptId>,
 ) -> Response<Body<B>> {
     let reason = match error.code() {

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::Value;
 
-use super::AttemptId;
+use crate::idempotency::AttemptId;
 
 /// Adjusts what a duplicate gets, from the stored response: its status, its headers,
 /// its body. Set per route with
@@ -62,9 +62,9 @@ where
 /// message layer's replays).
 #[derive(Debug, Clone)]
 pub struct ReplayInfo {
-    pub(super) request_count: u64,
-    pub(super) first_seen: SystemTime,
-    pub(super) original_attempt: Option<AttemptId>,
+    pub(crate) request_count: u64,
+    pub(crate) first_seen: SystemTime,
+    pub(crate) original_attempt: Option<AttemptId>,
 }
 
 impl ReplayInfo {

@@ -7,10 +7,8 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 
-use super::{
-    answer::with_retry_after, budget::Reservation, core::observe, layer::Settings,
-    service::BoxError, Fingerprint,
-};
+use super::{answer::with_retry_after, budget::Reservation, layer::Settings, service::BoxError};
+use crate::idempotency::{core::observe, Fingerprint};
 use crate::{body::Body, problem::Problem};
 
 /// Reads the whole body so it can be fingerprinted, and hands it on unchanged, with

@@ -7,7 +7,9 @@ use bytes::Bytes;
 use http::{request::Parts, HeaderName};
 use serde_json::Value;
 
-use super::{ClientId, IdempotencyKey, InvalidIdempotencyKey, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
+use crate::idempotency::{
+    ClientId, IdempotencyKey, InvalidIdempotencyKey, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY,
+};
 
 /// Reads the idempotency key of a request, and optionally a client the payload names.
 ///

@@ -5,15 +5,19 @@ use tower_layer::Layer;
 
 use super::{
     budget::Budget,
-    core::{observe::LayerOrder, Engine, InFlight, StoreFailure},
     extract::{ExtractKey, KeyFromHeaders},
     replay::OnReplay,
+    Idempotency, NoClient, NoEpoch,
+};
+use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
+use crate::idempotency::{
+    core::{observe::LayerOrder, Engine, InFlight, StoreFailure},
     store::{IdempotencyStore, MokaStore},
-    Idempotency, NoClient, NoEpoch, ATTEMPT_ID,
+    ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
+    ORIGINAL_ATTEMPT_ID,
 };
 #[cfg(doc)]
-use super::{DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL};
-use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
+use crate::idempotency::{DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL};
 
 /// The largest request body read to fingerprint: 1 MiB; larger is `413`.
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
@@ -123,10 +127,10 @@ impl<St> IdempotencyLayer<St> {
                     X_CORRELATION_ID,
                     ATTEMPT_ID,
                     header::DATE,
-                    super::ORIGINAL_ATTEMPT_ID,
-                    super::IDEMPOTENT_REPLAYED,
-                    super::IDEMPOTENCY_FIRST_SEEN,
-                    super::IDEMPOTENCY_REQUEST_COUNT,
+                    ORIGINAL_ATTEMPT_ID,
+                    IDEMPOTENT_REPLAYED,
+                    IDEMPOTENCY_FIRST_SEEN,
+                    IDEMPOTENCY_REQUEST_COUNT,
                 ],
                 store_if: Arc::new(default_store_if),
                 layer_order: Arc::default(),
@@ -201,7 +205,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
 
     /// The headers the key is read from, in order. Default `Idempotency-Key` and
     /// `X-Idempotency-Key`; when several are present, or one is repeated, they must
-    /// name the same key (see [`IdempotencyKey::from_headers`](super::IdempotencyKey::from_headers)).
+    /// name the same key (see [`IdempotencyKey::from_headers`](crate::idempotency::IdempotencyKey::from_headers)).
     ///
     /// Shorthand for `.key(KeyFromHeaders::new(names))`.
     pub fn key_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {

@@ -1,0 +1,38 @@
+//! The HTTP adapter over the engine: a request's key, client, epoch and body become a
+//! scope and a fingerprint; the engine's decision becomes a response.
+//!
+//! In the order a request meets them: [`layer`](IdempotencyLayer) (the settings),
+//! `service` (the request's path through the layer), `client`, `epoch` and `extract`
+//! (what the head and body say), `budget` and `read` (the body, within its limits),
+//! `answer` and `replay` (every response the layer writes), `echo` (the key on them).
+
+mod answer;
+mod budget;
+mod client;
+mod echo;
+mod epoch;
+mod extract;
+mod layer;
+mod read;
+mod replay;
+mod service;
+
+pub(crate) use self::echo::current_key;
+pub use self::{
+    client::{
+        ClientFromAuthorization, ClientFromExtension, ClientFromHeader, IdentifyClient,
+        IntoClientIdentity, InvalidClient, NoClient,
+    },
+    epoch::{
+        EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch, IDEMPOTENCY_EPOCH,
+    },
+    extract::{
+        ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeaders, KeyFromJson, KeyRejection,
+    },
+    layer::{
+        default_store_if, IdempotencyLayer, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_MAX_RESPONSE_BYTES,
+    },
+    replay::{JsonReplayMarker, OnReplay, ReplayInfo},
+    service::{Idempotency, ResponseFuture},
+};
