@@ -80,6 +80,16 @@ impl Problem {
         self
     }
 
+    /// Names the idempotency key the request sent, if it sent a valid one.
+    #[cfg(feature = "idempotency")]
+    pub(crate) fn idempotency_key(
+        mut self,
+        key: Option<&crate::idempotency::IdempotencyKey>,
+    ) -> Self {
+        self.idempotency_key = key.cloned();
+        self
+    }
+
     pub(crate) fn to_bytes(&self) -> Bytes {
         // Serialising a struct of strings and an integer cannot fail.
         Bytes::from(serde_json::to_vec(self).unwrap_or_default())
@@ -91,16 +101,10 @@ impl Problem {
 
     /// The response, its body made by `body` from the JSON bytes.
     ///
-    /// The members not set yet are filled in from what is current: the task's
-    /// correlation ID, and the idempotency key of the request the idempotency layer is
-    /// answering.
+    /// A correlation ID not set yet is the task's current one.
     pub(crate) fn into_response_with<T>(mut self, body: impl FnOnce(Bytes) -> T) -> Response<T> {
         if self.correlation_id.is_none() {
             self.correlation_id = CorrelationId::current();
-        }
-        #[cfg(feature = "idempotency")]
-        if self.idempotency_key.is_none() {
-            self.idempotency_key = crate::idempotency::current_key();
         }
         let mut response = Response::new(body(self.to_bytes()));
         *response.status_mut() = self.status;

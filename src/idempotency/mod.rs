@@ -313,7 +313,6 @@ pub use self::{
 
 #[cfg(feature = "metrics")]
 pub use self::core::observe::describe_metrics;
-pub(crate) use self::http::current_key;
 
 /// `idempotent-replayed`: `true` on a replay, `false` on every other response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");

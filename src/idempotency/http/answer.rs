@@ -1,9 +1,11 @@
-//! What the layer answers for a protected request, besides the handler's response:
-//! the headers every answer carries, refusals, and replays of a stored record.
+//! Every response the layer writes for a protected route: the headers each carries
+//! (`idempotent-replayed`, the key and the attempt ID echoed), refusals, the engine's
+//! verdicts, and replays of a stored record. Problem details are built here and only
+//! here, each naming the request's key.
 
 use std::time::{Duration, SystemTime};
 
-use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
+use http::{header, header::Entry, HeaderMap, HeaderValue, Response, StatusCode};
 
 use super::{
     layer::Settings,
@@ -13,258 +15,307 @@ use super::{
 use crate::idempotency::{
     core::{self, Unsettled, Verdict},
     store::Record,
-    AttemptId, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN,
-    IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
+    AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN,
+    IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
 };
 use crate::{body::Body, problem::Problem};
 
-pub(super) fn reject_key<B>(
-    error: &InvalidIdempotencyKey,
-    attempt: Option<&AttemptId>,
-) -> Response<Body<B>> {
-    let (code, title) = match error.code() {
-        "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
-        "repeated" => (
-            "idempotency.key_repeated",
-            "Idempotency key header repeated",
-        ),
-        "conflicting" => (
-            "idempotency.keys_disagree",
-            "Two different idempotency keys",
-        ),
-        _ => ("idempotency.key_invalid", "Invalid idempotency key"),
-    };
-    refuse(
-        StatusCode::BAD_REQUEST,
-        error.code(),
-        code,
-        title,
-        error.to_string(),
-        attempt,
-    )
+/// Whom an answer is for: the key the request sent (echoed, and named in problem
+/// details) and its attempt ID (echoed). Either is `None` before it is read, or when
+/// the request has none.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Reply<'a> {
+    pub(super) key: Option<&'a IdempotencyKey>,
+    pub(super) attempt: Option<&'a AttemptId>,
 }
 
-/// The `400` for a request whose client cannot be told (two different API keys).
-pub(super) fn reject_client<B>(
-    error: &InvalidClient,
-    attempt: Option<&AttemptId>,
-) -> Response<Body<B>> {
-    let reason = match error.code() {
-        "repeated" => "client_repeated",
-        _ => "client_refused",
-    };
-    refuse(
-        StatusCode::BAD_REQUEST,
-        reason,
-        "idempotency.client_invalid",
-        "Invalid client identity",
-        // Fixed text or a configured header name, never what the request sent.
-        error.to_string(),
-        attempt,
-    )
-}
-
-/// A refusal of a request whose headers the layer cannot accept, with its WARN event;
-/// `detail` is the layer's own text, never the request's.
-pub(super) fn refuse<B>(
-    status: StatusCode,
-    reason: &'static str,
-    code: &'static str,
-    title: &'static str,
-    detail: String,
-    attempt: Option<&AttemptId>,
-) -> Response<Body<B>> {
-    core::rejected(reason, code, &detail, Some(status.as_u16()));
-    let problem = Problem::new(status, code, title, detail);
-    finish(problem.into_response(), attempt)
-}
-
-/// The headers every response of a protected route carries when it is not a replay.
-pub(super) fn finish<B>(mut response: Response<B>, attempt: Option<&AttemptId>) -> Response<B> {
-    let headers = response.headers_mut();
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("false"));
-    if let Some(attempt) = attempt {
-        headers.insert(ATTEMPT_ID, attempt.to_header_value());
+impl Reply<'_> {
+    /// The headers every response of a protected route carries when it is not a
+    /// replay: `idempotent-replayed: false`, the attempt ID, and the key, unless the
+    /// handler set that header itself.
+    pub(super) fn finish<B>(self, mut response: Response<B>) -> Response<B> {
+        let headers = response.headers_mut();
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("false"));
+        self.echo(headers);
+        response
     }
-    response
+
+    fn echo(self, headers: &mut HeaderMap) {
+        if let Some(attempt) = self.attempt {
+            headers.insert(ATTEMPT_ID, attempt.to_header_value());
+        }
+        if let Some(key) = self.key {
+            if let Entry::Vacant(entry) = headers.entry(IDEMPOTENCY_KEY) {
+                entry.insert(key.to_header_value());
+            }
+        }
+    }
+
+    /// `problem` as the response, naming the key.
+    fn problem<B>(self, problem: Problem) -> Response<Body<B>> {
+        problem.idempotency_key(self.key).into_response()
+    }
+
+    /// `problem` with `Retry-After`, finished.
+    fn retry_later<B>(self, problem: Problem, retry_after: Duration) -> Response<Body<B>> {
+        self.finish(with_retry_after(self.problem(problem), retry_after))
+    }
+
+    /// The `400` for an idempotency key or attempt ID the layer cannot accept.
+    pub(super) fn reject_key<B>(self, error: &InvalidIdempotencyKey) -> Response<Body<B>> {
+        let (code, title) = match error.code() {
+            "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
+            "repeated" => (
+                "idempotency.key_repeated",
+                "Idempotency key header repeated",
+            ),
+            "conflicting" => (
+                "idempotency.keys_disagree",
+                "Two different idempotency keys",
+            ),
+            _ => ("idempotency.key_invalid", "Invalid idempotency key"),
+        };
+        let status = StatusCode::BAD_REQUEST;
+        self.refuse(status, error.code(), code, title, error.to_string())
+    }
+
+    /// The `400` for a request whose client cannot be told (two different API keys).
+    pub(super) fn reject_client<B>(self, error: &InvalidClient) -> Response<Body<B>> {
+        let reason = match error.code() {
+            "repeated" => "client_repeated",
+            _ => "client_refused",
+        };
+        self.refuse(
+            StatusCode::BAD_REQUEST,
+            reason,
+            "idempotency.client_invalid",
+            "Invalid client identity",
+            // Fixed text or a configured header name, never what the request sent.
+            error.to_string(),
+        )
+    }
+
+    /// A refusal of a request before the engine is asked, with its WARN event;
+    /// `detail` is the layer's own text, never the request's.
+    pub(super) fn refuse<B>(
+        self,
+        status: StatusCode,
+        reason: &'static str,
+        code: &'static str,
+        title: &'static str,
+        detail: String,
+    ) -> Response<Body<B>> {
+        core::rejected(reason, code, &detail, Some(status.as_u16()));
+        self.finish(self.problem(Problem::new(status, code, title, detail)))
+    }
+
+    /// The `413` for a request body over `max` bytes.
+    pub(super) fn body_too_large<B>(self, max: usize) -> Response<Body<B>> {
+        let problem = Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "idempotency.body_too_large",
+            "Request body too large",
+            format!("an idempotent request body may be at most {max} bytes"),
+        );
+        self.finish(self.problem(problem))
+    }
+
+    /// The `503` for a request the byte budget cannot take now.
+    pub(super) fn overloaded<B>(self) -> Response<Body<B>> {
+        let problem = Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "idempotency.overloaded",
+            "Server busy",
+            "the server holds as many request bodies as it can right now, so it ran nothing; retry later",
+        );
+        self.retry_later(problem, Duration::from_secs(1))
+    }
+
+    /// The `400` for a request body that failed mid-read.
+    pub(super) fn body_unreadable<B>(self) -> Response<Body<B>> {
+        let problem = Problem::new(
+            StatusCode::BAD_REQUEST,
+            "idempotency.body_unreadable",
+            "Request body unreadable",
+            "the request body could not be read to the end",
+        );
+        self.finish(self.problem(problem))
+    }
+
+    /// The answer the engine decided on instead of running the handler.
+    pub(super) fn decided<B>(self, verdict: Verdict, settings: &Settings) -> Response<Body<B>> {
+        match verdict {
+            Verdict::Replay {
+                record,
+                request_count,
+            } => self.replay(&record, request_count, settings),
+            Verdict::NotReplayable {
+                record,
+                request_count,
+            } => self.not_replayable(&record, request_count),
+            Verdict::InFlight {
+                first_seen,
+                request_count,
+                retry_after,
+            } => self.in_flight(first_seen, request_count, retry_after),
+            Verdict::Conflict => self.finish(self.problem(Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency.fingerprint_mismatch",
+                "Idempotency key reused",
+                "this idempotency key was used with a different request (method, path, query, content type or body); use a new key for a new request",
+            ))),
+            Verdict::EpochMismatch {
+                recorded,
+                requested,
+            } => self.epoch_mismatch(recorded, requested),
+            Verdict::OriginalFailed => self.retry_later(
+                Problem::new(
+                    StatusCode::CONFLICT,
+                    "idempotency.original_failed",
+                    "Original request failed",
+                    "the request with this key that was running failed and stored nothing; retry to run it again",
+                ),
+                Duration::from_secs(1),
+            ),
+            Verdict::StoreUnavailable => self.retry_later(
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "idempotency.store_unavailable",
+                    "Idempotency store unavailable",
+                    "the server cannot check this idempotency key now, so it ran nothing; retry later",
+                ),
+                Duration::from_secs(1),
+            ),
+        }
+    }
+
+    fn epoch_mismatch<B>(self, recorded: Option<u64>, requested: Option<u64>) -> Response<Body<B>> {
+        let describe =
+            |epoch: Option<u64>| epoch.map_or_else(|| "none".to_owned(), |e| e.to_string());
+        let problem = Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "idempotency.epoch_mismatch",
+            "Idempotency key from another epoch",
+            format!(
+                "this idempotency key belongs to epoch {}, the request to epoch {}; derive a new key in the current epoch",
+                describe(recorded),
+                describe(requested)
+            ),
+        );
+        self.finish(self.problem(problem))
+    }
+
+    fn in_flight<B>(
+        self,
+        first_seen: SystemTime,
+        request_count: Option<u64>,
+        retry_after: Duration,
+    ) -> Response<Body<B>> {
+        let problem = Problem::new(
+            StatusCode::CONFLICT,
+            "idempotency.in_flight",
+            "Request in progress",
+            "a request with this idempotency key is still running; retry after the delay to get its response",
+        );
+        let mut response = self.retry_later(problem, retry_after);
+        let headers = response.headers_mut();
+        headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(first_seen));
+        if let Some(request_count) = request_count {
+            headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
+        }
+        response
+    }
+
+    /// The `410` for a duplicate of a request whose response was too large to keep.
+    fn not_replayable<B>(self, record: &Record, request_count: u64) -> Response<Body<B>> {
+        let problem = Problem::new(
+            StatusCode::GONE,
+            "idempotency.not_replayable",
+            "Response not replayable",
+            "the request with this idempotency key ran, but its response was too large to keep for replay; it will not run again",
+        );
+        let mut response = self.problem(problem);
+        replay_headers(response.headers_mut(), record, request_count);
+        self.finish(response)
+    }
+
+    /// The stored response, for a duplicate of a request that completed.
+    fn replay<B>(
+        self,
+        record: &Record,
+        request_count: u64,
+        settings: &Settings,
+    ) -> Response<Body<B>> {
+        let Some(stored) = &record.response else {
+            return self.not_replayable(record, request_count);
+        };
+        let mut response = Response::new(stored.body.clone());
+        *response.status_mut() = stored.status;
+        let headers = response.headers_mut();
+        headers.reserve(stored.headers.len() + 5);
+        for (name, value) in &stored.headers {
+            if !settings.not_replayed.contains(name) {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+        // The route's hook adjusts this copy; the stored record stays as it is.
+        if let Some(hook) = &settings.on_replay {
+            let info = ReplayInfo {
+                request_count,
+                first_seen: record.first_seen,
+                original_attempt: record.original_attempt.clone(),
+            };
+            response = replay::apply(&**hook, response, &info);
+        }
+        let mut response = response.map(Body::complete);
+        let headers = response.headers_mut();
+        replay_headers(headers, record, request_count);
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        self.echo(headers);
+        response
+    }
+
+    /// The `500` for a handler whose response body failed mid-read.
+    pub(super) fn response_failed<B>(self) -> Response<Body<B>> {
+        self.finish(self.problem(Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "idempotency.response_failed",
+            "Response failed",
+            "the response could not be produced; nothing was stored, so a retry runs again",
+        )))
+    }
+
+    /// The answer when the handler's outcome does not stand, or may not:
+    /// `not_committed` only when nothing was committed; `outcome_unknown` when the
+    /// commit's answer was lost and the store could not tell whether it landed. A retry
+    /// with the same key is safe either way: it replays what committed, or runs again
+    /// once nothing holds the key.
+    pub(super) fn unsettled<B>(self, unsettled: &Unsettled) -> Response<Body<B>> {
+        let problem = match unsettled {
+            Unsettled::NotCommitted(error) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "idempotency.not_committed",
+                "Request not committed",
+                format!("the request's transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
+            ),
+            Unsettled::Unknown(error) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "idempotency.outcome_unknown",
+                "Request outcome unknown",
+                format!("the request ran, but whether its transaction committed is not known ({error}); retry with the same key: it replays the outcome if it committed, and runs again if it did not"),
+            ),
+        };
+        self.retry_later(problem, Duration::from_secs(1))
+    }
 }
 
-pub(super) fn with_retry_after<B>(mut response: Response<B>, retry_after: Duration) -> Response<B> {
+fn with_retry_after<B>(mut response: Response<B>, retry_after: Duration) -> Response<B> {
     let seconds = retry_after
         .as_secs()
         .max(u64::from(retry_after.subsec_nanos() > 0));
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-    response
-}
-
-fn store_unavailable<B>() -> Response<Body<B>> {
-    let problem = Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "idempotency.store_unavailable",
-        "Idempotency store unavailable",
-        "the server cannot check this idempotency key now, so it ran nothing; retry later",
-    );
-    with_retry_after(problem.into_response(), Duration::from_secs(1))
-}
-
-fn conflict<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
-    let problem = Problem::new(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "idempotency.fingerprint_mismatch",
-        "Idempotency key reused",
-        "this idempotency key was used with a different request (method, path, query, content type or body); use a new key for a new request",
-    );
-    finish(problem.into_response(), attempt)
-}
-
-fn epoch_mismatch<B>(
-    recorded: Option<u64>,
-    requested: Option<u64>,
-    attempt: Option<&AttemptId>,
-) -> Response<Body<B>> {
-    let describe = |epoch: Option<u64>| epoch.map_or_else(|| "none".to_owned(), |e| e.to_string());
-    let problem = Problem::new(
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "idempotency.epoch_mismatch",
-        "Idempotency key from another epoch",
-        format!(
-            "this idempotency key belongs to epoch {}, the request to epoch {}; derive a new key in the current epoch",
-            describe(recorded),
-            describe(requested)
-        ),
-    );
-    finish(problem.into_response(), attempt)
-}
-
-fn in_flight<B>(
-    first_seen: SystemTime,
-    request_count: Option<u64>,
-    retry_after: Duration,
-    attempt: Option<&AttemptId>,
-) -> Response<Body<B>> {
-    let problem = Problem::new(
-        StatusCode::CONFLICT,
-        "idempotency.in_flight",
-        "Request in progress",
-        "a request with this idempotency key is still running; retry after the delay to get its response",
-    );
-    let mut response = with_retry_after(problem.into_response(), retry_after);
-    let headers = response.headers_mut();
-    headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(first_seen));
-    if let Some(request_count) = request_count {
-        headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
-    }
-    finish(response, attempt)
-}
-
-/// The answer the engine decided on instead of running the handler.
-pub(super) fn decided<B>(
-    verdict: Verdict,
-    attempt: Option<&AttemptId>,
-    settings: &Settings,
-) -> Response<Body<B>> {
-    match verdict {
-        Verdict::Replay {
-            record,
-            request_count,
-        } => replay(&record, request_count, attempt, settings),
-        Verdict::NotReplayable {
-            record,
-            request_count,
-        } => not_replayable(&record, request_count, attempt),
-        Verdict::InFlight {
-            first_seen,
-            request_count,
-            retry_after,
-        } => in_flight(first_seen, request_count, retry_after, attempt),
-        Verdict::Conflict => conflict(attempt),
-        Verdict::EpochMismatch {
-            recorded,
-            requested,
-        } => epoch_mismatch(recorded, requested, attempt),
-        Verdict::OriginalFailed => original_failed(attempt),
-        Verdict::StoreUnavailable => finish(store_unavailable(), attempt),
-    }
-}
-
-fn original_failed<B>(attempt: Option<&AttemptId>) -> Response<Body<B>> {
-    let problem = Problem::new(
-        StatusCode::CONFLICT,
-        "idempotency.original_failed",
-        "Original request failed",
-        "the request with this key that was running failed and stored nothing; retry to run it again",
-    );
-    finish(
-        with_retry_after(problem.into_response(), Duration::from_secs(1)),
-        attempt,
-    )
-}
-
-/// The `500` for a handler whose response body failed mid-read.
-pub(super) fn response_failed<B>() -> Response<Body<B>> {
-    let problem = Problem::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "idempotency.response_failed",
-        "Response failed",
-        "the response could not be produced; nothing was stored, so a retry runs again",
-    );
-    problem.into_response()
-}
-
-/// The `410` for a duplicate of a request whose response was too large to keep.
-fn not_replayable<B>(
-    record: &Record,
-    request_count: u64,
-    attempt: Option<&AttemptId>,
-) -> Response<Body<B>> {
-    let problem = Problem::new(
-        StatusCode::GONE,
-        "idempotency.not_replayable",
-        "Response not replayable",
-        "the request with this idempotency key ran, but its response was too large to keep for replay; it will not run again",
-    );
-    let mut response = problem.into_response();
-    replay_headers(response.headers_mut(), record, request_count);
-    finish(response, attempt)
-}
-
-/// The stored response, for a duplicate of a request that completed.
-fn replay<B>(
-    record: &Record,
-    request_count: u64,
-    attempt: Option<&AttemptId>,
-    settings: &Settings,
-) -> Response<Body<B>> {
-    let Some(stored) = &record.response else {
-        return not_replayable(record, request_count, attempt);
-    };
-    let mut response = Response::new(stored.body.clone());
-    *response.status_mut() = stored.status;
-    let headers = response.headers_mut();
-    headers.reserve(stored.headers.len() + 5);
-    for (name, value) in &stored.headers {
-        if !settings.not_replayed.contains(name) {
-            headers.append(name.clone(), value.clone());
-        }
-    }
-    // The route's hook adjusts this copy; the stored record stays as it is.
-    if let Some(hook) = &settings.on_replay {
-        let info = ReplayInfo {
-            request_count,
-            first_seen: record.first_seen,
-            original_attempt: record.original_attempt.clone(),
-        };
-        response = replay::apply(&**hook, response, &info);
-    }
-    let mut response = response.map(Body::complete);
-    let headers = response.headers_mut();
-    replay_headers(headers, record, request_count);
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    if let Some(attempt) = attempt {
-        headers.insert(ATTEMPT_ID, attempt.to_header_value());
-    }
     response
 }
 
@@ -279,7 +330,7 @@ fn replay_headers(headers: &mut HeaderMap, record: &Record, request_count: u64) 
 
 /// `time` as an HTTP-date; the last one formatted on this thread is reused, as replays
 /// of one record ask for the same date again and again.
-pub(super) fn http_date(time: SystemTime) -> HeaderValue {
+fn http_date(time: SystemTime) -> HeaderValue {
     thread_local! {
         static LAST: std::cell::RefCell<Option<(SystemTime, HeaderValue)>> =
             const { std::cell::RefCell::new(None) };
@@ -296,26 +347,4 @@ pub(super) fn http_date(time: SystemTime) -> HeaderValue {
         *last = Some((time, value.clone()));
         value
     })
-}
-
-/// The answer when the handler's outcome does not stand, or may not: `not_committed`
-/// only when nothing was committed; `outcome_unknown` when the commit's answer was lost
-/// and the store could not tell whether it landed. A retry with the same key is safe
-/// either way: it replays what committed, or runs again once nothing holds the key.
-pub(super) fn unsettled_answer<B>(unsettled: &Unsettled) -> Response<Body<B>> {
-    let problem = match unsettled {
-        Unsettled::NotCommitted(error) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "idempotency.not_committed",
-                "Request not committed",
-                format!("the request's transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
-            ),
-        Unsettled::Unknown(error) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "idempotency.outcome_unknown",
-                "Request outcome unknown",
-                format!("the request ran, but whether its transaction committed is not known ({error}); retry with the same key: it replays the outcome if it committed, and runs again if it did not"),
-            ),
-    };
-    with_retry_after(problem.into_response(), Duration::from_secs(1))
 }

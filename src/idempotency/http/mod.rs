@@ -4,12 +4,11 @@
 //! In the order a request meets them: [`layer`](IdempotencyLayer) (the settings),
 //! `service` (the request's path through the layer), `client`, `epoch` and `extract`
 //! (what the head and body say), `budget` and `read` (the body, within its limits),
-//! `answer` and `replay` (every response the layer writes), `echo` (the key on them).
+//! `answer` and `replay` (every response the layer writes).
 
 mod answer;
 mod budget;
 mod client;
-mod echo;
 mod epoch;
 mod extract;
 mod layer;
@@ -17,7 +16,6 @@ mod read;
 mod replay;
 mod service;
 
-pub(crate) use self::echo::current_key;
 pub use self::{
     client::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, IdentifyClient,

@@ -1,22 +1,23 @@
 //! Reading a protected request's body: within the size limit and the layer's byte
 //! budget, whole, so it can be fingerprinted, and handed on unchanged.
 
-use std::time::Duration;
-
-use bytes::Bytes;
-use http::{header, HeaderValue, Request, Response, StatusCode};
+use bytes::{Bytes, BytesMut};
+use http::{header, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 
-use super::{answer::with_retry_after, budget::Reservation, layer::Settings, service::BoxError};
+use super::{answer::Reply, budget::Reservation, layer::Settings, service::BoxError};
+use crate::body::Body;
 use crate::idempotency::{core::observe, Fingerprint};
-use crate::{body::Body, problem::Problem};
 
 /// Reads the whole body so it can be fingerprinted, and hands it on unchanged, with
 /// the bytes it holds of the layer's budget; or the answer that refuses it: `413` over
 /// the limit, `503` when the budget cannot take it now, `400` when it fails mid-read.
+/// The refusals are counted (`rejected`) and logged here, as the engine never sees
+/// them.
 pub(super) async fn read_body<B, R>(
     request: Request<B>,
     settings: &Settings,
+    reply: Reply<'_>,
 ) -> Result<(Request<Body<B>>, Reservation), Response<Body<R>>>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
@@ -33,13 +34,7 @@ where
             "request body over the idempotency limit"
         );
         observe::outcome("rejected");
-        let problem = Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "idempotency.body_too_large",
-            "Request body too large",
-            format!("an idempotent request body may be at most {max} bytes"),
-        );
-        problem.into_response()
+        reply.body_too_large(max)
     };
     let declared = request
         .headers()
@@ -68,16 +63,7 @@ where
                 "request bodies in flight fill the idempotency byte budget; request refused"
             );
             observe::outcome("rejected");
-            let problem = Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "idempotency.overloaded",
-                "Server busy",
-                "the server holds as many request bodies as it can right now, so it ran nothing; retry later",
-            );
-            Err(with_retry_after(
-                problem.into_response(),
-                Duration::from_secs(1),
-            ))
+            Err(reply.overloaded())
         }
         Read::Failed(error) => {
             tracing::warn!(
@@ -87,13 +73,7 @@ where
                 "request body could not be read"
             );
             observe::outcome("rejected");
-            let problem = Problem::new(
-                StatusCode::BAD_REQUEST,
-                "idempotency.body_unreadable",
-                "Request body unreadable",
-                "the request body could not be read to the end",
-            );
-            Err(problem.into_response())
+            Err(reply.body_unreadable())
         }
     }
 }
@@ -227,4 +207,57 @@ where
 /// The bytes of a body `read_body` completed.
 pub(super) fn buffered<B>(body: &Body<B>) -> Bytes {
     body.complete_bytes().unwrap_or_default()
+}
+
+/// A handler's response body, as read for storing.
+pub(super) enum Collected<B> {
+    Complete(Bytes),
+    TooLarge {
+        prefix: Bytes,
+        rest: B,
+    },
+    /// The body's error, as text: the body's error type need not be `Send`.
+    Failed(String),
+}
+
+/// Reads `body` whole if it fits in `max` bytes; a single-frame body is kept without
+/// a copy.
+pub(super) async fn collect_up_to<B>(mut body: B, max: usize) -> Collected<B>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let data = match frame {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => data,
+                // Trailers are not kept: replays carry the body only.
+                Err(_trailers) => continue,
+            },
+            Err(error) => return Collected::Failed(error.into().to_string()),
+        };
+        len += data.len();
+        if len > max {
+            let mut prefix =
+                joined.unwrap_or_else(|| BytesMut::from(first.take().unwrap_or_default()));
+            prefix.extend_from_slice(&data);
+            return Collected::TooLarge {
+                prefix: prefix.freeze(),
+                rest: body,
+            };
+        }
+        match (&mut first, &mut joined) {
+            (None, None) => first = Some(data),
+            (Some(_), None) => {
+                let mut buf = BytesMut::from(first.take().unwrap_or_default());
+                buf.extend_from_slice(&data);
+                joined = Some(buf);
+            }
+            (_, Some(buf)) => buf.extend_from_slice(&data),
+        }
+    }
+    Collected::Complete(joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze))
 }

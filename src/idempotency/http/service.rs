@@ -5,18 +5,16 @@ use std::{
     task::{Context, Poll},
 };
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{Request, Response, StatusCode};
-use http_body_util::BodyExt;
 use tower_service::Service;
 use tracing::Instrument as _;
 
 use super::{
-    answer::{self, finish, refuse, reject_client, reject_key, unsettled_answer},
-    echo::{self, KeyScope},
+    answer::Reply,
     extract::{ExtractedKey, KeyRejection},
     layer::Settings,
-    read::{fingerprint, read_body},
+    read::{collect_up_to, fingerprint, read_body, Collected},
     ExtractEpoch, IdentifyClient, InvalidClient, InvalidEpoch, NoClient, NoEpoch,
 };
 use crate::idempotency::{
@@ -104,25 +102,13 @@ impl<S: std::fmt::Debug, St, C, E> std::fmt::Debug for Idempotency<S, St, C, E> 
 /// future: nothing ran, and the request body stops being read.
 pub struct ResponseFuture<B: 'static, E: 'static> {
     work: Detaching<Result<Response<Body<B>>, E>>,
-    /// The request's idempotency key, current while the work is polled (its problem
-    /// details name it) and echoed on the response.
-    key: Option<IdempotencyKey>,
 }
 
 impl<B, E> Future for ResponseFuture<B, E> {
     type Output = Result<Response<Body<B>>, E>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        let poll = {
-            let _key = KeyScope::enter(this.key.as_ref());
-            Pin::new(&mut this.work).poll(cx)
-        };
-        let mut output = std::task::ready!(poll);
-        if let (Ok(response), Some(key)) = (&mut output, &this.key) {
-            echo::echo(response, key);
-        }
-        Poll::Ready(output)
+        Pin::new(&mut self.work).poll(cx)
     }
 }
 
@@ -132,13 +118,22 @@ impl<B: 'static, E: 'static> std::fmt::Debug for ResponseFuture<B, E> {
     }
 }
 
-/// What one protected request is, once its headers are read.
+/// What one protected request is, once its key is read.
 struct Protected {
     key: IdempotencyKey,
     client: Option<ClientId>,
     scope: ScopeKey,
     attempt: Option<AttemptId>,
     epoch: Option<u64>,
+}
+
+impl Protected {
+    fn reply(&self) -> Reply<'_> {
+        Reply {
+            key: Some(&self.key),
+            attempt: self.attempt.as_ref(),
+        }
+    }
 }
 
 impl<S, St, C, E, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, C, E>
@@ -167,11 +162,11 @@ where
         let settings = self.settings.clone();
 
         if !settings.methods.contains(request.method()) {
-            return unclaimed(pass_through(inner, request, None), None);
+            return unclaimed(pass_through(inner, request, None));
         }
         let attempt = match AttemptId::from_headers(request.headers()) {
             Ok(attempt) => attempt,
-            Err(error) => return unclaimed(ready(reject_key(&error, None)), None),
+            Err(error) => return unclaimed(ready(Reply::default().reject_key(&error))),
         };
         // Read from the head now (the body type changes once it is read), applied once
         // the key is known: a request without a key never hears of them.
@@ -187,32 +182,20 @@ where
                 work: Detaching::claiming(|claimed| {
                     run_keyed_by_body(inner, engine, settings, request, identity, claimed)
                 }),
-                key: None,
             };
         }
         let (parts, body) = request.into_parts();
         let extracted = settings.key.extract_key(&parts, &Bytes::new());
-        // From here on every answer names the key (see `echo`).
-        let key = extracted
-            .as_ref()
-            .ok()
-            .and_then(Option::as_ref)
-            .map(|extracted| extracted.key().clone());
-        let _key_scope = KeyScope::enter(key.as_ref());
         let protected = protect(&settings, extracted, identity, &parts);
         let request = Request::from_parts(parts, body);
-        let protected = match protected {
-            Decided::Protected(protected) => protected,
-            Decided::PassThrough(attempt) => {
-                return unclaimed(pass_through(inner, request, attempt), key)
-            }
-            Decided::Refused(refused) => return unclaimed(ready(refused), key),
-        };
-        ResponseFuture {
-            work: Detaching::claiming(|claimed| {
-                run(inner, engine, settings, request, protected, claimed)
-            }),
-            key,
+        match protected {
+            Decided::Protected(protected) => ResponseFuture {
+                work: Detaching::claiming(|claimed| {
+                    run(inner, engine, settings, request, protected, claimed)
+                }),
+            },
+            Decided::PassThrough(attempt) => unclaimed(pass_through(inner, request, attempt)),
+            Decided::Refused(refused) => unclaimed(ready(refused)),
         }
     }
 }
@@ -245,46 +228,52 @@ fn protect<B>(
         client,
         attempt,
     } = identity;
+    let keyless = Reply {
+        key: None,
+        attempt: attempt.as_ref(),
+    };
     let (key, named) = match extracted {
         Ok(Some(extracted)) => extracted.into_parts(),
         Ok(None) if settings.require_key => {
-            return Decided::Refused(refuse(
+            return Decided::Refused(keyless.refuse(
                 StatusCode::BAD_REQUEST,
                 "missing",
                 "idempotency.key_missing",
                 "Missing idempotency key",
                 settings.key.missing_detail().into_owned(),
-                attempt.as_ref(),
             ));
         }
         Ok(None) => return Decided::PassThrough(attempt),
         Err(rejection) => {
-            return Decided::Refused(refuse(
+            return Decided::Refused(keyless.refuse(
                 StatusCode::BAD_REQUEST,
                 rejection.reason(),
                 rejection.code(),
                 rejection.title(),
                 rejection.to_string(),
-                attempt.as_ref(),
             ));
         }
+    };
+    // From here on every answer names the key.
+    let reply = Reply {
+        key: Some(&key),
+        attempt: attempt.as_ref(),
     };
     let epoch = match epoch {
         Ok(epoch) => epoch,
         Err(error) => {
-            return Decided::Refused(refuse(
+            return Decided::Refused(reply.refuse(
                 StatusCode::BAD_REQUEST,
                 "epoch_invalid",
                 "idempotency.epoch_invalid",
                 "Invalid epoch",
                 error.to_string(),
-                attempt.as_ref(),
             ));
         }
     };
     let client = match client {
         Ok(client) => client,
-        Err(error) => return Decided::Refused(reject_client(&error, attempt.as_ref())),
+        Err(error) => return Decided::Refused(reply.reject_client(&error)),
     };
     // The client the payload names, within the one the head names.
     let client = match (client, named) {
@@ -292,13 +281,12 @@ fn protect<B>(
         (caller, named) => caller.or(named),
     };
     if client.is_none() && settings.require_client {
-        return Decided::Refused(refuse(
+        return Decided::Refused(reply.refuse(
             StatusCode::UNAUTHORIZED,
             "client_missing",
             "idempotency.client_missing",
             "Client not identified",
             "this route keeps idempotency keys per client, and this request names none; send your credentials".into(),
-            attempt.as_ref(),
         ));
     }
     let query = if settings.include_query {
@@ -325,11 +313,9 @@ fn protect<B>(
 /// The future of a request that claims no key: refused, or passed through.
 fn unclaimed<B, E>(
     future: impl Future<Output = Result<Response<Body<B>>, E>> + Send + 'static,
-    key: Option<IdempotencyKey>,
 ) -> ResponseFuture<B, E> {
     ResponseFuture {
         work: Detaching::new(future),
-        key,
     }
 }
 
@@ -346,7 +332,11 @@ where
     S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>>,
 {
     let response = inner.call(request.map(Body::inner)).await?;
-    Ok(finish(response.map(Body::inner), attempt.as_ref()))
+    let reply = Reply {
+        key: None,
+        attempt: attempt.as_ref(),
+    };
+    Ok(reply.finish(response.map(Body::inner)))
 }
 
 /// A protected request whose key is in its head: its body read (within the limits),
@@ -370,9 +360,9 @@ where
     async move {
         // The body's bytes of the layer's budget, held until this work ends (dropped
         // with it on every path, including a cancelled or abandoned future).
-        let (request, _budget) = match read_body(request, &settings).await {
+        let (request, _budget) = match read_body(request, &settings, protected.reply()).await {
             Ok(read) => read,
-            Err(refused) => return Ok(finish(refused, protected.attempt.as_ref())),
+            Err(refused) => return Ok(refused),
         };
         deduplicate(inner, engine, settings, request, protected, claimed).await
     }
@@ -421,23 +411,21 @@ where
     ResBody: ReadableBody,
 {
     let _in_flight = engine.track();
-    let (request, _budget) = match read_body(request, &settings).await {
+    let keyless = Reply {
+        key: None,
+        attempt: identity.attempt.as_ref(),
+    };
+    let (request, _budget) = match read_body(request, &settings, keyless).await {
         Ok(read) => read,
-        Err(refused) => return Ok(finish(refused, identity.attempt.as_ref())),
+        Err(refused) => return Ok(refused),
     };
     let (parts, body) = request.into_parts();
     let extracted = settings
         .key
         .extract_key(&parts, &body.complete_bytes().unwrap_or_default());
-    let key = extracted
-        .as_ref()
-        .ok()
-        .and_then(Option::as_ref)
-        .map(|extracted| extracted.key().clone());
-    let _key_scope = KeyScope::enter(key.as_ref());
     let protected = protect(&settings, extracted, identity, &parts);
     let request = Request::from_parts(parts, body);
-    let response = match protected {
+    match protected {
         Decided::Protected(protected) => {
             let span = idempotency_span(&protected, &settings);
             deduplicate(inner, engine, settings, request, protected, claimed)
@@ -446,17 +434,14 @@ where
         }
         Decided::PassThrough(attempt) => {
             let response = inner.call(request).await?;
-            Ok(finish(response.map(Body::inner), attempt.as_ref()))
+            let reply = Reply {
+                key: None,
+                attempt: attempt.as_ref(),
+            };
+            Ok(reply.finish(response.map(Body::inner)))
         }
         Decided::Refused(refused) => Ok(refused),
-    };
-    // The key was read here, after the response future was made: echo it here too.
-    response.map(|mut response| {
-        if let Some(key) = &key {
-            echo::echo(&mut response, key);
-        }
-        response
-    })
+    }
 }
 
 /// Asks the engine what to do with a protected request whose body is read, and does
@@ -479,15 +464,15 @@ where
     let decision = engine
         .decide(protected.scope, fingerprint, protected.epoch, &claimed)
         .await;
-    let attempt = protected.attempt;
+    let reply = protected.reply();
     match decision {
         // Boxed, so the replay path's future stays small.
-        Decision::Run(guard) => Box::pin(execute(inner, &settings, request, guard, attempt)).await,
+        Decision::Run(guard) => Box::pin(execute(inner, &settings, request, guard, reply)).await,
         Decision::FailOpen => {
             let response = Box::pin(inner.call(request)).await?;
-            Ok(finish(response.map(Body::inner), attempt.as_ref()))
+            Ok(reply.finish(response.map(Body::inner)))
         }
-        Decision::Answer(verdict) => Ok(answer::decided(verdict, attempt.as_ref(), &settings)),
+        Decision::Answer(verdict) => Ok(reply.decided(verdict, &settings)),
     }
 }
 
@@ -498,7 +483,7 @@ async fn execute<S, St, ReqBody, ResBody>(
     settings: &Settings,
     mut request: Request<Body<ReqBody>>,
     mut guard: LeaseGuard<St>,
-    attempt: Option<AttemptId>,
+    reply: Reply<'_>,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
     S: Handler<ReqBody, ResBody>,
@@ -523,6 +508,7 @@ where
         }
     };
     let storable = (settings.store_if)(parts.status);
+    let attempt = reply.attempt.cloned();
     let response = match body {
         Collected::Complete(body) if storable => {
             let headers = parts
@@ -536,9 +522,9 @@ where
                 headers,
                 body: body.clone(),
             };
-            match guard.complete(attempt.clone(), Some(response)).await {
+            match guard.complete(attempt, Some(response)).await {
                 Ok(()) => Response::from_parts(parts, Body::complete(body)),
-                Err(unsettled) => unsettled_answer(&unsettled),
+                Err(unsettled) => return Ok(reply.unsettled(&unsettled)),
             }
         }
         Collected::Complete(body) => {
@@ -552,8 +538,8 @@ where
                     max_bytes = settings.max_response_bytes,
                     "response over the idempotency limit: streamed, not stored; duplicates get 410"
                 );
-                if let Err(unsettled) = guard.complete(attempt.clone(), None).await {
-                    return Ok(finish(unsettled_answer(&unsettled), attempt.as_ref()));
+                if let Err(unsettled) = guard.complete(attempt, None).await {
+                    return Ok(reply.unsettled(&unsettled));
                 }
             } else {
                 guard.release("not_stored").await;
@@ -568,60 +554,8 @@ where
                 "the response body failed while being read"
             );
             guard.release("response_failed").await;
-            answer::response_failed()
+            return Ok(reply.response_failed());
         }
     };
-    Ok(finish(response, attempt.as_ref()))
-}
-
-enum Collected<B> {
-    Complete(Bytes),
-    TooLarge {
-        prefix: Bytes,
-        rest: B,
-    },
-    /// The body's error, as text: the body's error type need not be `Send`.
-    Failed(String),
-}
-
-/// Reads `body` whole if it fits in `max` bytes; a single-frame body is kept without
-/// a copy.
-async fn collect_up_to<B>(mut body: B, max: usize) -> Collected<B>
-where
-    B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
-    let mut first: Option<Bytes> = None;
-    let mut joined: Option<BytesMut> = None;
-    let mut len = 0usize;
-    while let Some(frame) = body.frame().await {
-        let data = match frame {
-            Ok(frame) => match frame.into_data() {
-                Ok(data) => data,
-                // Trailers are not kept: replays carry the body only.
-                Err(_trailers) => continue,
-            },
-            Err(error) => return Collected::Failed(error.into().to_string()),
-        };
-        len += data.len();
-        if len > max {
-            let mut prefix =
-                joined.unwrap_or_else(|| BytesMut::from(first.take().unwrap_or_default()));
-            prefix.extend_from_slice(&data);
-            return Collected::TooLarge {
-                prefix: prefix.freeze(),
-                rest: body,
-            };
-        }
-        match (&mut first, &mut joined) {
-            (None, None) => first = Some(data),
-            (Some(_), None) => {
-                let mut buf = BytesMut::from(first.take().unwrap_or_default());
-                buf.extend_from_slice(&data);
-                joined = Some(buf);
-            }
-            (_, Some(buf)) => buf.extend_from_slice(&data),
-        }
-    }
-    Collected::Complete(joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze))
+    Ok(reply.finish(response))
 }
