@@ -70,7 +70,7 @@ use http::{HeaderMap, HeaderValue, Request, StatusCode};
 use http_body_util::BodyExt;
 use ruts::store::moka::MokaStore as SessionMokaStore;
 use tower::ServiceExt;
-use tower_ids::idempotency::{IdempotencyLayer, IDEMPOTENT_REPLAYED};
+use tower_ids::idempotency::{header::IDEMPOTENT_REPLAYED, IdempotencyLayer};
 
 #[path = "common/idempotent_route.rs"]
 mod common;
@@ -246,7 +246,7 @@ fn store_rows<St: tower_ids::idempotency::IdempotencyStore>(
     store: impl Fn(&str) -> St,
 ) {
     let cookie = HeaderValue::from_static(DUMMY_COOKIE);
-    let marker = tower_ids::idempotency::IDEMPOTENT_REPLAYED;
+    let marker = tower_ids::idempotency::header::IDEMPOTENT_REPLAYED;
     let marker = marker.as_str();
 
     // First execution: a fresh key every iteration; the handler runs every time.

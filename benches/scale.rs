@@ -37,7 +37,7 @@
 //! is counted), divided by the records, less each response's
 //! [`StoredResponse::weight`]. It prints one line per size (`scale/memory/...`) and
 //! asserts the figure is within what the store charges per entry,
-//! [`ENTRY_OVERHEAD_BYTES`]. These are the bytes asked of the allocator: malloc's own
+//! [`MOKA_ENTRY_OVERHEAD_BYTES`]. These are the bytes asked of the allocator: malloc's own
 //! per-allocation header and rounding come on top.
 //!
 //! The counting allocator also serves the timed rows; its counters add the same few
@@ -64,9 +64,11 @@ use http_body_util::BodyExt;
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use tower::ServiceExt;
 use tower_ids::idempotency::{
-    store::{Begin, Claim, IdempotencyStore, Record, StoredResponse, ENTRY_OVERHEAD_BYTES},
-    Fingerprint, IdempotencyKey, IdempotencyLayer, MokaStore, ScopeKey, DEFAULT_LEASE, DEFAULT_TTL,
-    IDEMPOTENT_REPLAYED,
+    header::IDEMPOTENT_REPLAYED,
+    store::Fingerprint,
+    store::ScopeKey,
+    store::{Begin, Claim, IdempotencyStore, Record, StoredResponse, MOKA_ENTRY_OVERHEAD_BYTES},
+    IdempotencyKey, IdempotencyLayer, MokaStore, DEFAULT_LEASE, DEFAULT_TTL,
 };
 
 #[global_allocator]
@@ -112,20 +114,21 @@ fn response_body() -> Bytes {
 
 /// The response as stored; `body` is the record's own copy.
 fn stored_response(body: Bytes) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: vec![(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE))],
+    StoredResponse::new(
+        StatusCode::CREATED,
+        vec![(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE))],
         body,
-    }
+    )
 }
 
 /// A store whose byte bound is what `n` records of `body` weigh, plus room for
 /// [`FIRST_ROOM`] more: the `first` rows add a record per iteration, and nothing may be
 /// evicted in any row (an eviction would be work the other row does not do).
 fn store_for(n: u64, body: &Bytes) -> MokaStore {
-    let weight = stored_response(body.clone()).weight() as u64;
+    let weight = stored_response(body.clone()).weight();
+    let records = usize::try_from(n + FIRST_ROOM).expect("a count of records fits");
     MokaStore::builder()
-        .max_bytes((n + FIRST_ROOM) * (weight + u64::from(ENTRY_OVERHEAD_BYTES)))
+        .max_bytes(records * (weight + MOKA_ENTRY_OVERHEAD_BYTES))
         .build()
 }
 
@@ -147,21 +150,17 @@ async fn fill(store: &MokaStore, n: u64, body: &[u8]) {
         let key = IdempotencyKey::parse(key_text(i).as_bytes()).expect("valid key");
         // `NoClient`, and the query left out, as the layer's defaults do.
         let scope = ScopeKey::new(None, &method, PATH, None, &key);
-        let claim = Claim {
-            fingerprint,
-            lease: DEFAULT_LEASE,
-            epoch: None,
-        };
+        let claim = Claim::new(fingerprint, DEFAULT_LEASE, None);
         let Begin::Claimed { lease } = store.begin(&scope, claim).await.expect("begin") else {
             panic!("a fresh key is claimed");
         };
-        let record = Record {
+        let record = Record::new(
             fingerprint,
-            first_seen: SystemTime::now(),
-            original_attempt: None,
-            epoch: None,
-            response: Some(stored_response(Bytes::copy_from_slice(body))),
-        };
+            SystemTime::now(),
+            None,
+            None,
+            Some(stored_response(Bytes::copy_from_slice(body))),
+        );
         let stored = store
             .complete(&scope, &lease, Arc::new(record), DEFAULT_TTL)
             .await;
@@ -203,12 +202,12 @@ fn memory(runtime: &tokio::runtime::Runtime, n: u64, body: &Bytes) {
     println!(
         "scale/memory/{n}: {overhead:.0} B per entry beyond {response_bytes} response bytes \
          ({per_entry:.0} B in all, {allocations:.1} live allocations; charged \
-         ENTRY_OVERHEAD_BYTES = {ENTRY_OVERHEAD_BYTES})"
+         MOKA_ENTRY_OVERHEAD_BYTES = {MOKA_ENTRY_OVERHEAD_BYTES})"
     );
     assert!(
-        overhead <= f64::from(ENTRY_OVERHEAD_BYTES),
+        overhead <= MOKA_ENTRY_OVERHEAD_BYTES as f64,
         "an entry costs {overhead:.0} B beyond its response at {n} records, more than the \
-         {ENTRY_OVERHEAD_BYTES} charged"
+         {MOKA_ENTRY_OVERHEAD_BYTES} charged"
     );
     drop(store);
 }

@@ -78,9 +78,10 @@ use tower::{service_fn, Service, ServiceBuilder, ServiceExt as _};
 use tower_ids::{
     correlation::{CorrelationId, MessageCorrelation},
     idempotency::{
+        extract::KeyRejection,
         message::{Handled, MessageIdempotencyLayer, MessageKey},
         store::IdempotencyStore,
-        IdempotencyKey, InFlight, KeyRejection, MokaStore,
+        IdempotencyKey, InFlight, MokaStore,
     },
 };
 use tracing::Instrument as _;
@@ -405,7 +406,8 @@ async fn consume<St: IdempotencyStore>(
     });
     let service = ServiceBuilder::new()
         .layer(
-            MessageIdempotencyLayer::with_store(store, signal_key as fn(&Signal) -> _)
+            MessageIdempotencyLayer::with_store(store)
+                .key(signal_key as fn(&Signal) -> _)
                 .require_key(true)
                 .in_flight(in_flight)
                 .lease(Duration::from_millis(args.lease_ms))
@@ -498,6 +500,8 @@ where
             );
             let _ = delivery.reject(BasicRejectOptions { requeue: false }).await;
         }
+        // An answer a later version adds: requeue, which never loses the signal.
+        _ => requeue(&delivery, Duration::from_secs(1), "unknown").await,
     }
 }
 

@@ -1,5 +1,5 @@
 //! What a stored entry really costs, counted by a global allocator, against the weight
-//! the moka store charges for it (`ENTRY_OVERHEAD_BYTES` plus the response bytes).
+//! the moka store charges for it (`MOKA_ENTRY_OVERHEAD_BYTES` plus the response bytes).
 
 use std::{
     alloc::System,
@@ -11,8 +11,10 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use tower_ids::idempotency::{
-    store::{Begin, Claim, IdempotencyStore, Record, StoredResponse, ENTRY_OVERHEAD_BYTES},
-    Fingerprint, IdempotencyKey, MokaStore, ScopeKey,
+    store::Fingerprint,
+    store::ScopeKey,
+    store::{Begin, Claim, IdempotencyStore, Record, StoredResponse, MOKA_ENTRY_OVERHEAD_BYTES},
+    IdempotencyKey, MokaStore,
 };
 
 #[global_allocator]
@@ -33,37 +35,24 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
             HeaderValue::from_static("1"),
         ),
     ];
-    let response_bytes = StoredResponse {
-        status: StatusCode::CREATED,
-        headers: headers.clone(),
-        body: body.clone(),
-    }
-    .weight();
+    let response_bytes =
+        StoredResponse::new(StatusCode::CREATED, headers.clone(), body.clone()).weight();
     let fingerprint = Fingerprint::new(&Method::POST, "/commands", None, None, b"");
     let region = Region::new(GLOBAL);
     for i in 0..ENTRIES {
         let key = IdempotencyKey::parse(format!("key-{i}").as_bytes()).unwrap();
         let scope = ScopeKey::new(None, &Method::POST, "/commands", None, &key);
-        let claim = Claim {
-            fingerprint,
-            lease: Duration::from_secs(60),
-            epoch: None,
-        };
+        let claim = Claim::new(fingerprint, Duration::from_secs(60), None);
         let Begin::Claimed { lease } = store.begin(&scope, claim).await.unwrap() else {
             panic!("a fresh key is claimed");
         };
-        let record = Record {
-            fingerprint,
-            first_seen: SystemTime::now(),
-            original_attempt: None,
-            epoch: None,
-            response: Some(StoredResponse {
-                status: StatusCode::CREATED,
-                headers: headers.clone(),
-                // Each record its own copy, as each response would be.
-                body: Bytes::copy_from_slice(body),
-            }),
-        };
+        // Each record its own copy of the body, as each response would be.
+        let response = StoredResponse::new(
+            StatusCode::CREATED,
+            headers.clone(),
+            Bytes::copy_from_slice(body),
+        );
+        let record = Record::new(fingerprint, SystemTime::now(), None, None, Some(response));
         assert!(store
             .complete(&scope, &lease, Arc::new(record), Duration::from_secs(3600))
             .await
@@ -95,11 +84,7 @@ async fn a_request_in_flight_costs_under_a_kibibyte() {
     for i in 0..ENTRIES {
         let key = IdempotencyKey::parse(format!("flight-{i}").as_bytes()).unwrap();
         let scope = ScopeKey::new(None, &Method::POST, "/commands", None, &key);
-        let claim = Claim {
-            fingerprint,
-            lease: Duration::from_secs(60),
-            epoch: None,
-        };
+        let claim = Claim::new(fingerprint, Duration::from_secs(60), None);
         leases.push(store.begin(&scope, claim).await.unwrap());
     }
     let change = region.change();
@@ -118,11 +103,11 @@ async fn stored_records_cost_no_more_than_charged() {
         let body = Bytes::from(vec![b'x'; size]);
         let (overhead, response_bytes) = overhead_per_entry(&store, &body).await;
         println!(
-            "memory: body of {size} bytes, response weight {response_bytes}: {overhead:.0} bytes of overhead per entry (charged {ENTRY_OVERHEAD_BYTES})"
+            "memory: body of {size} bytes, response weight {response_bytes}: {overhead:.0} bytes of overhead per entry (charged {MOKA_ENTRY_OVERHEAD_BYTES})"
         );
         assert!(
-            overhead <= f64::from(ENTRY_OVERHEAD_BYTES),
-            "an entry costs {overhead:.0} bytes beyond its response, more than the {ENTRY_OVERHEAD_BYTES} charged"
+            overhead <= MOKA_ENTRY_OVERHEAD_BYTES as f64,
+            "an entry costs {overhead:.0} bytes beyond its response, more than the {MOKA_ENTRY_OVERHEAD_BYTES} charged"
         );
     }
 }

@@ -20,9 +20,10 @@ use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
+        extract::KeyRejection,
         message::{Handled, MessageIdempotencyLayer, MessageKey},
-        IdempotencyKey, IdempotencyLayer, KeyRejection, METRIC_REQUESTS, METRIC_REQUESTS_IN_FLIGHT,
-        METRIC_STORE_CALL_DURATION,
+        metrics::{REQUESTS, REQUESTS_IN_FLIGHT, STORE_CALL_DURATION},
+        IdempotencyKey, IdempotencyLayer,
     },
 };
 
@@ -36,7 +37,7 @@ fn totals() -> Totals {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         recorder.install().unwrap();
-        tower_ids::idempotency::describe_metrics();
+        tower_ids::idempotency::metrics::describe();
         snapshotter
     });
     let mut totals = Totals {
@@ -73,16 +74,14 @@ impl Totals {
                     .unwrap_or_default()
             };
             match (key.kind(), value) {
-                (MetricKind::Counter, DebugValue::Counter(n))
-                    if key.key().name() == METRIC_REQUESTS =>
-                {
+                (MetricKind::Counter, DebugValue::Counter(n)) if key.key().name() == REQUESTS => {
                     *self
                         .counters
                         .entry((key.key().name().to_owned(), label("outcome")))
                         .or_default() += n;
                 }
                 (MetricKind::Histogram, DebugValue::Histogram(samples))
-                    if key.key().name() == METRIC_STORE_CALL_DURATION =>
+                    if key.key().name() == STORE_CALL_DURATION =>
                 {
                     self.latencies
                         .entry(label("operation"))
@@ -90,7 +89,7 @@ impl Totals {
                         .extend(samples.iter().map(|s| s.into_inner()));
                 }
                 (MetricKind::Gauge, DebugValue::Gauge(value))
-                    if key.key().name() == METRIC_REQUESTS_IN_FLIGHT =>
+                    if key.key().name() == REQUESTS_IN_FLIGHT =>
                 {
                     self.in_flight += value.into_inner();
                 }
@@ -103,7 +102,7 @@ impl Totals {
     fn outcome(&mut self, outcome: &str) -> u64 {
         self.update();
         self.counters
-            .get(&(METRIC_REQUESTS.to_owned(), outcome.to_owned()))
+            .get(&(REQUESTS.to_owned(), outcome.to_owned()))
             .copied()
             .unwrap_or(0)
     }
@@ -174,7 +173,7 @@ async fn a_message_consumer_reports_the_same_series() {
         Ok(Some(MessageKey::new(key).fingerprint(command.body)))
     };
     let mut consumer = ServiceBuilder::new()
-        .layer(MessageIdempotencyLayer::new(key).require_key(true))
+        .layer(MessageIdempotencyLayer::new().key(key).require_key(true))
         .service(service_fn(|command: Command| async move {
             Ok::<_, Infallible>(format!("done {}", command.body))
         }));

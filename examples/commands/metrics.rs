@@ -14,7 +14,7 @@ pub(crate) fn install() {
         let handle = PrometheusBuilder::new()
             .install_recorder()
             .expect("the only metrics recorder of the process");
-        tower_ids::idempotency::describe_metrics();
+        tower_ids::idempotency::metrics::describe();
         handle
     });
 }

@@ -33,7 +33,7 @@ use tower_ids::{
     idempotency::{
         store::{
             PostgresStore, Transaction, TransactionError, TransactionGuard,
-            DEFAULT_POSTGRES_TIMEOUT,
+            DEFAULT_POSTGRES_COMMAND_TIMEOUT,
         },
         IdempotencyKey,
     },
@@ -87,7 +87,7 @@ const SCHEMA_LOCK: i64 = 0x636d_6473_5f64_646c;
 /// replays take one for a statement, and the publisher one per batch: 32 serve far more
 /// concurrent writes than the demo sees, and two replicas stay well within PostgreSQL's
 /// default `max_connections` of 100. A request that finds none free within
-/// `DEFAULT_POSTGRES_TIMEOUT` (1 s) is answered `503`.
+/// `DEFAULT_POSTGRES_COMMAND_TIMEOUT` (1 s) is answered `503`.
 const DATABASE_MAX_CONNECTIONS: u32 = 32;
 
 /// How long the publisher waits before looking at the outbox again after a look that
@@ -129,7 +129,7 @@ impl Database {
     ) -> Result<(Self, PostgresStore), Box<dyn Error + Send + Sync>> {
         let pool = PgPoolOptions::new()
             .max_connections(DATABASE_MAX_CONNECTIONS)
-            .acquire_timeout(DEFAULT_POSTGRES_TIMEOUT)
+            .acquire_timeout(DEFAULT_POSTGRES_COMMAND_TIMEOUT)
             .connect(url)
             .await?;
         let store = PostgresStore::builder(pool.clone()).build()?;

@@ -2,23 +2,10 @@ use std::fmt;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
-/// Longest idempotency key accepted, in characters: enough for any UUID, ULID or
-/// derived digest, and a bound on what one key costs the store.
-pub const MAX_KEY_LEN: usize = 255;
+use super::header::ATTEMPT_ID;
 
-/// Longest attempt ID accepted: a counter or a UUID fits many times over.
-pub const MAX_ATTEMPT_ID_LEN: usize = 128;
-
-/// `Idempotency-Key`, the IETF draft's header.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// `X-Idempotency-Key`, accepted too, as older clients send it.
-pub const X_IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("x-idempotency-key");
-
-/// `Attempt-Id`: the client's name for one attempt; echoed, never part of deduplication.
-pub const ATTEMPT_ID: HeaderName = HeaderName::from_static("attempt-id");
-
-/// A client's idempotency key: opaque, 1 to [`MAX_KEY_LEN`] visible ASCII characters.
+/// A client's idempotency key: opaque, 1 to [`MAX_LEN`](Self::MAX_LEN) visible ASCII
+/// characters.
 ///
 /// Parsed from a bare token (`abc-123`) or the draft's structured-field string
 /// (`"abc-123"`); both name the same key. Cheap to clone.
@@ -30,6 +17,10 @@ pub struct IdempotencyKey(
 );
 
 impl IdempotencyKey {
+    /// Longest idempotency key accepted, in characters: enough for any UUID, ULID or
+    /// derived digest, and a bound on what one key costs the store.
+    pub const MAX_LEN: usize = 255;
+
     /// Parses a header value: a bare token, or a quoted structured-field string with
     /// `\"` and `\\` escapes.
     pub fn parse(raw: &[u8]) -> Result<Self, InvalidIdempotencyKey> {
@@ -48,16 +39,16 @@ impl IdempotencyKey {
             [b'"' | b' ' | b'\t', ..] | [.., b' ' | b'\t'] => Self::parse(bytes),
             _ => {
                 let text = std::str::from_utf8(bytes).map_err(|_| KeyError::NotVisibleAscii)?;
-                check_visible(text, MAX_KEY_LEN)?;
+                check_visible(text, Self::MAX_LEN)?;
                 Ok(Self(value.clone()))
             }
         }
     }
 
     /// Takes `text` as it is, as a key from a message or a body field, where no header
-    /// quoting applies: 1 to [`MAX_KEY_LEN`] visible ASCII characters, else refused.
+    /// quoting applies: 1 to [`MAX_LEN`](Self::MAX_LEN) visible ASCII characters, else refused.
     pub fn new(text: &str) -> Result<Self, InvalidIdempotencyKey> {
-        check_visible(text, MAX_KEY_LEN)?;
+        check_visible(text, Self::MAX_LEN)?;
         let value = HeaderValue::from_str(text).map_err(|_| KeyError::NotVisibleAscii)?;
         Ok(Self(value))
     }
@@ -147,14 +138,17 @@ impl fmt::Debug for IdempotencyKey {
     }
 }
 
-/// The client's attempt ID (`attempt-id`): 1 to [`MAX_ATTEMPT_ID_LEN`] visible ASCII
+/// The client's attempt ID (`attempt-id`): 1 to [`MAX_LEN`](Self::MAX_LEN) visible ASCII
 /// characters, echoed on the response and never used to decide a duplicate.
 #[derive(Clone, PartialEq, Eq)]
 pub struct AttemptId(HeaderValue);
 
 impl AttemptId {
+    /// Longest attempt ID accepted: a counter or a UUID fits many times over.
+    pub const MAX_LEN: usize = 128;
+
     /// Reads `attempt-id`: `Ok(None)` when absent; refused when repeated or not 1 to
-    /// [`MAX_ATTEMPT_ID_LEN`] visible ASCII characters.
+    /// [`MAX_LEN`](Self::MAX_LEN) visible ASCII characters.
     pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, InvalidIdempotencyKey> {
         let mut values = headers.get_all(ATTEMPT_ID).iter();
         let Some(value) = values.next() else {
@@ -164,7 +158,7 @@ impl AttemptId {
             return Err(KeyError::AttemptId.into());
         }
         let text = std::str::from_utf8(value.as_bytes()).map_err(|_| KeyError::AttemptId)?;
-        check_visible(text, MAX_ATTEMPT_ID_LEN).map_err(|_| KeyError::AttemptId)?;
+        check_visible(text, Self::MAX_LEN).map_err(|_| KeyError::AttemptId)?;
         Ok(Some(Self(value.clone())))
     }
 
@@ -291,7 +285,8 @@ impl fmt::Display for InvalidIdempotencyKey {
             KeyError::Empty => f.write_str("the idempotency key is empty"),
             KeyError::TooLong { len } => write!(
                 f,
-                "the idempotency key is {len} characters long, more than the {MAX_KEY_LEN} allowed"
+                "the idempotency key is {len} characters long, more than the {} allowed",
+                IdempotencyKey::MAX_LEN
             ),
             KeyError::NotVisibleAscii => f.write_str(
                 "the idempotency key holds a space, a control character or a non-ASCII byte",
@@ -310,7 +305,8 @@ impl fmt::Display for InvalidIdempotencyKey {
             ),
             KeyError::AttemptId => write!(
                 f,
-                "the attempt-id header must appear once, with 1 to {MAX_ATTEMPT_ID_LEN} visible ASCII characters"
+                "the attempt-id header must appear once, with 1 to {} visible ASCII characters",
+                AttemptId::MAX_LEN
             ),
         }
     }
@@ -321,6 +317,7 @@ impl std::error::Error for InvalidIdempotencyKey {}
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::idempotency::header::{IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
 
     #[test]
     fn bare_and_quoted_forms_name_the_same_key() {
@@ -335,7 +332,7 @@ mod tests {
 
     #[test]
     fn refusals_have_codes() {
-        let long = "k".repeat(MAX_KEY_LEN + 1);
+        let long = "k".repeat(IdempotencyKey::MAX_LEN + 1);
         for (raw, code) in [
             (&b""[..], "empty"),
             (b"\"\"", "empty"),
@@ -352,7 +349,7 @@ mod tests {
                 "{raw:?}"
             );
         }
-        assert!(IdempotencyKey::parse("k".repeat(MAX_KEY_LEN).as_bytes()).is_ok());
+        assert!(IdempotencyKey::parse("k".repeat(IdempotencyKey::MAX_LEN).as_bytes()).is_ok());
     }
 
     fn headers(pairs: &[(&HeaderName, &str)]) -> HeaderMap {
@@ -431,7 +428,7 @@ mod tests {
             match IdempotencyKey::parse(&raw) {
                 Ok(key) => {
                     let len = key.as_str().len();
-                    proptest::prop_assert!((1..=MAX_KEY_LEN).contains(&len));
+                    proptest::prop_assert!((1..=IdempotencyKey::MAX_LEN).contains(&len));
                     proptest::prop_assert!(key.as_str().bytes().all(|b| (0x21..=0x7e).contains(&b)));
                 }
                 Err(error) => {

@@ -47,7 +47,7 @@
 //!   [`require_key`](IdempotencyLayer::require_key) a covered request without a key is
 //!   `400`; otherwise it passes through untouched.
 //! - **Key from the payload**: with [`key`](IdempotencyLayer::key) the key comes from
-//!   an [`ExtractKey`] instead: [`KeyFromJson`] (a string field of the JSON body,
+//!   an [`ExtractKey`](extract::ExtractKey) instead: [`KeyFromJson`] (a string field of the JSON body,
 //!   named by a JSON pointer, optionally with a client field:
 //!   `KeyFromJson::new("/correlation_id").client("/partner_id")`), or a closure over
 //!   the request's parts and its buffered body. The body is then read before the key
@@ -56,7 +56,7 @@
 //!   idempotency.key_invalid`, a missing client field `400 idempotency.client_invalid`.
 //! - **Scope**: client + method + path (+ the query, with
 //!   [`scope_query`](IdempotencyLayer::scope_query)) + key, hashed. The client comes
-//!   from an [`IdentifyClient`] (an API key header, the `Authorization` credentials, an
+//!   from an [`IdentifyClient`](extract::IdentifyClient) (an API key header, the `Authorization` credentials, an
 //!   auth layer's extension), hashed, never stored raw, and never the IP address or
 //!   `User-Agent`. A client header sent twice with different values is `400
 //!   idempotency.client_invalid` (which one the authentication checked cannot be
@@ -154,7 +154,7 @@
 //! | `400` | `idempotency.keys_disagree` | `Idempotency-Key` and `X-Idempotency-Key` differ |
 //! | `400` | `idempotency.key_repeated` | one key header sent twice with different values |
 //! | `400` | `idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
-//! | `400` | `idempotency.client_invalid` | the [`IdentifyClient`] refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`InvalidClient`]) |
+//! | `400` | `idempotency.client_invalid` | the [`IdentifyClient`](extract::IdentifyClient) refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`InvalidClient`](extract::InvalidClient)) |
 //! | `400` | `idempotency.body_unreadable` | the request body failed mid-read |
 //! | `400` | `idempotency.body_not_json` | the key is read from the JSON body ([`KeyFromJson`]) and the body is not JSON |
 //! | `401` | `idempotency.client_missing` | with [`require_client`](IdempotencyLayer::require_client): a key but no client; no `WWW-Authenticate` (the authentication in front knows the scheme, this layer does not) |
@@ -247,7 +247,7 @@
 //!
 //! With the `metrics` feature, on the [`metrics`](https://docs.rs/metrics) facade
 //! (install any recorder: Prometheus, StatsD, OpenTelemetry); without it nothing is
-//! recorded and nothing is compiled in. Call [`describe_metrics`] once for help texts.
+//! recorded and nothing is compiled in. Call [`metrics::describe`] once for help texts.
 //!
 //! | Name | Kind | Labels | What |
 //! |---|---|---|---|
@@ -257,7 +257,7 @@
 //! | `tower_ids_idempotency_store_failures_total` | counter | `operation` | store calls that failed |
 //! | `tower_ids_idempotency_released_total` | counter | `reason` | keys given up so a retry runs again: `handler_error`, `not_stored`, `response_failed`, `handler_panicked`, `abandoned`, `rolled_back`, `commit_failed` |
 //!
-//! The names are also constants ([`METRIC_REQUESTS`], ...). Requests that pass through
+//! The names are also constants, in [`metrics`]. Requests that pass through
 //! (a method not covered, or no key on a route that does not require one) are not
 //! counted.
 //!
@@ -276,53 +276,69 @@
 #![cfg_attr(
     not(feature = "metrics"),
     doc = "",
-    doc = "[`describe_metrics`]: crate::idempotency"
+    doc = "[`metrics::describe`]: crate::idempotency::metrics"
 )]
 
 mod core;
+pub mod header;
 mod http;
 mod key;
 pub mod message;
+mod scope;
 pub mod store;
 
-use ::http::HeaderName;
-
 pub use self::{
-    core::observe::{
-        METRIC_RELEASED, METRIC_REQUESTS, METRIC_REQUESTS_IN_FLIGHT, METRIC_STORE_CALL_DURATION,
-        METRIC_STORE_FAILURES,
-    },
     core::{
-        ClientId, Fingerprint, InFlight, ScopeKey, StoreFailure, DEFAULT_LEASE,
-        DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+        InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER,
+        DEFAULT_TTL,
     },
     http::{
         default_store_if, ClientFromAuthorization, ClientFromExtension, ClientFromHeader,
-        EpochFromExtension, EpochFromHeader, ExtractEpoch, ExtractKey, ExtractedKey, Idempotency,
-        IdempotencyLayer, IdentifyClient, IntoClientIdentity, IntoExtractedKey, InvalidClient,
-        InvalidEpoch, JsonReplayMarker, KeyFromHeaders, KeyFromJson, KeyRejection, NoClient,
-        NoEpoch, OnReplay, ReplayInfo, ResponseFuture, DEFAULT_MAX_BUFFERED_BYTES,
-        DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IDEMPOTENCY_EPOCH,
+        EpochFromExtension, EpochFromHeader, Idempotency, IdempotencyLayer, JsonReplayMarker,
+        KeyFromHeader, KeyFromJson, OnReplay, ReplayInfo, ResponseFuture,
+        DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     },
-    key::{
-        AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY,
-        MAX_ATTEMPT_ID_LEN, MAX_KEY_LEN, X_IDEMPOTENCY_KEY,
-    },
+    key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey},
+    message::MessageIdempotencyLayer,
+    scope::ClientId,
     store::{IdempotencyStore, MokaStore},
 };
 
-#[cfg(feature = "metrics")]
-pub use self::core::observe::describe_metrics;
+// For the crate's own modules: the names every part of the layers uses, at one path.
+pub(crate) use self::{
+    header::{
+        ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT,
+        IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID, X_IDEMPOTENCY_KEY,
+    },
+    http::KeyRejection,
+    scope::{Fingerprint, ScopeKey},
+};
 
-/// `idempotent-replayed`: `true` on a replay, `false` on every other response.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub mod extract {
+    //! The customisation points of the HTTP layer, for a key, a client or an epoch
+    //! read your own way: the traits, what they return, and the defaults that read
+    //! nothing. The extractors the crate ships ([`KeyFromHeader`], [`KeyFromJson`],
+    //! [`ClientFromHeader`], ...) are at the [top of the module](crate::idempotency).
+    //!
+    //! [`KeyFromHeader`]: crate::idempotency::KeyFromHeader
+    //! [`KeyFromJson`]: crate::idempotency::KeyFromJson
+    //! [`ClientFromHeader`]: crate::idempotency::ClientFromHeader
 
-/// `idempotency-first-seen`: when the original request arrived, as an HTTP-date.
-pub const IDEMPOTENCY_FIRST_SEEN: HeaderName = HeaderName::from_static("idempotency-first-seen");
+    pub use super::http::{
+        ExtractEpoch, ExtractKey, ExtractedKey, IdentifyClient, IntoClientIdentity,
+        IntoExtractedKey, InvalidClient, InvalidEpoch, KeyRejection, NoClient, NoEpoch,
+    };
+}
 
-/// `idempotency-request-count`: requests seen with this key, this one included.
-pub const IDEMPOTENCY_REQUEST_COUNT: HeaderName =
-    HeaderName::from_static("idempotency-request-count");
+pub mod metrics {
+    //! The names of the idempotency layers' metrics (feature `metrics`, on the
+    //! [`metrics`](https://docs.rs/metrics) facade), and [`describe`] for their help
+    //! texts. The [module docs](crate::idempotency#metrics) list what each counts.
+    #![cfg_attr(not(feature = "metrics"), doc = "", doc = "[`describe`]: self")]
 
-/// `original-attempt-id`: on a replay, the attempt ID of the request that ran.
-pub const ORIGINAL_ATTEMPT_ID: HeaderName = HeaderName::from_static("original-attempt-id");
+    #[cfg(feature = "metrics")]
+    pub use super::core::observe::describe;
+    pub use super::core::observe::{
+        RELEASED, REQUESTS, REQUESTS_IN_FLIGHT, STORE_CALL_DURATION, STORE_FAILURES,
+    };
+}

@@ -12,10 +12,11 @@ use std::{
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use tower_ids::idempotency::{
+    store::Fingerprint,
+    store::ScopeKey,
     store::{
         Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoredResponse,
     },
-    Fingerprint, ScopeKey,
 };
 
 /// A scope no other case of this run uses.
@@ -37,28 +38,24 @@ fn rand_bytes() -> [u8; 32] {
 }
 
 fn claim(lease: Duration) -> Claim {
-    Claim {
-        fingerprint: Fingerprint::from_bytes([1; 32]),
-        lease,
-        epoch: None,
-    }
+    Claim::new(Fingerprint::from_bytes([1; 32]), lease, None)
 }
 
 fn record(lease: &Lease, body: &'static str) -> Arc<Record> {
-    Arc::new(Record {
-        fingerprint: Fingerprint::from_bytes([1; 32]),
-        first_seen: lease.first_seen,
-        original_attempt: None,
-        epoch: None,
-        response: Some(StoredResponse {
-            status: StatusCode::CREATED,
-            headers: vec![(
+    Arc::new(Record::new(
+        Fingerprint::from_bytes([1; 32]),
+        lease.first_seen,
+        None,
+        None,
+        Some(StoredResponse::new(
+            StatusCode::CREATED,
+            vec![(
                 HeaderName::from_static("x-run"),
                 HeaderValue::from_static("1"),
             )],
-            body: Bytes::from_static(body.as_bytes()),
-        }),
-    })
+            Bytes::from_static(body.as_bytes()),
+        )),
+    ))
 }
 
 const LONG: Duration = Duration::from_secs(60);
@@ -158,10 +155,7 @@ async fn completing_twice_is_completing_once<St: IdempotencyStore>(store: &Arc<S
 async fn a_stranger_settles_nothing<St: IdempotencyStore>(store: &Arc<St>) {
     let scope = scope(4);
     let lease = claimed(&**store, &scope, LONG).await;
-    let stranger = Lease {
-        token: lease.token ^ 0xdead_beef,
-        first_seen: lease.first_seen,
-    };
+    let stranger = Lease::new(lease.token ^ 0xdead_beef, lease.first_seen);
     assert!(!store.release(&scope, &stranger).await.unwrap());
     assert_eq!(
         store.renew(&scope, &stranger, &claim(LONG)).await.unwrap(),

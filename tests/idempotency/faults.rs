@@ -13,10 +13,11 @@ use std::{
 
 use http::StatusCode;
 use tower_ids::idempotency::{
+    store::ScopeKey,
     store::{
         Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
     },
-    IdempotencyLayer, InFlight, MokaStore, ScopeKey,
+    IdempotencyLayer, InFlight, MokaStore,
 };
 
 use super::{start, Logs, Reply, BODY, KEY};

@@ -38,13 +38,15 @@ use support::{client, send, serve, try_send, HttpClient, Logs, Reply};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
+        extract::ExtractEpoch,
+        extract::IdentifyClient,
+        store::ScopeKey,
         store::{
             Begin, Claim, Completion, IdempotencyStore, Lease, ManualClock, Record, Renewal,
             Settled, StoreError,
         },
         ClientFromAuthorization, ClientFromHeader, EpochFromExtension, EpochFromHeader,
-        ExtractEpoch, IdempotencyLayer, IdentifyClient, InFlight, MokaStore, ScopeKey,
-        StoreFailure,
+        IdempotencyLayer, InFlight, MokaStore, StoreFailure,
     },
 };
 

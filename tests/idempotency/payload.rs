@@ -18,8 +18,8 @@ use serde_json::{json, Value};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
-        store::ManualClock, ClientFromHeader, ClientId, IdempotencyKey, IdempotencyLayer,
-        JsonReplayMarker, KeyFromJson, KeyRejection, MokaStore, ReplayInfo,
+        extract::KeyRejection, store::ManualClock, ClientFromHeader, ClientId, IdempotencyKey,
+        IdempotencyLayer, JsonReplayMarker, KeyFromJson, MokaStore, ReplayInfo,
     },
 };
 
@@ -282,7 +282,7 @@ async fn a_closure_reads_the_key_from_the_parts_and_the_body_and_the_caller_scop
         let key = IdempotencyKey::new(&format!("{tenant}:{reference}"))?;
         let account = value["account"].as_str().unwrap_or("none");
         Ok(Some(
-            tower_ids::idempotency::ExtractedKey::new(key).client(ClientId::new(account)),
+            tower_ids::idempotency::extract::ExtractedKey::new(key).client(ClientId::new(account)),
         ))
     };
     let planner = Planner::default();

@@ -19,7 +19,7 @@ use sqlx::{postgres::PgPoolOptions, PgPool};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
-        store::{PostgresStore, Transaction, DEFAULT_POSTGRES_TIMEOUT},
+        store::{PostgresStore, Transaction, DEFAULT_POSTGRES_COMMAND_TIMEOUT},
         IdempotencyLayer,
     },
 };
@@ -311,7 +311,7 @@ async fn replica(
         .await
         .expect("the throwaway server accepts connections");
     let store = PostgresStore::builder(pool)
-        .timeout(timeout)
+        .command_timeout(timeout)
         .build()
         .unwrap();
     let layer = IdempotencyLayer::with_store(store).lease(LEASE);
@@ -332,7 +332,7 @@ async fn replica(
 /// A throwaway server with the `commands` table and the store's table, and two replicas
 /// on it (`mode`, pools that `ping` idle connections or not), sharing one ledger.
 async fn replicas(mode: Mode, ping: bool) -> Option<(PostgresServer, PgPool, Ledger, Node, Node)> {
-    replicas_with_timeout(mode, ping, DEFAULT_POSTGRES_TIMEOUT).await
+    replicas_with_timeout(mode, ping, DEFAULT_POSTGRES_COMMAND_TIMEOUT).await
 }
 
 /// [`replicas`] whose stores bound each call by `timeout`.

@@ -32,8 +32,10 @@ use support::{client, send, serve, HttpClient, Reply};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
+        store::Fingerprint,
+        store::ScopeKey,
         store::{Begin, Claim, IdempotencyStore, PostgresStore},
-        Fingerprint, IdempotencyLayer, ScopeKey,
+        IdempotencyLayer,
     },
 };
 
@@ -175,11 +177,11 @@ async fn records_outlive_the_service_and_expired_rows_are_removed() {
     };
     let scope = ScopeKey::from_bytes([9; 32]);
     let short = ScopeKey::from_bytes([8; 32]);
-    let claim = Claim {
-        fingerprint: Fingerprint::from_bytes([1; 32]),
-        lease: Duration::from_secs(10),
-        epoch: None,
-    };
+    let claim = Claim::new(
+        Fingerprint::from_bytes([1; 32]),
+        Duration::from_secs(10),
+        None,
+    );
     {
         let before = store(&database).await;
         for (scope, ttl) in [
@@ -190,13 +192,13 @@ async fn records_outlive_the_service_and_expired_rows_are_removed() {
             else {
                 panic!("new key");
             };
-            let record = tower_ids::idempotency::store::Record {
-                fingerprint: claim.fingerprint,
-                first_seen: lease.first_seen,
-                original_attempt: None,
-                epoch: None,
-                response: None,
-            };
+            let record = tower_ids::idempotency::store::Record::new(
+                claim.fingerprint,
+                lease.first_seen,
+                None,
+                None,
+                None,
+            );
             before
                 .complete(&scope, &lease, Arc::new(record), ttl)
                 .await
@@ -239,11 +241,11 @@ async fn the_store_refuses_a_table_name_it_cannot_quote() {
     custom.migrate().await.unwrap();
     custom.migrate().await.expect("migrating twice is harmless");
     let scope = ScopeKey::from_bytes([3; 32]);
-    let claim = Claim {
-        fingerprint: Fingerprint::from_bytes([1; 32]),
-        lease: Duration::from_secs(10),
-        epoch: None,
-    };
+    let claim = Claim::new(
+        Fingerprint::from_bytes([1; 32]),
+        Duration::from_secs(10),
+        None,
+    );
     assert!(matches!(
         custom.begin(&scope, claim).await.unwrap(),
         Begin::Claimed { .. }

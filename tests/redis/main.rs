@@ -42,8 +42,10 @@ use support::{client, send, serve, try_send, HttpClient, Reply};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
+        store::Fingerprint,
+        store::ScopeKey,
         store::{Begin, Claim, Completion, IdempotencyStore, Record, RedisStore, StoredResponse},
-        Fingerprint, IdempotencyLayer, InFlight, ScopeKey, StoreFailure,
+        IdempotencyLayer, InFlight, StoreFailure,
     },
 };
 
@@ -254,9 +256,9 @@ async fn concurrent_duplicates_over_both_replicas_run_once() {
 }
 
 fn response(body: &'static str) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: vec![
+    StoredResponse::new(
+        StatusCode::CREATED,
+        vec![
             (
                 HeaderName::from_static("x-multi"),
                 HeaderValue::from_static("one"),
@@ -266,8 +268,8 @@ fn response(body: &'static str) -> StoredResponse {
                 HeaderValue::from_static("two"),
             ),
         ],
-        body: Bytes::from_static(body.as_bytes()),
-    }
+        Bytes::from_static(body.as_bytes()),
+    )
 }
 
 #[tokio::test]
@@ -278,17 +280,15 @@ async fn a_worker_whose_lease_ran_out_cannot_clobber_the_new_record() {
     let store = RedisStore::connect(redis.url()).await.unwrap();
     let scope = ScopeKey::from_bytes([7; 32]);
     let fingerprint = Fingerprint::from_bytes([1; 32]);
-    let claim = Claim {
-        fingerprint,
-        lease: Duration::from_millis(200),
-        epoch: None,
-    };
-    let record = |body| Record {
-        fingerprint,
-        first_seen: SystemTime::now(),
-        original_attempt: None,
-        epoch: None,
-        response: Some(response(body)),
+    let claim = Claim::new(fingerprint, Duration::from_millis(200), None);
+    let record = |body| {
+        Record::new(
+            fingerprint,
+            SystemTime::now(),
+            None,
+            None,
+            Some(response(body)),
+        )
     };
     let ttl = Duration::from_secs(60);
 
@@ -450,21 +450,17 @@ async fn the_local_cache_replays_and_counts_in_redis() {
     let other_replica = RedisStore::connect(redis.url()).await.unwrap();
     let scope = ScopeKey::from_bytes([9; 32]);
     let fingerprint = Fingerprint::from_bytes([2; 32]);
-    let claim = Claim {
-        fingerprint,
-        lease: Duration::from_secs(5),
-        epoch: None,
-    };
+    let claim = Claim::new(fingerprint, Duration::from_secs(5), None);
     let Begin::Claimed { lease } = cached.begin(&scope, claim.clone()).await.unwrap() else {
         panic!("claimed");
     };
-    let record = Record {
+    let record = Record::new(
         fingerprint,
-        first_seen: SystemTime::now(),
-        original_attempt: None,
-        epoch: None,
-        response: Some(response("cached")),
-    };
+        SystemTime::now(),
+        None,
+        None,
+        Some(response("cached")),
+    );
     assert!(cached
         .complete(&scope, &lease, Arc::new(record), Duration::from_secs(60))
         .await

@@ -18,9 +18,10 @@ use std::{
 use serde::{Deserialize, Serialize};
 use tower::{service_fn, util::BoxCloneSyncService, Layer, ServiceExt};
 use tower_ids::idempotency::{
+    extract::KeyRejection,
     message::{Handled, MessageIdempotency, MessageIdempotencyLayer, MessageKey},
     store::RedisStore,
-    IdempotencyKey, KeyRejection,
+    IdempotencyKey,
 };
 
 use super::{faults::Broken, server::RedisServer};
@@ -101,7 +102,7 @@ impl Consumer {
             .build()
             .await
             .expect("Redis is up");
-        let mut layer = MessageIdempotencyLayer::with_store(store, key_of as KeyOf);
+        let mut layer = MessageIdempotencyLayer::with_store(store).key(key_of as KeyOf);
         if let Some(lease) = lease {
             layer = layer.lease(lease);
         }
@@ -191,6 +192,7 @@ fn describe(handled: &Handled<Outcome>) -> String {
                 "reject"
             }
         ),
+        other => format!("{other:?}"),
     }
 }
 
@@ -202,7 +204,7 @@ fn requeued(handled: &Handled<Outcome>) -> bool {
         Handled::Refused(refusal) => {
             refusal.code() == "idempotency.store_unavailable" && refusal.retryable()
         }
-        Handled::Ran(_) | Handled::Replayed { .. } => false,
+        _ => false,
     }
 }
 

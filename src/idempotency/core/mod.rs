@@ -11,10 +11,8 @@ mod detach;
 mod engine;
 mod lease;
 pub(crate) mod observe;
-mod scope;
 mod settings;
 
-pub use self::scope::{ClientId, Fingerprint, ScopeKey};
 pub use self::settings::{
     InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
 };

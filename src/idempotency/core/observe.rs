@@ -6,11 +6,11 @@
 //!
 //! | Name | Kind | Labels |
 //! |---|---|---|
-//! | [`METRIC_REQUESTS`] | counter | `outcome` |
-//! | [`METRIC_REQUESTS_IN_FLIGHT`] | gauge | |
-//! | [`METRIC_STORE_CALL_DURATION`] | histogram, seconds | `operation` |
-//! | [`METRIC_STORE_FAILURES`] | counter | `operation` |
-//! | [`METRIC_RELEASED`] | counter | `reason` |
+//! | [`REQUESTS`] | counter | `outcome` |
+//! | [`REQUESTS_IN_FLIGHT`] | gauge | |
+//! | [`STORE_CALL_DURATION`] | histogram, seconds | `operation` |
+//! | [`STORE_FAILURES`] | counter | `operation` |
+//! | [`RELEASED`] | counter | `reason` |
 
 use std::{
     future::Future,
@@ -21,42 +21,42 @@ use crate::correlation::CorrelationId;
 use crate::idempotency::store::StoreError;
 
 /// Counter: protected requests the layer answered, by `outcome`.
-pub const METRIC_REQUESTS: &str = "tower_ids_idempotency_requests_total";
+pub const REQUESTS: &str = "tower_ids_idempotency_requests_total";
 /// Gauge: protected requests inside the layer now (reading the body, waiting for the
 /// store, running the handler, storing the outcome).
-pub const METRIC_REQUESTS_IN_FLIGHT: &str = "tower_ids_idempotency_requests_in_flight";
+pub const REQUESTS_IN_FLIGHT: &str = "tower_ids_idempotency_requests_in_flight";
 /// Histogram: how long each store call took, in seconds, by `operation`.
-pub const METRIC_STORE_CALL_DURATION: &str = "tower_ids_idempotency_store_call_duration_seconds";
+pub const STORE_CALL_DURATION: &str = "tower_ids_idempotency_store_call_duration_seconds";
 /// Counter: store calls that failed, by `operation`.
-pub const METRIC_STORE_FAILURES: &str = "tower_ids_idempotency_store_failures_total";
+pub const STORE_FAILURES: &str = "tower_ids_idempotency_store_failures_total";
 /// Counter: keys given up after their request ran, so a retry runs again, by `reason`.
-pub const METRIC_RELEASED: &str = "tower_ids_idempotency_released_total";
+pub const RELEASED: &str = "tower_ids_idempotency_released_total";
 
 /// Describes the layer's metrics to the installed recorder (their help text and
 /// unit), for exporters that show them, such as Prometheus' `# HELP` lines. Call it
 /// once, after installing the recorder; the metrics are recorded without it too.
 #[cfg(feature = "metrics")]
-pub fn describe_metrics() {
+pub fn describe() {
     use metrics::Unit;
     metrics::describe_counter!(
-        METRIC_REQUESTS,
+        REQUESTS,
         "Protected requests the idempotency layer answered, by outcome"
     );
     metrics::describe_gauge!(
-        METRIC_REQUESTS_IN_FLIGHT,
+        REQUESTS_IN_FLIGHT,
         "Protected requests inside the idempotency layer now"
     );
     metrics::describe_histogram!(
-        METRIC_STORE_CALL_DURATION,
+        STORE_CALL_DURATION,
         Unit::Seconds,
         "Idempotency store call latency, by operation"
     );
     metrics::describe_counter!(
-        METRIC_STORE_FAILURES,
+        STORE_FAILURES,
         "Idempotency store calls that failed, by operation"
     );
     metrics::describe_counter!(
-        METRIC_RELEASED,
+        RELEASED,
         "Idempotency keys released after their request ran, by reason"
     );
 }
@@ -67,7 +67,7 @@ pub fn describe_metrics() {
 #[inline]
 pub(crate) fn outcome(outcome: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!(METRIC_REQUESTS, "outcome" => outcome).increment(1);
+    metrics::counter!(REQUESTS, "outcome" => outcome).increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = outcome;
 }
@@ -76,7 +76,7 @@ pub(crate) fn outcome(outcome: &'static str) {
 #[inline]
 pub(crate) fn released(reason: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!(METRIC_RELEASED, "reason" => reason).increment(1);
+    metrics::counter!(RELEASED, "reason" => reason).increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = reason;
 }
@@ -91,10 +91,10 @@ pub(crate) async fn store_call<T>(
     {
         let started = std::time::Instant::now();
         let result = call.await;
-        metrics::histogram!(METRIC_STORE_CALL_DURATION, "operation" => operation)
+        metrics::histogram!(STORE_CALL_DURATION, "operation" => operation)
             .record(started.elapsed().as_secs_f64());
         if result.is_err() {
-            metrics::counter!(METRIC_STORE_FAILURES, "operation" => operation).increment(1);
+            metrics::counter!(STORE_FAILURES, "operation" => operation).increment(1);
         }
         result
     }
@@ -113,7 +113,7 @@ impl InFlight {
     #[inline]
     pub(crate) fn enter() -> Self {
         #[cfg(feature = "metrics")]
-        metrics::gauge!(METRIC_REQUESTS_IN_FLIGHT).increment(1.0);
+        metrics::gauge!(REQUESTS_IN_FLIGHT).increment(1.0);
         Self(())
     }
 }
@@ -122,7 +122,7 @@ impl Drop for InFlight {
     #[inline]
     fn drop(&mut self) {
         #[cfg(feature = "metrics")]
-        metrics::gauge!(METRIC_REQUESTS_IN_FLIGHT).decrement(1.0);
+        metrics::gauge!(REQUESTS_IN_FLIGHT).decrement(1.0);
     }
 }
 

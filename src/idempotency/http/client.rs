@@ -29,7 +29,10 @@ use crate::idempotency::ClientId;
 ///
 /// ```
 /// use http::Request;
-/// use tower_ids::idempotency::{ClientId, IdempotencyLayer, IdentifyClient, InvalidClient};
+/// use tower_ids::idempotency::{
+///     extract::{IdentifyClient, InvalidClient},
+///     ClientId, IdempotencyLayer,
+/// };
 ///
 /// // A tenant header: absent is no client; anything but one short value is refused.
 /// let tenant = |request: &Request<()>| {

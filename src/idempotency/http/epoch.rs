@@ -2,8 +2,7 @@ use std::{fmt, marker::PhantomData};
 
 use http::{HeaderName, Request};
 
-/// `idempotency-epoch`: the default header of [`EpochFromHeader`].
-pub const IDEMPOTENCY_EPOCH: HeaderName = HeaderName::from_static("idempotency-epoch");
+use crate::idempotency::header::IDEMPOTENCY_EPOCH;
 
 /// Reads the control epoch a request belongs to, binding its key to that epoch.
 ///

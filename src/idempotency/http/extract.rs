@@ -14,7 +14,7 @@ use crate::idempotency::{
 /// Reads the idempotency key of a request, and optionally a client the payload names.
 ///
 /// Set with [`IdempotencyLayer::key`](super::IdempotencyLayer::key); the default is
-/// [`KeyFromHeaders`]. The key then goes where a header key goes: scoped by client,
+/// [`KeyFromHeader`]. The key then goes where a header key goes: scoped by client,
 /// method and path, the request fingerprinted (body included), every guarantee the same.
 ///
 /// Three answers:
@@ -35,7 +35,7 @@ use crate::idempotency::{
 /// ```
 /// use bytes::Bytes;
 /// use http::request::Parts;
-/// use tower_ids::idempotency::{IdempotencyKey, IdempotencyLayer, KeyRejection};
+/// use tower_ids::idempotency::{extract::KeyRejection, IdempotencyKey, IdempotencyLayer};
 ///
 /// // The key is the `X-Request-Nonce` header, prefixed by the tenant in the path.
 /// let layer = IdempotencyLayer::new().key(|parts: &Parts, _body: &Bytes| {
@@ -159,22 +159,22 @@ impl From<IdempotencyKey> for ExtractedKey {
 /// The body is not read to find the key, so a request without one passes through
 /// with its body unread.
 #[derive(Debug, Clone)]
-pub struct KeyFromHeaders(Vec<HeaderName>);
+pub struct KeyFromHeader(Vec<HeaderName>);
 
-impl KeyFromHeaders {
+impl KeyFromHeader {
     /// Reads the key from `names`, in order.
     pub fn new(names: impl IntoIterator<Item = HeaderName>) -> Self {
         Self(names.into_iter().collect())
     }
 }
 
-impl Default for KeyFromHeaders {
+impl Default for KeyFromHeader {
     fn default() -> Self {
         Self(vec![IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY])
     }
 }
 
-impl ExtractKey for KeyFromHeaders {
+impl ExtractKey for KeyFromHeader {
     fn reads_body(&self) -> bool {
         false
     }
@@ -503,7 +503,7 @@ mod tests {
 
     #[test]
     fn headers_are_read_without_the_body() {
-        let extractor = KeyFromHeaders::default();
+        let extractor = KeyFromHeader::default();
         assert!(!extractor.reads_body());
         let (parts, ()) = Request::post("/")
             .header("idempotency-key", "\"k-1\"")

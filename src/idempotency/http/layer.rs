@@ -5,7 +5,7 @@ use tower_layer::Layer;
 
 use super::{
     budget::Budget,
-    extract::{ExtractKey, KeyFromHeaders},
+    extract::{ExtractKey, KeyFromHeader},
     replay::OnReplay,
     Idempotency, NoClient, NoEpoch,
 };
@@ -113,7 +113,7 @@ impl<St> IdempotencyLayer<St> {
             identify: NoClient,
             epoch: NoEpoch,
             settings: Arc::new(Settings {
-                key: Arc::new(KeyFromHeaders::default()),
+                key: Arc::new(KeyFromHeader::default()),
                 on_replay: None,
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
@@ -207,13 +207,13 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// `X-Idempotency-Key`; when several are present, or one is repeated, they must
     /// name the same key (see [`IdempotencyKey::from_headers`](crate::idempotency::IdempotencyKey::from_headers)).
     ///
-    /// Shorthand for `.key(KeyFromHeaders::new(names))`.
+    /// Shorthand for `.key(KeyFromHeader::new(names))`.
     pub fn key_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.settings().key = Arc::new(KeyFromHeaders::new(names));
+        self.settings().key = Arc::new(KeyFromHeader::new(names));
         self
     }
 
-    /// Where the key comes from: the headers ([`KeyFromHeaders`], the default), a field
+    /// Where the key comes from: the headers ([`KeyFromHeader`], the default), a field
     /// of the JSON body ([`KeyFromJson`](super::KeyFromJson), which can name the client
     /// too), or a closure over the request's parts and body. Scope, fingerprint and
     /// every guarantee stay the same; see [`ExtractKey`] for the answers.

@@ -21,11 +21,9 @@ pub use self::{
         ClientFromAuthorization, ClientFromExtension, ClientFromHeader, IdentifyClient,
         IntoClientIdentity, InvalidClient, NoClient,
     },
-    epoch::{
-        EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch, IDEMPOTENCY_EPOCH,
-    },
+    epoch::{EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch},
     extract::{
-        ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeaders, KeyFromJson, KeyRejection,
+        ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeader, KeyFromJson, KeyRejection,
     },
     layer::{
         default_store_if, IdempotencyLayer, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,

@@ -73,6 +73,37 @@ pub struct Idempotency<S, St = MokaStore, C = NoClient, E = NoEpoch> {
     pub(super) settings: Arc<Settings>,
 }
 
+impl<S> Idempotency<S> {
+    /// Wraps `inner` with the defaults, over a store of its own ([`MokaStore::new`]).
+    pub fn new(inner: S) -> Self {
+        use tower_layer::Layer as _;
+        super::IdempotencyLayer::new().layer(inner)
+    }
+
+    /// The layer, to configure and apply with `ServiceBuilder` or axum's
+    /// `MethodRouter::layer`.
+    pub fn layer() -> super::IdempotencyLayer {
+        super::IdempotencyLayer::new()
+    }
+}
+
+impl<S, St, C, E> Idempotency<S, St, C, E> {
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
 impl<S: Clone, St, C: Clone, E: Clone> Clone for Idempotency<S, St, C, E> {
     fn clone(&self) -> Self {
         Self {

@@ -123,6 +123,19 @@ where
     }
 }
 
+/// The extractor of a layer not told where keys are: every message is without a key
+/// (run without deduplication, or refused with
+/// [`require_key`](super::MessageIdempotencyLayer::require_key)). Set one with
+/// [`key`](super::MessageIdempotencyLayer::key).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoMessageKey;
+
+impl<M> ExtractMessageKey<M> for NoMessageKey {
+    fn extract_key(&self, _message: &M) -> Result<Option<MessageKey>, KeyRejection> {
+        Ok(None)
+    }
+}
+
 impl IdempotencyKey {
     /// The key in a message's `idempotency-key` header: `Ok(None)` when absent; refused
     /// when not 1 to 255 visible ASCII characters (taken as it is, no header quoting).

@@ -2,7 +2,7 @@ use std::{fmt, marker::PhantomData, sync::Arc, time::Duration};
 
 use tower_layer::Layer;
 
-use super::MessageIdempotency;
+use super::{MessageIdempotency, NoMessageKey};
 use crate::idempotency::{
     core::Engine,
     store::{IdempotencyStore, MokaStore},
@@ -15,7 +15,7 @@ pub(super) type OutcomePredicate<R> = Arc<dyn Fn(&R) -> bool + Send + Sync>;
 
 pub(super) struct MessageSettings<R> {
     pub(super) require_key: bool,
-    pub(super) max_outcome_bytes: usize,
+    pub(super) max_response_bytes: usize,
     pub(super) store_if: Option<OutcomePredicate<R>>,
 }
 
@@ -23,7 +23,7 @@ impl<R> Clone for MessageSettings<R> {
     fn clone(&self) -> Self {
         Self {
             require_key: self.require_key,
-            max_outcome_bytes: self.max_outcome_bytes,
+            max_response_bytes: self.max_response_bytes,
             store_if: self.store_if.clone(),
         }
     }
@@ -42,43 +42,63 @@ impl<R> Clone for MessageSettings<R> {
 /// store (behind `Arc`s): one layer cloned onto several consumers of one queue is one
 /// deduplication.
 #[must_use]
-pub struct MessageIdempotencyLayer<K, R, St = MokaStore> {
+pub struct MessageIdempotencyLayer<R, K = NoMessageKey, St = MokaStore> {
     pub(super) extract: Arc<K>,
     pub(super) engine: Engine<St>,
     pub(super) settings: Arc<MessageSettings<R>>,
     pub(super) outcome: PhantomData<fn() -> R>,
 }
 
-impl<K, R> MessageIdempotencyLayer<K, R> {
-    /// A layer reading keys with `extract`, over its own in-memory store
-    /// ([`MokaStore::new`]): for one process. Several consumer processes, or a
-    /// consumer that must survive its restart, need a store they share
-    /// ([`with_store`](Self::with_store) with `RedisStore` or `PostgresStore`).
-    pub fn new(extract: K) -> Self {
-        Self::with_store(MokaStore::new(), extract)
+impl<R> MessageIdempotencyLayer<R> {
+    /// A layer over its own in-memory store ([`MokaStore::new`]): for one process.
+    /// Several consumer processes, or a consumer that must survive its restart, need a
+    /// store they share ([`with_store`](Self::with_store) with `RedisStore` or
+    /// `PostgresStore`). Say where keys are with [`key`](Self::key).
+    pub fn new() -> Self {
+        Self::with_store(MokaStore::new())
     }
 }
 
-impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
-    /// A layer over `store` with the defaults: keys optional, TTL 24 h, lease 10 s
-    /// (renewed while the handler runs), outcomes up to 1 MiB, duplicates of a message
-    /// in flight handed back as [`Handled::InFlight`](super::Handled::InFlight), fail
-    /// closed.
-    pub fn with_store(store: St, extract: K) -> Self {
-        Self::with_shared_store(Arc::new(store), extract)
+impl<R> Default for MessageIdempotencyLayer<R> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<R, St> MessageIdempotencyLayer<R, NoMessageKey, St> {
+    /// A layer over `store` with the defaults: no key until [`key`](Self::key) says
+    /// where it is, keys optional, TTL 24 h, lease 10 s (renewed while the handler
+    /// runs), outcomes up to 1 MiB, duplicates of a message in flight handed back as
+    /// [`Handled::InFlight`](super::Handled::InFlight), fail closed.
+    pub fn with_store(store: St) -> Self {
+        Self::with_shared_store(Arc::new(store))
     }
 
     /// A layer over a store already behind an `Arc` (one store for HTTP routes and
     /// consumers alike: their scopes never meet).
-    pub fn with_shared_store(store: Arc<St>, extract: K) -> Self {
+    pub fn with_shared_store(store: Arc<St>) -> Self {
         Self {
-            extract: Arc::new(extract),
+            extract: Arc::new(NoMessageKey),
             engine: Engine::new(store),
             settings: Arc::new(MessageSettings {
                 require_key: false,
-                max_outcome_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 store_if: None,
             }),
+            outcome: PhantomData,
+        }
+    }
+}
+
+impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
+    /// Where a message's key (and what scopes and fingerprints it) comes from: an
+    /// [`ExtractMessageKey`](super::ExtractMessageKey), or a closure
+    /// `Fn(&M) -> Result<Option<MessageKey>, KeyRejection>`.
+    pub fn key<K2>(self, extract: K2) -> MessageIdempotencyLayer<R, K2, St> {
+        MessageIdempotencyLayer {
+            extract: Arc::new(extract),
+            engine: self.engine,
+            settings: self.settings,
             outcome: PhantomData,
         }
     }
@@ -112,12 +132,12 @@ impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
         self
     }
 
-    /// The largest outcome kept, as JSON; a larger one is returned to this delivery and
-    /// recorded as run without it, so its duplicates are refused
-    /// (`idempotency.not_replayable`), never run again. Default
-    /// [`DEFAULT_MAX_RESPONSE_BYTES`] (1 MiB).
-    pub fn max_outcome_bytes(mut self, max: usize) -> Self {
-        self.settings().max_outcome_bytes = max;
+    /// The largest outcome (the handler's response) kept, as JSON; a larger one is
+    /// returned to this delivery and recorded as run without it, so its duplicates are
+    /// refused (`idempotency.not_replayable`), never run again. Default
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`] (1 MiB), as the HTTP layer's.
+    pub fn max_response_bytes(mut self, max: usize) -> Self {
+        self.settings().max_response_bytes = max;
         self
     }
 
@@ -155,7 +175,7 @@ impl<K, R, St> MessageIdempotencyLayer<K, R, St> {
     }
 }
 
-impl<K, R, St> Clone for MessageIdempotencyLayer<K, R, St> {
+impl<R, K, St> Clone for MessageIdempotencyLayer<R, K, St> {
     fn clone(&self) -> Self {
         Self {
             extract: self.extract.clone(),
@@ -166,7 +186,7 @@ impl<K, R, St> Clone for MessageIdempotencyLayer<K, R, St> {
     }
 }
 
-impl<K, R, St> fmt::Debug for MessageIdempotencyLayer<K, R, St> {
+impl<R, K, St> fmt::Debug for MessageIdempotencyLayer<R, K, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MessageIdempotencyLayer")
             .field("require_key", &self.settings.require_key)
@@ -178,7 +198,7 @@ impl<K, R, St> fmt::Debug for MessageIdempotencyLayer<K, R, St> {
     }
 }
 
-impl<S, K, R, St: IdempotencyStore> Layer<S> for MessageIdempotencyLayer<K, R, St> {
+impl<S, R, K, St: IdempotencyStore> Layer<S> for MessageIdempotencyLayer<R, K, St> {
     type Service = MessageIdempotency<S, K, R, St>;
 
     fn layer(&self, inner: S) -> Self::Service {

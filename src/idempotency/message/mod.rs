@@ -23,7 +23,8 @@
 //! use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 //! use tower_ids::idempotency::{
 //!     message::{Handled, MessageIdempotencyLayer, MessageKey},
-//!     IdempotencyKey, KeyRejection,
+//!     extract::KeyRejection,
+//!     IdempotencyKey,
 //! };
 //!
 //! struct Signal { swarm: String, kind: String, key: String, data: Vec<u8> }
@@ -39,7 +40,7 @@
 //!     Ok(Some(MessageKey::new(key).scope(&signal.swarm).scope(&signal.kind).fingerprint(&signal.data)))
 //! };
 //! let mut consumer = ServiceBuilder::new()
-//!     .layer(MessageIdempotencyLayer::new(key).require_key(true))
+//!     .layer(MessageIdempotencyLayer::new().key(key).require_key(true))
 //!     .service(service_fn(|signal: Signal| async move {
 //!         Ok::<_, Infallible>(Outcome { status: format!("{} done", signal.kind) })
 //!     }));
@@ -100,7 +101,7 @@ mod layer;
 mod service;
 
 pub use self::{
-    key::{ExtractMessageKey, MessageKey},
+    key::{ExtractMessageKey, MessageKey, NoMessageKey},
     layer::MessageIdempotencyLayer,
     service::{Handled, MessageIdempotency, Refusal, ResponseFuture},
 };
@@ -137,7 +138,7 @@ mod tests {
     }
 
     type KeyOf = fn(&Signal) -> Result<Option<MessageKey>, KeyRejection>;
-    type TestLayer = MessageIdempotencyLayer<KeyOf, Outcome>;
+    type TestLayer = MessageIdempotencyLayer<Outcome, KeyOf>;
 
     fn key_of(signal: &Signal) -> Result<Option<MessageKey>, KeyRejection> {
         let Some(key) = signal.key else {
@@ -183,7 +184,7 @@ mod tests {
     }
 
     fn layer() -> TestLayer {
-        MessageIdempotencyLayer::new(key_of as KeyOf)
+        MessageIdempotencyLayer::new().key(key_of as KeyOf)
     }
 
     #[tokio::test]
@@ -275,7 +276,7 @@ mod tests {
         let gate = Arc::new(Notify::new());
         let runs = Arc::new(AtomicUsize::new(0));
         let store = MokaStore::new();
-        let slow = |layer: MessageIdempotencyLayer<_, Outcome>| {
+        let slow = |layer: MessageIdempotencyLayer<Outcome, _>| {
             let gate = gate.clone();
             let runs = runs.clone();
             tower_layer::Layer::layer(
@@ -294,14 +295,13 @@ mod tests {
                 }),
             )
         };
-        let reject = slow(MessageIdempotencyLayer::with_store(
-            store.clone(),
-            key_of as KeyOf,
-        ));
+        let reject = slow(MessageIdempotencyLayer::with_store(store.clone()).key(key_of as KeyOf));
         let wait = slow(
-            MessageIdempotencyLayer::with_store(store, key_of as KeyOf).in_flight(InFlight::Wait {
-                timeout: Duration::from_secs(5),
-            }),
+            MessageIdempotencyLayer::with_store(store)
+                .key(key_of as KeyOf)
+                .in_flight(InFlight::Wait {
+                    timeout: Duration::from_secs(5),
+                }),
         );
         let first = tokio::spawn(reject.clone().oneshot(signal("swarm-start", "k")));
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -347,7 +347,7 @@ mod tests {
     #[tokio::test]
     async fn an_outcome_too_large_to_keep_is_run_once_and_then_refused() {
         let runs = Arc::new(AtomicUsize::new(0));
-        let service = consumer(layer().max_outcome_bytes(4), runs.clone());
+        let service = consumer(layer().max_response_bytes(4), runs.clone());
         let first = service
             .clone()
             .oneshot(signal("swarm-start", "k"))

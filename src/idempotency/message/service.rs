@@ -18,7 +18,7 @@ use crate::{
     correlation::CorrelationId,
     idempotency::{
         core::{self, ClaimFlag, Decision, Detaching, Engine, LeaseGuard, Unsettled, Verdict},
-        store::{IdempotencyStore, Record, StoredResponse},
+        store::{IdempotencyStore, MokaStore, Record, StoredResponse},
         AttemptId, ReplayInfo,
     },
 };
@@ -31,6 +31,32 @@ pub struct MessageIdempotency<S, K, R, St> {
     pub(super) extract: Arc<K>,
     pub(super) engine: Engine<St>,
     pub(super) settings: Arc<MessageSettings<R>>,
+}
+
+impl<S, K, R> MessageIdempotency<S, K, R, MokaStore> {
+    /// The layer, over a store of its own ([`MokaStore::new`]), to configure (its
+    /// [`key`](super::MessageIdempotencyLayer::key) first) and apply with
+    /// `ServiceBuilder`.
+    pub fn layer() -> super::MessageIdempotencyLayer<R> {
+        super::MessageIdempotencyLayer::new()
+    }
+}
+
+impl<S, K, R, St> MessageIdempotency<S, K, R, St> {
+    /// The wrapped handler.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped handler, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner handler.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S: Clone, K, R, St> Clone for MessageIdempotency<S, K, R, St> {
@@ -61,11 +87,13 @@ impl<S: fmt::Debug, K, R, St> fmt::Debug for MessageIdempotency<S, K, R, St> {
 /// | `InFlight` | requeues the message (nack with requeue), ideally after `retry_after` |
 /// | `Refused` | requeues it if [`Refusal::retryable`], else rejects it (dead-letters it) |
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Handled<R> {
     /// The handler ran for this delivery, and its outcome is stored for duplicates
     /// (unless [`store_if`](super::MessageIdempotencyLayer::store_if) said not to; and
     /// a message without a key, or one run without the store under
-    /// [`StoreFailure::FailOpen`], is not deduplicated at all).
+    /// [`StoreFailure::FailOpen`](crate::idempotency::StoreFailure::FailOpen), is not
+    /// deduplicated at all).
     Ran(R),
     /// A duplicate: the handler did not run. `outcome` is the stored one, decoded
     /// unchanged.
@@ -377,7 +405,7 @@ where
         }
     }
     let response = match serde_json::to_vec(&outcome) {
-        Ok(json) if json.len() <= settings.max_outcome_bytes => Some(StoredResponse {
+        Ok(json) if json.len() <= settings.max_response_bytes => Some(StoredResponse {
             status: StatusCode::OK,
             headers: vec![(
                 header::CONTENT_TYPE,
@@ -389,7 +417,7 @@ where
             tracing::warn!(
                 event = "idempotency.response_too_large",
                 bytes = json.len(),
-                max_bytes = settings.max_outcome_bytes,
+                max_bytes = settings.max_response_bytes,
                 "outcome over the idempotency limit: not kept; duplicates are refused, never run"
             );
             None

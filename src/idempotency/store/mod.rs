@@ -22,20 +22,23 @@ use http::{HeaderName, HeaderValue, StatusCode};
 #[cfg(any(feature = "redis", feature = "postgres"))]
 use tracing::Instrument as _;
 
-pub use self::moka::{MokaStore, MokaStoreBuilder, DEFAULT_MAX_BYTES, ENTRY_OVERHEAD_BYTES};
+pub use self::moka::{
+    MokaStore, MokaStoreBuilder, DEFAULT_MOKA_MAX_BYTES, MOKA_ENTRY_OVERHEAD_BYTES,
+};
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub use self::postgres::TransactionMissing;
 #[cfg(feature = "postgres")]
 pub use self::postgres::{
     PostgresStore, PostgresStoreBuilder, Transaction, TransactionError, TransactionGuard,
-    DEFAULT_CLEANUP_BATCH, DEFAULT_CLEANUP_INTERVAL, DEFAULT_POSTGRES_TABLE,
-    DEFAULT_POSTGRES_TIMEOUT,
+    DEFAULT_POSTGRES_CLEANUP_BATCH, DEFAULT_POSTGRES_CLEANUP_INTERVAL,
+    DEFAULT_POSTGRES_COMMAND_TIMEOUT, DEFAULT_POSTGRES_TABLE,
 };
 #[cfg(feature = "redis")]
 pub use self::redis::{
-    RedisStore, RedisStoreBuilder, DEFAULT_COMMAND_TIMEOUT, DEFAULT_REDIS_PREFIX,
+    RedisStore, RedisStoreBuilder, DEFAULT_REDIS_COMMAND_TIMEOUT, DEFAULT_REDIS_PREFIX,
 };
-use super::{AttemptId, Fingerprint, ScopeKey};
+pub use super::scope::{Fingerprint, ScopeKey};
+use super::AttemptId;
 
 /// A claim sent to a store outside the process whose answer has not come back. If the
 /// caller gives up on it (an error, a timeout, a dropped future), the claim may still
@@ -219,6 +222,7 @@ pub enum Settlement {
 
 /// What [`IdempotencyStore::begin`] is asked to claim.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Claim {
     /// The request's fingerprint, kept to refuse the key with another payload.
     pub fingerprint: Fingerprint,
@@ -226,6 +230,18 @@ pub struct Claim {
     pub lease: Duration,
     /// The control epoch the request belongs to, when the layer binds keys to one.
     pub epoch: Option<u64>,
+}
+
+impl Claim {
+    /// A claim of the request with `fingerprint`, holding its scope for `lease`, in the
+    /// control `epoch` if the layer binds keys to one.
+    pub fn new(fingerprint: Fingerprint, lease: Duration, epoch: Option<u64>) -> Self {
+        Self {
+            fingerprint,
+            lease,
+            epoch,
+        }
+    }
 }
 
 /// The answer of [`IdempotencyStore::begin`].
@@ -290,6 +306,7 @@ impl Completion {
 
 /// A claim on a scope, unique to one [`Begin::Claimed`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Lease {
     /// The claim's unique value (a fencing token): a counter in memory, 128 random
     /// bits in Redis.
@@ -298,8 +315,17 @@ pub struct Lease {
     pub first_seen: SystemTime,
 }
 
+impl Lease {
+    /// The lease a store hands out: its fencing `token`, and when the claiming request
+    /// arrived.
+    pub fn new(token: u128, first_seen: SystemTime) -> Self {
+        Self { token, first_seen }
+    }
+}
+
 /// The outcome of an executed request, as stored.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Record {
     /// The fingerprint of the request that ran.
     pub fingerprint: Fingerprint,
@@ -315,6 +341,23 @@ pub struct Record {
 }
 
 impl Record {
+    /// A record, as a store that keeps records its own way reads one back.
+    pub fn new(
+        fingerprint: Fingerprint,
+        first_seen: SystemTime,
+        original_attempt: Option<AttemptId>,
+        epoch: Option<u64>,
+        response: Option<StoredResponse>,
+    ) -> Self {
+        Self {
+            fingerprint,
+            first_seen,
+            original_attempt,
+            epoch,
+            response,
+        }
+    }
+
     /// Bytes the record holds for its response (see [`StoredResponse::weight`]).
     pub fn weight(&self) -> usize {
         self.response.as_ref().map_or(0, StoredResponse::weight)
@@ -323,6 +366,7 @@ impl Record {
 
 /// A response kept for replay: status, every header in order (repeats kept), body.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct StoredResponse {
     /// The status.
     pub status: StatusCode,
@@ -333,6 +377,15 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
+    /// The response with `status`, `headers` (in order, repeats kept) and `body`.
+    pub fn new(status: StatusCode, headers: Vec<(HeaderName, HeaderValue)>, body: Bytes) -> Self {
+        Self {
+            status,
+            headers,
+            body,
+        }
+    }
+
     /// Bytes held: the body, and per header its slot in the vector plus its name and
     /// value bytes.
     pub fn weight(&self) -> usize {

@@ -21,7 +21,7 @@ use crate::idempotency::{Fingerprint, ScopeKey};
 ///
 /// Room for about 34,000 records of 1 KiB responses; set it to what a TTL's worth of
 /// protected requests needs. Past the bound the oldest records go.
-pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
+pub const DEFAULT_MOKA_MAX_BYTES: usize = 64 * 1024 * 1024;
 
 /// What a stored record weighs beyond its response ([`Record::weight`]): the scope key
 /// (in the map and in the index), the record (fingerprint, times, attempt ID, status),
@@ -30,7 +30,7 @@ pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 /// bytes with 5,000 records (`tests/memory.rs`) and 634 with 1,000,000
 /// (`benches/scale.rs`), and charged to every entry, so the byte bound holds whatever
 /// the responses.
-pub const ENTRY_OVERHEAD_BYTES: u32 = 768;
+pub const MOKA_ENTRY_OVERHEAD_BYTES: usize = 768;
 
 /// Shards of the map of scopes: enough that two workers rarely wait on one lock, few
 /// enough to cost nothing idle.
@@ -55,9 +55,9 @@ const IN_FLIGHT_SWEEP_AT: usize = 1024;
 /// # Memory
 ///
 /// Each stored record weighs its response ([`Record::weight`]) plus
-/// [`ENTRY_OVERHEAD_BYTES`]; the store holds at most
+/// [`MOKA_ENTRY_OVERHEAD_BYTES`]; the store holds at most
 /// [`max_bytes`](MokaStoreBuilder::max_bytes) of weight (default
-/// [`DEFAULT_MAX_BYTES`]), oldest records evicted first. A response larger than the
+/// [`DEFAULT_MOKA_MAX_BYTES`]), oldest records evicted first. A response larger than the
 /// whole bound is evicted as soon as it is written. A request in flight holds about 500
 /// bytes outside that bound until it settles, so that part is bounded by how many
 /// requests run at once.
@@ -86,13 +86,13 @@ impl std::fmt::Debug for MokaStore {
 /// Builds a [`MokaStore`].
 #[must_use]
 pub struct MokaStoreBuilder {
-    max_bytes: u64,
+    max_bytes: usize,
     clock: Arc<dyn Clock>,
 }
 
 impl MokaStoreBuilder {
-    /// The bound on the weight of all stored records. Default [`DEFAULT_MAX_BYTES`].
-    pub fn max_bytes(mut self, max_bytes: u64) -> Self {
+    /// The bound on the weight of all stored records. Default [`DEFAULT_MOKA_MAX_BYTES`].
+    pub fn max_bytes(mut self, max_bytes: usize) -> Self {
         self.max_bytes = max_bytes;
         self
     }
@@ -114,7 +114,7 @@ impl MokaStoreBuilder {
             // the request they repeat, so the newest records matter most (moka's
             // default, TinyLFU, could refuse a brand-new record).
             .eviction_policy(EvictionPolicy::lru())
-            .max_capacity(self.max_bytes)
+            .max_capacity(u64::try_from(self.max_bytes).unwrap_or(u64::MAX))
             .weigher(|_scope: &ScopeKey, entry: &IndexEntry| entry.weight)
             .expire_after(IndexExpiry)
             .eviction_listener(move |scope: Arc<ScopeKey>, entry: IndexEntry, _cause| {
@@ -141,7 +141,7 @@ impl MokaStore {
     /// A builder for a store with other bounds or another clock.
     pub fn builder() -> MokaStoreBuilder {
         MokaStoreBuilder {
-            max_bytes: DEFAULT_MAX_BYTES,
+            max_bytes: DEFAULT_MOKA_MAX_BYTES,
             clock: Arc::new(SystemClock),
         }
     }
@@ -153,8 +153,8 @@ impl MokaStore {
 
     /// Weighted bytes of the stored records (approximate until moka's pending tasks
     /// run).
-    pub fn weighted_bytes(&self) -> u64 {
-        self.index.weighted_size()
+    pub fn weighted_bytes(&self) -> usize {
+        usize::try_from(self.index.weighted_size()).unwrap_or(usize::MAX)
     }
 
     /// Runs moka's pending maintenance, so counts and evictions are up to date.
@@ -462,9 +462,8 @@ impl IdempotencyStore for MokaStore {
         let now = self.clock.now();
         // Tokens are this store's counter, so they fit; a foreign lease matches nothing.
         let token = u64::try_from(lease.token).unwrap_or(0);
-        let weight = u32::try_from(record.weight())
-            .unwrap_or(u32::MAX)
-            .saturating_add(ENTRY_OVERHEAD_BYTES);
+        let weight = u32::try_from(record.weight().saturating_add(MOKA_ENTRY_OVERHEAD_BYTES))
+            .unwrap_or(u32::MAX);
         let (entry, replaced, completion) = {
             let mut guard = self.shard(scope);
             let shard = &mut *guard;
@@ -678,7 +677,7 @@ mod eviction_tests {
     async fn an_evicted_record_leaves_the_map_and_its_key_runs_again() {
         // Room for about 100 records; 300 stored.
         let store = MokaStore::builder()
-            .max_bytes(100 * u64::from(ENTRY_OVERHEAD_BYTES))
+            .max_bytes(100 * MOKA_ENTRY_OVERHEAD_BYTES)
             .build();
         for i in 0..300 {
             store_one(&store, &format!("key-{i}")).await;
@@ -715,7 +714,7 @@ mod eviction_tests {
     async fn a_full_store_keeps_the_newest_record_for_its_retry() {
         // Room for about 100 records.
         let store = MokaStore::builder()
-            .max_bytes(100 * u64::from(ENTRY_OVERHEAD_BYTES))
+            .max_bytes(100 * MOKA_ENTRY_OVERHEAD_BYTES)
             .build();
         for i in 0..100 {
             store_one(&store, &format!("old-{i}")).await;
@@ -747,6 +746,6 @@ mod eviction_tests {
             matches!(retry, Begin::Completed { .. }),
             "the newest record was evicted before its retry: {retry:?}"
         );
-        assert!(store.weighted_bytes() <= 100 * u64::from(ENTRY_OVERHEAD_BYTES));
+        assert!(store.weighted_bytes() <= 100 * MOKA_ENTRY_OVERHEAD_BYTES);
     }
 }

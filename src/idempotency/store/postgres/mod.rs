@@ -25,15 +25,15 @@ pub const DEFAULT_POSTGRES_TABLE: &str = "tower_ids_idempotency";
 /// Default bound on one database call: 1 second. A healthy PostgreSQL answers these
 /// statements in a millisecond or two; past a second the database is failing, and the
 /// layer answers by its store-failure rule rather than hang the request.
-pub const DEFAULT_POSTGRES_TIMEOUT: Duration = Duration::from_secs(1);
+pub const DEFAULT_POSTGRES_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How often expired rows are removed: every minute, a small batch at a time, so the
 /// table holds about a TTL's worth of keys and the cleaner never holds many locks.
-pub const DEFAULT_CLEANUP_INTERVAL: Duration = Duration::from_secs(60);
+pub const DEFAULT_POSTGRES_CLEANUP_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Rows removed per statement by the cleaner: 1,000, a few milliseconds of work that
 /// never blocks requests for long.
-pub const DEFAULT_CLEANUP_BATCH: i64 = 1000;
+pub const DEFAULT_POSTGRES_CLEANUP_BATCH: i64 = 1000;
 
 /// The schema, as shipped in `migrations/` for users who run their own migrations.
 const MIGRATION: &str =
@@ -60,7 +60,7 @@ const MIGRATION: &str =
 /// background task removes expired rows every [`cleanup_interval`], a batch at a time;
 /// it ends when the last clone of the store is dropped.
 ///
-/// Every call is bounded by [`timeout`](PostgresStoreBuilder::timeout); a timeout or a
+/// Every call is bounded by [`command_timeout`](PostgresStoreBuilder::command_timeout); a timeout or a
 /// connection failure is a [`StoreError`] (so the layer answers `503`, failing
 /// closed), and the pool reconnects by itself. Every statement that changes a row also
 /// carries its caller's deadline by the database's clock (read with
@@ -136,19 +136,19 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The longest a database call may take. Default [`DEFAULT_POSTGRES_TIMEOUT`].
-    pub fn timeout(mut self, timeout: Duration) -> Self {
+    /// The longest a database call may take. Default [`DEFAULT_POSTGRES_COMMAND_TIMEOUT`].
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
-    /// How often expired rows are removed. Default [`DEFAULT_CLEANUP_INTERVAL`].
+    /// How often expired rows are removed. Default [`DEFAULT_POSTGRES_CLEANUP_INTERVAL`].
     pub fn cleanup_interval(mut self, interval: Duration) -> Self {
         self.cleanup_interval = interval;
         self
     }
 
-    /// Rows removed per statement. Default [`DEFAULT_CLEANUP_BATCH`].
+    /// Rows removed per statement. Default [`DEFAULT_POSTGRES_CLEANUP_BATCH`].
     pub fn cleanup_batch(mut self, rows: i64) -> Self {
         self.cleanup_batch = rows.max(1);
         self
@@ -210,9 +210,9 @@ impl PostgresStore {
         PostgresStoreBuilder {
             pool,
             table: DEFAULT_POSTGRES_TABLE.to_owned(),
-            timeout: DEFAULT_POSTGRES_TIMEOUT,
-            cleanup_interval: DEFAULT_CLEANUP_INTERVAL,
-            cleanup_batch: DEFAULT_CLEANUP_BATCH,
+            timeout: DEFAULT_POSTGRES_COMMAND_TIMEOUT,
+            cleanup_interval: DEFAULT_POSTGRES_CLEANUP_INTERVAL,
+            cleanup_batch: DEFAULT_POSTGRES_CLEANUP_BATCH,
         }
     }
 
@@ -220,7 +220,7 @@ impl PostgresStore {
     /// with the defaults. Waiting for a connection is bounded by the timeout too.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let pool = PgPoolOptions::new()
-            .acquire_timeout(DEFAULT_POSTGRES_TIMEOUT)
+            .acquire_timeout(DEFAULT_POSTGRES_COMMAND_TIMEOUT)
             .connect(url)
             .await
             .map_err(|e| StoreError::with_source("could not connect to PostgreSQL", e))?;
@@ -258,7 +258,7 @@ impl PostgresStore {
 
     /// Removes expired rows now, a batch at a time; returns how many.
     pub async fn remove_expired(&self) -> Result<u64, StoreError> {
-        remove_expired(&self.shared, DEFAULT_CLEANUP_BATCH).await
+        remove_expired(&self.shared, DEFAULT_POSTGRES_CLEANUP_BATCH).await
     }
 
     async fn bounded<T>(

@@ -28,7 +28,7 @@ pub const DEFAULT_REDIS_PREFIX: &str = "tower-ids:idem:";
 /// Default bound on one Redis command: 250 ms. Redis answers in well under a
 /// millisecond on a healthy network; past this the store is failing, and the layer
 /// answers by its store-failure rule rather than hang the request.
-pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(250);
+pub const DEFAULT_REDIS_COMMAND_TIMEOUT: Duration = Duration::from_millis(250);
 
 /// A store in Redis (or Valkey), shared by every replica of a service, so a retry that
 /// lands on another replica is still a duplicate.
@@ -111,7 +111,7 @@ pub struct RedisStoreBuilder {
     prefix: String,
     command_timeout: Duration,
     wait: Option<Wait>,
-    local_cache_bytes: Option<u64>,
+    local_cache_bytes: Option<usize>,
     clock: Arc<dyn Clock>,
 }
 
@@ -122,7 +122,7 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The longest a Redis command may take. Default [`DEFAULT_COMMAND_TIMEOUT`].
+    /// The longest a Redis command may take. Default [`DEFAULT_REDIS_COMMAND_TIMEOUT`].
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.command_timeout = timeout;
         self
@@ -147,7 +147,7 @@ impl RedisStoreBuilder {
     /// skips fetching and decoding the record; the request is still counted in Redis.
     /// A completed record never changes, so the cache is never stale; an entry lives no
     /// longer than the record's TTL in Redis. Off by default.
-    pub fn local_cache(mut self, max_bytes: u64) -> Self {
+    pub fn local_cache(mut self, max_bytes: usize) -> Self {
         self.local_cache_bytes = Some(max_bytes);
         self
     }
@@ -187,7 +187,7 @@ impl RedisStoreBuilder {
         let local = self.local_cache_bytes.map(|max_bytes| {
             Cache::builder()
                 .eviction_policy(EvictionPolicy::lru())
-                .max_capacity(max_bytes)
+                .max_capacity(u64::try_from(max_bytes).unwrap_or(u64::MAX))
                 .weigher(|_: &ScopeKey, local: &Local| local.weight)
                 .expire_after(LocalExpiry)
                 .build()
@@ -232,7 +232,7 @@ impl RedisStore {
         RedisStoreBuilder {
             target,
             prefix: DEFAULT_REDIS_PREFIX.to_owned(),
-            command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            command_timeout: DEFAULT_REDIS_COMMAND_TIMEOUT,
             wait: None,
             local_cache_bytes: None,
             clock: Arc::new(SystemClock),
@@ -347,9 +347,12 @@ impl RedisStore {
             let entry = Local {
                 record: record.clone(),
                 expires_at: Instant::now() + ttl,
-                weight: u32::try_from(record.weight())
-                    .unwrap_or(u32::MAX)
-                    .saturating_add(super::ENTRY_OVERHEAD_BYTES),
+                weight: u32::try_from(
+                    record
+                        .weight()
+                        .saturating_add(super::MOKA_ENTRY_OVERHEAD_BYTES),
+                )
+                .unwrap_or(u32::MAX),
             };
             let local = local.clone();
             let scope = *scope;
