@@ -67,7 +67,9 @@ use tower_ids::idempotency::{
     header::IDEMPOTENT_REPLAYED,
     store::Fingerprint,
     store::ScopeKey,
-    store::{Begin, Claim, IdempotencyStore, Record, StoredResponse, MOKA_ENTRY_OVERHEAD_BYTES},
+    store::{
+        Begin, Claim, IdempotencyStore, Payload, Record, StoredResponse, MOKA_ENTRY_OVERHEAD_BYTES,
+    },
     IdempotencyKey, IdempotencyLayer, MokaStore, DEFAULT_LEASE, DEFAULT_TTL,
 };
 
@@ -159,7 +161,7 @@ async fn fill(store: &MokaStore, n: u64, body: &[u8]) {
             SystemTime::now(),
             None,
             None,
-            Some(stored_response(Bytes::copy_from_slice(body))),
+            Some(Payload::Http(stored_response(Bytes::copy_from_slice(body)))),
         );
         let stored = store
             .complete(&scope, &lease, Arc::new(record), DEFAULT_TTL)

@@ -13,7 +13,9 @@ use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use tower_ids::idempotency::{
     store::Fingerprint,
     store::ScopeKey,
-    store::{Begin, Claim, IdempotencyStore, Record, StoredResponse, MOKA_ENTRY_OVERHEAD_BYTES},
+    store::{
+        Begin, Claim, IdempotencyStore, Payload, Record, StoredResponse, MOKA_ENTRY_OVERHEAD_BYTES,
+    },
     IdempotencyKey, MokaStore,
 };
 
@@ -52,7 +54,13 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
             headers.clone(),
             Bytes::copy_from_slice(body),
         );
-        let record = Record::new(fingerprint, SystemTime::now(), None, None, Some(response));
+        let record = Record::new(
+            fingerprint,
+            SystemTime::now(),
+            None,
+            None,
+            Some(Payload::Http(response)),
+        );
         assert!(store
             .complete(&scope, &lease, Arc::new(record), Duration::from_secs(3600))
             .await

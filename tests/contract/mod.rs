@@ -15,7 +15,8 @@ use tower_ids::idempotency::{
     store::Fingerprint,
     store::ScopeKey,
     store::{
-        Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoredResponse,
+        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, Record, Renewal, Settled,
+        StoredResponse,
     },
 };
 
@@ -47,14 +48,14 @@ fn record(lease: &Lease, body: &'static str) -> Arc<Record> {
         lease.first_seen,
         None,
         None,
-        Some(StoredResponse::new(
+        Some(Payload::Http(StoredResponse::new(
             StatusCode::CREATED,
             vec![(
                 HeaderName::from_static("x-run"),
                 HeaderValue::from_static("1"),
             )],
             Bytes::from_static(body.as_bytes()),
-        )),
+        ))),
     ))
 }
 
@@ -70,7 +71,7 @@ async fn claimed<St: IdempotencyStore>(store: &St, scope: &ScopeKey, lease: Dura
 
 fn body_of(begin: &Begin) -> Option<Bytes> {
     match begin {
-        Begin::Completed { record, .. } => record.response.as_ref().map(|r| r.body.clone()),
+        Begin::Completed { record, .. } => record.response().map(|r| r.body.clone()),
         _ => None,
     }
 }
@@ -289,7 +290,7 @@ async fn waits_end_in_every_way<St: IdempotencyStore>(store: &Arc<St>) {
         .unwrap();
     match waiter.await.unwrap().unwrap() {
         Settled::Completed { record } => {
-            assert_eq!(record.response.as_ref().unwrap().body, "waited")
+            assert_eq!(record.response().unwrap().body, "waited")
         }
         other => panic!("expected the record, got {other:?}"),
     }

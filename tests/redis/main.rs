@@ -44,7 +44,9 @@ use tower_ids::{
     idempotency::{
         store::Fingerprint,
         store::ScopeKey,
-        store::{Begin, Claim, Completion, IdempotencyStore, Record, RedisStore, StoredResponse},
+        store::{
+            Begin, Claim, Completion, IdempotencyStore, Payload, Record, RedisStore, StoredResponse,
+        },
         IdempotencyLayer, InFlight, StoreFailure,
     },
 };
@@ -287,7 +289,7 @@ async fn a_worker_whose_lease_ran_out_cannot_clobber_the_new_record() {
             SystemTime::now(),
             None,
             None,
-            Some(response(body)),
+            Some(Payload::Http(response(body))),
         )
     };
     let ttl = Duration::from_secs(60);
@@ -327,7 +329,7 @@ async fn a_worker_whose_lease_ran_out_cannot_clobber_the_new_record() {
 
     match store.begin(&scope, claim).await.unwrap() {
         Begin::Completed { record, .. } => {
-            let stored = record.response.as_ref().unwrap();
+            let stored = record.response().unwrap();
             assert_eq!(stored.body, "second", "the second worker's record stands");
             assert_eq!(stored.status, StatusCode::CREATED);
             let headers: Vec<_> = stored
@@ -459,7 +461,7 @@ async fn the_local_cache_replays_and_counts_in_redis() {
         SystemTime::now(),
         None,
         None,
-        Some(response("cached")),
+        Some(Payload::Http(response("cached"))),
     );
     assert!(cached
         .complete(&scope, &lease, Arc::new(record), Duration::from_secs(60))
@@ -476,7 +478,7 @@ async fn the_local_cache_replays_and_counts_in_redis() {
                 record,
                 request_count,
             } => {
-                assert_eq!(record.response.as_ref().unwrap().body, "cached");
+                assert_eq!(record.response().unwrap().body, "cached");
                 counts.push(request_count);
             }
             other => panic!("a completed record replays: {other:?}"),

@@ -302,7 +302,7 @@ fn settled<St: IdempotencyStore>(
     if record.fingerprint != fingerprint {
         return conflict();
     }
-    if record.response.is_none() {
+    if record.payload.is_none() {
         tracing::info!(
             event = "idempotency.not_replayable",
             request_count,
@@ -317,7 +317,7 @@ fn settled<St: IdempotencyStore>(
     tracing::info!(
         event = "idempotency.replayed",
         request_count,
-        status = record.response.as_ref().map(|r| r.status.as_u16()),
+        status = record.response().map(|r| r.status.as_u16()),
         original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
         "replayed the stored outcome"
     );

@@ -20,8 +20,8 @@ use tracing::Instrument as _;
 use super::{observe, settings::Policy};
 use crate::idempotency::{
     store::{
-        Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Record, Renewal,
-        Settlement, StoreError, StoredResponse,
+        Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Payload, Record,
+        Renewal, Settlement, StoreError,
     },
     AttemptId, Fingerprint, ScopeKey,
 };
@@ -146,7 +146,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         }
     }
 
-    /// Stores the outcome (the response, `None` when it was too large to keep, and the
+    /// Stores the outcome (the payload, `None` when it was too large to keep, and the
     /// attempt that ran): in the handler's transaction if it took one (committing its
     /// writes with it), else in the store; if the store fails, keeps it and stores it
     /// from a task of its own (see [`KeptOutcomes`]). Never releases the key, but for
@@ -155,7 +155,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
     pub(crate) async fn complete(
         &mut self,
         original_attempt: Option<AttemptId>,
-        response: Option<StoredResponse>,
+        payload: Option<Payload>,
     ) -> Result<(), Unsettled> {
         let Some(lease) = self.lease.take() else {
             return Ok(());
@@ -165,7 +165,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             first_seen: lease.first_seen,
             original_attempt,
             epoch: self.claim.epoch,
-            response,
+            payload,
         };
         let (ttl, max_kept_bytes) = (self.ttl, self.max_kept_bytes);
         let record = Arc::new(record);
@@ -423,7 +423,7 @@ async fn try_release<St: IdempotencyStore>(
 
 /// The event for a completion the store answered.
 fn report(completion: Completion, record: &Record, ttl: Duration, attempts: u32) {
-    let status = record.response.as_ref().map(|r| r.status.as_u16());
+    let status = record.response().map(|r| r.status.as_u16());
     let bytes = record.weight();
     match completion {
         Completion::Stored => tracing::info!(
@@ -536,7 +536,7 @@ impl KeptOutcomes {
                 "outcomes waiting for the store hold too many bytes: this one is kept without its response, so duplicates get 410, never a second run"
             );
             outcome.record = Arc::new(Record {
-                response: None,
+                payload: None,
                 ..Record::clone(&outcome.record)
             });
             weight = 0;

@@ -19,7 +19,7 @@ use super::{
 };
 use crate::idempotency::{
     core::{ClaimFlag, Decision, Detaching, Engine, LeaseGuard},
-    store::{IdempotencyStore, MokaStore, StoredResponse},
+    store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
     AttemptId, ClientId, IdempotencyKey, ScopeKey,
 };
 use crate::{body::Body, correlation::CorrelationId};
@@ -553,7 +553,7 @@ where
                 headers,
                 body: body.clone(),
             };
-            match guard.complete(attempt, Some(response)).await {
+            match guard.complete(attempt, Some(Payload::Http(response))).await {
                 Ok(()) => Response::from_parts(parts, Body::complete(body)),
                 Err(unsettled) => return Ok(reply.unsettled(&unsettled)),
             }

@@ -8,7 +8,6 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{header, HeaderValue, StatusCode};
 use serde::{de::DeserializeOwned, Serialize};
 use tower_service::Service;
 use tracing::Instrument as _;
@@ -18,7 +17,7 @@ use crate::{
     correlation::CorrelationId,
     idempotency::{
         core::{self, ClaimFlag, Decision, Detaching, Engine, LeaseGuard, Unsettled, Verdict},
-        store::{IdempotencyStore, MokaStore, Record, StoredResponse},
+        store::{IdempotencyStore, MokaStore, Payload, Record},
         AttemptId, ReplayInfo,
     },
 };
@@ -349,10 +348,12 @@ fn not_replayable<R>() -> Handled<R> {
 
 /// The stored outcome, decoded, for a duplicate of a message that was handled.
 fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R> {
-    let Some(stored) = &record.response else {
+    // An HTTP payload is how outcomes were kept before `Payload::Message`: its body is
+    // the outcome's JSON, so records written then still replay.
+    let Some(stored) = &record.payload else {
         return not_replayable();
     };
-    match serde_json::from_slice(&stored.body) {
+    match serde_json::from_slice(stored.body()) {
         Ok(outcome) => Handled::Replayed {
             outcome,
             replay: ReplayInfo {
@@ -404,15 +405,10 @@ where
             return Ok(Handled::Ran(outcome));
         }
     }
-    let response = match serde_json::to_vec(&outcome) {
-        Ok(json) if json.len() <= settings.max_response_bytes => Some(StoredResponse {
-            status: StatusCode::OK,
-            headers: vec![(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )],
-            body: Bytes::from(json),
-        }),
+    let payload = match serde_json::to_vec(&outcome) {
+        Ok(json) if json.len() <= settings.max_response_bytes => {
+            Some(Payload::Message(Bytes::from(json)))
+        }
         Ok(json) => {
             tracing::warn!(
                 event = "idempotency.response_too_large",
@@ -434,7 +430,7 @@ where
     // The delivery that ran, named by its correlation ID: replays log it.
     let original_attempt =
         CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()));
-    match guard.complete(original_attempt, response).await {
+    match guard.complete(original_attempt, payload).await {
         Ok(()) => Ok(Handled::Ran(outcome)),
         Err(Unsettled::NotCommitted(error)) => Ok(Handled::Refused(Refusal::new(
             "idempotency.not_committed",

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 
-use super::{Record, StoreError, StoredResponse};
+use super::{Payload, Record, StoreError, StoredResponse};
 use crate::idempotency::{AttemptId, Fingerprint};
 
 #[derive(Serialize, Deserialize)]
@@ -21,6 +21,11 @@ struct EncodedRecord {
 
 /// Byte fields as byte strings (`serde_bytes`): one copy each, not a sequence of
 /// single bytes.
+///
+/// A [`Payload::Message`] is written with status [`MESSAGE_STATUS`] and no headers:
+/// the layout records have always had, so a store holding records written before
+/// message payloads existed reads them as it did (as HTTP payloads, which the
+/// message layer still decodes).
 #[derive(Serialize, Deserialize)]
 struct EncodedResponse {
     status: u16,
@@ -28,6 +33,9 @@ struct EncodedResponse {
     #[serde(with = "serde_bytes")]
     body: Vec<u8>,
 }
+
+/// The status of an encoded message payload: no HTTP response has it.
+const MESSAGE_STATUS: u16 = 0;
 
 pub(super) fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
     postcard::to_stdvec(value).map_err(|e| StoreError::with_source("could not encode", e))
@@ -48,19 +56,26 @@ pub(super) fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
             .as_ref()
             .map(|a| serde_bytes::ByteBuf::from(a.to_header_value().as_bytes())),
         epoch: record.epoch,
-        response: record.response.as_ref().map(|response| EncodedResponse {
-            status: response.status.as_u16(),
-            headers: response
-                .headers
-                .iter()
-                .map(|(name, value)| {
-                    (
-                        serde_bytes::ByteBuf::from(name.as_str().as_bytes()),
-                        serde_bytes::ByteBuf::from(value.as_bytes()),
-                    )
-                })
-                .collect(),
-            body: response.body.to_vec(),
+        response: record.payload.as_ref().map(|payload| match payload {
+            Payload::Http(response) => EncodedResponse {
+                status: response.status.as_u16(),
+                headers: response
+                    .headers
+                    .iter()
+                    .map(|(name, value)| {
+                        (
+                            serde_bytes::ByteBuf::from(name.as_str().as_bytes()),
+                            serde_bytes::ByteBuf::from(value.as_bytes()),
+                        )
+                    })
+                    .collect(),
+                body: response.body.to_vec(),
+            },
+            Payload::Message(outcome) => EncodedResponse {
+                status: MESSAGE_STATUS,
+                headers: Vec::new(),
+                body: outcome.to_vec(),
+            },
         }),
     })
 }
@@ -69,9 +84,12 @@ pub(super) fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
 pub(super) fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
     let encoded: EncodedRecord = decode(bytes)?;
     let corrupt = |what: &str| StoreError::new(format!("corrupt record in the store: {what}"));
-    let response = match encoded.response {
+    let payload = match encoded.response {
         None => None,
-        Some(response) => Some(StoredResponse {
+        Some(response) if response.status == MESSAGE_STATUS => {
+            Some(Payload::Message(Bytes::from(response.body)))
+        }
+        Some(response) => Some(Payload::Http(StoredResponse {
             status: StatusCode::from_u16(response.status).map_err(|_| corrupt("status"))?,
             headers: response
                 .headers
@@ -84,7 +102,7 @@ pub(super) fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
                 })
                 .collect::<Result<_, StoreError>>()?,
             body: Bytes::from(response.body),
-        }),
+        })),
     };
     let original_attempt = match encoded.original_attempt {
         None => None,
@@ -97,7 +115,7 @@ pub(super) fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
         first_seen: from_millis(encoded.first_seen_ms),
         original_attempt,
         epoch: encoded.epoch,
-        response,
+        payload,
     })
 }
 
@@ -123,7 +141,7 @@ mod tests {
             first_seen: from_millis(1_795_000_000_123),
             original_attempt: Some(AttemptId::from_header_value(HeaderValue::from_static("2"))),
             epoch: Some(7),
-            response: Some(StoredResponse {
+            payload: Some(Payload::Http(StoredResponse {
                 status: StatusCode::CREATED,
                 headers: vec![
                     (
@@ -140,17 +158,17 @@ mod tests {
                     ),
                 ],
                 body: Bytes::from_static(b"{\"id\":1}"),
-            }),
+            })),
         };
         let encoded = encode_record(&record).unwrap();
         let decoded = decode_record(&encoded).unwrap();
         assert_eq!(decoded.fingerprint, record.fingerprint);
         assert_eq!(decoded.first_seen, record.first_seen);
         assert_eq!(decoded.epoch, Some(7));
-        assert_eq!(decoded.original_attempt.unwrap().as_str(), "2");
-        let response = decoded.response.unwrap();
+        assert_eq!(decoded.original_attempt.as_ref().unwrap().as_str(), "2");
+        let response = decoded.response().unwrap();
         assert_eq!(response.status, StatusCode::CREATED);
-        assert_eq!(response.headers, record.response.as_ref().unwrap().headers);
+        assert_eq!(response.headers, record.response().unwrap().headers);
         assert_eq!(response.body, Bytes::from_static(b"{\"id\":1}"));
         // Compact: a few bytes of framing around the content.
         assert!(
@@ -159,5 +177,40 @@ mod tests {
             encoded.len()
         );
         assert!(decode_record(&encoded[..encoded.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn message_payloads_round_trip_and_older_message_records_still_decode() {
+        let fingerprint = Fingerprint::from_bytes([7; 32]);
+        let outcome = Bytes::from_static(b"{\"status\":\"done\"}");
+        let record = Record::new(
+            fingerprint,
+            from_millis(1_795_000_000_123),
+            None,
+            None,
+            Some(Payload::Message(outcome.clone())),
+        );
+        let decoded = decode_record(&encode_record(&record).unwrap()).unwrap();
+        assert!(matches!(&decoded.payload, Some(Payload::Message(body)) if *body == outcome));
+        assert!(decoded.response().is_none());
+
+        // How a message outcome was written before `Payload::Message`: an HTTP 200
+        // with a JSON content type. It still decodes, with the outcome as its body.
+        let older = Record::new(
+            fingerprint,
+            from_millis(1_795_000_000_123),
+            None,
+            None,
+            Some(Payload::Http(StoredResponse::new(
+                StatusCode::OK,
+                vec![(
+                    http::header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                )],
+                outcome.clone(),
+            ))),
+        );
+        let decoded = decode_record(&encode_record(&older).unwrap()).unwrap();
+        assert_eq!(decoded.payload.unwrap().body(), &outcome);
     }
 }

@@ -335,9 +335,9 @@ pub struct Record {
     pub original_attempt: Option<AttemptId>,
     /// The control epoch it ran in, when the layer binds keys to one.
     pub epoch: Option<u64>,
-    /// The response to replay; `None` when it was too large to keep (the request ran,
+    /// What duplicates get back; `None` when it was too large to keep (the request ran,
     /// and duplicates are told so rather than run it again).
-    pub response: Option<StoredResponse>,
+    pub payload: Option<Payload>,
 }
 
 impl Record {
@@ -347,20 +347,62 @@ impl Record {
         first_seen: SystemTime,
         original_attempt: Option<AttemptId>,
         epoch: Option<u64>,
-        response: Option<StoredResponse>,
+        payload: Option<Payload>,
     ) -> Self {
         Self {
             fingerprint,
             first_seen,
             original_attempt,
             epoch,
-            response,
+            payload,
         }
     }
 
     /// Bytes the record holds for its response (see [`StoredResponse::weight`]).
     pub fn weight(&self) -> usize {
-        self.response.as_ref().map_or(0, StoredResponse::weight)
+        self.payload.as_ref().map_or(0, Payload::weight)
+    }
+
+    /// The stored HTTP response, if the record holds one.
+    pub fn response(&self) -> Option<&StoredResponse> {
+        self.payload.as_ref().and_then(Payload::as_http)
+    }
+}
+
+/// What a record hands back to duplicates: the transport's answer, as it was kept.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Payload {
+    /// An HTTP response: status, every header, body.
+    Http(StoredResponse),
+    /// A message handler's outcome, serialised as JSON.
+    Message(Bytes),
+}
+
+impl Payload {
+    /// The bytes handed back: the response's body, or the outcome's JSON.
+    pub fn body(&self) -> &Bytes {
+        match self {
+            Self::Http(response) => &response.body,
+            Self::Message(outcome) => outcome,
+        }
+    }
+
+    /// The HTTP response, for an HTTP payload.
+    pub fn as_http(&self) -> Option<&StoredResponse> {
+        match self {
+            Self::Http(response) => Some(response),
+            Self::Message(_) => None,
+        }
+    }
+
+    /// Bytes held: an HTTP response's [`weight`](StoredResponse::weight), or the
+    /// outcome's length.
+    pub fn weight(&self) -> usize {
+        match self {
+            Self::Http(response) => response.weight(),
+            Self::Message(outcome) => outcome.len(),
+        }
     }
 }
 

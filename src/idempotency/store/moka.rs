@@ -596,7 +596,7 @@ mod tests {
             first_seen: lease.first_seen,
             original_attempt: None,
             epoch: None,
-            response: None,
+            payload: None,
         });
         let ttl = Duration::from_secs(60);
         assert!(!store.release(&scope("k"), &stranger).await.unwrap());
@@ -663,7 +663,7 @@ mod eviction_tests {
             first_seen: lease.first_seen,
             original_attempt: None,
             epoch: None,
-            response: None,
+            payload: None,
         };
         let ttl = Duration::from_secs(3600);
         assert!(store

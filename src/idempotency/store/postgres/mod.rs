@@ -524,8 +524,7 @@ fn epoch_i64(epoch: Option<u64>) -> Option<i64> {
 
 fn status_i16(record: &Record) -> Option<i16> {
     record
-        .response
-        .as_ref()
+        .response()
         .map(|r| i16::try_from(r.status.as_u16()).unwrap_or(i16::MAX))
 }
 
