@@ -126,7 +126,7 @@ pub mod body;
 pub mod client;
 #[cfg(feature = "correlation")]
 pub mod correlation;
-#[cfg(feature = "idempotency")]
+#[cfg(any(feature = "idempotency", feature = "client"))]
 pub mod idempotency;
 #[cfg(feature = "correlation")]
 mod problem;

@@ -30,7 +30,8 @@ use super::{
 use crate::{
     correlation::CorrelationId,
     idempotency::{
-        IdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY,
+        header::{ATTEMPT_ID, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY},
+        IdempotencyKey,
     },
 };
 

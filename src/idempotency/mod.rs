@@ -279,14 +279,23 @@
     doc = "[`metrics::describe`]: crate::idempotency::metrics"
 )]
 
+// With the `client` feature alone, only the key, its header names and the attempt ID
+// are compiled: what the retry layer sends. Everything else is the layers'.
+#[cfg(feature = "idempotency")]
 mod core;
 pub mod header;
+#[cfg(feature = "idempotency")]
 mod http;
 mod key;
+#[cfg(feature = "idempotency")]
 pub mod message;
+#[cfg(feature = "idempotency")]
 mod scope;
+#[cfg(feature = "idempotency")]
 pub mod store;
 
+pub use self::key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey};
+#[cfg(feature = "idempotency")]
 pub use self::{
     core::{
         InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER,
@@ -298,13 +307,13 @@ pub use self::{
         KeyFromHeader, KeyFromJson, OnReplay, ReplayInfo, ResponseFuture,
         DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     },
-    key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey},
     message::MessageIdempotencyLayer,
     scope::ClientId,
     store::{IdempotencyStore, MokaStore},
 };
 
 // For the crate's own modules: the names every part of the layers uses, at one path.
+#[cfg(feature = "idempotency")]
 pub(crate) use self::{
     header::{
         ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT,
@@ -314,6 +323,7 @@ pub(crate) use self::{
     scope::{Fingerprint, ScopeKey},
 };
 
+#[cfg(feature = "idempotency")]
 pub mod extract {
     //! The customisation points of the HTTP layer, for a key, a client or an epoch
     //! read your own way: the traits, what they return, and the defaults that read
@@ -330,6 +340,7 @@ pub mod extract {
     };
 }
 
+#[cfg(feature = "idempotency")]
 pub mod metrics {
     //! The names of the idempotency layers' metrics (feature `metrics`, on the
     //! [`metrics`](https://docs.rs/metrics) facade), and [`describe`] for their help
