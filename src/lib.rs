@@ -82,13 +82,32 @@
 //! An idempotency layer with no correlation ID in scope (the order reversed, or no
 //! correlation layer) says so once, at WARN (`idempotency.uncorrelated`).
 //!
+//! # The API at a glance
+//!
+//! What most services use, by where it lives:
+//!
+//! | Where | What |
+//! |---|---|
+//! | [`correlation`] | [`CorrelationLayer`] (server), [`OutboundCorrelationLayer`] (HTTP clients), [`CorrelationId`], `MessageCorrelation` and `Carrier` (messages) |
+//! | [`idempotency`] | [`IdempotencyLayer`] (HTTP routes), [`MessageIdempotencyLayer`](idempotency::MessageIdempotencyLayer) (consumers); the values `IdempotencyKey`, `AttemptId`, `ClientId`; the extractors `KeyFromHeader`, `KeyFromJson`, `ClientFromHeader`, `ClientFromAuthorization`, `ClientFromExtension`, `EpochFromHeader`, `EpochFromExtension`; `InFlight`, `StoreFailure`; replay hooks (`OnReplay`, `JsonReplayMarker`); the `DEFAULT_*` settings |
+//! | `idempotency::store` | [`MokaStore`] (default), `RedisStore`, `PostgresStore` and their builders; `IdempotencyStore` and the record types, to write a store of your own |
+//! | `idempotency::message` | the consumer layer's answers (`Handled`, `Refusal`) and keys (`MessageKey`, `ExtractMessageKey`) |
+//! | `idempotency::extract` | the traits behind the extractors, for a key, client or epoch read your own way |
+//! | `idempotency::header`, `idempotency::metrics` | the header names and metric names |
+//! | [`client`] | [`RetryLayer`], `derive_key`, `RetryOutcome` |
+//! | [`body`] | [`Body`](body::Body), the body the server layers hand on |
+//!
+//! Inside `idempotency`, one engine decides for every transport whether to run, replay
+//! or refuse; the HTTP and message layers translate its decision into a response or a
+//! [`Handled`](idempotency::message::Handled), and the stores sit below the engine.
+//!
 //! # Features
 //!
 //! | Feature | Default | What it adds |
 //! |---|---|---|
 //! | `correlation` | yes | [`correlation`]: the server and outbound layers, [`CorrelationId`] |
-//! | `idempotency` | yes | [`idempotency`]: the layer and its in-memory [`MokaStore`] |
-//! | `client` | yes | [`client`]: [`RetryLayer`] and `derive_key` |
+//! | `idempotency` | yes | [`idempotency`]: the HTTP and message layers and the in-memory [`MokaStore`] |
+//! | `client` | yes | [`client`]: [`RetryLayer`] and `derive_key` (without the idempotency layer or moka) |
 //! | `axum` | yes | [`CorrelationId`] as an axum extractor |
 //! | `redis` | no | `RedisStore`, one record per key for every replica, on one Redis or on Redis Cluster |
 //! | `postgres` | no | `PostgresStore`, durable records, and the handler's writes committed with the record |

@@ -110,8 +110,10 @@
 //!   stores it from a task of its own, with backoff, renewing the claim, until it is
 //!   stored; duplicates get `409` (or wait) meanwhile. The README's "Guarantees under
 //!   faults" says what holds under which fault, for each store.
-//! - **Stores**: [`MokaStore`] in process (the default), or `RedisStore` (feature
-//!   `redis`) for a service that runs as several replicas.
+//! - **Stores**: [`MokaStore`] in process (the default), `RedisStore` (feature
+//!   `redis`) for a service that runs as several replicas, or `PostgresStore` (feature
+//!   `postgres`) for records that outlive anything, with the handler's writes committed
+//!   in the record's transaction.
 //! - **Store failure** when a request arrives: `503` and nothing runs (fail closed,
 //!   the default), or run without deduplication with a WARN
 //!   ([`StoreFailure::FailOpen`]).
