@@ -121,14 +121,10 @@ where
     let mut first: Option<Bytes> = None;
     let mut buffer: Option<Vec<u8>> = None;
     let mut len = 0usize;
-    while let Some(frame) = body.frame().await {
-        let data = match frame {
-            Ok(frame) => match frame.into_data() {
-                Ok(data) => data,
-                // Trailers are not kept: the fingerprint covers the body only.
-                Err(_trailers) => continue,
-            },
-            Err(error) => return Read::Failed(error.into().to_string()),
+    while let Some(data) = next_data(&mut body).await {
+        let data = match data {
+            Ok(data) => data,
+            Err(error) => return Read::Failed(error),
         };
         if data.is_empty() {
             continue;
@@ -230,14 +226,10 @@ where
     let mut first: Option<Bytes> = None;
     let mut joined: Option<BytesMut> = None;
     let mut len = 0usize;
-    while let Some(frame) = body.frame().await {
-        let data = match frame {
-            Ok(frame) => match frame.into_data() {
-                Ok(data) => data,
-                // Trailers are not kept: replays carry the body only.
-                Err(_trailers) => continue,
-            },
-            Err(error) => return Collected::Failed(error.into().to_string()),
+    while let Some(data) = next_data(&mut body).await {
+        let data = match data {
+            Ok(data) => data,
+            Err(error) => return Collected::Failed(error),
         };
         len += data.len();
         if len > max {
@@ -260,4 +252,23 @@ where
         }
     }
     Collected::Complete(joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze))
+}
+
+/// The next data frame of `body`; trailers are skipped (the fingerprint and replays
+/// cover the body only), and an error is kept as text (the body's error type need not
+/// be `Send`).
+async fn next_data<B>(body: &mut B) -> Option<Result<Bytes, String>>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    loop {
+        match body.frame().await? {
+            Ok(frame) => match frame.into_data() {
+                Ok(data) => return Some(Ok(data)),
+                Err(_trailers) => continue,
+            },
+            Err(error) => return Some(Err(error.into().to_string())),
+        }
+    }
 }
