@@ -216,6 +216,42 @@ async fn a_body_without_a_usable_key_is_a_clear_400() {
 }
 
 #[tokio::test]
+async fn a_key_read_from_the_body_is_echoed_and_named_in_problems() {
+    let partner = Partner::start().await;
+    let key = "0190f5d8-aaaa-7bbb-8ccc-000000000009";
+    let first = partner
+        .call("/wes/v1/realtime", &realtime("p-1", key))
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.header("idempotency-key"), Some(key));
+    let replay = partner
+        .call("/wes/v1/realtime", &realtime("p-1", key))
+        .await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("idempotency-key"), Some(key));
+
+    let mut reused = realtime("p-1", key);
+    reused["quantity"] = json!(99);
+    let conflict = partner.call("/wes/v1/realtime", &reused).await;
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(conflict.header("idempotency-key"), Some(key));
+    assert_eq!(conflict.json()["idempotency_key"], key);
+
+    // Refused before its key could be read: nothing to echo or name.
+    let unreadable = send(
+        &partner.client,
+        "POST",
+        format!("{}/wes/v1/realtime", partner.url),
+        &[("content-type", "application/json")],
+        "not json",
+    )
+    .await;
+    assert_eq!(unreadable.header("idempotency-key"), None);
+    assert!(unreadable.json().get("idempotency_key").is_none());
+    assert_eq!(partner.planner.runs(), 1);
+}
+
+#[tokio::test]
 async fn another_payload_under_a_used_key_is_refused_not_replayed() {
     let partner = Partner::start().await;
     let key = "0190f5d8-aaaa-7bbb-8ccc-000000000003";

@@ -72,7 +72,7 @@ impl<T: 'static> Future for Detaching<T> {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
         let this = &mut *self;
         let Some(work) = this.work.as_mut() else {
-            panic!("ResponseFuture polled after completion");
+            panic!("idempotency ResponseFuture polled after completion");
         };
         this.unwinding = true;
         let poll = work.as_mut().poll(cx);

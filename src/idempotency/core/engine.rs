@@ -18,7 +18,7 @@ use crate::idempotency::{
     AttemptId, Fingerprint, ScopeKey,
 };
 
-/// The redelivery or retry delay after a wait that timed out or failed.
+/// The retry (or redelivery) delay after a wait for the work in flight timed out.
 const AFTER_WAIT: Duration = Duration::from_secs(1);
 
 /// The deduplication engine of one layer (and its clones): the store, the outcomes
@@ -51,7 +51,9 @@ pub(crate) enum Decision<St: IdempotencyStore> {
 
 /// What to answer instead of running the handler.
 pub(crate) enum Verdict {
-    /// A duplicate of work that completed: answer with its stored outcome.
+    /// A duplicate of work that completed: answer with its stored outcome. Not yet
+    /// logged or counted: the adapter calls [`replayed`] once it has the answer, or
+    /// [`not_replayable`] if its transport cannot replay this payload.
     Replay {
         record: Arc<Record>,
         request_count: u64,
@@ -303,17 +305,20 @@ fn settled<St: IdempotencyStore>(
         return conflict();
     }
     if record.payload.is_none() {
-        tracing::info!(
-            event = "idempotency.not_replayable",
-            request_count,
-            "the work ran but its outcome was too large to keep"
-        );
-        observe::outcome("not_replayable");
+        not_replayable(request_count);
         return Decision::Answer(Verdict::NotReplayable {
             record,
             request_count,
         });
     }
+    Decision::Answer(Verdict::Replay {
+        record,
+        request_count,
+    })
+}
+
+/// A duplicate answered with the stored outcome: its event and its count.
+pub(crate) fn replayed(record: &Record, request_count: u64) {
     tracing::info!(
         event = "idempotency.replayed",
         request_count,
@@ -322,8 +327,14 @@ fn settled<St: IdempotencyStore>(
         "replayed the stored outcome"
     );
     observe::outcome("replayed");
-    Decision::Answer(Verdict::Replay {
-        record,
+}
+
+/// A duplicate of work that ran, whose outcome this transport cannot hand back.
+pub(crate) fn not_replayable(request_count: u64) {
+    tracing::info!(
+        event = "idempotency.not_replayable",
         request_count,
-    })
+        "the work ran but its outcome was not kept, or cannot be handed back here"
+    );
+    observe::outcome("not_replayable");
 }

@@ -248,8 +248,10 @@ impl Reply<'_> {
     ) -> Response<Body<B>> {
         // An outcome of another transport cannot be told here: never run it again.
         let Some(stored) = record.response() else {
+            core::not_replayable(request_count);
             return self.not_replayable(record, request_count);
         };
+        core::replayed(record, request_count);
         let mut response = Response::new(stored.body.clone());
         *response.status_mut() = stored.status;
         let headers = response.headers_mut();

@@ -79,9 +79,11 @@ impl<S> Idempotency<S> {
         use tower_layer::Layer as _;
         super::IdempotencyLayer::new().layer(inner)
     }
+}
 
+impl Idempotency<()> {
     /// The layer, to configure and apply with `ServiceBuilder` or axum's
-    /// `MethodRouter::layer`.
+    /// `MethodRouter::layer`: `Idempotency::layer().require_key(true)`.
     pub fn layer() -> super::IdempotencyLayer {
         super::IdempotencyLayer::new()
     }
@@ -441,7 +443,6 @@ where
     ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
-    let _in_flight = engine.track();
     let keyless = Reply {
         key: None,
         attempt: identity.attempt.as_ref(),
@@ -458,6 +459,8 @@ where
     let request = Request::from_parts(parts, body);
     match protected {
         Decided::Protected(protected) => {
+            // Counted from here: until its key is read, the request may pass through.
+            let _in_flight = engine.track();
             let span = idempotency_span(&protected, &settings);
             deduplicate(inner, engine, settings, request, protected, claimed)
                 .instrument(span)
@@ -522,7 +525,7 @@ where
     ResBody: ReadableBody,
 {
     guard.offer_transaction(request.extensions_mut());
-    // Runs in the caller's task; if the caller goes away, `ResponseFuture`'s drop moves
+    // Runs in the caller's task; if the caller goes away, the response future's drop moves
     // this work to a task of its own, so it still completes and is stored.
     let produced = guard
         .renewing(async {

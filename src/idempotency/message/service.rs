@@ -32,10 +32,10 @@ pub struct MessageIdempotency<S, K, R, St> {
     pub(super) settings: Arc<MessageSettings<R>>,
 }
 
-impl<S, K, R> MessageIdempotency<S, K, R, MokaStore> {
+impl<R> MessageIdempotency<(), super::NoMessageKey, R, MokaStore> {
     /// The layer, over a store of its own ([`MokaStore::new`]), to configure (its
     /// [`key`](super::MessageIdempotencyLayer::key) first) and apply with
-    /// `ServiceBuilder`.
+    /// `ServiceBuilder`: `MessageIdempotency::layer().key(extract)`.
     pub fn layer() -> super::MessageIdempotencyLayer<R> {
         super::MessageIdempotencyLayer::new()
     }
@@ -159,7 +159,7 @@ impl Refusal {
     /// | Code | Retryable | When |
     /// |---|---|---|
     /// | `idempotency.key_missing` | no | [`require_key`](super::MessageIdempotencyLayer::require_key) and no key |
-    /// | `idempotency.key_invalid` (or another [`KeyRejection::code`](crate::idempotency::KeyRejection::code)) | no | the extractor refused the message |
+    /// | `idempotency.key_invalid` (or another [`KeyRejection::code`](crate::idempotency::extract::KeyRejection::code)) | no | the extractor refused the message |
     /// | `idempotency.fingerprint_mismatch` | no | the key came before with another fingerprint |
     /// | `idempotency.not_replayable` | no | the handler ran, but its outcome was too large to keep (or not serialisable) |
     /// | `idempotency.outcome_undecodable` | no | the stored outcome does not decode into the outcome type (it changed since) |
@@ -354,15 +354,19 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
         return not_replayable();
     };
     match serde_json::from_slice(stored.body()) {
-        Ok(outcome) => Handled::Replayed {
-            outcome,
-            replay: ReplayInfo {
-                request_count,
-                first_seen: record.first_seen,
-                original_attempt: record.original_attempt.clone(),
-            },
-        },
+        Ok(outcome) => {
+            core::replayed(record, request_count);
+            Handled::Replayed {
+                outcome,
+                replay: ReplayInfo {
+                    request_count,
+                    first_seen: record.first_seen,
+                    original_attempt: record.original_attempt.clone(),
+                },
+            }
+        }
         Err(error) => {
+            core::observe::outcome("not_replayable");
             tracing::warn!(
                 event = "idempotency.outcome_undecodable",
                 error = %error,

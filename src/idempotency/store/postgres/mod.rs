@@ -8,8 +8,8 @@ use sqlx::{postgres::PgPoolOptions, PgPool, Row};
 use super::{
     codec::{decode_record, encode_record, from_millis, millis},
     deadline::{read_in_background, StoreClock},
-    Begin, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Record, Renewal,
-    SentClaim, Settled, StoreError,
+    Begin, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Payload, Record,
+    Renewal, SentClaim, Settled, StoreError,
 };
 
 mod transaction;
@@ -522,10 +522,15 @@ fn epoch_i64(epoch: Option<u64>) -> Option<i64> {
     epoch.map(|e| i64::try_from(e).unwrap_or(i64::MAX))
 }
 
+/// The `status` column, for operators: the HTTP status, `0` for a message outcome
+/// (as the record's encoding writes it), `NULL` for an outcome too large to keep.
 fn status_i16(record: &Record) -> Option<i16> {
-    record
-        .response()
-        .map(|r| i16::try_from(r.status.as_u16()).unwrap_or(i16::MAX))
+    match record.payload.as_ref()? {
+        Payload::Http(response) => {
+            Some(i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX))
+        }
+        _ => Some(0),
+    }
 }
 
 fn first_seen_ms(lease: &Lease) -> i64 {
