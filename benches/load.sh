@@ -26,7 +26,7 @@
 # the server's user + system CPU time (from /proc) over the run divided by the requests
 # answered: the cost of a request, which wrk's share of the cores does not blur.
 #
-# The notes give issue 14's goals: server CPU per replay at most 2 us over the correlated
+# The notes give the load test's goals: server CPU per replay at most 2 us over the correlated
 # route and per first execution at most 6 us over it, and replays at least 0.90 of the
 # correlated route's throughput (0.85 with SERVER_LOG=info). The demo allocates with
 # mimalloc (see examples/commands/main.rs), as every route here does.

@@ -6,7 +6,7 @@
 //!   route (`post(handler).layer(IdempotencyLayer::with_store(store))`), sent with
 //!   `oneshot` on a current-thread tokio runtime, the response body collected, from a
 //!   store holding 1,000 or 1,000,000 completed records. A replay should cost the same
-//!   whatever the store holds (the bar: the two rows at most 1.5x apart).
+//!   whatever the store holds (the goal: the two rows at most 1.5x apart).
 //! - `first/1k_keys`, `first/1M_keys`: a first execution (a key never stored; the
 //!   handler runs and its response is stored) against the same two stores; the same
 //!   bar.

@@ -4,7 +4,10 @@
 
 use http::{HeaderMap, HeaderValue};
 use libfuzzer_sys::fuzz_target;
-use tower_ids::idempotency::{AttemptId, IdempotencyKey, IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY};
+use tower_ids::idempotency::{
+    header::{IDEMPOTENCY_KEY, X_IDEMPOTENCY_KEY},
+    AttemptId, IdempotencyKey,
+};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(key) = IdempotencyKey::parse(data) {

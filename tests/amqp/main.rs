@@ -1,4 +1,4 @@
-//! Seed 000's control signals against a real RabbitMQ: the `control_plane` controller
+//! The control plane's signals against a real RabbitMQ: the `control_plane` controller
 //! as child processes, killed (SIGKILL) between publishing an outcome and acking its
 //! signal, several of them on one queue sharing a Redis store (a `redis-server` of the
 //! test's own), a burst of duplicates, and the orchestrator's retries. Each test owns

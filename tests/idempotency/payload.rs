@@ -1,4 +1,4 @@
-//! Seed 004's partner contract through a real axum server: the key is the body's
+//! A warehouse partner contract through a real axum server: the key is the body's
 //! `correlation_id`, scoped by its `partner_id` (or `planner_id`); a replay answers
 //! `200` with `"replay": true`; realtime calls are kept 30 days and webhooks 24 hours,
 //! two routes on one store.

@@ -28,7 +28,7 @@ use crate::idempotency::AttemptId;
 /// use http::{Response, StatusCode};
 /// use tower_ids::idempotency::{IdempotencyLayer, JsonReplayMarker, KeyFromJson, ReplayInfo};
 ///
-/// // Seed 004's realtime calls: `200` with `"replay": true` on every replay.
+/// // A partner contract's realtime calls: `200` with `"replay": true` on every replay.
 /// let realtime = IdempotencyLayer::new()
 ///     .key(KeyFromJson::new("/correlation_id").client("/partner_id"))
 ///     .on_replay(JsonReplayMarker::new("replay").status(StatusCode::OK));
