@@ -114,3 +114,85 @@ impl Problem {
         response
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::BTreeSet, fs, path::Path};
+
+    /// Every `code` a layer can answer with, read from the source: a string literal
+    /// `"idempotency.x"` or `"correlation_id.x"` outside comments and event fields.
+    fn codes_in(dir: &Path, skip: &[&str], codes: &mut BTreeSet<String>) {
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if skip.iter().any(|s| path.ends_with(s)) {
+                continue;
+            }
+            if path.is_dir() {
+                codes_in(&path, skip, codes);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            for line in fs::read_to_string(&path).unwrap().lines() {
+                let line = line.trim_start();
+                if line.starts_with("//") || line.contains("event") {
+                    continue;
+                }
+                for literal in line.split('"').skip(1).step_by(2) {
+                    let is_code = ["idempotency.", "correlation_id."].iter().any(|p| {
+                        literal.strip_prefix(p).is_some_and(|rest| {
+                            !rest.is_empty()
+                                && rest.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+                        })
+                    });
+                    if is_code {
+                        codes.insert(literal.to_owned());
+                    }
+                }
+            }
+        }
+    }
+
+    /// The rows of the markdown tables in `file`'s doc comments that name `code`.
+    fn documented(file: &Path, code: &str) -> bool {
+        fs::read_to_string(file).unwrap().lines().any(|line| {
+            let line = line.trim_start();
+            (line.starts_with("//! |") || line.starts_with("/// |"))
+                && line.contains(&format!("`{code}`"))
+        })
+    }
+
+    #[test]
+    fn every_problem_code_is_in_a_status_table() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut http = BTreeSet::new();
+        // The message layer answers with `Refusal`s, documented on `Refusal::code`.
+        codes_in(&src, &["message", "tests"], &mut http);
+        assert!(http.len() > 20, "the scan found the codes: {http:?}");
+        let tables = [
+            src.join("idempotency/mod.rs"),
+            src.join("correlation/mod.rs"),
+        ];
+        let missing: Vec<_> = http
+            .iter()
+            .filter(|code| !tables.iter().any(|file| documented(file, code)))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "codes no status table lists: {missing:?}"
+        );
+
+        let mut refusals = BTreeSet::new();
+        codes_in(&src.join("idempotency/message"), &[], &mut refusals);
+        let table = src.join("idempotency/message/service.rs");
+        let missing: Vec<_> = refusals
+            .iter()
+            .filter(|code| !documented(&table, code))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "refusal codes Refusal::code does not list: {missing:?}"
+        );
+    }
+}

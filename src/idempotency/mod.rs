@@ -168,6 +168,7 @@
 //! | `422` | `idempotency.fingerprint_mismatch` | the key was used with another request |
 //! | `422` | `idempotency.epoch_mismatch` | with [`epoch`](IdempotencyLayer::epoch): the key was first seen in another epoch |
 //! | `500` | `idempotency.response_failed` | the handler's response body failed mid-read |
+//! | `500` | `idempotency.transaction_missing` | a handler takes the request's `Transaction` (feature `postgres`, axum extractor) on a route with no idempotency layer over a `PostgresStore`: a server misconfiguration |
 //! | `503` | `idempotency.overloaded` | the request bodies in flight fill the byte budget ([`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)); `Retry-After: 1`, nothing ran |
 //! | `503` | `idempotency.store_unavailable` | the store failed (fail closed); nothing ran, and the refused claim never lands later |
 //! | `503` | `idempotency.not_committed` | transactional mode: the handler's transaction did not commit; nothing it wrote stands; retry |
