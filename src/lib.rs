@@ -130,7 +130,7 @@
 //! - **Metrics**: with the `metrics` feature, see
 //!   [the list](idempotency#metrics).
 //!
-//! The README's "Observability" section has the recipes, one per pipeline.
+//! The [observability guide](guide::observability) has the recipes, one per pipeline.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // Links to items of features that are off point at their type instead.
 #![cfg_attr(
@@ -149,6 +149,38 @@ pub mod correlation;
 pub mod idempotency;
 #[cfg(feature = "correlation")]
 mod problem;
+
+#[cfg(all(feature = "correlation", feature = "idempotency"))]
+pub mod guide {
+    //! The guide, a page per topic, beside the module docs it links into:
+    //!
+    //! - [`guarantees`]: what holds under which fault, for each store, and the tests
+    //!   that break it on purpose.
+    //! - [`configuration`]: every setting of the layers and the stores, keys from
+    //!   payloads, replay hooks, Redis, PostgreSQL and transactional mode, memory.
+    //! - [`observability`]: logs, the access line, OpenTelemetry traces, metrics (with
+    //!   a sample `/metrics` and PromQL), reqwest.
+    //! - [`clients_and_messages`]: a correlation ID's lifecycle, client retries, and
+    //!   message consumers.
+    //!
+    //! The status codes, headers and events are in [the idempotency
+    //! module](crate::idempotency#status-codes) and [the correlation
+    //! module](crate::correlation); the demos' walkthroughs in their READMEs in the
+    //! repository (`examples/commands/README.md`, `examples/control_plane/README.md`);
+    //! the figures in `benches/README.md`.
+
+    #[doc = include_str!("../docs/guarantees.md")]
+    pub mod guarantees {}
+
+    #[doc = include_str!("../docs/configuration.md")]
+    pub mod configuration {}
+
+    #[doc = include_str!("../docs/observability.md")]
+    pub mod observability {}
+
+    #[doc = include_str!("../docs/clients_and_messages.md")]
+    pub mod clients_and_messages {}
+}
 
 #[cfg(feature = "correlation")]
 pub use problem::PROBLEM_JSON;

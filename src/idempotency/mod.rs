@@ -108,8 +108,8 @@
 //!   store cannot take the outcome, the client still gets its answer; the layer keeps
 //!   the outcome (up to [`max_kept_bytes`](IdempotencyLayer::max_kept_bytes)) and
 //!   stores it from a task of its own, with backoff, renewing the claim, until it is
-//!   stored; duplicates get `409` (or wait) meanwhile. The README's "Guarantees under
-//!   faults" says what holds under which fault, for each store.
+//!   stored; duplicates get `409` (or wait) meanwhile. [The guarantees
+//!   page](crate::guide::guarantees) says what holds under which fault, for each store.
 //! - **Stores**: [`MokaStore`] in process (the default), `RedisStore` (feature
 //!   `redis`) for a service that runs as several replicas, or `PostgresStore` (feature
 //!   `postgres`) for records that outlive anything, with the handler's writes committed
@@ -173,6 +173,12 @@
 //! | `503` | `idempotency.store_unavailable` | the store failed (fail closed); nothing ran, and the refused claim never lands later |
 //! | `503` | `idempotency.not_committed` | transactional mode: the handler's transaction did not commit; nothing it wrote stands; retry |
 //! | `503` | `idempotency.outcome_unknown` | transactional mode: the commit got no answer and the store could not be read back in time; retry with the same key (replays if it committed) |
+//!
+//! Why `410` for a response too large to keep: the request ran, so running it again
+//! would break the one-execution promise, and a truncated replay would be a lie; `410
+//! Gone` says "done, and the answer is not here any more", and no retry policy retries
+//! it. Raise [`max_response_bytes`](IdempotencyLayer::max_response_bytes) for routes
+//! with large answers.
 //!
 //! # Events
 //!

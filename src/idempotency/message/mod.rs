@@ -73,7 +73,8 @@
 //! `RedisStore` or `PostgresStore`). A consumer killed while its handler runs leaves
 //! its key claimed until the claim runs out (one and a half leases, 15 s by default): redeliveries meanwhile
 //! are `InFlight`, and the first one after it runs the handler again, as the HTTP
-//! layer's "process killed mid-handler" row in the README says.
+//! layer's "process killed mid-handler" row of [the guarantees](crate::guide::guarantees)
+//! says.
 //!
 //! # Correlation
 //!
