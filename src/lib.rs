@@ -82,6 +82,13 @@
 //! An idempotency layer with no correlation ID in scope (the order reversed, or no
 //! correlation layer) says so once, at WARN (`idempotency.uncorrelated`).
 //!
+//! # The guide
+//!
+//! Beside the module docs, the [guide] has a page per topic: the
+//! [guarantees](guide::guarantees) under each fault, every setting
+//! ([configuration](guide::configuration)), [observability](guide::observability), and
+//! [clients and message consumers](guide::clients_and_messages).
+//!
 //! # The API at a glance
 //!
 //! What most services use, by where it lives:
