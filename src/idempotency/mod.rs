@@ -264,7 +264,7 @@
 //! | `tower_ids_idempotency_requests_in_flight` | gauge | | protected requests inside the layer now |
 //! | `tower_ids_idempotency_store_call_duration_seconds` | histogram | `operation` | each store call: `begin`, `renew`, `complete`, `release`, `wait` |
 //! | `tower_ids_idempotency_store_failures_total` | counter | `operation` | store calls that failed |
-//! | `tower_ids_idempotency_released_total` | counter | `reason` | keys given up so a retry runs again: `handler_error`, `not_stored`, `response_failed`, `handler_panicked`, `abandoned`, `rolled_back`, `commit_failed` |
+//! | `tower_ids_idempotency_released_total` | counter | `reason` | keys given up so a retry runs again: `handler_error`, `not_stored`, `response_failed`, `handler_panicked`, `abandoned`, `rolled_back`, `commit_failed`, `outcome_unknown` |
 //!
 //! The names are also constants, in [`metrics`]. Requests that pass through
 //! (a method not covered, or no key on a route that does not require one) are not
