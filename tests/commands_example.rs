@@ -233,6 +233,26 @@ async fn replays(client: &support::HttpClient, url: &str) -> u64 {
 async fn the_demos_metrics_count_a_replay() {
     let demo = Demo::start(&[]);
     let client = client();
+    // Every outcome's series is there, at 0, before the first request.
+    let fresh = send(&client, "GET", format!("{}/metrics", demo.url), &[], "").await;
+    for outcome in [
+        "executed",
+        "replayed",
+        "in_flight",
+        "conflict",
+        "not_replayable",
+        "original_failed",
+        "rejected",
+        "store_unavailable",
+        "fail_open",
+    ] {
+        let series = format!(r#"tower_ids_idempotency_requests_total{{outcome="{outcome}"}} 0"#);
+        assert!(
+            fresh.text().lines().any(|line| line == series),
+            "{series} missing from:\n{}",
+            fresh.text()
+        );
+    }
     let before = replays(&client, &demo.url).await;
     let create = || {
         send(

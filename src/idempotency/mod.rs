@@ -266,7 +266,10 @@
 //! | `tower_ids_idempotency_store_failures_total` | counter | `operation` | store calls that failed |
 //! | `tower_ids_idempotency_released_total` | counter | `reason` | keys given up so a retry runs again: `handler_error`, `not_stored`, `response_failed`, `handler_panicked`, `abandoned`, `rolled_back`, `commit_failed`, `outcome_unknown` |
 //!
-//! The names are also constants, in [`metrics`]. Requests that pass through
+//! Every counter series whose label values are listed here, and the gauge, is
+//! exported at 0 as soon as a layer is built (install the recorder first), so `rate()`
+//! and dashboards have them before their first increment. The names are also
+//! constants, in [`metrics`]. Requests that pass through
 //! (a method not covered, or no key on a route that does not require one) are not
 //! counted.
 //!

@@ -216,6 +216,7 @@ impl<St: IdempotencyStore> Engine<St> {
 
 impl<St> Engine<St> {
     pub(crate) fn new(store: Arc<St>) -> Self {
+        observe::register();
         Self {
             store,
             kept: Arc::default(),

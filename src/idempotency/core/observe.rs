@@ -61,6 +61,53 @@ pub fn describe() {
     );
 }
 
+/// The label values known in advance: each series is exported at 0 from the moment a
+/// layer is built, so `rate()` and dashboards see it before its first increment.
+#[cfg(feature = "metrics")]
+const OUTCOMES: [&str; 9] = [
+    "executed",
+    "replayed",
+    "in_flight",
+    "conflict",
+    "not_replayable",
+    "original_failed",
+    "rejected",
+    "store_unavailable",
+    "fail_open",
+];
+#[cfg(feature = "metrics")]
+const OPERATIONS: [&str; 5] = ["begin", "renew", "complete", "release", "wait"];
+#[cfg(feature = "metrics")]
+const RELEASE_REASONS: [&str; 8] = [
+    "handler_error",
+    "not_stored",
+    "response_failed",
+    "handler_panicked",
+    "abandoned",
+    "rolled_back",
+    "commit_failed",
+    "outcome_unknown",
+];
+
+/// Registers every counter series with a known label, and the in-flight gauge, at 0
+/// (on the recorder installed now; a recorder installed later sees them from their
+/// first change).
+pub(crate) fn register() {
+    #[cfg(feature = "metrics")]
+    {
+        for outcome in OUTCOMES {
+            metrics::counter!(REQUESTS, "outcome" => outcome).increment(0);
+        }
+        for operation in OPERATIONS {
+            metrics::counter!(STORE_FAILURES, "operation" => operation).increment(0);
+        }
+        for reason in RELEASE_REASONS {
+            metrics::counter!(RELEASED, "reason" => reason).increment(0);
+        }
+        metrics::gauge!(REQUESTS_IN_FLIGHT).increment(0.0);
+    }
+}
+
 /// One protected request answered with `outcome`: `executed`, `replayed`,
 /// `in_flight`, `conflict`, `not_replayable`, `original_failed`, `rejected`,
 /// `store_unavailable` or `fail_open`.
