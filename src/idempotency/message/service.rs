@@ -351,6 +351,7 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
     // An HTTP payload is how outcomes were kept before `Payload::Message`: its body is
     // the outcome's JSON, so records written then still replay.
     let Some(stored) = &record.payload else {
+        core::not_replayable(request_count);
         return not_replayable();
     };
     match serde_json::from_slice(stored.body()) {
