@@ -19,7 +19,7 @@ use lapin::{
         QueueDeclareOptions,
     },
     types::FieldTable,
-    Connection, ConnectionProperties, ExchangeKind,
+    Channel, Connection, ConnectionProperties, Consumer, ExchangeKind,
 };
 use serde_json::Value;
 use support::{client, send};
@@ -75,14 +75,11 @@ async fn create(demo: &Demo, correlation_id: &str, key: &str) -> support::Reply 
     .await
 }
 
-#[tokio::test]
-async fn a_created_command_reaches_the_exchange_with_both_ids_and_a_replay_adds_nothing() {
-    let Some(connection) = connect().await else {
-        return;
-    };
-    let exchange = format!("tower-ids.test.commands.{}", std::process::id());
+/// An exchange of this test's own, declared as the demo declares it, and a consumer
+/// of an exclusive queue bound to its `command.#` events: bound before the demo starts.
+async fn bound_consumer(connection: &Connection, name: &str) -> (Channel, String, Consumer) {
+    let exchange = format!("tower-ids.test.{name}.{}", std::process::id());
     let channel = connection.create_channel().await.unwrap();
-    // Declared as the demo declares it, so the queue can be bound before it starts.
     channel
         .exchange_declare(
             exchange.as_str().into(),
@@ -117,7 +114,7 @@ async fn a_created_command_reaches_the_exchange_with_both_ids_and_a_replay_adds_
         )
         .await
         .unwrap();
-    let mut consumer = channel
+    let consumer = channel
         .basic_consume(
             queue.name().clone(),
             "".into(),
@@ -129,6 +126,23 @@ async fn a_created_command_reaches_the_exchange_with_both_ids_and_a_replay_adds_
         )
         .await
         .unwrap();
+    (channel, exchange, consumer)
+}
+
+async fn next_delivery(consumer: &mut Consumer) -> lapin::message::Delivery {
+    tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("the event reaches the queue within 10 s")
+        .expect("the consumer is open")
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_created_command_reaches_the_exchange_with_both_ids_and_a_replay_adds_nothing() {
+    let Some(connection) = connect().await else {
+        return;
+    };
+    let (channel, exchange, mut consumer) = bound_consumer(&connection, "commands").await;
 
     let demo = Demo::start(&["--amqp-url", &url(), "--amqp-exchange", &exchange]);
     demo.events("commands.amqp_connected").await;
@@ -136,11 +150,7 @@ async fn a_created_command_reaches_the_exchange_with_both_ids_and_a_replay_adds_
     assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
     let command_id = created.json()["id"].as_str().unwrap().to_owned();
 
-    let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
-        .await
-        .expect("the event reaches the queue within 10 s")
-        .expect("the consumer is open")
-        .unwrap();
+    let delivery = next_delivery(&mut consumer).await;
     assert_eq!(delivery.routing_key.as_str(), "command.created");
     let body: Value = serde_json::from_slice(&delivery.data).unwrap();
     assert_eq!(body["type"], "command.created");
@@ -191,4 +201,71 @@ async fn an_unreachable_broker_at_start_leaves_publishing_by_log() {
         .as_str()
         .unwrap()
         .starts_with("amqp-down-1."));
+}
+
+/// A request with a W3C `traceparent`: its access line, the publisher's line (its
+/// work runs later, in the background) and the AMQP event all carry its trace.
+#[cfg(feature = "opentelemetry")]
+#[tokio::test]
+async fn a_requests_trace_reaches_the_publishers_lines_and_the_amqp_event() {
+    use tower_ids::correlation::TraceContext;
+
+    let Some(connection) = connect().await else {
+        return;
+    };
+    let (channel, exchange, mut consumer) = bound_consumer(&connection, "traced").await;
+    let demo = Demo::start(&["--amqp-url", &url(), "--amqp-exchange", &exchange]);
+    demo.events("commands.amqp_connected").await;
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let created = send(
+        &client(),
+        "POST",
+        format!("{}/commands", demo.url),
+        &[
+            ("content-type", "application/json"),
+            ("x-correlation-id", "traced-create-1"),
+            ("x-api-key", "amqp-client"),
+            ("idempotency-key", "traced-create-1"),
+            ("traceparent", &format!("00-{trace_id}-b7ad6b7169203331-01")),
+        ],
+        r#"{"device_id":"d-traced","name":"reboot","payload":{}}"#,
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+
+    let delivery = next_delivery(&mut consumer).await;
+    let headers = delivery.properties.headers();
+    let trace = TraceContext::extract(headers).expect("a traceparent on the event");
+    assert_eq!(trace.trace_id(), trace_id);
+    assert!(
+        !trace.traceparent().contains("b7ad6b7169203331"),
+        "the publisher's own span is the parent, not the caller's: {}",
+        trace.traceparent()
+    );
+
+    let published = &demo.events("commands.published").await[0];
+    assert_eq!(published["span"]["name"], "publish");
+    assert_eq!(published["span"]["trace_id"], trace_id);
+    let access = demo.outcomes("executed", 1).await;
+    assert_eq!(access[0]["span"]["trace_id"], trace_id);
+    // Every line logged under the request's ID, or a delivery's extension of it.
+    let lines: Vec<Value> = demo
+        .lines()
+        .into_iter()
+        .filter(|line| {
+            line["span"]["correlation_id"]
+                .as_str()
+                .is_some_and(|id| id.starts_with("traced-create-1"))
+        })
+        .collect();
+    assert!(lines.len() >= 2, "{lines:#?}");
+    for line in &lines {
+        assert_eq!(line["span"]["trace_id"], trace_id, "{line}");
+    }
+
+    drop(demo);
+    channel
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
 }

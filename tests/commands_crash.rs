@@ -87,7 +87,8 @@ async fn start(database: &TestDatabase, extra: &[&str]) -> Demo {
     args.extend(extra.iter().map(|arg| (*arg).to_owned()));
     tokio::task::spawn_blocking(move || {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        Demo::start(&args)
+        // The handler's `commands.created` (DEBUG) counts its executions.
+        Demo::start_with_env(&args, &[("RUST_LOG", "info,commands=debug")])
     })
     .await
     .unwrap()

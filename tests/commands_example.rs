@@ -137,17 +137,15 @@ async fn the_demo_tells_one_story_per_correlation_id() {
     assert_eq!(malformed.status, StatusCode::BAD_REQUEST);
     assert_eq!(malformed.json()["code"], "body.invalid_json");
 
-    // The request's lines and the delivery's lines share the ID as a prefix.
-    // (The outermost span is the correlation span; the idempotency span nests in it.)
-    let created_log = &demo.events("commands.created").await[0];
-    assert_eq!(created_log["spans"][0]["correlation_id"], "demo-attempt-1");
-    assert_eq!(
-        demo.events("commands.created").await.len(),
-        1,
-        "created once"
-    );
-    let replayed = &demo.events("idempotency.replayed").await[0];
-    assert_eq!(replayed["spans"][0]["correlation_id"], "demo-attempt-2");
+    // Each attempt's access line says what the idempotency layer did; the delivery's
+    // lines share the first attempt's ID as a prefix.
+    let first = access_lines(&demo, "demo-attempt-1", 1).await;
+    assert_eq!(first[0]["span"]["idempotency_outcome"], "executed");
+    assert_eq!(first[0]["fields"]["status"], 201);
+    let second = access_lines(&demo, "demo-attempt-2", 1).await;
+    assert_eq!(second[0]["span"]["idempotency_outcome"], "replayed");
+    assert_eq!(second[0]["span"]["idempotency_request_count"], 2);
+    assert_eq!(second[0]["fields"]["status"], 201);
     let published = &demo.events("commands.published").await[0];
     let delivery = published["span"]["correlation_id"].as_str().unwrap();
     assert!(delivery.starts_with("demo-attempt-1."), "{delivery}");
@@ -308,4 +306,138 @@ async fn the_demo_continues_an_incoming_trace_in_its_logs() {
     assert_eq!(reply.status, StatusCode::OK);
     let lines = access_lines(&demo, "traced-1", 1).await;
     assert_eq!(lines[0]["span"]["trace_id"], trace_id);
+}
+
+/// Every INFO line logged for correlation ID `id` (a line of the request's spans).
+fn info_lines_of(demo: &Demo, id: &str) -> Vec<serde_json::Value> {
+    demo.lines()
+        .into_iter()
+        .filter(|line| line["level"] == "INFO")
+        .filter(|line| {
+            line["spans"]
+                .as_array()
+                .is_some_and(|spans| spans.iter().any(|s| s["correlation_id"] == id))
+        })
+        .collect()
+}
+
+async fn create_with(
+    client: &support::HttpClient,
+    url: &str,
+    correlation_id: &str,
+    key: &str,
+) -> support::Reply {
+    send(
+        client,
+        "POST",
+        format!("{url}/commands"),
+        &[
+            ("content-type", "application/json"),
+            ("x-correlation-id", correlation_id),
+            ("x-api-key", "demo-client"),
+            ("idempotency-key", key),
+        ],
+        r#"{"device_id":"d-canon","name":"reboot","payload":{}}"#,
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_request_writes_one_info_line_that_says_what_the_idempotency_layer_did() {
+    let demo = Demo::start(&[]);
+    let client = client();
+    let first = create_with(&client, &demo.url, "canon-1", "canon-key").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = create_with(&client, &demo.url, "canon-2", "canon-key").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    let conflict = send(
+        &client,
+        "POST",
+        format!("{}/commands", demo.url),
+        &[
+            ("content-type", "application/json"),
+            ("x-correlation-id", "canon-3"),
+            ("x-api-key", "demo-client"),
+            ("idempotency-key", "canon-key"),
+        ],
+        r#"{"device_id":"d-other","name":"reboot","payload":{}}"#,
+    )
+    .await;
+    assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);
+    access_lines(&demo, "canon-3", 1).await;
+
+    for (id, outcome, status) in [
+        ("canon-1", "executed", 201),
+        ("canon-2", "replayed", 201),
+        ("canon-3", "conflict", 422),
+    ] {
+        let lines = info_lines_of(&demo, id);
+        assert_eq!(lines.len(), 1, "one INFO line for {id}: {lines:#?}");
+        let line = &lines[0];
+        assert_eq!(line["fields"]["event"], "http.access");
+        assert_eq!(line["fields"]["status"], status);
+        assert!(line["fields"]["latency_ms"].is_number());
+        let span = &line["span"];
+        assert_eq!(span["idempotency_outcome"], outcome, "{line}");
+        assert_eq!(span["idempotency_key"], "canon-key");
+        assert!(span["idempotency_scope"].is_string());
+        assert!(span["idempotency_client"].is_string());
+        assert!(
+            span["idempotency_store_ms"]
+                .as_f64()
+                .is_some_and(|ms| ms > 0.0),
+            "{line}"
+        );
+    }
+    assert_eq!(
+        info_lines_of(&demo, "canon-2")[0]["span"]["idempotency_request_count"],
+        2
+    );
+    assert!(
+        info_lines_of(&demo, "canon-1")[0]["span"]["idempotency_request_count"].is_null(),
+        "a first execution has no count"
+    );
+    // The conflict's WARN line carries the key through the same span.
+    let conflict = &demo.events("idempotency.conflict").await[0];
+    assert_eq!(conflict["level"], "WARN");
+    assert_eq!(conflict["span"]["idempotency_key"], "canon-key");
+}
+
+#[tokio::test]
+async fn in_the_pretty_format_the_one_line_carries_the_outcome_too() {
+    let demo = Demo::start_with_env(&["--log-format", "pretty"], &[]);
+    let client = client();
+    create_with(&client, &demo.url, "pretty-1", "pretty-key").await;
+    let replay = create_with(&client, &demo.url, "pretty-2", "pretty-key").await;
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    let lines_of = |id: &str| -> Vec<String> {
+        let needle = format!(r#"correlation_id="{id}" "#);
+        demo.lines()
+            .into_iter()
+            .filter_map(|line| line.as_str().map(str::to_owned))
+            .filter(|line| line.contains(&needle))
+            .collect()
+    };
+    for _ in 0..500 {
+        if !lines_of("pretty-2").is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for (id, outcome) in [("pretty-1", "executed"), ("pretty-2", "replayed")] {
+        let lines = lines_of(id);
+        assert_eq!(lines.len(), 1, "one line for {id}: {lines:#?}");
+        let line = &lines[0];
+        assert!(line.contains(" INFO "), "{line}");
+        assert!(line.contains(r#"event="http.access""#), "{line}");
+        assert!(
+            line.contains(&format!(r#"idempotency_outcome="{outcome}""#)),
+            "{line}"
+        );
+        assert!(line.contains(r#"idempotency_key="pretty-key""#), "{line}");
+        assert_eq!(line.matches("idempotency_store_ms=").count(), 1, "{line}");
+        assert!(line.contains("status=201"), "{line}");
+    }
+    assert!(lines_of("pretty-2")[0].contains("idempotency_request_count=2"));
 }

@@ -410,3 +410,157 @@ async fn with_the_access_log_its_request_span_continues_the_trace() {
     assert_eq!(access["span"]["trace_id"], trace_id);
     assert_eq!(access["fields"]["status"], 200);
 }
+
+/// A connection to RabbitMQ (`AMQP_URL`, or the local one as guest), or `None`, said
+/// loudly, when none answers and this is not CI.
+#[cfg(feature = "amqp")]
+async fn rabbitmq() -> Option<lapin::Connection> {
+    let url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+    let connected = tokio::time::timeout(
+        Duration::from_secs(5),
+        lapin::Connection::connect(&url, lapin::ConnectionProperties::default()),
+    )
+    .await;
+    match connected {
+        Ok(Ok(connection)) => Some(connection),
+        failed => {
+            let why = match failed {
+                Ok(Err(error)) => error.to_string(),
+                _ => "timed out".to_owned(),
+            };
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "no RabbitMQ at {url} ({why}), and CI is set: the AMQP tests must run"
+            );
+            eprintln!(
+                "SKIPPED: no RabbitMQ at {url} ({why}); start one (rabbitmq-server -detached) or set AMQP_URL; this test did not run"
+            );
+            None
+        }
+    }
+}
+
+/// An HTTP request with a `traceparent`; its handler publishes a message to RabbitMQ
+/// with `MessageCorrelation::inject_current`; a consumer handles it in
+/// `MessageCorrelation::scope`. One trace, exported: the server span, and the
+/// consumer's span as its child; the consumer's log line carries the trace ID.
+#[cfg(feature = "amqp")]
+#[tokio::test]
+async fn one_trace_runs_from_the_request_through_rabbitmq_into_the_consumer() {
+    use axum::routing::post;
+    use futures_util::StreamExt as _;
+    use lapin::{
+        options::{BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions},
+        types::FieldTable,
+        BasicProperties, Channel,
+    };
+    use tower_ids::correlation::{MessageCorrelation, TraceContext};
+
+    const TRACE: &str = "5af7651916cd43dd8448eb211c80319c";
+    let lines = &pipeline().1;
+    let Some(connection) = rabbitmq().await else {
+        return;
+    };
+    let channel = connection.create_channel().await.unwrap();
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let queue = queue.name().as_str().to_owned();
+
+    async fn publish(State((channel, queue)): State<(Channel, String)>) -> StatusCode {
+        let mut headers = FieldTable::default();
+        MessageCorrelation::new().inject_current(&mut headers);
+        channel
+            .basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                BasicPublishOptions::default(),
+                b"{}",
+                BasicProperties::default().with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        StatusCode::ACCEPTED
+    }
+    let app = Router::new()
+        .route("/publish", post(publish))
+        .with_state((channel.clone(), queue.clone()))
+        .layer(CorrelationLayer::new());
+    let url = format!("http://{}/publish", serve(app).await);
+    let reply = send(
+        &client(),
+        "POST",
+        url,
+        &[
+            ("traceparent", &format!("00-{TRACE}-{PARENT_ID}-01")),
+            ("x-correlation-id", "amqp-traced-1"),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED);
+
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("the message arrives within 10 s")
+        .unwrap()
+        .unwrap();
+    let headers = delivery.properties.headers();
+    let carried = TraceContext::extract(headers).expect("a traceparent on the message");
+    assert_eq!(carried.trace_id(), TRACE);
+    let correlation = MessageCorrelation::new();
+    let id = correlation.for_delivery(headers);
+    assert!(id.as_str().starts_with("amqp-traced-1."), "{id}");
+    correlation
+        .scope(id.clone(), headers, async {
+            tracing::info!(event = "test.consumed", "consumed the message");
+        })
+        .await;
+
+    let spans = spans_of(TRACE, 2).await;
+    let server = spans
+        .iter()
+        .find(|span| span.span_kind == SpanKind::Server)
+        .expect("the server span");
+    let consumer = spans
+        .iter()
+        .find(|span| span.span_kind == SpanKind::Consumer)
+        .expect("the consumer span");
+    assert_eq!(server.parent_span_id.to_string(), PARENT_ID);
+    assert_eq!(
+        consumer.parent_span_id,
+        server.span_context.span_id(),
+        "the consumer continues the request's span"
+    );
+    assert_eq!(
+        attribute(consumer, "correlation_id").map(ToString::to_string),
+        Some(id.to_string())
+    );
+    let consumed = lines.with_correlation_id(id.as_str());
+    assert_eq!(consumed.len(), 1, "{consumed:?}");
+    assert_eq!(consumed[0]["span"]["trace_id"], TRACE);
+}

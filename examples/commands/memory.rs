@@ -9,12 +9,11 @@ use std::{
 
 use time::OffsetDateTime;
 use tokio::{sync::mpsc, time::Instant};
-use tower_ids::{correlation::CorrelationId, idempotency::IdempotencyKey};
 use uuid::Uuid;
 
 use crate::{
     api::ApiError,
-    publisher::Publish,
+    publisher::{Origin, Publish},
     routes::{Command, NewCommand, Status, Storage},
 };
 
@@ -40,13 +39,7 @@ impl Storage for Memory {
     /// Nothing: a write in memory stands as soon as it is made.
     type Transaction = ();
 
-    async fn create(
-        &self,
-        (): (),
-        new: NewCommand,
-        correlation_id: CorrelationId,
-        idempotency_key: Option<IdempotencyKey>,
-    ) -> Result<Command, ApiError> {
+    async fn create(&self, (): (), new: NewCommand, origin: Origin) -> Result<Command, ApiError> {
         // Take a queue slot first, so a stored command is always queued.
         let slot = self
             .queue
@@ -73,8 +66,7 @@ impl Storage for Memory {
         }
         slot.send(Publish {
             command_id: command.id,
-            correlation_id,
-            idempotency_key,
+            origin,
             queued_at: Instant::now(),
         });
         Ok(command)

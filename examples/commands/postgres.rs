@@ -43,6 +43,7 @@ use uuid::Uuid;
 use crate::{
     api::ApiError,
     broker::{Broker, Event},
+    publisher::Origin,
     routes::{Command, NewCommand, Status, Storage},
 };
 
@@ -73,6 +74,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     skipped_at     timestamptz
 );
 ALTER TABLE outbox ADD COLUMN IF NOT EXISTS idempotency_key text;
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS traceparent text;
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS tracestate text;
 CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id)
     WHERE sent_at IS NULL AND skipped_at IS NULL;
 ";
@@ -168,8 +171,7 @@ impl Storage for Database {
         &self,
         transaction: Self::Transaction,
         new: NewCommand,
-        correlation_id: CorrelationId,
-        idempotency_key: Option<IdempotencyKey>,
+        origin: Origin,
     ) -> Result<Command, ApiError> {
         // `POST /commands` requires a key, so the layer always offers one.
         let Some(Extension(transaction)) = transaction else {
@@ -197,12 +199,15 @@ impl Storage for Database {
         .map_err(|error| ApiError::database(&error, "inserting a command"))?;
         let command = command(&inserted)?;
         sqlx::query(
-            "INSERT INTO outbox (command_id, event, correlation_id, idempotency_key) \
-             VALUES ($1::uuid, 'command.created', $2, $3)",
+            "INSERT INTO outbox \
+               (command_id, event, correlation_id, idempotency_key, traceparent, tracestate) \
+             VALUES ($1::uuid, 'command.created', $2, $3, $4, $5)",
         )
         .bind(command.id.to_string())
-        .bind(correlation_id.as_str())
-        .bind(idempotency_key.as_ref().map(IdempotencyKey::as_str))
+        .bind(origin.correlation_id.as_str())
+        .bind(origin.idempotency_key.as_ref().map(IdempotencyKey::as_str))
+        .bind(origin.traceparent.as_deref())
+        .bind(origin.tracestate.as_deref())
         .execute(writes.connection())
         .await
         .map_err(|error| ApiError::database(&error, "inserting an outbox row"))?;
@@ -400,7 +405,7 @@ async fn publish_batch(
     let mut transaction = pool.begin().await?;
     let pending = sqlx::query(
         "SELECT o.id, o.command_id::text AS command_id, o.event, o.correlation_id, \
-                o.idempotency_key, c.status, c.device_id, c.name, c.payload::text AS payload \
+                o.idempotency_key, o.traceparent, o.tracestate, c.status, c.device_id, c.name, c.payload::text AS payload \
          FROM outbox o JOIN commands c ON c.id = o.command_id \
          WHERE o.sent_at IS NULL AND o.skipped_at IS NULL \
            AND o.created_at <= now() - make_interval(secs => $1) \
@@ -425,23 +430,28 @@ async fn publish_batch(
                 CorrelationId::new()
             }
         };
-        let delivery = Delivery {
-            outbox_id: row.try_get("id")?,
-            command_id: row.try_get("command_id")?,
-            event: row.try_get("event")?,
+        let origin = Origin {
+            correlation_id,
             // Validated by the idempotency layer before it was stored; rows written
             // before the column existed have none.
             idempotency_key: row
                 .try_get::<Option<&str>, _>("idempotency_key")?
                 .and_then(|key| IdempotencyKey::new(key).ok()),
+            traceparent: row.try_get("traceparent")?,
+            tracestate: row.try_get("tracestate")?,
+        };
+        let delivery = Delivery {
+            outbox_id: row.try_get("id")?,
+            command_id: row.try_get("command_id")?,
+            event: row.try_get("event")?,
+            idempotency_key: origin.idempotency_key.clone(),
             status: row.try_get("status")?,
             device_id: row.try_get("device_id")?,
             name: row.try_get("name")?,
             payload: row.try_get("payload")?,
         };
-        let done = correlation_id
-            .extend_redelivery()
-            .scope(delivery.deliver(&mut transaction, broker))
+        let done = origin
+            .publishing(delivery.deliver(&mut transaction, broker))
             .await?;
         settled += usize::from(done);
     }

@@ -22,6 +22,7 @@ use uuid::Uuid;
 use crate::{
     api::ApiError,
     load::{load_executions, load_handler, LoadState},
+    publisher::Origin,
     server::{with_request_limits, Limits},
 };
 
@@ -134,15 +135,14 @@ pub(crate) trait Storage: Clone + Send + Sync + 'static {
     /// the response's record (there when the request carries a key).
     type Transaction: FromRequestParts<AppState<Self>> + Send;
 
-    /// Stores a new command, `queued`, and queues it for the publisher under
-    /// `correlation_id`, with the `idempotency_key` of the request that created it (the
-    /// publisher puts both in the event's AMQP headers).
+    /// Stores a new command, `queued`, and queues it for the publisher with the
+    /// `origin` of the request that created it (the publisher puts its correlation ID,
+    /// idempotency key and trace context in the event's AMQP headers).
     fn create(
         &self,
         transaction: Self::Transaction,
         new: NewCommand,
-        correlation_id: CorrelationId,
-        idempotency_key: Option<IdempotencyKey>,
+        origin: Origin,
     ) -> impl Future<Output = Result<Command, ApiError>> + Send;
 
     /// The commands `GET /commands` answers, oldest first.
@@ -227,11 +227,11 @@ async fn create_command<S: Storage>(
     // The idempotency layer validated it before the handler ran (the route requires
     // one); the layer keeps it to itself, so it is read again here.
     let idempotency_key = IdempotencyKey::from_carrier(&headers).ok().flatten();
-    let command = state
-        .storage
-        .create(transaction, new, correlation_id, idempotency_key)
-        .await?;
-    tracing::info!(
+    let origin = Origin::current(correlation_id, idempotency_key);
+    let command = state.storage.create(transaction, new, origin).await?;
+    // DEBUG: the access line is the request's one line at INFO, and says it ran
+    // (`idempotency_outcome = "executed"`, status 201).
+    tracing::debug!(
         event = "commands.created",
         command_id = %command.id,
         device_id = command.device_id.as_str(),

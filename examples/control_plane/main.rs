@@ -85,7 +85,9 @@ use tower_ids::{
     },
 };
 use tracing::Instrument as _;
-use tracing_subscriber::fmt::writer::BoxMakeWriter;
+use tracing_subscriber::{
+    fmt::writer::BoxMakeWriter, layer::SubscriberExt as _, util::SubscriberInitExt as _,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Control signals over AMQP with correlation IDs and idempotency keys")]
@@ -229,8 +231,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             .json()
             .with_current_span(true)
             .with_span_list(true)
+            .finish()
+            .with(traces())
             .init(),
-        LogFormat::Text => logs.init(),
+        LogFormat::Text => logs.finish().with(traces()).init(),
     }
     let connection = Connection::connect(&cli.amqp_url, ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
@@ -442,7 +446,13 @@ async fn consume<St: IdempotencyStore>(
                     context.correlation.for_envelope(from_envelope.as_deref())
                 }
             };
-            id.scope(handle(delivery, service, context)).await;
+            // In the delivery's ID, and (feature `opentelemetry`) in the trace of the
+            // signal's `traceparent`.
+            let correlation = context.correlation.clone();
+            let headers = delivery.properties.headers().clone();
+            correlation
+                .scope(id, &headers, handle(delivery, service, context))
+                .await;
         });
     }
     Ok(())
@@ -656,7 +666,9 @@ async fn orchestrator(
                 data: serde_json::json!({}),
             };
             let mut headers = FieldTable::default();
-            MessageCorrelation::new().inject(&mut headers, &id);
+            // This attempt's ID (the task-local) and, with `--features opentelemetry`,
+            // its span's trace context.
+            MessageCorrelation::new().inject_current(&mut headers);
             key.inject(&mut headers);
             channel
                 .basic_publish(
@@ -693,6 +705,7 @@ async fn orchestrator(
                         event = "orchestrator.outcome",
                         attempt,
                         echoed_correlation_id = outcome.correlation_id.as_deref(),
+                        outcome_trace_id = message_trace_id(delivery.properties.headers()),
                         status = %outcome.data["status"],
                         "outcome received"
                     );
@@ -700,7 +713,7 @@ async fn orchestrator(
                 }
             }
         }
-        .instrument(tracing::info_span!(parent: &action, "correlation", correlation_id = %id));
+        .instrument(attempt_span(&action, &id));
         // The task-local too, for anything that reads CorrelationId::current().
         if let Some(outcome) = id.clone().task_local(sent).await? {
             return Ok(Some(outcome));
@@ -708,4 +721,52 @@ async fn orchestrator(
         tracing::warn!(parent: &action, event = "orchestrator.timeout", attempt, correlation_id = %id, "no outcome in time; sending again under a new correlation id");
     }
     Ok(None)
+}
+
+/// The span of one attempt: `correlation`, a child of the user action's span, with the
+/// attempt's ID and (with `--features opentelemetry`) the action's `trace_id`, which the
+/// signal carries to the controller and the controller's outcome carries back.
+fn attempt_span(action: &tracing::Span, id: &CorrelationId) -> tracing::Span {
+    let span = tracing::info_span!(
+        parent: action,
+        "correlation",
+        correlation_id = %id,
+        trace_id = tracing::field::Empty,
+    );
+    #[cfg(feature = "opentelemetry")]
+    if let Some(trace) = tower_ids::correlation::TraceContext::of(&span) {
+        span.record("trace_id", trace.trace_id());
+    }
+    span
+}
+
+/// The trace ID of a message's `traceparent` (with `--features opentelemetry`).
+fn message_trace_id(headers: &Option<FieldTable>) -> Option<String> {
+    #[cfg(feature = "opentelemetry")]
+    return tower_ids::correlation::TraceContext::extract(headers)
+        .map(|trace| trace.trace_id().to_owned());
+    #[cfg(not(feature = "opentelemetry"))]
+    {
+        let _ = headers;
+        None
+    }
+}
+
+/// With `--features opentelemetry`, a layer sending the spans to OpenTelemetry too
+/// (exported nowhere: add an exporter to the provider), so each signal's trace context
+/// travels on the AMQP messages both ways (`traceparent`) and both roles' lines carry its
+/// `trace_id`.
+#[cfg(feature = "opentelemetry")]
+fn traces<S>() -> Option<impl tracing_subscriber::Layer<S>>
+where
+    S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+{
+    use opentelemetry::trace::TracerProvider as _;
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+    Some(tracing_opentelemetry::layer().with_tracer(provider.tracer("control_plane")))
+}
+
+#[cfg(not(feature = "opentelemetry"))]
+fn traces<S: tracing::Subscriber>() -> Option<impl tracing_subscriber::Layer<S>> {
+    None::<tracing_subscriber::layer::Identity>
 }

@@ -17,7 +17,9 @@ use tower_http::{
 use tower_layer::Layer;
 use tracing::Span;
 
-use super::{Correlation, CorrelationLayer, CurrentSpan, DefaultValidator, MakeUuidV7};
+use super::{
+    log_millis as millis, Correlation, CorrelationLayer, CurrentSpan, DefaultValidator, MakeUuidV7,
+};
 
 /// The service [`AccessLogLayer`] makes: tower-http's `Trace` around the correlation
 /// layer, around `S`.
@@ -39,7 +41,9 @@ pub type AccessLog<S, M = MakeUuidV7, V = DefaultValidator> = Trace<
 /// and replays, the correlation layer's own `400` in `enforce` mode), logs exactly one
 /// INFO event, `event = "http.access"`, with `status` and `latency_ms`, inside the span
 /// `request{method, path, correlation_id}` (plus `trace_id` with the `opentelemetry`
-/// feature). Every other event of the request is logged inside that span too, so it
+/// feature, and what an idempotency layer inside recorded: see [`AccessSpan`]). It is
+/// the request's canonical line: with the idempotency layer's steps at DEBUG, a request
+/// that goes well writes only this line at INFO. Every other event of the request is logged inside that span too, so it
 /// carries the correlation ID as the plain layer's span does.
 ///
 /// A request whose inner service fails with an error instead of a response (never, on
@@ -105,8 +109,11 @@ impl<S, M: Clone, V: Clone> Layer<S> for AccessLogLayer<M, V> {
 }
 
 /// The request's span for [`AccessLogLayer`]: `request`, at INFO, with `method`, `path`
-/// (never the query, which may hold secrets) and an empty `correlation_id` the
-/// correlation layer records.
+/// (never the query, which may hold secrets), and empty fields the layers inside record:
+/// `correlation_id`, and the idempotency layer's `idempotency_*` fields (its key,
+/// scope, client, outcome, request count and store time; see
+/// `tower_ids::idempotency::field`), so that the access line, logged in this span,
+/// says what the layers did.
 ///
 /// With the `opentelemetry` feature it also has `trace_id` and `otel.kind = "server"`,
 /// and continues the trace of an incoming W3C `traceparent`.
@@ -124,6 +131,12 @@ impl<B> tower_http::trace::MakeSpan<B> for AccessSpan {
             method = %request.method(),
             path = request.uri().path(),
             correlation_id = tracing::field::Empty,
+            idempotency_key = tracing::field::Empty,
+            idempotency_scope = tracing::field::Empty,
+            idempotency_client = tracing::field::Empty,
+            idempotency_outcome = tracing::field::Empty,
+            idempotency_request_count = tracing::field::Empty,
+            idempotency_store_ms = tracing::field::Empty,
         );
         #[cfg(feature = "opentelemetry")]
         let span = tracing::info_span!(
@@ -131,6 +144,12 @@ impl<B> tower_http::trace::MakeSpan<B> for AccessSpan {
             method = %request.method(),
             path = request.uri().path(),
             correlation_id = tracing::field::Empty,
+            idempotency_key = tracing::field::Empty,
+            idempotency_scope = tracing::field::Empty,
+            idempotency_client = tracing::field::Empty,
+            idempotency_outcome = tracing::field::Empty,
+            idempotency_request_count = tracing::field::Empty,
+            idempotency_store_ms = tracing::field::Empty,
             trace_id = tracing::field::Empty,
             otel.kind = "server",
         );
@@ -143,7 +162,7 @@ impl<B> tower_http::trace::MakeSpan<B> for AccessSpan {
 }
 
 /// The access line: `event = "http.access"`, `status` and `latency_ms` (to the
-/// response head), at INFO, inside the request's span.
+/// response head, to the microsecond), at INFO, inside the request's span.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AccessLine;
 
@@ -152,7 +171,7 @@ impl<B> OnResponse<B> for AccessLine {
         tracing::info!(
             event = "http.access",
             status = response.status().as_u16(),
-            latency_ms = latency.as_secs_f64() * 1000.0,
+            latency_ms = millis(latency),
             "request answered"
         );
     }

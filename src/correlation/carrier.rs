@@ -1,9 +1,11 @@
 //! Correlation IDs on messages: read from a message's headers, extended per delivery,
 //! and written into the headers of the messages a handler sends.
 
-use std::borrow::Cow;
+use std::{borrow::Cow, future::Future};
 
 use http::{HeaderMap, HeaderName, HeaderValue};
+use tokio::task::futures::TaskLocalFuture;
+use tracing::{instrument::Instrumented, Instrument as _};
 
 use super::{CorrelationId, DefaultValidator, InvalidCorrelationId, DEFAULT_MAX_LEN};
 
@@ -128,6 +130,10 @@ impl Carrier for lapin::types::FieldTable {
 /// .await;
 /// # }
 /// ```
+///
+/// A consumer that runs each delivery in [`scope`](Self::scope) rather than
+/// [`CorrelationId::scope`] also continues the message's trace (feature
+/// `opentelemetry`).
 ///
 /// A missing ID is generated (UUIDv7); an invalid one (empty, too long, a character
 /// other than letters, digits and `-._:`, or a repeated header) is replaced by a
@@ -260,11 +266,57 @@ impl MessageCorrelation {
     }
 
     /// Writes the current task's ID ([`CorrelationId::current`]) into `carrier`, as
-    /// [`inject`](Self::inject); nothing when there is none.
+    /// [`inject`](Self::inject); nothing when there is none. With the `opentelemetry`
+    /// feature, also the current span's W3C trace context (`traceparent`, and
+    /// `tracestate` if any; see [`TraceContext`](super::TraceContext)), unless the
+    /// carrier has one, so the consumer's [`scope`](Self::scope) continues the trace.
     pub fn inject_current(&self, carrier: &mut impl Carrier) {
         if let Some(id) = CorrelationId::current() {
             self.inject(carrier, &id);
         }
+        #[cfg(feature = "opentelemetry")]
+        if let Some(trace) = super::TraceContext::current() {
+            trace.inject(carrier);
+        }
+    }
+
+    /// Runs `future`, the handling of one delivery, under `id` (from
+    /// [`for_delivery`](Self::for_delivery) or [`for_envelope`](Self::for_envelope)):
+    /// in the task-local and in a `correlation` span, as [`CorrelationId::scope`] does.
+    ///
+    /// With the `opentelemetry` feature the span continues the trace of the message's
+    /// `traceparent` (the publisher's, written by [`inject_current`](Self::inject_current)),
+    /// records it in its `trace_id` field, and is a consumer span (`otel.kind =
+    /// "consumer"`): the publisher's trace goes on into the consumer's lines and spans.
+    /// The message's context is the span's parent, not a link: one message is handled
+    /// per span, the case where OpenTelemetry's messaging conventions let the consumer
+    /// continue the creation context, so the whole user action reads as one trace.
+    pub fn scope<F: Future>(
+        &self,
+        id: CorrelationId,
+        carrier: &impl Carrier,
+        future: F,
+    ) -> Instrumented<TaskLocalFuture<CorrelationId, F>> {
+        #[cfg(not(feature = "opentelemetry"))]
+        let span = {
+            let _ = carrier;
+            tracing::info_span!("correlation", correlation_id = %id)
+        };
+        #[cfg(feature = "opentelemetry")]
+        let span = {
+            let span = tracing::info_span!(
+                "correlation",
+                correlation_id = %id,
+                trace_id = tracing::field::Empty,
+                otel.kind = "consumer",
+            );
+            match super::TraceContext::extract(carrier) {
+                Some(trace) => trace.continue_in(&span),
+                None => super::otel::continue_trace(&span, &http::HeaderMap::new()),
+            }
+            span
+        };
+        id.task_local(future).instrument(span)
     }
 }
 

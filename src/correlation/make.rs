@@ -68,7 +68,9 @@ where
 /// The field every span of the layer records the correlation ID in.
 pub(super) const CORRELATION_ID_FIELD: &str = "correlation_id";
 
-/// The default span: `correlation`, with the single field `correlation_id`, at INFO.
+/// The default span: `correlation`, with the field `correlation_id`, at INFO, and the
+/// idempotency layer's fields, empty until an idempotency layer inside records them
+/// (see `tower_ids::idempotency::field`).
 ///
 /// With the `opentelemetry` feature it also has `trace_id` (the W3C trace ID, recorded
 /// by the layer) and `otel.kind = "server"`.
@@ -111,7 +113,17 @@ impl<B> MakeSpan<B> for DefaultMakeSpan {
         #[cfg(not(feature = "opentelemetry"))]
         macro_rules! span {
             ($level:expr) => {
-                tracing::span!($level, "correlation", correlation_id = %id)
+                tracing::span!(
+                    $level,
+                    "correlation",
+                    correlation_id = %id,
+                    idempotency_key = tracing::field::Empty,
+                    idempotency_scope = tracing::field::Empty,
+                    idempotency_client = tracing::field::Empty,
+                    idempotency_outcome = tracing::field::Empty,
+                    idempotency_request_count = tracing::field::Empty,
+                    idempotency_store_ms = tracing::field::Empty,
+                )
             };
         }
         // `trace_id` is recorded once the incoming trace is continued; `otel.kind`
@@ -124,6 +136,12 @@ impl<B> MakeSpan<B> for DefaultMakeSpan {
                     "correlation",
                     correlation_id = %id,
                     trace_id = tracing::field::Empty,
+                    idempotency_key = tracing::field::Empty,
+                    idempotency_scope = tracing::field::Empty,
+                    idempotency_client = tracing::field::Empty,
+                    idempotency_outcome = tracing::field::Empty,
+                    idempotency_request_count = tracing::field::Empty,
+                    idempotency_store_ms = tracing::field::Empty,
                     otel.kind = "server",
                 )
             };

@@ -236,7 +236,7 @@ pub use self::access_log::{AccessLine, AccessLog, AccessLogLayer, AccessSpan};
 #[cfg(feature = "axum")]
 pub use self::extract::CorrelationLayerMissing;
 #[cfg(feature = "opentelemetry")]
-pub use self::otel::{BAGGAGE, BAGGAGE_CORRELATION_ID, TRACEPARENT};
+pub use self::otel::{TraceContext, BAGGAGE, BAGGAGE_CORRELATION_ID, TRACEPARENT, TRACESTATE};
 pub use self::{
     carrier::{Carrier, MessageCorrelation},
     future::ResponseFuture,
@@ -256,3 +256,12 @@ pub use self::{
 /// The de facto name across services and log pipelines; `x-request-id` (tower-http's)
 /// can be accepted as well with [`CorrelationLayer::accept`].
 pub const DEFAULT_HEADER: HeaderName = HeaderName::from_static("x-correlation-id");
+
+/// `duration` in milliseconds, to the microsecond: what a log line needs.
+#[cfg(any(feature = "access-log", feature = "idempotency"))]
+pub(crate) fn log_millis(duration: std::time::Duration) -> f64 {
+    // Exact below 2^53 µs (285 years).
+    #[allow(clippy::cast_precision_loss)]
+    let micros = duration.as_micros() as f64;
+    micros / 1000.0
+}

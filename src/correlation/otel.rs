@@ -32,6 +32,10 @@ use super::CorrelationId;
 /// receives and set on requests the outbound layers send.
 pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
+/// `tracestate`: the vendor part of the W3C trace context, travelling with
+/// `traceparent`.
+pub const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
+
 /// `baggage`: the W3C baggage header.
 pub const BAGGAGE: HeaderName = HeaderName::from_static("baggage");
 
@@ -68,13 +72,17 @@ impl Injector for Inject<'_> {
 /// OpenTelemetry span's (continued, or a new trace), else the incoming one, so logs
 /// have it even without an OpenTelemetry pipeline.
 pub(super) fn continue_trace(span: &Span, headers: &HeaderMap) {
+    continue_from(span, headers.contains_key(TRACEPARENT), &Extract(headers));
+}
+
+/// [`continue_trace`] from any extractor; `has_parent` when it holds a `traceparent`.
+fn continue_from(span: &Span, has_parent: bool, extractor: &dyn Extractor) {
     if span.is_disabled() {
         return;
     }
     let mut incoming = None;
-    if headers.contains_key(TRACEPARENT) {
-        let parent =
-            TraceContextPropagator::new().extract_with_context(&Context::new(), &Extract(headers));
+    if has_parent {
+        let parent = TraceContextPropagator::new().extract_with_context(&Context::new(), extractor);
         let remote = parent.span().span_context().trace_id();
         if remote != TraceId::INVALID {
             incoming = Some(remote);
@@ -112,6 +120,168 @@ pub(crate) fn inject_trace_context(headers: &mut HeaderMap) {
     let context = Span::current().context();
     if context.span().span_context().is_valid() {
         TraceContextPropagator::new().inject_context(&context, &mut Inject(headers));
+    }
+}
+
+/// A W3C trace context (`traceparent`, and `tracestate` when there is one) taken out of
+/// a span, to travel where a span cannot: a message's headers, an outbox row, an
+/// in-process queue (feature `opentelemetry`).
+///
+/// Work done later on behalf of a request (publishing its event from an outbox, a
+/// consumer handling that event) continues the request's trace from it, so that every
+/// line it logs carries the request's `trace_id` and the spans form one trace.
+///
+/// ```
+/// use tower_ids::correlation::TraceContext;
+///
+/// // Stored with the work (here, two text columns of an outbox row) ...
+/// let stored = TraceContext::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", None)
+///     .expect("a valid traceparent");
+/// assert_eq!(stored.trace_id(), "4bf92f3577b34da6a3ce929d0e0e4736");
+///
+/// // ... continued by the span that does the work, before it is entered.
+/// let span = tracing::info_span!("publish", trace_id = tracing::field::Empty, otel.kind = "producer");
+/// stored.continue_in(&span);
+///
+/// // Unparseable values are refused, never carried on.
+/// assert!(TraceContext::parse("00-not-a-trace", None).is_none());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceContext {
+    traceparent: String,
+    tracestate: Option<String>,
+}
+
+impl TraceContext {
+    /// The current span's trace context; `None` when it has no valid OpenTelemetry
+    /// context (no `tracing-opentelemetry` layer, or the span is disabled).
+    pub fn current() -> Option<Self> {
+        Self::of(&Span::current())
+    }
+
+    /// `span`'s trace context; `None` as for [`current`](Self::current).
+    pub fn of(span: &Span) -> Option<Self> {
+        let context = span.context();
+        if !context.span().span_context().is_valid() {
+            return None;
+        }
+        let mut fields = Fields::default();
+        TraceContextPropagator::new().inject_context(&context, &mut fields);
+        Self::from_fields(fields)
+    }
+
+    /// A trace context from its two W3C values, as stored; `None` unless `traceparent`
+    /// is a valid W3C `traceparent` (an invalid `tracestate` is dropped).
+    pub fn parse(traceparent: &str, tracestate: Option<&str>) -> Option<Self> {
+        let mut fields = Fields::default();
+        fields.0.push(("traceparent", traceparent.to_owned()));
+        if let Some(tracestate) = tracestate {
+            fields.0.push(("tracestate", tracestate.to_owned()));
+        }
+        // Parsed as the propagator parses it, and written back as it writes it.
+        let context = TraceContextPropagator::new().extract_with_context(&Context::new(), &fields);
+        if !context.span().span_context().is_valid() {
+            return None;
+        }
+        let mut canonical = Fields::default();
+        TraceContextPropagator::new().inject_context(&context, &mut canonical);
+        Self::from_fields(canonical)
+    }
+
+    /// The trace context a message carries in its headers (`traceparent` and
+    /// `tracestate`); `None` when it has none, or an invalid one.
+    pub fn extract(carrier: &impl super::Carrier) -> Option<Self> {
+        let text = |name| {
+            carrier
+                .get(name)
+                .and_then(|value| std::str::from_utf8(value).ok())
+        };
+        Self::parse(text("traceparent")?, text("tracestate"))
+    }
+
+    /// Writes `traceparent` (and `tracestate`) into an outgoing message's headers,
+    /// unless they carry a `traceparent` already.
+    pub fn inject(&self, carrier: &mut impl super::Carrier) {
+        if carrier.get("traceparent").is_some() {
+            return;
+        }
+        carrier.set("traceparent", &self.traceparent);
+        if let Some(tracestate) = &self.tracestate {
+            carrier.set("tracestate", tracestate);
+        }
+    }
+
+    /// Makes `span` continue this trace, as the server layer does for an incoming
+    /// `traceparent`: its parent (the span must not have been entered yet), and its
+    /// `trace_id` field if it declares one.
+    pub fn continue_in(&self, span: &Span) {
+        let mut fields = Fields::default();
+        fields.0.push(("traceparent", self.traceparent.clone()));
+        if let Some(tracestate) = &self.tracestate {
+            fields.0.push(("tracestate", tracestate.clone()));
+        }
+        continue_from(span, true, &fields);
+    }
+
+    /// The W3C `traceparent` value.
+    pub fn traceparent(&self) -> &str {
+        &self.traceparent
+    }
+
+    /// The W3C `tracestate` value, if any.
+    pub fn tracestate(&self) -> Option<&str> {
+        self.tracestate.as_deref()
+    }
+
+    /// The trace ID, 32 lowercase hex digits.
+    pub fn trace_id(&self) -> &str {
+        // `00-<trace id>-<parent id>-<flags>`, checked by `parse` or written by the
+        // propagator.
+        &self.traceparent[3..35]
+    }
+
+    fn from_fields(fields: Fields) -> Option<Self> {
+        let mut traceparent = None;
+        let mut tracestate = None;
+        for (name, value) in fields.0 {
+            match name {
+                "traceparent" => traceparent = Some(value),
+                "tracestate" if !value.is_empty() => tracestate = Some(value),
+                _ => {}
+            }
+        }
+        Some(Self {
+            traceparent: traceparent?,
+            tracestate,
+        })
+    }
+}
+
+/// The two W3C fields, for the propagator to read and write.
+#[derive(Default)]
+struct Fields(Vec<(&'static str, String)>);
+
+impl Extractor for Fields {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(name, _)| *name == key)
+            .map(|(_, value)| value.as_str())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.iter().map(|(name, _)| *name).collect()
+    }
+}
+
+impl Injector for Fields {
+    fn set(&mut self, key: &str, value: String) {
+        let name = match key {
+            "traceparent" => "traceparent",
+            "tracestate" => "tracestate",
+            _ => return,
+        };
+        self.0.push((name, value));
     }
 }
 

@@ -182,23 +182,47 @@
 //!
 //! # Events
 //!
-//! Every event is inside an `idempotency` span, itself inside the request's correlation
-//! span, except `idempotency.rejected`, which refuses a request before it is scoped and
-//! so has only the correlation span (and, on a route whose key is in the body, the
-//! refusals of the body, `idempotency.body_too_large`, `idempotency.overloaded` and
-//! `idempotency.body_unreadable`, which come before its key is known). The span's
-//! fields: `correlation_id` (also on the correlation span, repeated here so a JSON
-//! log's innermost `span` has it), `idempotency_key`, the key as
-//! sent (already checked to be 1 to 255 visible ASCII characters, so safe in a log
-//! line, and what a log search for a user action needs), and `scope` and `client`,
-//! short hex prefixes of hashes: the client's credential never reaches a log line.
-//! `event` codes:
+//! The layer writes no line of its own for a request that goes well: it records what
+//! it did on the request's span (the span current when it runs), so that the one
+//! access line of [`CorrelationLayer::access_log`](crate::correlation::CorrelationLayer::access_log)
+//! carries it, as do the handler's events and every span exporter (OpenTelemetry
+//! attributes). The fields, listed in [`field`]:
 //!
-//! - DEBUG: `idempotency.accepted`.
-//! - INFO: `idempotency.replayed`, `idempotency.stored`, `idempotency.released`,
+//! | Field | What |
+//! |---|---|
+//! | `idempotency_outcome` | `executed`, `replayed`, `in_flight`, `conflict`, `not_replayable`, `original_failed`, `rejected`, `store_unavailable` or `fail_open`, as the `outcome` label of [`metrics::REQUESTS`] |
+//! | `idempotency_key` | the key as sent, already checked to be 1 to 255 visible ASCII characters, so safe in a log line, and what a log search for a user action needs |
+//! | `idempotency_scope`, `idempotency_client` | short hex prefixes of hashes of the scope and of the client: the client's credential never reaches a log line |
+//! | `idempotency_request_count` | requests the store has seen with this key, on a replay or a request in flight |
+//! | `idempotency_store_ms` | milliseconds spent in store calls on the request's path (claim or lookup, any wait, completion) |
+//!
+//! [`AccessSpan`](crate::correlation::AccessSpan) and the correlation layer's default
+//! span declare these fields; a span of your own
+//! ([`make_span`](crate::correlation::CorrelationLayer::make_span), tower-http's
+//! `TraceLayer`) gets them by declaring them `Empty`, and ignores those it does not
+//! declare. A sample access line for a replay (JSON):
+//!
+//! ```json
+//! {"timestamp":"...","level":"INFO","fields":{"event":"http.access","status":201,"latency_ms":0.41,"message":"request answered"},
+//!  "target":"tower_ids::correlation::access_log",
+//!  "span":{"method":"POST","path":"/commands","correlation_id":"demo-attempt-2","idempotency_key":"k-1","idempotency_scope":"5f0c...","idempotency_client":"9a1e...","idempotency_outcome":"replayed","idempotency_request_count":2,"idempotency_store_ms":0.02,"name":"request"}}
+//! ```
+//!
+//! The layer's events, by `event` code, carry those fields through the span too. The
+//! steps of a request that goes well are DEBUG: the access line says what happened,
+//! and `RUST_LOG=info,tower_ids::idempotency=debug` brings the steps back where a
+//! request needs following step by step. Everything that needs an operator is WARN.
+//! `idempotency.rejected` refuses a request before it is scoped, so it has no key on
+//! its span (nor do, on a route whose key is in the body, the refusals of the body,
+//! `idempotency.body_too_large`, `idempotency.overloaded` and
+//! `idempotency.body_unreadable`, which come before its key is known).
+//!
+//! - DEBUG: `idempotency.accepted`, `idempotency.replayed`, `idempotency.stored`,
+//!   `idempotency.released`, `idempotency.nothing_to_release`,
 //!   `idempotency.in_flight`, `idempotency.not_replayable`,
-//!   `idempotency.original_failed`, `idempotency.commit_confirmed` (a commit whose
-//!   answer was lost was read back, and had landed).
+//!   `idempotency.original_failed`.
+//! - INFO: `idempotency.commit_confirmed` (a commit whose answer was lost was read
+//!   back, and had landed).
 //! - WARN, once per layer: `idempotency.uncorrelated`, a request ran with no correlation
 //!   ID in scope (see [Layer order](#layer-order)).
 //! - WARN: `idempotency.rejected` (the `400`s and the `401` on the key, the client or
@@ -306,6 +330,8 @@ mod scope;
 #[cfg(feature = "idempotency")]
 pub mod store;
 
+#[cfg(feature = "idempotency")]
+pub use self::core::observe::field;
 pub use self::key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey};
 #[cfg(feature = "idempotency")]
 pub use self::{

@@ -300,6 +300,7 @@ fn example_path() -> PathBuf {
             ("redis", cfg!(feature = "redis")),
             ("postgres", cfg!(feature = "postgres")),
             ("amqp", cfg!(feature = "amqp")),
+            ("opentelemetry", cfg!(feature = "opentelemetry")),
         ]
         .into_iter()
         .filter_map(|(name, on)| on.then_some(name))
@@ -349,7 +350,8 @@ impl Controller {
             .arg("--executions-file")
             .arg(topology.executions_file())
             .args(args)
-            .env("RUST_LOG", "info,lapin=warn")
+            // The layer's steps (`idempotency.replayed`, ...) are DEBUG.
+            .env("RUST_LOG", "info,lapin=warn,tower_ids::idempotency=debug")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -347,6 +347,31 @@ async fn the_orchestrator_retries_under_new_correlation_ids_with_one_key() {
         .await;
     assert!(published.iter().all(|o| o.body == published[0].body));
     assert_eq!(topology.executions().len(), 1, "the retries ran nothing");
+
+    // The action's trace (its attempts are spans of it) goes to the controller on the
+    // signal's `traceparent`, and comes back on the outcome's.
+    #[cfg(feature = "opentelemetry")]
+    {
+        let traces: HashSet<&str> = sent
+            .iter()
+            .map(|line| line["span"]["trace_id"].as_str().expect("a trace id"))
+            .collect();
+        assert_eq!(traces.len(), 1, "one trace for the user action: {traces:?}");
+        let received = controller.events("controller.received");
+        assert!(!received.is_empty());
+        for line in &received {
+            let trace = line["span"]["trace_id"].as_str().expect("a trace id");
+            assert!(traces.contains(trace), "{line}");
+        }
+        let answered = logs
+            .iter()
+            .find(|line| line["fields"]["event"] == "orchestrator.outcome")
+            .expect("the outcome line");
+        assert!(
+            traces.contains(answered["fields"]["outcome_trace_id"].as_str().unwrap()),
+            "{answered}"
+        );
+    }
     eprintln!(
         "orchestrator: {} attempts under {} correlation ids and 1 key, 1 execution, {} identical outcomes",
         sent.len(),

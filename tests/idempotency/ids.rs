@@ -117,7 +117,7 @@ async fn a_correlation_refusal_names_its_attempt() {
 }
 
 #[tokio::test]
-async fn json_logs_have_the_correlation_id_in_the_idempotency_span() {
+async fn json_logs_have_the_correlation_id_and_the_key_in_the_request_span() {
     let (logs, _guard) = Logs::capture();
     let app = start(IdempotencyLayer::new()).await;
     app.post("/commands", &[KEY, ("x-correlation-id", "first-1")], BODY)
@@ -125,10 +125,12 @@ async fn json_logs_have_the_correlation_id_in_the_idempotency_span() {
     app.post("/commands", &[KEY, ("x-correlation-id", "retry-2")], BODY)
         .await;
     let stored = &logs.events("idempotency.stored")[0];
-    assert_eq!(stored["span"]["name"], "idempotency");
+    assert_eq!(stored["span"]["name"], "correlation");
     assert_eq!(stored["span"]["correlation_id"], "first-1");
+    assert_eq!(stored["span"]["idempotency_key"], KEY.1);
     let replayed = &logs.events("idempotency.replayed")[0];
     assert_eq!(replayed["span"]["correlation_id"], "retry-2");
+    assert_eq!(replayed["span"]["idempotency_outcome"], "replayed");
 }
 
 #[tokio::test]

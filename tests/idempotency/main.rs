@@ -206,14 +206,15 @@ async fn a_duplicate_gets_the_original_response_byte_for_byte() {
     assert_ne!(first_id, second_id, "a retry is a new attempt");
     assert!(second.header("date").is_some());
 
+    // The steps, at DEBUG, in the request's span with what the layer recorded there.
     let stored = &logs.events("idempotency.stored")[0];
-    assert_eq!(stored["span"]["name"], "idempotency");
-    assert_eq!(
-        stored["spans"][0]["correlation_id"], first_id,
-        "inside the correlation span"
-    );
+    assert_eq!(stored["level"], "DEBUG");
+    assert_eq!(stored["span"]["name"], "correlation");
+    assert_eq!(stored["span"]["correlation_id"], first_id);
+    assert_eq!(stored["span"]["idempotency_outcome"], "executed");
     let replayed = &logs.events("idempotency.replayed")[0];
-    assert_eq!(replayed["spans"][0]["correlation_id"], second_id);
+    assert_eq!(replayed["level"], "DEBUG");
+    assert_eq!(replayed["span"]["correlation_id"], second_id);
     assert_eq!(replayed["span"]["idempotency_key"], KEY.1);
 }
 

@@ -44,16 +44,22 @@ impl Demo {
     /// Starts the demo with JSON logs, a 50 ms publish delay and `args` (later flags of
     /// the same name win), and waits until it says where it listens.
     pub fn start(args: &[&str]) -> Demo {
+        Self::start_with_env(args, &[])
+    }
+
+    /// [`start`](Self::start) with environment variables, such as `RUST_LOG`. With
+    /// `--log-format pretty` in `args`, each line is kept as a JSON string.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Demo {
+        let pretty = args.windows(2).any(|w| w == ["--log-format", "pretty"]);
         let mut child = Command::new(example_path())
-            .args([
-                "--addr",
-                "127.0.0.1:0",
-                "--log-format",
-                "json",
-                "--publish-delay-ms",
-                "50",
-            ])
+            .args(["--addr", "127.0.0.1:0", "--publish-delay-ms", "50"])
+            .args(if pretty {
+                [].as_slice()
+            } else {
+                ["--log-format", "json"].as_slice()
+            })
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -65,12 +71,18 @@ impl Demo {
         let reader = std::thread::spawn(move || {
             for line in stdout.lines() {
                 let Ok(line) = line else { return };
-                let value: Value = serde_json::from_str(&line)
-                    .unwrap_or_else(|_| panic!("not one JSON object per line: {line}"));
-                if let Some(url) = value["fields"]["message"]
-                    .as_str()
-                    .and_then(|m| m.strip_prefix("listening on "))
-                {
+                let value: Value = if pretty {
+                    Value::String(line)
+                } else {
+                    serde_json::from_str(&line)
+                        .unwrap_or_else(|_| panic!("not one JSON object per line: {line}"))
+                };
+                let message = match &value {
+                    Value::String(line) => Some(line.as_str()),
+                    value => value["fields"]["message"].as_str(),
+                };
+                if let Some((_, url)) = message.and_then(|m| m.split_once("listening on ")) {
+                    let url = url.split_whitespace().next().unwrap_or_default();
                     let _ = url_tx.send(url.to_owned());
                 }
                 sink.lock().unwrap().push(value);
@@ -118,6 +130,25 @@ impl Demo {
             .filter(|l| l["fields"]["event"] == code)
             .cloned()
             .collect()
+    }
+
+    /// The access lines whose idempotency outcome is `outcome`, waiting up to 5 s for
+    /// `count` of them (the log is read on another thread) and 100 ms more for extras.
+    pub async fn outcomes(&self, outcome: &str, count: usize) -> Vec<Value> {
+        let found = || {
+            self.logged("http.access")
+                .into_iter()
+                .filter(|line| line["span"]["idempotency_outcome"] == outcome)
+                .collect::<Vec<_>>()
+        };
+        for _ in 0..500 {
+            if found().len() >= count {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        found()
     }
 
     /// The lines with `event` = `code`, waiting up to 5 s for the first: the log is read

@@ -93,6 +93,28 @@ impl<St: IdempotencyStore> Engine<St> {
         epoch: Option<u64>,
         claimed: &ClaimFlag,
     ) -> Decision<St> {
+        let mut spent = Duration::ZERO;
+        let mut decision = self
+            .decide_timed(scope, fingerprint, epoch, claimed, &mut spent)
+            .await;
+        match &mut decision {
+            // Recorded once, with the completion's time, when the guard settles.
+            Decision::Run(guard) => guard.store_time = spent,
+            _ if !spent.is_zero() => observe::store_time(spent),
+            _ => {}
+        }
+        decision
+    }
+
+    /// [`decide`](Self::decide), adding the time spent in store calls to `spent`.
+    async fn decide_timed(
+        &self,
+        scope: ScopeKey,
+        fingerprint: Fingerprint,
+        epoch: Option<u64>,
+        claimed: &ClaimFlag,
+        spent: &mut Duration,
+    ) -> Decision<St> {
         let policy = &self.policy;
         let claim = lease::claim(fingerprint, policy.lease, epoch);
         if let Some(waiting) = self.kept.get(&scope) {
@@ -110,12 +132,14 @@ impl<St: IdempotencyStore> Engine<St> {
                 return in_flight(waiting.first_seen, None, retry_after);
             }
         }
-        let begin = observe::store_call("begin", self.store.begin(&scope, claim.clone()));
+        let begin =
+            observe::timed_store_call("begin", spent, self.store.begin(&scope, claim.clone()));
         let begin = match begin.await {
             Ok(begin) => begin,
             Err(error) => {
                 return match policy.store_failure {
                     StoreFailure::FailClosed => {
+                        observe::outcome("store_unavailable");
                         tracing::warn!(
                             event = "idempotency.store_failed",
                             error = %Chain(&error),
@@ -123,10 +147,10 @@ impl<St: IdempotencyStore> Engine<St> {
                             mode = "fail_closed",
                             "idempotency store failed; nothing ran"
                         );
-                        observe::outcome("store_unavailable");
                         Decision::Answer(Verdict::StoreUnavailable)
                     }
                     StoreFailure::FailOpen => {
+                        observe::outcome("fail_open");
                         tracing::warn!(
                             event = "idempotency.store_failed",
                             error = %Chain(&error),
@@ -134,7 +158,6 @@ impl<St: IdempotencyStore> Engine<St> {
                             mode = "fail_open",
                             "idempotency store failed; running without deduplication"
                         );
-                        observe::outcome("fail_open");
                         Decision::FailOpen
                     }
                 };
@@ -184,28 +207,29 @@ impl<St: IdempotencyStore> Engine<St> {
                     }
                     InFlight::Wait { timeout } => timeout,
                 };
-                let wait = observe::store_call("wait", self.store.wait(&scope, timeout));
+                let wait =
+                    observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
                 match Box::pin(wait).await {
                     Ok(Settled::Completed { record }) => {
                         settled(record, fingerprint, request_count)
                     }
                     Ok(Settled::TimedOut) => in_flight(first_seen, Some(request_count), AFTER_WAIT),
                     Ok(Settled::Released) => {
-                        tracing::info!(
+                        observe::outcome("original_failed");
+                        tracing::debug!(
                             event = "idempotency.original_failed",
                             "the work this one waited for did not complete; retry"
                         );
-                        observe::outcome("original_failed");
                         Decision::Answer(Verdict::OriginalFailed)
                     }
                     Err(error) => {
+                        observe::outcome("store_unavailable");
                         tracing::warn!(
                             event = "idempotency.store_failed",
                             error = %Chain(&error),
                             phase = "wait",
                             "idempotency store failed while waiting"
                         );
-                        observe::outcome("store_unavailable");
                         Decision::Answer(Verdict::StoreUnavailable)
                     }
                 }
@@ -240,6 +264,7 @@ pub(crate) fn rejected(
     detail: &str,
     status: Option<u16>,
 ) {
+    observe::outcome("rejected");
     tracing::warn!(
         event = "idempotency.rejected",
         reason,
@@ -248,7 +273,6 @@ pub(crate) fn rejected(
         status,
         "refused before deduplication: {code}"
     );
-    observe::outcome("rejected");
 }
 
 fn in_flight<St: IdempotencyStore>(
@@ -256,13 +280,14 @@ fn in_flight<St: IdempotencyStore>(
     request_count: Option<u64>,
     retry_after: Duration,
 ) -> Decision<St> {
-    tracing::info!(
+    observe::record(observe::field::REQUEST_COUNT, request_count);
+    observe::outcome("in_flight");
+    tracing::debug!(
         event = "idempotency.in_flight",
         request_count,
         retry_after_ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX),
         "work with this idempotency key is still running"
     );
-    observe::outcome("in_flight");
     Decision::Answer(Verdict::InFlight {
         first_seen,
         request_count,
@@ -271,11 +296,11 @@ fn in_flight<St: IdempotencyStore>(
 }
 
 fn conflict<St: IdempotencyStore>() -> Decision<St> {
+    observe::outcome("conflict");
     tracing::warn!(
         event = "idempotency.conflict",
         "idempotency key reused with another request"
     );
-    observe::outcome("conflict");
     Decision::Answer(Verdict::Conflict)
 }
 
@@ -283,13 +308,13 @@ fn epoch_mismatch<St: IdempotencyStore>(
     recorded: Option<u64>,
     requested: Option<u64>,
 ) -> Decision<St> {
+    observe::outcome("conflict");
     tracing::warn!(
         event = "idempotency.epoch_mismatch",
         recorded_epoch = recorded,
         request_epoch = requested,
         "idempotency key used in another epoch"
     );
-    observe::outcome("conflict");
     Decision::Answer(Verdict::EpochMismatch {
         recorded,
         requested,
@@ -320,22 +345,24 @@ fn settled<St: IdempotencyStore>(
 
 /// A duplicate answered with the stored outcome: its event and its count.
 pub(crate) fn replayed(record: &Record, request_count: u64) {
-    tracing::info!(
+    observe::record(observe::field::REQUEST_COUNT, request_count);
+    observe::outcome("replayed");
+    tracing::debug!(
         event = "idempotency.replayed",
         request_count,
         status = record.response().map(|r| r.status.as_u16()),
         original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
         "replayed the stored outcome"
     );
-    observe::outcome("replayed");
 }
 
 /// A duplicate of work that ran, whose outcome this transport cannot hand back.
 pub(crate) fn not_replayable(request_count: u64) {
-    tracing::info!(
+    observe::record(observe::field::REQUEST_COUNT, request_count);
+    observe::outcome("not_replayable");
+    tracing::debug!(
         event = "idempotency.not_replayable",
         request_count,
         "the work ran but its outcome was not kept, or cannot be handed back here"
     );
-    observe::outcome("not_replayable");
 }

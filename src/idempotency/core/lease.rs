@@ -75,6 +75,8 @@ pub(crate) struct LeaseGuard<St: IdempotencyStore> {
     max_kept_bytes: usize,
     /// The transaction the store offers the handler, if it can commit the record in it.
     transaction: Option<Box<dyn HandlerTransaction>>,
+    /// Time spent in store calls on the request's path so far.
+    pub(super) store_time: Duration,
 }
 
 impl<St: IdempotencyStore> LeaseGuard<St> {
@@ -96,6 +98,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             ttl: policy.ttl,
             max_kept_bytes: policy.max_kept_bytes,
             transaction,
+            store_time: Duration::ZERO,
         }
     }
 
@@ -171,7 +174,11 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         let record = Arc::new(record);
         if let Some(transaction) = self.transaction.take() {
             let outcome = Some((record.clone(), ttl));
-            match transaction.settle(self.scope, lease.clone(), outcome).await {
+            let started = std::time::Instant::now();
+            let settlement = transaction.settle(self.scope, lease.clone(), outcome).await;
+            self.store_time += started.elapsed();
+            observe::store_time(self.store_time);
+            match settlement {
                 Settlement::Committed(completion) => {
                     report(completion, &record, ttl, 1);
                     return Ok(());
@@ -224,12 +231,15 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                 }
             }
         }
-        let completed = observe::store_call(
+        let completed = observe::timed_store_call(
             "complete",
+            &mut self.store_time,
             self.store
                 .complete(&self.scope, &lease, record.clone(), ttl),
-        );
-        match completed.await {
+        )
+        .await;
+        observe::store_time(self.store_time);
+        match completed {
             Ok(completion) => report(completion, &record, ttl, 1),
             Err(error) => {
                 tracing::warn!(
@@ -260,11 +270,13 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         let Some(lease) = self.lease.take() else {
             return;
         };
+        let started = std::time::Instant::now();
         if let Some(transaction) = self.transaction.take() {
             // Nothing to store: whatever the handler wrote in it is rolled back.
             transaction.settle(self.scope, lease.clone(), None).await;
         }
         release(&self.store, &self.scope, &lease, self.claim.lease, reason).await;
+        observe::store_time(self.store_time + started.elapsed());
     }
 }
 
@@ -372,7 +384,7 @@ async fn try_release<St: IdempotencyStore>(
 ) -> bool {
     match observe::store_call("release", store.release(scope, lease)).await {
         Ok(true) => {
-            tracing::info!(
+            tracing::debug!(
                 event = "idempotency.released",
                 reason,
                 attempts,
@@ -382,7 +394,7 @@ async fn try_release<St: IdempotencyStore>(
             true
         }
         Ok(false) if reason == "outcome_unknown" => {
-            tracing::info!(
+            tracing::debug!(
                 event = "idempotency.nothing_to_release",
                 reason,
                 "nothing to release: the commit whose answer was lost landed (its record answers retries), or the claim had run out and another request holds the key"
@@ -426,7 +438,7 @@ fn report(completion: Completion, record: &Record, ttl: Duration, attempts: u32)
     let status = record.response().map(|r| r.status.as_u16());
     let bytes = record.weight();
     match completion {
-        Completion::Stored => tracing::info!(
+        Completion::Stored => tracing::debug!(
             event = "idempotency.stored",
             status,
             bytes,

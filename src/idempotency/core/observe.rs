@@ -15,7 +15,10 @@
 use std::{
     future::Future,
     sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
 };
+
+use tracing::Span;
 
 use crate::correlation::CorrelationId;
 use crate::idempotency::store::StoreError;
@@ -110,13 +113,48 @@ pub(crate) fn register() {
 
 /// One protected request answered with `outcome`: `executed`, `replayed`,
 /// `in_flight`, `conflict`, `not_replayable`, `original_failed`, `rejected`,
-/// `store_unavailable` or `fail_open`.
+/// `store_unavailable` or `fail_open`; counted, and recorded on the request's span.
 #[inline]
 pub(crate) fn outcome(outcome: &'static str) {
     #[cfg(feature = "metrics")]
     metrics::counter!(REQUESTS, "outcome" => outcome).increment(1);
-    #[cfg(not(feature = "metrics"))]
-    let _ = outcome;
+    Span::current().record(field::OUTCOME, outcome);
+}
+
+/// The fields the layer records on the span current when it runs (the request's span:
+/// [`AccessSpan`](crate::correlation::AccessSpan) and the correlation layer's default
+/// span declare them), so that the request's one access line carries them. A span that
+/// does not declare a field ignores it.
+pub mod field {
+    /// What the layer did with the request: `executed`, `replayed`, `in_flight`,
+    /// `conflict`, `not_replayable`, `original_failed`, `rejected`,
+    /// `store_unavailable` or `fail_open`.
+    pub const OUTCOME: &str = "idempotency_outcome";
+    /// The idempotency key, once validated.
+    pub const KEY: &str = "idempotency_key";
+    /// The key's scope (a digest of client, method, path and key), as the store keys it.
+    pub const SCOPE: &str = "idempotency_scope";
+    /// The client the key is scoped to, as the client identifier displays it.
+    pub const CLIENT: &str = "idempotency_client";
+    /// How many requests the store has seen with this key (on a replay or a request
+    /// in flight).
+    pub const REQUEST_COUNT: &str = "idempotency_request_count";
+    /// Milliseconds spent in store calls on the request's path (the claim or lookup,
+    /// any wait, and the completion), as a float.
+    pub const STORE_MS: &str = "idempotency_store_ms";
+}
+
+/// Records `value` in the current span's field `name` (see [`field`]).
+#[inline]
+pub(crate) fn record(name: &'static str, value: impl tracing::Value) {
+    Span::current().record(name, value);
+}
+
+/// Records the time spent in store calls on the request's path, once per request (a
+/// text formatter appends each recording), in milliseconds to the microsecond.
+#[inline]
+pub(crate) fn store_time(spent: Duration) {
+    record(field::STORE_MS, crate::correlation::log_millis(spent));
 }
 
 /// A key released with `reason`.
@@ -134,22 +172,32 @@ pub(crate) async fn store_call<T>(
     operation: &'static str,
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
+    let mut spent = Duration::ZERO;
+    timed_store_call(operation, &mut spent, call).await
+}
+
+/// [`store_call`], adding the time it took to `spent`.
+#[inline]
+pub(crate) async fn timed_store_call<T>(
+    operation: &'static str,
+    spent: &mut Duration,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let started = std::time::Instant::now();
+    let result = call.await;
+    let elapsed = started.elapsed();
+    *spent += elapsed;
     #[cfg(feature = "metrics")]
     {
-        let started = std::time::Instant::now();
-        let result = call.await;
         metrics::histogram!(STORE_CALL_DURATION, "operation" => operation)
-            .record(started.elapsed().as_secs_f64());
+            .record(elapsed.as_secs_f64());
         if result.is_err() {
             metrics::counter!(STORE_FAILURES, "operation" => operation).increment(1);
         }
-        result
     }
     #[cfg(not(feature = "metrics"))]
-    {
-        let _ = operation;
-        call.await
-    }
+    let _ = operation;
+    result
 }
 
 /// Counts one protected request in flight until dropped.

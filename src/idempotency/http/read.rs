@@ -27,13 +27,13 @@ where
     // A body larger than the whole budget could never be read: too large, not busy.
     let max = settings.max_request_bytes.min(budget.capacity());
     let too_large = || {
+        observe::outcome("rejected");
         tracing::warn!(
             event = "idempotency.body_too_large",
             max_bytes = max,
             status = 413,
             "request body over the idempotency limit"
         );
-        observe::outcome("rejected");
         reply.body_too_large(max)
     };
     let declared = request
@@ -55,6 +55,7 @@ where
         )),
         Read::TooLarge => Err(too_large()),
         Read::Overloaded { requested } => {
+            observe::outcome("rejected");
             tracing::warn!(
                 event = "idempotency.overloaded",
                 budget_bytes = budget.capacity(),
@@ -62,17 +63,16 @@ where
                 status = 503,
                 "request bodies in flight fill the idempotency byte budget; request refused"
             );
-            observe::outcome("rejected");
             Err(reply.overloaded())
         }
         Read::Failed(error) => {
+            observe::outcome("rejected");
             tracing::warn!(
                 event = "idempotency.body_unreadable",
                 error = %error,
                 status = 400,
                 "request body could not be read"
             );
-            observe::outcome("rejected");
             Err(reply.body_unreadable())
         }
     }

@@ -8,7 +8,6 @@ use std::{
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use tower_service::Service;
-use tracing::Instrument as _;
 
 use super::{
     answer::Reply,
@@ -17,12 +16,12 @@ use super::{
     read::{collect_up_to, fingerprint, read_body, Collected},
     ExtractEpoch, IdentifyClient, InvalidClient, InvalidEpoch, NoClient, NoEpoch,
 };
+use crate::body::Body;
 use crate::idempotency::{
-    core::{ClaimFlag, Decision, Detaching, Engine, LeaseGuard},
+    core::{observe::field, ClaimFlag, Decision, Detaching, Engine, LeaseGuard},
     store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
     AttemptId, ClientId, IdempotencyKey, ScopeKey,
 };
-use crate::{body::Body, correlation::CorrelationId};
 
 pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -373,7 +372,7 @@ where
 }
 
 /// A protected request whose key is in its head: its body read (within the limits),
-/// then deduplicated, inside its `idempotency` span.
+/// then deduplicated.
 async fn run<S, St, ReqBody, ResBody>(
     inner: S,
     engine: Engine<St>,
@@ -388,42 +387,32 @@ where
     ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
-    let span = idempotency_span(&protected, &settings);
+    record_protected(&protected, &settings);
     let _in_flight = engine.track();
-    async move {
-        // The body's bytes of the layer's budget, held until this work ends (dropped
-        // with it on every path, including a cancelled or abandoned future).
-        let (request, _budget) = match read_body(request, &settings, protected.reply()).await {
-            Ok(read) => read,
-            Err(refused) => return Ok(refused),
-        };
-        deduplicate(inner, engine, settings, request, protected, claimed).await
-    }
-    .instrument(span)
-    .await
+    // The body's bytes of the layer's budget, held until this work ends (dropped with
+    // it on every path, including a cancelled or abandoned future).
+    let (request, _budget) = match read_body(request, &settings, protected.reply()).await {
+        Ok(read) => read,
+        Err(refused) => return Ok(refused),
+    };
+    deduplicate(inner, engine, settings, request, protected, claimed).await
 }
 
-/// The `idempotency` span of a protected request.
-fn idempotency_span(protected: &Protected, settings: &Settings) -> tracing::Span {
-    // No span at all when nothing listens at INFO: a disabled span is still entered on
-    // every poll, which with tracing's `log` feature costs a `log` check each time.
-    if !tracing::level_enabled!(tracing::Level::INFO) {
-        return tracing::Span::none();
+/// Records the protected request's key, scope and client on the request's span (see
+/// [`field`](crate::idempotency::field)), where its access line and every event of the
+/// request pick them up.
+fn record_protected(protected: &Protected, settings: &Settings) {
+    // Warns once if the correlation layer is not outside this one.
+    settings.layer_order.correlation_id();
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
     }
-    // Formatted only if a subscriber records the span.
-    let client: &(dyn std::fmt::Display + Sync) = match &protected.client {
-        Some(client) => client,
-        None => &"none",
-    };
-    // On the span too, so a JSON log's top-level `span` (the innermost) has it.
-    let correlation_id = settings.layer_order.correlation_id();
-    tracing::info_span!(
-        "idempotency",
-        idempotency_key = protected.key.as_str(),
-        correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
-        scope = %protected.scope,
-        client = %client,
-    )
+    span.record(field::KEY, protected.key.as_str());
+    span.record(field::SCOPE, tracing::field::display(&protected.scope));
+    if let Some(client) = &protected.client {
+        span.record(field::CLIENT, tracing::field::display(client));
+    }
 }
 
 /// [`run`] for a route whose key is in the body: the body is read (within the limits,
@@ -461,10 +450,8 @@ where
         Decided::Protected(protected) => {
             // Counted from here: until its key is read, the request may pass through.
             let _in_flight = engine.track();
-            let span = idempotency_span(&protected, &settings);
-            deduplicate(inner, engine, settings, request, protected, claimed)
-                .instrument(span)
-                .await
+            record_protected(&protected, &settings);
+            deduplicate(inner, engine, settings, request, protected, claimed).await
         }
         Decided::PassThrough(attempt) => {
             let response = inner.call(request).await?;

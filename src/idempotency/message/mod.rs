@@ -89,7 +89,10 @@
 //! # Events
 //!
 //! As the HTTP layer's (see [`idempotency`](crate::idempotency#events)), in an
-//! `idempotency` span with `idempotency_key` and `scope`: `idempotency.accepted`,
+//! `idempotency` span with `idempotency_key` and `idempotency_scope`, where the layer
+//! records `idempotency_outcome`, `idempotency_request_count` and
+//! `idempotency_store_ms` as the HTTP layer does on the request's span (the steps of a
+//! delivery that goes well at DEBUG): `idempotency.accepted`,
 //! `idempotency.replayed`, `idempotency.stored`, `idempotency.released`,
 //! `idempotency.in_flight`, `idempotency.conflict`, `idempotency.not_replayable`,
 //! `idempotency.store_failed`, `idempotency.lease_lost`, ...; and

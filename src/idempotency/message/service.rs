@@ -254,7 +254,10 @@ where
         let span = tracing::info_span!(
             "idempotency",
             idempotency_key = key.key().as_str(),
-            scope = %key.scope_key(),
+            idempotency_scope = %key.scope_key(),
+            idempotency_outcome = tracing::field::Empty,
+            idempotency_request_count = tracing::field::Empty,
+            idempotency_store_ms = tracing::field::Empty,
         );
         let engine = self.engine.clone();
         ResponseFuture {
