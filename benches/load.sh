@@ -14,12 +14,16 @@
 #   correlated  POST /load/correlated    CorrelationLayer (no incoming ID: one generated)
 #   first       POST /load/idempotent    both layers, a fresh Idempotency-Key per request
 #   replay      POST /load/idempotent    both layers, one key (run once beforehand)
+#   logged_get     GET /load/logged      CorrelationLayer with its access line (access_log), as
+#                                        the service's own routes: one line per request at INFO
+#   logged_first   POST /load/logged     the same, then IdempotencyLayer, a fresh key per request
+#   logged_replay  POST /load/logged     the same, one key
 #   burst       POST /load/idempotent    BURST_CONNECTIONS connections sending one new key
 #                                        at once, the handler sleeping 200 ms: it must run
 #                                        exactly once; the others get 409 then replays
 #
-# The first six run ROUNDS times, interleaved (bare, noop, tower_http, correlated,
-# first, replay, bare, ...), DURATION seconds each, after a short warm-up; the table gives the median of the
+# The first nine run ROUNDS times, interleaved (bare, noop, tower_http, correlated,
+# first, replay, logged_get, logged_first, logged_replay, bare, ...), DURATION seconds each, after a short warm-up; the table gives the median of the
 # rounds, and throughput as the median of each round's ratio to that round's bare run.
 # wrk is a closed loop (each connection waits for its answer), so latencies are
 # per-request service times under that load, not open-loop latencies. "server CPU" is
@@ -28,7 +32,9 @@
 #
 # The notes give the load test's goals: server CPU per replay at most 2 us over the correlated
 # route and per first execution at most 6 us over it, and replays at least 0.90 of the
-# correlated route's throughput (0.85 with SERVER_LOG=info). The demo allocates with
+# correlated route's throughput (0.85 with SERVER_LOG=info); with SERVER_LOG=info, where
+# each logged route writes its one access line, replays at least 0.90 and first
+# executions at least 0.80 of logged_get's throughput. The demo allocates with
 # mimalloc (see examples/commands/main.rs), as every route here does.
 #
 # Usage: benches/load.sh        (about 4 minutes with the defaults)
@@ -39,8 +45,8 @@
 #   CONNECTIONS=32       wrk connections for the steady workloads
 #   BURST_CONNECTIONS=256
 #   SERVER_LOG=warn      RUST_LOG for the server (its own events stay at info, for
-#                        the address it listens on); `info` logs a line per idempotent
-#                        request (idempotency.stored / idempotency.replayed) to a file
+#                        the address it listens on); `info` logs the access line of
+#                        every request to the logged routes, as JSON, to a file
 #   WORKER_THREADS=      tokio worker threads of the server (default: one per core)
 #
 # wrk: taken from PATH; when missing and this runs as root with apt-get, it is installed
@@ -108,6 +114,12 @@ function done(summary, latency, requests)
     summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
     e.status, e.connect + e.read + e.write + e.timeout))
 end
+EOF
+cat >"$work/get.lua" <<EOF
+dofile("$work/common.lua")
+wrk.method = "GET"
+wrk.body = nil
+wrk.headers["content-type"] = nil
 EOF
 cat >"$work/fresh.lua" <<EOF
 dofile("$work/common.lua")
@@ -184,9 +196,21 @@ nonce=$(date +%s%N)
 # Runs the replay key's first request. Again before each replay run: the fresh keys of
 # the run before may have pushed the record out of the store (64 MiB, oldest first).
 prime_replay_key() {
-    curl -sf -o /dev/null -X POST "$base/load/idempotent" -H 'content-type: application/json' \
+    curl -sf -o /dev/null -X POST "$base/load/${1:-idempotent}" -H 'content-type: application/json' \
         -H 'x-api-key: load-client' -H "idempotency-key: replay-$nonce" \
         -d '{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
+}
+
+# check_runs NAME LINE RAN: a run of fresh keys ran the handler once per key answered
+# (wrk counts the answers it read before the deadline; a connection's last request may
+# have run without its answer being counted).
+check_runs() {
+    local answered
+    answered=$(field requests "$2")
+    if [ "$3" -lt "$answered" ] || [ "$3" -gt $((answered + CONNECTIONS)) ]; then
+        echo "FAIL $1: $answered fresh keys answered, the handler ran $3 times" >&2
+        failed=1
+    fi
 }
 
 echo "warming up..." >&2
@@ -214,14 +238,7 @@ for round in $(seq "$ROUNDS"); do
         "$base/load/idempotent"
     line=$(tail -n1 "$work/results")
     check first "$line"
-    ran=$(($(executions) - before))
-    answered=$(field requests "$line")
-    # wrk counts the answers it read before the deadline; a connection's last request may
-    # have run without its answer being counted.
-    if [ "$ran" -lt "$answered" ] || [ "$ran" -gt $((answered + CONNECTIONS)) ]; then
-        echo "FAIL first: $answered fresh keys answered, the handler ran $ran times" >&2
-        failed=1
-    fi
+    check_runs first "$line" $(($(executions) - before))
 
     prime_replay_key
     before=$(executions)
@@ -231,6 +248,25 @@ for round in $(seq "$ROUNDS"); do
     ran=$(($(executions) - before))
     if [ "$ran" != 0 ]; then
         echo "FAIL replay: the handler ran $ran times" >&2
+        failed=1
+    fi
+
+    run logged_get "${steady[@]}" -s "$work/get.lua" "$base/load/logged"
+    check logged_get "$(tail -n1 "$work/results")"
+    before=$(executions)
+    LOAD_NONCE="logged-$nonce-$round" run logged_first "${steady[@]}" -s "$work/fresh.lua" \
+        "$base/load/logged"
+    line=$(tail -n1 "$work/results")
+    check logged_first "$line"
+    check_runs logged_first "$line" $(($(executions) - before))
+    prime_replay_key logged
+    before=$(executions)
+    LOAD_KEY="replay-$nonce" run logged_replay "${steady[@]}" -s "$work/common.lua" \
+        "$base/load/logged"
+    check logged_replay "$(tail -n1 "$work/results")"
+    ran=$(($(executions) - before))
+    if [ "$ran" != 0 ]; then
+        echo "FAIL logged_replay: the handler ran $ran times" >&2
         failed=1
     fi
 done
@@ -281,9 +317,9 @@ function median(values, n,    i, j, t) {
     requests[name] = f["requests"]; non2xx[name] = f["non2xx"]
 }
 END {
-    printf "%-11s %10s %8s %8s %9s %9s %13s  %s\n", "workload", "req/s", "vs bare", "vs noop", "p50", "p99", "server CPU", "notes"
-    split("bare noop tower_http correlated first replay burst", order, " ")
-    for (k = 1; k <= 7; k++) {
+    printf "%-13s %10s %8s %8s %9s %9s %13s  %s\n", "workload", "req/s", "vs bare", "vs noop", "p50", "p99", "server CPU", "notes"
+    split("bare noop tower_http correlated first replay logged_get logged_first logged_replay burst", order, " ")
+    for (k = 1; k <= 10; k++) {
         name = order[k]
         m = n[name]
         for (i = 1; i <= m; i++) {
@@ -305,8 +341,14 @@ END {
             if (name == "replay")
                 note = note sprintf("; %.3f of correlated req/s (goal >= %.2f: %s)", share, share_goal, share >= share_goal ? "met" : "MISSED")
         }
+        if (name == "logged_first" || name == "logged_replay") {
+            for (i = 1; i <= m; i++) h[i] = rate[name, i] / rate["logged_get", i]
+            share = median(h, m)
+            logged_goal = name == "logged_first" ? 0.80 : 0.90
+            note = sprintf("%.3f of logged_get req/s (goal with SERVER_LOG=info >= %.2f: %s); CPU %+.1f us over logged_get", share, logged_goal, share >= logged_goal ? "met" : "MISSED", per - cpu_of["logged_get"])
+        }
         if (name == "burst") note = sprintf("%d answers, %d of them 409; handler ran %d time(s)", requests[name], non2xx[name], burst_ran)
-        printf "%-11s %10.0f %8s %8s %6.2f ms %6.2f ms %7.1f us/req  %s\n", name, r, vs, vs_noop, l50 / 1000, l99 / 1000, per, note
+        printf "%-13s %10.0f %8s %8s %6.2f ms %6.2f ms %7.1f us/req  %s\n", name, r, vs, vs_noop, l50 / 1000, l99 / 1000, per, note
     }
 }' "$work/results"
 

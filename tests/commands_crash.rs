@@ -648,3 +648,47 @@ async fn two_replicas_on_one_database_share_commands_and_answers() {
         assert_eq!(published.get(id.as_str()), Some(&1), "{id} published once");
     }
 }
+
+/// The outbox row keeps the creating request's W3C trace context: the command, created
+/// with a `traceparent` by a process killed before it published, is published by the
+/// next process on the database in the request's trace.
+#[cfg(feature = "opentelemetry")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_row_keeps_the_requests_trace_across_a_crash() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let trace_id = "3e1a4f2b6c7d8e9f0a1b2c3d4e5f6a7b";
+    // Far longer than the test: nothing is published before the kill.
+    let first = start(&database, &["--publish-delay-ms", "600000"]).await;
+    let created = send(
+        &client(),
+        "POST",
+        format!("{}/commands", first.url),
+        &[
+            ("content-type", "application/json"),
+            ("x-api-key", "traced"),
+            ("idempotency-key", "traced-1"),
+            ("traceparent", &format!("00-{trace_id}-a2fb4a1d1a96d312-01")),
+        ],
+        &create_body("traced-1"),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.text());
+    let before = kill(first).await;
+    assert!(before.iter().all(|l| event(l) != "commands.published"));
+    let pool = database.pool(1).await;
+    let (traceparent,): (Option<String>,) = sqlx::query_as("SELECT traceparent FROM outbox")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let traceparent = traceparent.expect("the row keeps the request's traceparent");
+    assert!(traceparent.contains(trace_id), "{traceparent}");
+
+    let second = start(&database, &["--publish-delay-ms", "0"]).await;
+    let published = &second.events("commands.published").await[0];
+    assert_eq!(published["span"]["name"], "publish");
+    assert_eq!(published["span"]["trace_id"], trace_id, "{published}");
+    drop(second);
+    pool.close().await;
+}

@@ -26,6 +26,8 @@ use serde::Deserialize;
 /// | `POST /load/tower-http` | tower-http's `SetRequestIdLayer` (UUIDv4 in `x-request-id`) and `PropagateRequestIdLayer`, the peer of `CorrelationLayer` |
 /// | `POST /load/correlated` | `CorrelationLayer` |
 /// | `POST /load/idempotent` | `CorrelationLayer`, then `IdempotencyLayer` (key required, client `x-api-key`, the commands' store) |
+/// | `GET /load/logged` | `CorrelationLayer` with its access line (`access_log`), as the service's routes have |
+/// | `POST /load/logged` | the same, then `IdempotencyLayer` as on `/load/idempotent` |
 /// | `GET /load/executions` | none; how many times the handler has run, in total |
 ///
 /// The handler reads the whole request body, sleeps `?sleep_ms=` if given (so that a

@@ -62,11 +62,12 @@
 //!
 //! # Logs, metrics, traces
 //!
-//! - Every request logs one access line when its answer leaves (`http.access`, INFO,
-//!   with `status` and `latency_ms`), whoever answered it: a handler, a replay, the
-//!   idempotency layer, the request limits. It is inside the request's span,
+//! - Every request logs one line at INFO, its access line, when its answer leaves
+//!   (`http.access`, with `status` and `latency_ms`), whoever answered it: a handler, a
+//!   replay, the idempotency layer, the request limits. It is inside the request's span,
 //!   `request{method, path, correlation_id}`, as every other line of the request
-//!   ([`CorrelationLayer::access_log`]). Lines go to stdout through a writer thread of
+//!   ([`CorrelationLayer::access_log`]), where the idempotency layer records what it did
+//!   (`idempotency_outcome`, `idempotency_key`, ...: see [`tower_ids::idempotency`]). Lines go to stdout through a writer thread of
 //!   their own (`tracing-appender`), so no request waits on the terminal or a pipe.
 //! - With `--features metrics`, `GET /metrics` serves the idempotency layer's metrics
 //!   in Prometheus text (`metrics-exporter-prometheus`):
@@ -294,14 +295,14 @@
 //!
 //! | `event` | Level | When |
 //! |---|---|---|
-//! | `http.access` | INFO | a request was answered: `status`, `latency_ms`, in the span `request{method, path, correlation_id}` |
+//! | `http.access` | INFO | a request was answered: `status`, `latency_ms`, in the span `request{method, path, correlation_id, idempotency_outcome, idempotency_key, ...}` (and `trace_id` with `--features opentelemetry`) |
 //! | `commands.limits` | INFO | at start: every limit and timeout in force, and the open-files limit |
 //! | `commands.listening` | INFO | the listener is bound |
 //! | `commands.store` | INFO | where idempotency records are kept: `store` = `memory`, `redis` or `postgres` |
 //! | `commands.schema_ready` | INFO | DB mode, at start: the tables exist |
-//! | `commands.created` | INFO | a command was stored and queued (in DB mode: written in the request's transaction, which commits after the handler answers, logged `idempotency.stored`) |
+//! | `commands.created` | DEBUG | a command was stored and queued (in DB mode: written in the request's transaction, which commits after the handler answers); DEBUG, as the access line says it (`idempotency_outcome="executed"`, `status=201`) |
 //! | `commands.cancelled` | INFO | a command was cancelled |
-//! | `commands.published` | INFO | the publisher sent a command (`amqp` = whether it also went to the broker) |
+//! | `commands.published` | INFO | the publisher sent a command (`amqp` = whether it also went to the broker), in its span `publish{correlation_id}`: the creating request's ID extended for the delivery, and with `--features opentelemetry` the request's `trace_id` |
 //! | `commands.amqp_connected` | INFO | `--amqp-url`, at start: the exchange is declared, events go to it |
 //! | `commands.amqp_unavailable` | WARN | `--amqp-url`, at start: the broker could not be reached; events are published by log only |
 //! | `commands.amqp_publish_failed` | WARN | `--amqp-url`: the broker did not confirm an event (`error`); in DB mode its row stays pending and is retried, in memory it is published by log only |
@@ -320,9 +321,10 @@
 //! | `commands.internal_error` | ERROR | an error reached the limits' error handler that was not a shed request (none is expected) |
 //! | `commands.accept_failed` | WARN | accepting a connection failed (for example out of file descriptors); the loop pauses 100 ms |
 //!
-//! The idempotency layer adds its own events (`idempotency.replayed`,
-//! `idempotency.stored`, `idempotency.in_flight`, `idempotency.conflict`, ...), inside
-//! the request's correlation span; see [`tower_ids::idempotency`].
+//! The idempotency layer adds its own events: its steps (`idempotency.replayed`,
+//! `idempotency.stored`, ...) at DEBUG (`RUST_LOG=info,tower_ids::idempotency=debug`
+//! shows them), its warnings (`idempotency.conflict`, `idempotency.store_failed`, ...)
+//! at WARN, inside the request's span; see [`tower_ids::idempotency`].
 //!
 //! [`CorrelationId::extend_redelivery`]: tower_ids::correlation::CorrelationId::extend_redelivery
 //! [`IdempotencyLayer`]: tower_ids::idempotency::IdempotencyLayer

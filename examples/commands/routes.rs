@@ -94,10 +94,27 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
                 .route("/load/correlated", post(load_handler))
                 .route(
                     "/load/idempotent",
-                    post(load_handler).layer(idempotent.require_key(true)),
+                    post(load_handler).layer(idempotent.clone().require_key(true)),
                 )
                 .with_state(load.clone())
                 .layer(CorrelationLayer::new().accept(request_id.clone())),
+        );
+        // Behind the service's own correlation layer, with its access line: one line
+        // per request at INFO on either method, as on `/commands`.
+        routes = routes.merge(
+            Router::new()
+                .route(
+                    "/load/logged",
+                    post(load_handler)
+                        .layer(idempotent.require_key(true))
+                        .get(load_handler),
+                )
+                .with_state(load.clone())
+                .layer(
+                    CorrelationLayer::new()
+                        .accept(request_id.clone())
+                        .access_log(),
+                ),
         );
     }
     if !load_routes {

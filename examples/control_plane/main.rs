@@ -50,7 +50,7 @@
 //! `controller.outcome_published` (with `replayed`), `controller.acked`,
 //! `controller.requeued`, `controller.rejected`; `orchestrator.sent`,
 //! `orchestrator.timeout`, `orchestrator.outcome`; and the idempotency layer's
-//! (`idempotency.replayed`, `idempotency.stored`, ...).
+//! (`idempotency.replayed`, `idempotency.stored`, ... at DEBUG: `RUST_LOG=info,tower_ids::idempotency=debug`).
 
 use std::{
     convert::Infallible,

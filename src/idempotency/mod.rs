@@ -200,13 +200,7 @@
 //! span declare these fields; a span of your own
 //! ([`make_span`](crate::correlation::CorrelationLayer::make_span), tower-http's
 //! `TraceLayer`) gets them by declaring them `Empty`, and ignores those it does not
-//! declare. A sample access line for a replay (JSON):
-//!
-//! ```json
-//! {"timestamp":"...","level":"INFO","fields":{"event":"http.access","status":201,"latency_ms":0.41,"message":"request answered"},
-//!  "target":"tower_ids::correlation::access_log",
-//!  "span":{"method":"POST","path":"/commands","correlation_id":"demo-attempt-2","idempotency_key":"k-1","idempotency_scope":"5f0c...","idempotency_client":"9a1e...","idempotency_outcome":"replayed","idempotency_request_count":2,"idempotency_store_ms":0.02,"name":"request"}}
-//! ```
+//! declare. A sample line is in the [observability guide](crate::guide::observability).
 //!
 //! The layer's events, by `event` code, carry those fields through the span too. The
 //! steps of a request that goes well are DEBUG: the access line says what happened,

@@ -41,8 +41,8 @@ impl Drop for Demo {
 }
 
 impl Demo {
-    /// Starts the demo with JSON logs, a 50 ms publish delay and `args` (later flags of
-    /// the same name win), and waits until it says where it listens.
+    /// Starts the demo with `args`, by default with JSON logs and a 50 ms publish delay,
+    /// and waits until it says where it listens.
     pub fn start(args: &[&str]) -> Demo {
         Self::start_with_env(args, &[])
     }
@@ -51,13 +51,15 @@ impl Demo {
     /// `--log-format pretty` in `args`, each line is kept as a JSON string.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Demo {
         let pretty = args.windows(2).any(|w| w == ["--log-format", "pretty"]);
+        // The demo takes each flag once: a default only where `args` has none.
+        let defaults: Vec<&str> = [("--log-format", "json"), ("--publish-delay-ms", "50")]
+            .into_iter()
+            .filter(|(flag, _)| !args.contains(flag))
+            .flat_map(|(flag, value)| [flag, value])
+            .collect();
         let mut child = Command::new(example_path())
-            .args(["--addr", "127.0.0.1:0", "--publish-delay-ms", "50"])
-            .args(if pretty {
-                [].as_slice()
-            } else {
-                ["--log-format", "json"].as_slice()
-            })
+            .args(["--addr", "127.0.0.1:0"])
+            .args(defaults)
             .args(args)
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
