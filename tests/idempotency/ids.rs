@@ -175,3 +175,35 @@ async fn the_wrong_layer_order_is_said_once_per_layer() {
     app.post("/commands", &[KEY], BODY).await;
     assert!(logs.events("idempotency.uncorrelated").is_empty());
 }
+
+/// A span of the user's own gets the idempotency fields it declares, and only those.
+#[tokio::test]
+async fn a_custom_span_gets_the_fields_it_declares() {
+    let (logs, _guard) = Logs::capture();
+    let layer = CorrelationLayer::new().make_span(
+        |_: &http::Request<axum::body::Body>, id: &tower_ids::correlation::CorrelationId| {
+            tracing::info_span!(
+                "mine",
+                correlation_id = id.as_str(),
+                idempotency_outcome = tracing::field::Empty,
+            )
+        },
+    );
+    let app = Router::new()
+        .route(
+            "/",
+            post(|| async {
+                tracing::info!(event = "test.handled", "handled");
+                "ok"
+            })
+            .layer(IdempotencyLayer::new()),
+        )
+        .layer(layer);
+    let addr = serve(app).await;
+    let reply = send(&client(), "POST", format!("http://{addr}/"), &[KEY], "").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let handled = &logs.events("test.handled")[0];
+    assert_eq!(handled["span"]["name"], "mine");
+    assert_eq!(handled["span"]["idempotency_outcome"], "executed");
+    assert!(handled["span"]["idempotency_key"].is_null(), "{handled}");
+}

@@ -40,6 +40,10 @@ pub(crate) struct Detaching<T: 'static> {
     /// Set while the work is polled: if that poll panics (the handler panicked), the
     /// work must not be resumed elsewhere; its lease guard has already let the key go.
     unwinding: bool,
+    /// The span current when the work was made (the request's): work finished in a
+    /// task of its own goes on in it, so its events and what it records on the span
+    /// keep the request's fields.
+    span: tracing::Span,
 }
 
 impl<T: 'static> Detaching<T> {
@@ -49,6 +53,7 @@ impl<T: 'static> Detaching<T> {
             work: Some(Box::pin(work)),
             claimed: None,
             unwinding: false,
+            span: tracing::Span::none(),
         }
     }
 
@@ -62,6 +67,7 @@ impl<T: 'static> Detaching<T> {
             work: Some(Box::pin(make(claimed.clone()))),
             claimed: Some(claimed),
             unwinding: false,
+            span: tracing::Span::current(),
         }
     }
 }
@@ -95,9 +101,12 @@ impl<T: 'static> Drop for Detaching<T> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let rest = async move {
-            let _ = unfinished.await;
-        };
+        let rest = tracing::Instrument::instrument(
+            async move {
+                let _ = unfinished.await;
+            },
+            std::mem::replace(&mut self.span, tracing::Span::none()),
+        );
         // Dropped inside the correlation layer's scope, so the ID is still current.
         match crate::correlation::CorrelationId::current() {
             Some(id) => runtime.spawn(id.task_local(rest)),

@@ -49,6 +49,34 @@ pub(crate) enum Decision<St: IdempotencyStore> {
     Answer(Verdict),
 }
 
+impl<St: IdempotencyStore> Decision<St> {
+    /// The outcome, as the metrics' `outcome` label and the span's field say it.
+    fn outcome(&self) -> &'static str {
+        match self {
+            Decision::Run(_) => "executed",
+            Decision::FailOpen => "fail_open",
+            Decision::Answer(Verdict::Replay { .. }) => "replayed",
+            Decision::Answer(Verdict::NotReplayable { .. }) => "not_replayable",
+            Decision::Answer(Verdict::InFlight { .. }) => "in_flight",
+            Decision::Answer(Verdict::Conflict | Verdict::EpochMismatch { .. }) => "conflict",
+            Decision::Answer(Verdict::OriginalFailed) => "original_failed",
+            Decision::Answer(Verdict::StoreUnavailable) => "store_unavailable",
+        }
+    }
+
+    /// Requests the store has seen with the key, when it said.
+    fn request_count(&self) -> Option<u64> {
+        match self {
+            Decision::Answer(
+                Verdict::Replay { request_count, .. }
+                | Verdict::NotReplayable { request_count, .. },
+            ) => Some(*request_count),
+            Decision::Answer(Verdict::InFlight { request_count, .. }) => *request_count,
+            _ => None,
+        }
+    }
+}
+
 /// What to answer instead of running the handler.
 pub(crate) enum Verdict {
     /// A duplicate of work that completed: answer with its stored outcome. Not yet
@@ -97,12 +125,16 @@ impl<St: IdempotencyStore> Engine<St> {
         let mut decision = self
             .decide_timed(scope, fingerprint, epoch, claimed, &mut spent)
             .await;
-        match &mut decision {
-            // Recorded once, with the completion's time, when the guard settles.
-            Decision::Run(guard) => guard.store_time = spent,
-            _ if !spent.is_zero() => observe::store_time(spent),
-            _ => {}
-        }
+        // A claimed request's store time is recorded when its guard settles, with the
+        // completion's.
+        let store_time = match &mut decision {
+            Decision::Run(guard) => {
+                guard.store_time = spent;
+                None
+            }
+            _ => (!spent.is_zero()).then_some(spent),
+        };
+        observe::record_decision(decision.outcome(), decision.request_count(), store_time);
         decision
     }
 
@@ -139,7 +171,7 @@ impl<St: IdempotencyStore> Engine<St> {
             Err(error) => {
                 return match policy.store_failure {
                     StoreFailure::FailClosed => {
-                        observe::outcome("store_unavailable");
+                        observe::count("store_unavailable");
                         tracing::warn!(
                             event = "idempotency.store_failed",
                             error = %Chain(&error),
@@ -150,7 +182,7 @@ impl<St: IdempotencyStore> Engine<St> {
                         Decision::Answer(Verdict::StoreUnavailable)
                     }
                     StoreFailure::FailOpen => {
-                        observe::outcome("fail_open");
+                        observe::count("fail_open");
                         tracing::warn!(
                             event = "idempotency.store_failed",
                             error = %Chain(&error),
@@ -166,7 +198,7 @@ impl<St: IdempotencyStore> Engine<St> {
         match begin {
             Begin::Claimed { lease } => {
                 claimed.set();
-                observe::outcome("executed");
+                observe::count("executed");
                 tracing::debug!(
                     event = "idempotency.accepted",
                     "idempotency key accepted; running the handler"
@@ -215,7 +247,7 @@ impl<St: IdempotencyStore> Engine<St> {
                     }
                     Ok(Settled::TimedOut) => in_flight(first_seen, Some(request_count), AFTER_WAIT),
                     Ok(Settled::Released) => {
-                        observe::outcome("original_failed");
+                        observe::count("original_failed");
                         tracing::debug!(
                             event = "idempotency.original_failed",
                             "the work this one waited for did not complete; retry"
@@ -223,7 +255,7 @@ impl<St: IdempotencyStore> Engine<St> {
                         Decision::Answer(Verdict::OriginalFailed)
                     }
                     Err(error) => {
-                        observe::outcome("store_unavailable");
+                        observe::count("store_unavailable");
                         tracing::warn!(
                             event = "idempotency.store_failed",
                             error = %Chain(&error),
@@ -280,8 +312,7 @@ fn in_flight<St: IdempotencyStore>(
     request_count: Option<u64>,
     retry_after: Duration,
 ) -> Decision<St> {
-    observe::record(observe::field::REQUEST_COUNT, request_count);
-    observe::outcome("in_flight");
+    observe::count("in_flight");
     tracing::debug!(
         event = "idempotency.in_flight",
         request_count,
@@ -296,7 +327,7 @@ fn in_flight<St: IdempotencyStore>(
 }
 
 fn conflict<St: IdempotencyStore>() -> Decision<St> {
-    observe::outcome("conflict");
+    observe::count("conflict");
     tracing::warn!(
         event = "idempotency.conflict",
         "idempotency key reused with another request"
@@ -308,7 +339,7 @@ fn epoch_mismatch<St: IdempotencyStore>(
     recorded: Option<u64>,
     requested: Option<u64>,
 ) -> Decision<St> {
-    observe::outcome("conflict");
+    observe::count("conflict");
     tracing::warn!(
         event = "idempotency.epoch_mismatch",
         recorded_epoch = recorded,
@@ -345,8 +376,7 @@ fn settled<St: IdempotencyStore>(
 
 /// A duplicate answered with the stored outcome: its event and its count.
 pub(crate) fn replayed(record: &Record, request_count: u64) {
-    observe::record(observe::field::REQUEST_COUNT, request_count);
-    observe::outcome("replayed");
+    observe::count("replayed");
     tracing::debug!(
         event = "idempotency.replayed",
         request_count,
@@ -356,10 +386,16 @@ pub(crate) fn replayed(record: &Record, request_count: u64) {
     );
 }
 
+/// A duplicate the engine decided to replay whose outcome this transport cannot hand
+/// back after all: [`not_replayable`], and the outcome recorded again.
+pub(crate) fn replay_failed(request_count: u64) {
+    observe::record(observe::field::OUTCOME, "not_replayable");
+    not_replayable(request_count);
+}
+
 /// A duplicate of work that ran, whose outcome this transport cannot hand back.
 pub(crate) fn not_replayable(request_count: u64) {
-    observe::record(observe::field::REQUEST_COUNT, request_count);
-    observe::outcome("not_replayable");
+    observe::count("not_replayable");
     tracing::debug!(
         event = "idempotency.not_replayable",
         request_count,

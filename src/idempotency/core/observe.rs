@@ -114,11 +114,21 @@ pub(crate) fn register() {
 /// One protected request answered with `outcome`: `executed`, `replayed`,
 /// `in_flight`, `conflict`, `not_replayable`, `original_failed`, `rejected`,
 /// `store_unavailable` or `fail_open`; counted, and recorded on the request's span.
+/// (The engine counts its decisions with [`count`] and records them with
+/// [`record_decision`].)
 #[inline]
 pub(crate) fn outcome(outcome: &'static str) {
+    count(outcome);
+    record(field::OUTCOME, outcome);
+}
+
+/// Counts one protected request answered with `outcome`.
+#[inline]
+pub(crate) fn count(outcome: &'static str) {
     #[cfg(feature = "metrics")]
     metrics::counter!(REQUESTS, "outcome" => outcome).increment(1);
-    Span::current().record(field::OUTCOME, outcome);
+    #[cfg(not(feature = "metrics"))]
+    let _ = outcome;
 }
 
 /// The fields the layer records on the span current when it runs (the request's span:
@@ -155,6 +165,52 @@ pub(crate) fn record(name: &'static str, value: impl tracing::Value) {
 #[inline]
 pub(crate) fn store_time(spent: Duration) {
     record(field::STORE_MS, crate::correlation::log_millis(spent));
+}
+
+/// Records up to three fields on the current span in one recording: a formatter that
+/// serialises all of a span's fields again on every recording (json-subscriber does)
+/// pays once, not three times. A field the span does not declare, or a `None`, is left
+/// out.
+pub(crate) fn record_three<'v>(values: [(&'static str, Option<&'v dyn tracing::Value>); 3]) {
+    let span = Span::current();
+    let Some(metadata) = span.metadata() else {
+        return;
+    };
+    let fields = metadata.fields();
+    // A slot for a field the span lacks holds the span's first field with no value,
+    // which records nothing.
+    let Some(filler) = fields.iter().next() else {
+        return;
+    };
+    let [a, b, c] = values.map(|(name, value)| match fields.field(name) {
+        Some(field) => (field, value),
+        None => (filler.clone(), None),
+    });
+    if a.1.is_none() && b.1.is_none() && c.1.is_none() {
+        return;
+    }
+    span.record_all(&fields.value_set(&[(&a.0, a.1), (&b.0, b.1), (&c.0, c.1)]));
+}
+
+/// Records the engine's decision on the current span: its outcome, the request count
+/// when the store gave one, and the store time unless a completion comes after.
+pub(crate) fn record_decision(
+    outcome: &'static str,
+    request_count: Option<u64>,
+    store_time: Option<Duration>,
+) {
+    let millis = store_time.map(crate::correlation::log_millis);
+    record_three([
+        (field::OUTCOME, Some(&outcome)),
+        (
+            field::REQUEST_COUNT,
+            request_count.as_ref().map(|c| c as &dyn tracing::Value),
+        ),
+        (
+            field::STORE_MS,
+            millis.as_ref().map(|m| m as &dyn tracing::Value),
+        ),
+    ]);
 }
 
 /// A key released with `reason`.

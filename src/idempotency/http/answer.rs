@@ -248,7 +248,7 @@ impl Reply<'_> {
     ) -> Response<Body<B>> {
         // An outcome of another transport cannot be told here: never run it again.
         let Some(stored) = record.response() else {
-            core::not_replayable(request_count);
+            core::replay_failed(request_count);
             return self.not_replayable(record, request_count);
         };
         core::replayed(record, request_count);

@@ -18,7 +18,10 @@ use super::{
 };
 use crate::body::Body;
 use crate::idempotency::{
-    core::{observe::field, ClaimFlag, Decision, Detaching, Engine, LeaseGuard},
+    core::{
+        observe::{self, field},
+        ClaimFlag, Decision, Detaching, Engine, LeaseGuard,
+    },
     store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
     AttemptId, ClientId, IdempotencyKey, ScopeKey,
 };
@@ -404,15 +407,16 @@ where
 fn record_protected(protected: &Protected, settings: &Settings) {
     // Warns once if the correlation layer is not outside this one.
     settings.layer_order.correlation_id();
-    let span = tracing::Span::current();
-    if span.is_disabled() {
-        return;
-    }
-    span.record(field::KEY, protected.key.as_str());
-    span.record(field::SCOPE, tracing::field::display(&protected.scope));
-    if let Some(client) = &protected.client {
-        span.record(field::CLIENT, tracing::field::display(client));
-    }
+    let scope = tracing::field::display(&protected.scope);
+    let client = protected.client.as_ref().map(tracing::field::display);
+    observe::record_three([
+        (field::KEY, Some(&protected.key.as_str())),
+        (field::SCOPE, Some(&scope)),
+        (
+            field::CLIENT,
+            client.as_ref().map(|c| c as &dyn tracing::Value),
+        ),
+    ]);
 }
 
 /// [`run`] for a route whose key is in the body: the body is read (within the limits,

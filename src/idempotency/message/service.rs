@@ -354,7 +354,7 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
     // An HTTP payload is how outcomes were kept before `Payload::Message`: its body is
     // the outcome's JSON, so records written then still replay.
     let Some(stored) = &record.payload else {
-        core::not_replayable(request_count);
+        core::replay_failed(request_count);
         return not_replayable();
     };
     match serde_json::from_slice(stored.body()) {
@@ -370,7 +370,8 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
             }
         }
         Err(error) => {
-            core::observe::outcome("not_replayable");
+            core::observe::count("not_replayable");
+            core::observe::record(core::observe::field::OUTCOME, "not_replayable");
             tracing::warn!(
                 event = "idempotency.outcome_undecodable",
                 error = %error,
