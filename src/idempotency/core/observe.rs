@@ -171,7 +171,7 @@ pub(crate) fn store_time(spent: Duration) {
 /// serialises all of a span's fields again on every recording (json-subscriber does)
 /// pays once, not three times. A field the span does not declare, or a `None`, is left
 /// out.
-pub(crate) fn record_three<'v>(values: [(&'static str, Option<&'v dyn tracing::Value>); 3]) {
+pub(crate) fn record_three(values: [(&'static str, Option<&dyn tracing::Value>); 3]) {
     let span = Span::current();
     let Some(metadata) = span.metadata() else {
         return;
