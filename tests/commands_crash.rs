@@ -106,10 +106,7 @@ async fn kill(mut demo: Demo) -> Vec<Value> {
 
 /// The correlation ID of the request (or delivery) a log line was logged in.
 fn correlation_id(line: &Value) -> Option<&str> {
-    line["spans"]
-        .as_array()?
-        .iter()
-        .find_map(|span| span["correlation_id"].as_str())
+    line["span"]["correlation_id"].as_str()
 }
 
 fn event(line: &Value) -> &str {

@@ -313,11 +313,7 @@ fn info_lines_of(demo: &Demo, id: &str) -> Vec<serde_json::Value> {
     demo.lines()
         .into_iter()
         .filter(|line| line["level"] == "INFO")
-        .filter(|line| {
-            line["spans"]
-                .as_array()
-                .is_some_and(|spans| spans.iter().any(|s| s["correlation_id"] == id))
-        })
+        .filter(|line| line["span"]["correlation_id"] == id)
         .collect()
 }
 

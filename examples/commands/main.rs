@@ -79,7 +79,7 @@
 //! | Flag | Default | Meaning |
 //! |---|---|---|
 //! | `--addr` | `127.0.0.1:3000` | address to bind; port `0` picks a free one |
-//! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with span fields) |
+//! | `--log-format` | `pretty` | `pretty` (human, one line per event) or `json` (one object per line, with the current span's fields as `span`) |
 //! | `--log-sync` | off | write each log line before going on, instead of through the writer thread (lines still queued die with a killed process; the crash test reads the log as its record) |
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
@@ -528,7 +528,7 @@ impl From<&Args> for Limits {
 enum LogFormat {
     /// Human-readable, one line per event, prefixed by its spans and their fields.
     Pretty,
-    /// One JSON object per line, with the current span and the span list.
+    /// One JSON object per line, with the current span's fields.
     Json,
 }
 
@@ -726,10 +726,12 @@ fn init_tracing(
         // json-subscriber writes the lines tracing-subscriber's `json()` does, but keeps
         // each span's fields as JSON once recorded, where `json()` parses them again
         // for every line (see the README's performance section).
+        // The current span only, not the list of spans as well: a request's lines are
+        // in its one span, which holds every field, and the list would write them twice.
         LogFormat::Json => json_subscriber::fmt::layer()
             .with_writer(writer)
             .with_current_span(true)
-            .with_span_list(true)
+            .with_span_list(false)
             .boxed(),
     };
     let subscriber = tracing_subscriber::registry().with(lines);
