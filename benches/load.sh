@@ -37,7 +37,7 @@
 # executions at least 0.80 of logged_get's throughput. The demo allocates with
 # mimalloc (see examples/commands/main.rs), as every route here does.
 #
-# Usage: benches/load.sh        (about 4 minutes with the defaults)
+# Usage: benches/load.sh        (about 6 minutes with the defaults)
 # Settings (environment):
 #   DURATION=10          seconds per run
 #   ROUNDS=3             rounds of the six steady workloads
