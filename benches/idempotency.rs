@@ -7,6 +7,11 @@
 //!   fingerprint the request, claim the key, run the handler, buffer and store the
 //!   response.
 //! - `tower_ids/replay`: the same layer, the same key every iteration: a replay.
+//! - `floor/replay`: the floor of a replay (`benches/common/floor.rs`): the work no
+//!   layer keeping these guarantees can leave out (the key, the scope and fingerprint
+//!   digests, the body read, one index lookup, the stored response with the replay's
+//!   own headers), hand-written around the same handler. `tower_ids/replay` minus
+//!   `bare` over `floor/replay` minus `bare` is how far the layer is from it.
 //! - `axum_idempotent/first`, `axum_idempotent/replay`: the same two paths through
 //!   `axum-idempotent` 0.6 on `ruts`' moka session store.
 //! - `tower_ids_redis/first`, `tower_ids_redis/replay`: the `tower_ids` rows with a
@@ -74,6 +79,8 @@ use tower_ids::idempotency::{header::IDEMPOTENT_REPLAYED, IdempotencyLayer};
 
 #[path = "common/idempotent_route.rs"]
 mod common;
+#[path = "common/floor.rs"]
+mod floor;
 
 const SIZES: [(&str, usize); 2] = [("1KiB", 1024), ("64KiB", 64 * 1024)];
 /// axum-idempotent's default replay marker.
@@ -166,6 +173,25 @@ fn tower_ids(c: &mut Group<'_>, runtime: &tokio::runtime::Runtime, label: &str, 
             .iter(|| async { black_box(send(&app, request(key(REPLAY_KEY), &cookie)).await) })
     });
     check(&row, &once(), size, (marker, Some("true")));
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
+}
+
+/// The floor of a replay (`benches/common/floor.rs`): one warm-up request runs, every
+/// iteration replays it.
+fn floor(c: &mut Group<'_>, runtime: &tokio::runtime::Runtime, label: &str, size: usize) {
+    let cookie = HeaderValue::from_static(DUMMY_COOKIE);
+    let (handler, runs) = route(size);
+    let app = Router::new().route(PATH, handler.layer(floor::FloorLayer::default()));
+    let row = format!("floor/replay/{label}");
+    let once = || runtime.block_on(send(&app, request(key(REPLAY_KEY), &cookie)));
+    let marker = IDEMPOTENT_REPLAYED;
+    let marker = marker.as_str();
+    check(&row, &once(), size, (marker, Some("false")));
+    check(&row, &once(), size, (marker, Some("true")));
+    c.bench_function(&row, |b| {
+        b.to_async(runtime)
+            .iter(|| async { black_box(send(&app, request(key(REPLAY_KEY), &cookie)).await) })
+    });
     assert_eq!(runs.load(Ordering::Relaxed), 1, "{row}: handler runs");
 }
 
@@ -300,6 +326,7 @@ fn idempotency(c: &mut Criterion) {
     let mut group = c.benchmark_group("idempotency");
     for (label, size) in SIZES {
         bare(&mut group, &runtime, label, size);
+        floor(&mut group, &runtime, label, size);
         tower_ids(&mut group, &runtime, label, size);
         #[cfg(feature = "redis")]
         if let Some(redis) = &redis {

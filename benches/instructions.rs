@@ -17,7 +17,9 @@
 //!   handler answering `201` with 1 KiB, the response body collected; `bare`, `tower_ids`
 //!   (`IdempotencyLayer::new()`, moka) and `axum_idempotent` (0.6 on ruts' moka session
 //!   store, as `benches/idempotency.rs` sets it up); `first` sends a fresh key every
-//!   request, `replay` one key.
+//!   request, `replay` one key. `floor/replay` is the floor of a replay
+//!   (`benches/common/floor.rs`): the replay is reported against it as well as against
+//!   `axum_idempotent`.
 //!
 //! SHA-256: valgrind does not emulate the SHA extensions (SHA-NI), so under callgrind
 //! `sha2` falls back to its portable code, about 3,500 instructions per 64-byte block
@@ -46,6 +48,8 @@ use tower_ids::{correlation::CorrelationLayer, idempotency::IdempotencyLayer};
 
 #[path = "common/idempotent_route.rs"]
 mod common;
+#[path = "common/floor.rs"]
+mod floor;
 
 /// Requests before the counted ones: caches, allocator and lazily built state settle.
 const WARMUP: u64 = 200;
@@ -63,41 +67,45 @@ const DUMMY_COOKIE: &str = "session=AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 const KEYS_PER_SESSION: u64 = 64;
 
 /// Every case, in the order of the table: (name, what it is compared with).
-const CASES: &[(&str, Option<&str>)] = &[
-    ("correlation/none/bare/restore", None),
-    ("correlation/none/tower_http/restore", None),
+const CASES: &[(&str, &[&str])] = &[
+    ("correlation/none/bare/restore", &[]),
+    ("correlation/none/tower_http/restore", &[]),
     (
         "correlation/none/tower_ids/restore",
-        Some("correlation/none/tower_http/restore"),
+        &["correlation/none/tower_http/restore"],
     ),
-    ("correlation/none/bare/generate", None),
-    ("correlation/none/tower_http/generate", None),
+    ("correlation/none/bare/generate", &[]),
+    ("correlation/none/tower_http/generate", &[]),
     (
         "correlation/none/tower_ids/generate",
-        Some("correlation/none/tower_http/generate"),
+        &["correlation/none/tower_http/generate"],
     ),
-    ("correlation/fmt/bare/restore", None),
-    ("correlation/fmt/tower_http/restore", None),
+    ("correlation/fmt/bare/restore", &[]),
+    ("correlation/fmt/tower_http/restore", &[]),
     (
         "correlation/fmt/tower_ids/restore",
-        Some("correlation/fmt/tower_http/restore"),
+        &["correlation/fmt/tower_http/restore"],
     ),
-    ("correlation/fmt/bare/generate", None),
-    ("correlation/fmt/tower_http/generate", None),
+    ("correlation/fmt/bare/generate", &[]),
+    ("correlation/fmt/tower_http/generate", &[]),
     (
         "correlation/fmt/tower_ids/generate",
-        Some("correlation/fmt/tower_http/generate"),
+        &["correlation/fmt/tower_http/generate"],
     ),
-    ("idempotency/bare", None),
-    ("idempotency/axum_idempotent/replay", None),
+    ("idempotency/bare", &[]),
+    ("idempotency/axum_idempotent/replay", &[]),
+    ("idempotency/floor/replay", &[]),
     (
         "idempotency/tower_ids/replay",
-        Some("idempotency/axum_idempotent/replay"),
+        &[
+            "idempotency/floor/replay",
+            "idempotency/axum_idempotent/replay",
+        ],
     ),
-    ("idempotency/axum_idempotent/first", None),
+    ("idempotency/axum_idempotent/first", &[]),
     (
         "idempotency/tower_ids/first",
-        Some("idempotency/axum_idempotent/first"),
+        &["idempotency/axum_idempotent/first"],
     ),
 ];
 
@@ -124,7 +132,7 @@ fn main() {
         "{:<40} {:>10} {:>10} {:>10}   compared with (added, without SHA-256)",
         "case", "all", "no SHA", "added"
     );
-    for &(case, peer) in CASES {
+    for &(case, peers) in CASES {
         if !filter.is_empty() && !filter.iter().any(|f| case.contains(f.as_str())) {
             continue;
         }
@@ -136,18 +144,21 @@ fn main() {
         measured.push((case, per_request));
         let bare = bare_of(case).and_then(|bare| lookup(&measured, &bare));
         let added = bare.map(|bare| per_request - bare);
-        let versus = peer.and_then(|peer| {
-            let peer_added = lookup(&measured, peer)? - bare?;
-            Some(format!(
-                "{peer}: {:.0} added, ratio {:.2}",
-                peer_added,
-                added? / peer_added
-            ))
-        });
+        let versus: Vec<String> = peers
+            .iter()
+            .filter_map(|peer| {
+                let peer_added = lookup(&measured, peer)? - bare?;
+                Some(format!(
+                    "{peer}: {:.0} added, ratio {:.2}",
+                    peer_added,
+                    added? / peer_added
+                ))
+            })
+            .collect();
         println!(
             "{case:<40} {all:>10.0} {per_request:>10.0} {:>10}   {}",
             added.map_or_else(|| "-".to_owned(), |added| format!("{added:.0}")),
-            versus.unwrap_or_default()
+            versus.join("; ")
         );
     }
 }
@@ -244,6 +255,7 @@ fn run_case(case: &str, requests: u64) {
         }
         ["idempotency", "bare"] => runtime.block_on(idempotency_bare(requests)),
         ["idempotency", "tower_ids", path] => runtime.block_on(tower_ids(path, requests)),
+        ["idempotency", "floor", "replay"] => runtime.block_on(floor_replay(requests)),
         ["idempotency", "axum_idempotent", path] => {
             runtime.block_on(axum_idempotent(path, requests))
         }
@@ -332,6 +344,16 @@ async fn tower_ids(path: &str, requests: u64) {
     }
     let expected = if path == "replay" { 1 } else { requests };
     assert_eq!(runs.load(Ordering::Relaxed), expected, "handler runs");
+}
+
+async fn floor_replay(requests: u64) {
+    let (handler, runs) = route(RESPONSE_BYTES);
+    let app = Router::new().route(PATH, handler.layer(floor::FloorLayer::default()));
+    let cookie = HeaderValue::from_static(DUMMY_COOKIE);
+    for _ in 0..requests {
+        std::hint::black_box(send(&app, request(key(u64::MAX), &cookie)).await);
+    }
+    assert_eq!(runs.load(Ordering::Relaxed), 1, "handler runs");
 }
 
 async fn axum_idempotent(path: &str, requests: u64) {

@@ -166,6 +166,12 @@ impl CorrelationId {
         CURRENT.try_with(Self::clone).ok()
     }
 
+    /// Whether the current task has an ID ([`current`](Self::current) without the
+    /// clone).
+    pub(crate) fn is_current() -> bool {
+        CURRENT.try_with(|_| ()).is_ok()
+    }
+
     /// Runs `future` with this ID as the task-local and inside a `correlation` span
     /// carrying `correlation_id`.
     pub fn scope<F: Future>(self, future: F) -> Instrumented<TaskLocalFuture<Self, F>> {

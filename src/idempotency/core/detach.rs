@@ -67,7 +67,7 @@ impl<T: 'static> Detaching<T> {
             work: Some(Box::pin(make(claimed.clone()))),
             claimed: Some(claimed),
             unwinding: false,
-            span: tracing::Span::current(),
+            span: super::observe::request_span(),
         }
     }
 }

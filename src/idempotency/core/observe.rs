@@ -154,10 +154,22 @@ pub mod field {
     pub const STORE_MS: &str = "idempotency_store_ms";
 }
 
+/// The span the layer records in: the current one, or none without a subscriber that
+/// records INFO spans (a cheap check of a global, where looking the current span up
+/// is a call into the dispatcher).
+#[inline]
+pub(crate) fn request_span() -> Span {
+    if tracing::level_enabled!(tracing::Level::INFO) {
+        Span::current()
+    } else {
+        Span::none()
+    }
+}
+
 /// Records `value` in the current span's field `name` (see [`field`]).
 #[inline]
 pub(crate) fn record(name: &'static str, value: impl tracing::Value) {
-    Span::current().record(name, value);
+    request_span().record(name, value);
 }
 
 /// Records the time spent in store calls on the request's path, once per request (a
@@ -172,7 +184,7 @@ pub(crate) fn store_time(spent: Duration) {
 /// pays once, not three times. A field the span does not declare, or a `None`, is left
 /// out.
 pub(crate) fn record_three(values: [(&'static str, Option<&dyn tracing::Value>); 3]) {
-    let span = Span::current();
+    let span = request_span();
     let Some(metadata) = span.metadata() else {
         return;
     };
@@ -199,6 +211,9 @@ pub(crate) fn record_decision(
     request_count: Option<u64>,
     store_time: Option<Duration>,
 ) {
+    if !tracing::level_enabled!(tracing::Level::INFO) {
+        return;
+    }
     let millis = store_time.map(crate::correlation::log_millis);
     record_three([
         (field::OUTCOME, Some(&outcome)),
@@ -286,15 +301,13 @@ pub(crate) struct LayerOrder {
 }
 
 impl LayerOrder {
-    /// The current correlation ID; the first time there is none, the WARN.
-    pub(crate) fn correlation_id(&self) -> Option<CorrelationId> {
-        let id = CorrelationId::current();
-        if id.is_none() && !self.warned.swap(true, Ordering::Relaxed) {
+    /// The first time no correlation ID is current, the WARN.
+    pub(crate) fn check(&self) {
+        if !CorrelationId::is_current() && !self.warned.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 event = "idempotency.uncorrelated",
                 "no correlation id in scope: the idempotency layer runs outside the correlation layer (or without one), so its replays and refusals carry none; put CorrelationLayer outside it (ServiceBuilder: add it first; axum: `Router::layer` it last, after the routes); logged once per layer"
             );
         }
-        id
     }
 }

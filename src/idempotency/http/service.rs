@@ -376,29 +376,35 @@ where
 
 /// A protected request whose key is in its head: its body read (within the limits),
 /// then deduplicated.
-async fn run<S, St, ReqBody, ResBody>(
+///
+/// An `async` block rather than an `async fn` here and in [`deduplicate`]: an `async fn`
+/// keeps its arguments twice in its future (as captured and as locals), and these
+/// futures are moved whole on every request.
+fn run<S, St, ReqBody, ResBody>(
     inner: S,
     engine: Engine<St>,
     settings: Arc<Settings>,
     request: Request<ReqBody>,
     protected: Protected,
     claimed: ClaimFlag,
-) -> Result<Response<Body<ResBody>>, S::Error>
+) -> impl Future<Output = Result<Response<Body<ResBody>>, S::Error>> + Send
 where
     S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
     ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
-    record_protected(&protected, &settings);
-    let _in_flight = engine.track();
-    // The body's bytes of the layer's budget, held until this work ends (dropped with
-    // it on every path, including a cancelled or abandoned future).
-    let (request, _budget) = match read_body(request, &settings, protected.reply()).await {
-        Ok(read) => read,
-        Err(refused) => return Ok(refused),
-    };
-    deduplicate(inner, engine, settings, request, protected, claimed).await
+    async move {
+        record_protected(&protected, &settings);
+        let _in_flight = engine.track();
+        // The body's bytes of the layer's budget, held until this work ends (dropped
+        // with it on every path, including a cancelled or abandoned future).
+        let (request, _budget) = match read_body(request, &settings, protected.reply()).await {
+            Ok(read) => read,
+            Err(refused) => return Ok(refused),
+        };
+        deduplicate(inner, engine, settings, request, protected, claimed).await
+    }
 }
 
 /// Records the protected request's key, scope and client on the request's span (see
@@ -406,7 +412,10 @@ where
 /// request pick them up.
 fn record_protected(protected: &Protected, settings: &Settings) {
     // Warns once if the correlation layer is not outside this one.
-    settings.layer_order.correlation_id();
+    settings.layer_order.check();
+    if !tracing::level_enabled!(tracing::Level::INFO) {
+        return;
+    }
     let scope = tracing::field::display(&protected.scope);
     let client = protected.client.as_ref().map(tracing::field::display);
     observe::record_three([
@@ -471,33 +480,37 @@ where
 
 /// Asks the engine what to do with a protected request whose body is read, and does
 /// it: runs the handler, or answers for the engine.
-async fn deduplicate<S, St, ReqBody, ResBody>(
+fn deduplicate<S, St, ReqBody, ResBody>(
     mut inner: S,
     engine: Engine<St>,
     settings: Arc<Settings>,
     request: Request<Body<ReqBody>>,
     protected: Protected,
     claimed: ClaimFlag,
-) -> Result<Response<Body<ResBody>>, S::Error>
+) -> impl Future<Output = Result<Response<Body<ResBody>>, S::Error>> + Send
 where
     S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
     ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
-    let fingerprint = fingerprint(&request);
-    let decision = engine
-        .decide(protected.scope, fingerprint, protected.epoch, &claimed)
-        .await;
-    let reply = protected.reply();
-    match decision {
-        // Boxed, so the replay path's future stays small.
-        Decision::Run(guard) => Box::pin(execute(inner, &settings, request, guard, reply)).await,
-        Decision::FailOpen => {
-            let response = Box::pin(inner.call(request)).await?;
-            Ok(reply.finish(response.map(Body::inner)))
+    async move {
+        let fingerprint = fingerprint(&request);
+        let decision = engine
+            .decide(protected.scope, fingerprint, protected.epoch, &claimed)
+            .await;
+        let reply = protected.reply();
+        match decision {
+            // Boxed, so the replay path's future stays small.
+            Decision::Run(guard) => {
+                Box::pin(execute(inner, &settings, request, guard, reply)).await
+            }
+            Decision::FailOpen => {
+                let response = Box::pin(inner.call(request)).await?;
+                Ok(reply.finish(response.map(Body::inner)))
+            }
+            Decision::Answer(verdict) => Ok(reply.decided(verdict, &settings)),
         }
-        Decision::Answer(verdict) => Ok(reply.decided(verdict, &settings)),
     }
 }
 
