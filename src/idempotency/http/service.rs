@@ -380,6 +380,7 @@ where
 /// An `async` block rather than an `async fn` here and in [`deduplicate`]: an `async fn`
 /// keeps its arguments twice in its future (as captured and as locals), and these
 /// futures are moved whole on every request.
+#[allow(clippy::manual_async_fn)]
 fn run<S, St, ReqBody, ResBody>(
     inner: S,
     engine: Engine<St>,
@@ -480,6 +481,7 @@ where
 
 /// Asks the engine what to do with a protected request whose body is read, and does
 /// it: runs the handler, or answers for the engine.
+#[allow(clippy::manual_async_fn)] // See `run`.
 fn deduplicate<S, St, ReqBody, ResBody>(
     mut inner: S,
     engine: Engine<St>,
