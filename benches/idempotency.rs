@@ -42,7 +42,7 @@
 //!   are global here (`NoClient`), scoped by method + path + key.
 //! - In direct key mode it neither reads nor hashes the request body: the same key with
 //!   another body gets the old response. Ours reads the body and fingerprints it
-//!   (SHA-256 of method, path, query, content type, body) and answers 422 on a mismatch.
+//!   (XXH3-128 of method, path, query, content type, body) and answers 422 on a mismatch.
 //! - It has no in-flight claim: two concurrent requests with one key both run. Ours
 //!   claims the key in the store before running, and moves the rest of the work to a
 //!   task of its own if the client goes away, so a disconnect cannot cancel it.

@@ -24,7 +24,7 @@
 //! SHA-256: valgrind does not emulate the SHA extensions (SHA-NI), so under callgrind
 //! `sha2` falls back to its portable code, about 3,500 instructions per 64-byte block
 //! where the extensions take a few hundred. The idempotency layer hashes its scope
-//! and fingerprint (five blocks for these requests). The table therefore gives each
+//! with SHA-256 (its fingerprint is XXH3-128). The table therefore gives each
 //! case's instructions both in all and without `sha2::sha256::compress256`, which is
 //! the part a CPU with SHA extensions does in hardware; the ratio to the peer is taken
 //! on the latter.

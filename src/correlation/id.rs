@@ -168,6 +168,7 @@ impl CorrelationId {
 
     /// Whether the current task has an ID ([`current`](Self::current) without the
     /// clone).
+    #[cfg(feature = "idempotency")]
     pub(crate) fn is_current() -> bool {
         CURRENT.try_with(|_| ()).is_ok()
     }

@@ -66,7 +66,9 @@
 //!   that client's request look like a duplicate. On a route that identifies clients,
 //!   [`require_client`](IdempotencyLayer::require_client) refuses a request with a key
 //!   but no client (`401`) instead of scoping it globally.
-//! - **Fingerprint**: SHA-256 of method, path, query, content type and body. The same
+//! - **Fingerprint**: XXH3-128 of method, path, query, content type and body (records
+//!   written with the earlier SHA-256 fingerprint still match; why a fast hash keeps
+//!   every guarantee: [`Fingerprint`](store::Fingerprint)). The same
 //!   key with another fingerprint is `422`, never a replay, never a second run. The
 //!   content type is compared as a media type: `Application/JSON;Charset=utf-8` and
 //!   `application/json; charset=utf-8` are one (parameter values are compared as sent;

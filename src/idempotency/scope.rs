@@ -5,6 +5,7 @@ use std::{borrow::Cow, fmt};
 
 use http::Method;
 use sha2::{Digest, Sha256};
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::idempotency::IdempotencyKey;
 
@@ -127,12 +128,26 @@ impl fmt::Debug for ScopeKey {
 
 /// A digest of what the request asks for: method, path, query, content type and body.
 /// The same key with another fingerprint is a conflict, never a replay.
+///
+/// Its 32 bytes are versioned. Version 2, what [`new`](Self::new) computes, is
+/// XXH3-128 over those fields followed by a 16-byte tag; version 1, what the layer
+/// wrote before, is SHA-256 over the same fields ([`new_v1`](Self::new_v1)), and
+/// records that hold one still match their requests (the layer computes a request's
+/// version 1 only when it finds such a record). A non-cryptographic hash is enough
+/// here: a fingerprint is only ever compared within one scope, which SHA-256 keeps
+/// per client, method, path, query and key, so a collision (by chance 2^-128 a pair,
+/// or made on purpose by a client from two bodies of its own) can only get that
+/// client its own earlier answer instead of `422`: never another client's response,
+/// never a second run.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
+/// The last 16 bytes of a version 2 fingerprint.
+const V2_TAG: [u8; 16] = *b"tower-ids.fp.v2\0";
+
 impl Fingerprint {
-    /// The fingerprint of a request: SHA-256 over method, path, query, content type
-    /// and body, each length-prefixed.
+    /// The fingerprint of a request: XXH3-128 over method, path, query, content type
+    /// and body, each length-prefixed (version 2).
     ///
     /// The content type is compared as a media type (RFC 9110, section 8.3.1): type,
     /// subtype and parameter names are case-insensitive, so they are lowercased;
@@ -148,6 +163,34 @@ impl Fingerprint {
         content_type: Option<&[u8]>,
         body: &[u8],
     ) -> Self {
+        let mut digest = Xxh3::new();
+        digest.update(b"tower-ids.fingerprint.v2\0");
+        let media_type = media_type(content_type.unwrap_or(b""));
+        for bytes in [
+            method.as_str().as_bytes(),
+            path.as_bytes(),
+            query.unwrap_or("").as_bytes(),
+            &media_type,
+            body,
+        ] {
+            digest.update(&(bytes.len() as u64).to_be_bytes());
+            digest.update(bytes);
+        }
+        let mut fingerprint = [0; 32];
+        fingerprint[..16].copy_from_slice(&digest.digest128().to_be_bytes());
+        fingerprint[16..].copy_from_slice(&V2_TAG);
+        Self(fingerprint)
+    }
+
+    /// The version 1 fingerprint of a request: SHA-256 over the same fields, as
+    /// records written before version 2 hold it.
+    pub fn new_v1(
+        method: &Method,
+        path: &str,
+        query: Option<&str>,
+        content_type: Option<&[u8]>,
+        body: &[u8],
+    ) -> Self {
         let mut digest = Sha256::new();
         digest.update(b"tower-ids.fingerprint.v1\0");
         field(&mut digest, method.as_str().as_bytes());
@@ -156,6 +199,12 @@ impl Fingerprint {
         field(&mut digest, &media_type(content_type.unwrap_or(b"")));
         field(&mut digest, body);
         Self(digest.finalize().into())
+    }
+
+    /// Whether this is a version 2 fingerprint ([`new`](Self::new)); any other 32
+    /// bytes (version 1, or a message key's digest) compare as they are.
+    pub fn is_v2(&self) -> bool {
+        self.0[16..] == V2_TAG
     }
 
     /// The digest's bytes.
@@ -302,6 +351,39 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn version_1_is_the_sha256_records_hold_and_version_2_is_tagged() {
+        let args = (
+            &Method::POST,
+            "/commands",
+            Some("a=1"),
+            Some(&b"application/json"[..]),
+            &b"{}"[..],
+        );
+        let v1 = Fingerprint::new_v1(args.0, args.1, args.2, args.3, args.4);
+        let v2 = Fingerprint::new(args.0, args.1, args.2, args.3, args.4);
+        // What the layer wrote before version 2, byte for byte.
+        let mut digest = Sha256::new();
+        digest.update(b"tower-ids.fingerprint.v1\0");
+        for bytes in [
+            &b"POST"[..],
+            b"/commands",
+            b"a=1",
+            b"application/json",
+            b"{}",
+        ] {
+            digest.update((bytes.len() as u64).to_be_bytes());
+            digest.update(bytes);
+        }
+        assert_eq!(v1.as_bytes(), &<[u8; 32]>::from(digest.finalize()));
+        assert!(!v1.is_v2());
+        assert!(v2.is_v2());
+        assert_ne!(v1, v2);
+        let other = Fingerprint::new(args.0, args.1, args.2, args.3, b"[]");
+        assert!(other.is_v2());
+        assert_ne!(other, v2);
+    }
 
     fn scope(
         client: Option<&str>,

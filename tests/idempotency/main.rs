@@ -1086,3 +1086,61 @@ async fn an_unreadable_epoch_header_is_400() {
 async fn the_moka_store_keeps_the_store_contract() {
     contract::keeps_the_store_contract(Arc::new(MokaStore::new())).await;
 }
+
+/// A record written before fingerprints were version 2 (SHA-256, `Fingerprint::new_v1`)
+/// still replays to its request, and still refuses another body with `422`.
+#[tokio::test]
+async fn a_record_with_a_version_1_fingerprint_still_replays() {
+    use tower_ids::idempotency::{
+        store::{Fingerprint, Payload, StoredResponse},
+        IdempotencyKey,
+    };
+    let store = MokaStore::new();
+    let key = IdempotencyKey::new(KEY.1).unwrap();
+    let scope = ScopeKey::new(None, &Method::POST, "/commands", None, &key);
+    let v1 = Fingerprint::new_v1(
+        &Method::POST,
+        "/commands",
+        None,
+        Some(b"application/json"),
+        BODY.as_bytes(),
+    );
+    assert!(!v1.is_v2());
+    let Begin::Claimed { lease } = store
+        .begin(&scope, Claim::new(v1, Duration::from_secs(10), None))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh scope is claimed");
+    };
+    let stored = StoredResponse::new(
+        StatusCode::CREATED,
+        vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        )],
+        bytes::Bytes::from_static(br#"{"run":"before the upgrade"}"#),
+    );
+    let record = Record::new(
+        v1,
+        std::time::SystemTime::now(),
+        None,
+        None,
+        Some(Payload::Http(stored)),
+    );
+    let completed = store
+        .complete(&scope, &lease, Arc::new(record), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(matches!(completed, Completion::Stored));
+
+    let app = start(IdempotencyLayer::with_store(store)).await;
+    let headers = [KEY, ("content-type", "application/json")];
+    let replay = app.post("/commands", &headers, BODY).await;
+    assert_eq!(replay.status, StatusCode::CREATED, "{}", replay.text());
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.text(), r#"{"run":"before the upgrade"}"#);
+    let other = app.post("/commands", &headers, "{}").await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(app.runs.get(), 0, "the handler never ran");
+}

@@ -111,13 +111,30 @@ pub(crate) enum Verdict {
     StoreUnavailable,
 }
 
+/// A request's fingerprint, and its version 1 for a record written before version 2
+/// (see [`Fingerprint`]), computed only if such a record is found.
+pub(crate) struct Fingerprints<'a> {
+    pub(crate) current: Fingerprint,
+    pub(crate) v1: Option<&'a (dyn Fn() -> Fingerprint + Sync)>,
+}
+
+impl Fingerprints<'_> {
+    /// Whether `stored` is this request's fingerprint, in either version.
+    fn matches(&self, stored: &Fingerprint) -> bool {
+        *stored == self.current
+            || (self.current.is_v2()
+                && !stored.is_v2()
+                && self.v1.is_some_and(|v1| v1() == *stored))
+    }
+}
+
 impl<St: IdempotencyStore> Engine<St> {
     /// Decides what becomes of the work scoped by `scope`; `claimed` is set when it
     /// claims the key, so that its response future finishes it if dropped.
     pub(crate) async fn decide(
         &self,
         scope: ScopeKey,
-        fingerprint: Fingerprint,
+        fingerprint: &Fingerprints<'_>,
         epoch: Option<u64>,
         claimed: &ClaimFlag,
     ) -> Decision<St> {
@@ -142,13 +159,13 @@ impl<St: IdempotencyStore> Engine<St> {
     async fn decide_timed(
         &self,
         scope: ScopeKey,
-        fingerprint: Fingerprint,
+        fingerprint: &Fingerprints<'_>,
         epoch: Option<u64>,
         claimed: &ClaimFlag,
         spent: &mut Duration,
     ) -> Decision<St> {
         let policy = &self.policy;
-        let claim = lease::claim(fingerprint, policy.lease, epoch);
+        let claim = lease::claim(fingerprint.current, policy.lease, epoch);
         if let Some(waiting) = self.kept.get(&scope) {
             // This layer ran the work and holds its outcome until the store takes
             // it: never run it again, whatever the store says.
@@ -230,7 +247,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 if running_epoch != epoch {
                     return epoch_mismatch(running_epoch, epoch);
                 }
-                if running != fingerprint {
+                if !fingerprint.matches(&running) {
                     return conflict();
                 }
                 let timeout = match policy.in_flight {
@@ -355,10 +372,10 @@ fn epoch_mismatch<St: IdempotencyStore>(
 /// The decision for a duplicate of work that completed.
 fn settled<St: IdempotencyStore>(
     record: Arc<Record>,
-    fingerprint: Fingerprint,
+    fingerprint: &Fingerprints<'_>,
     request_count: u64,
 ) -> Decision<St> {
-    if record.fingerprint != fingerprint {
+    if !fingerprint.matches(&record.fingerprint) {
         return conflict();
     }
     if record.payload.is_none() {

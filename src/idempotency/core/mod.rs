@@ -18,6 +18,6 @@ pub use self::settings::{
 };
 pub(crate) use self::{
     detach::{ClaimFlag, Detaching},
-    engine::{rejected, replay_failed, replayed, Decision, Engine, Verdict},
+    engine::{rejected, replay_failed, replayed, Decision, Engine, Fingerprints, Verdict},
     lease::{LeaseGuard, Unsettled},
 };

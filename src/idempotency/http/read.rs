@@ -183,20 +183,25 @@ where
     Read::Complete(bytes)
 }
 
-pub(super) fn fingerprint<B>(request: &Request<Body<B>>) -> Fingerprint
-where
-    B: http_body::Body<Data = Bytes>,
-{
-    let body = buffered(request.body());
-    Fingerprint::new(
-        request.method(),
-        request.uri().path(),
-        request.uri().query(),
-        request
-            .headers()
+/// A fingerprint's version: [`Fingerprint::new`] or [`Fingerprint::new_v1`].
+pub(super) type FingerprintVersion =
+    fn(&http::Method, &str, Option<&str>, Option<&[u8]>, &[u8]) -> Fingerprint;
+
+/// The fingerprint of a request whose body is `body`, in `version`.
+pub(super) fn fingerprint(
+    version: FingerprintVersion,
+    parts: &http::request::Parts,
+    body: &[u8],
+) -> Fingerprint {
+    version(
+        &parts.method,
+        parts.uri.path(),
+        parts.uri.query(),
+        parts
+            .headers
             .get(header::CONTENT_TYPE)
             .map(HeaderValue::as_bytes),
-        &body,
+        body,
     )
 }
 

@@ -13,17 +13,17 @@ use super::{
     answer::Reply,
     extract::{ExtractedKey, KeyRejection},
     layer::Settings,
-    read::{collect_up_to, fingerprint, read_body, Collected},
+    read::{buffered, collect_up_to, fingerprint, read_body, Collected},
     ExtractEpoch, IdentifyClient, InvalidClient, InvalidEpoch, NoClient, NoEpoch,
 };
 use crate::body::Body;
 use crate::idempotency::{
     core::{
         observe::{self, field},
-        ClaimFlag, Decision, Detaching, Engine, LeaseGuard,
+        ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard,
     },
     store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
-    AttemptId, ClientId, IdempotencyKey, ScopeKey,
+    AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey,
 };
 
 pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -497,10 +497,18 @@ where
     ResBody: ReadableBody,
 {
     async move {
-        let fingerprint = fingerprint(&request);
+        let (parts, body) = request.into_parts();
+        let bytes = buffered(&body);
+        // Version 1 only for a record written before version 2.
+        let v1 = || fingerprint(Fingerprint::new_v1, &parts, &bytes);
+        let fingerprints = Fingerprints {
+            current: fingerprint(Fingerprint::new, &parts, &bytes),
+            v1: Some(&v1),
+        };
         let decision = engine
-            .decide(protected.scope, fingerprint, protected.epoch, &claimed)
+            .decide(protected.scope, &fingerprints, protected.epoch, &claimed)
             .await;
+        let request = Request::from_parts(parts, body);
         let reply = protected.reply();
         match decision {
             // Boxed, so the replay path's future stays small.

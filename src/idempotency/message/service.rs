@@ -16,7 +16,10 @@ use super::{layer::MessageSettings, ExtractMessageKey, MessageKey};
 use crate::{
     correlation::CorrelationId,
     idempotency::{
-        core::{self, ClaimFlag, Decision, Detaching, Engine, LeaseGuard, Unsettled, Verdict},
+        core::{
+            self, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard, Unsettled,
+            Verdict,
+        },
         store::{IdempotencyStore, MokaStore, Payload, Record},
         AttemptId, ReplayInfo,
     },
@@ -304,7 +307,15 @@ where
 {
     let _in_flight = engine.track();
     let decision = engine
-        .decide(key.scope_key(), key.fingerprint_digest(), None, &claimed)
+        .decide(
+            key.scope_key(),
+            &Fingerprints {
+                current: key.fingerprint_digest(),
+                v1: None,
+            },
+            None,
+            &claimed,
+        )
         .await;
     match decision {
         Decision::Run(guard) => Box::pin(execute(inner, &settings, message, guard)).await,
