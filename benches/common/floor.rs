@@ -3,9 +3,10 @@
 //! the layer's replay against it (replay-added / floor-added).
 //!
 //! Per request: read and validate the key from its header; derive the scope (SHA-256 of
-//! client, method, path, query and key, as the layer does, so a key is never shared
-//! across scopes); read the whole body and fingerprint it (SHA-256 of method, path,
-//! query, content type and body, so a key reused with another request is caught); one
+//! client, method, path and key, as the layer does, so a key is never shared across
+//! scopes); read the whole body and fingerprint it (as the layer does for a scope with
+//! no client, SHA-256 of method, path, query, content type and body, so a key reused
+//! with another request is caught); one
 //! lookup in an in-memory index (one lock, one hash map); compare the fingerprints; and
 //! build the stored response (status, its headers, its body shared, not copied) with
 //! the headers every replay must carry (`idempotent-replayed: true`, the key echoed).
@@ -100,7 +101,7 @@ where
                 .get(header::CONTENT_TYPE)
                 .map(HeaderValue::as_bytes);
             let fingerprint =
-                Fingerprint::new(&parts.method, parts.uri.path(), query, content_type, &body);
+                Fingerprint::new_v1(&parts.method, parts.uri.path(), query, content_type, &body);
             let found = index.lock().unwrap().get(scope.as_bytes()).cloned();
             if let Some(stored) = found {
                 assert!(stored.fingerprint == fingerprint, "the same request");

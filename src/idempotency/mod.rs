@@ -66,9 +66,9 @@
 //!   that client's request look like a duplicate. On a route that identifies clients,
 //!   [`require_client`](IdempotencyLayer::require_client) refuses a request with a key
 //!   but no client (`401`) instead of scoping it globally.
-//! - **Fingerprint**: XXH3-128 of method, path, query, content type and body (records
-//!   written with the earlier SHA-256 fingerprint still match; why a fast hash keeps
-//!   every guarantee: [`Fingerprint`](store::Fingerprint)). The same
+//! - **Fingerprint**: a hash of method, path, query, content type and body: XXH3-128
+//!   where the scope is one client's, SHA-256 where every caller shares it (why, and
+//!   how records written before still match: [`Fingerprint`]). The same
 //!   key with another fingerprint is `422`, never a replay, never a second run. The
 //!   content type is compared as a media type: `Application/JSON;Charset=utf-8` and
 //!   `application/json; charset=utf-8` are one (parameter values are compared as sent;

@@ -129,16 +129,22 @@ impl fmt::Debug for ScopeKey {
 /// A digest of what the request asks for: method, path, query, content type and body.
 /// The same key with another fingerprint is a conflict, never a replay.
 ///
-/// Its 32 bytes are versioned. Version 2, what [`new`](Self::new) computes, is
-/// XXH3-128 over those fields followed by a 16-byte tag; version 1, what the layer
-/// wrote before, is SHA-256 over the same fields ([`new_v1`](Self::new_v1)), and
-/// records that hold one still match their requests (the layer computes a request's
-/// version 1 only when it finds such a record). A non-cryptographic hash is enough
-/// here: a fingerprint is only ever compared within one scope, which SHA-256 keeps
-/// per client, method, path, query and key, so a collision (by chance 2^-128 a pair,
-/// or made on purpose by a client from two bodies of its own) can only get that
-/// client its own earlier answer instead of `422`: never another client's response,
-/// never a second run.
+/// Its 32 bytes are versioned. Version 2, [`new`](Self::new), is XXH3-128 over those
+/// fields followed by a 16-byte tag; version 1, [`new_v1`](Self::new_v1), is SHA-256
+/// over the same fields. The HTTP layer computes version 2 where the scope is one
+/// client's, and version 1 where every caller shares the scope (no client identified):
+///
+/// - A fingerprint is only compared within one scope. Where the scope is one client's,
+///   a collision (by chance 2^-128 a pair, or made on purpose from two bodies of the
+///   client's own) can only get that client its own earlier answer instead of `422`:
+///   never another client's response, never a second run. So a fast hash is enough.
+/// - Where callers share a scope, one that can guess another's key and body could
+///   otherwise send a different body that collides with it first; XXH3 is not made to
+///   resist that, SHA-256 is.
+///
+/// Records written with version 1 where version 2 is computed now (before version 2
+/// existed) still match their requests: the layer computes a request's version 1 only
+/// when it finds such a record.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 

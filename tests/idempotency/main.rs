@@ -1088,16 +1088,20 @@ async fn the_moka_store_keeps_the_store_contract() {
 }
 
 /// A record written before fingerprints were version 2 (SHA-256, `Fingerprint::new_v1`)
-/// still replays to its request, and still refuses another body with `422`.
+/// still replays to its request, and still refuses another body with `422`, on a
+/// route whose scopes are per client (where the layer computes version 2).
 #[tokio::test]
 async fn a_record_with_a_version_1_fingerprint_still_replays() {
     use tower_ids::idempotency::{
         store::{Fingerprint, Payload, StoredResponse},
-        IdempotencyKey,
+        ClientId, IdempotencyKey,
     };
     let store = MokaStore::new();
     let key = IdempotencyKey::new(KEY.1).unwrap();
-    let scope = ScopeKey::new(None, &Method::POST, "/commands", None, &key);
+    // A route that identifies its clients: version 2 fingerprints, so the fallback
+    // is what finds the version 1 record.
+    let client = ClientId::new("client-a");
+    let scope = ScopeKey::new(Some(&client), &Method::POST, "/commands", None, &key);
     let v1 = Fingerprint::new_v1(
         &Method::POST,
         "/commands",
@@ -1134,8 +1138,18 @@ async fn a_record_with_a_version_1_fingerprint_still_replays() {
         .unwrap();
     assert!(matches!(completed, Completion::Stored));
 
-    let app = start(IdempotencyLayer::with_store(store)).await;
-    let headers = [KEY, ("content-type", "application/json")];
+    let identify = |request: &http::Request<axum::body::Body>| {
+        request
+            .headers()
+            .get("x-api-key")
+            .map(|value| ClientId::new(value.as_bytes()))
+    };
+    let app = start(IdempotencyLayer::with_store(store).client(identify)).await;
+    let headers = [
+        KEY,
+        ("content-type", "application/json"),
+        ("x-api-key", "client-a"),
+    ];
     let replay = app.post("/commands", &headers, BODY).await;
     assert_eq!(replay.status, StatusCode::CREATED, "{}", replay.text());
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));

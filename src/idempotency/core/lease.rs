@@ -177,7 +177,10 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             let started = std::time::Instant::now();
             let settlement = transaction.settle(self.scope, lease.clone(), outcome).await;
             self.store_time += started.elapsed();
-            observe::store_time(self.store_time);
+            // Recorded once: below, or by `complete` when the transaction was not taken.
+            if !matches!(settlement, Settlement::NotTaken) {
+                observe::store_time(self.store_time);
+            }
             match settlement {
                 Settlement::Committed(completion) => {
                     report(completion, &record, ttl, 1);

@@ -134,7 +134,8 @@ pub(crate) fn count(outcome: &'static str) {
 /// The fields the layer records on the span current when it runs (the request's span:
 /// [`AccessSpan`](crate::correlation::AccessSpan) and the correlation layer's default
 /// span declare them), so that the request's one access line carries them. A span that
-/// does not declare a field ignores it.
+/// does not declare a field ignores it. They are recorded when the subscriber enables
+/// INFO, as it must for the request's span (INFO by default) to be recorded at all.
 pub mod field {
     /// What the layer did with the request: `executed`, `replayed`, `in_flight`,
     /// `conflict`, `not_replayable`, `original_failed`, `rejected`,

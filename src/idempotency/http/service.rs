@@ -13,7 +13,7 @@ use super::{
     answer::Reply,
     extract::{ExtractedKey, KeyRejection},
     layer::Settings,
-    read::{buffered, collect_up_to, fingerprint, read_body, Collected},
+    read::{buffered, collect_up_to, fingerprint, read_body, Collected, FingerprintVersion},
     ExtractEpoch, IdentifyClient, InvalidClient, InvalidEpoch, NoClient, NoEpoch,
 };
 use crate::body::Body;
@@ -430,7 +430,7 @@ fn record_protected(protected: &Protected, settings: &Settings) {
 }
 
 /// [`run`] for a route whose key is in the body: the body is read (within the limits,
-/// before the idempotency span, as a refusal of the head is), the key extracted, and
+/// as a refusal of the head is), the key extracted, and
 /// the request deduplicated, passed through without a key, or refused.
 async fn run_keyed_by_body<S, St, ReqBody, ResBody>(
     mut inner: S,
@@ -499,10 +499,16 @@ where
     async move {
         let (parts, body) = request.into_parts();
         let bytes = buffered(&body);
-        // Version 1 only for a record written before version 2.
+        // The fast version 2 where the scope is one client's; a scope every caller
+        // shares keeps SHA-256, which no caller can collide on purpose (see
+        // `Fingerprint`). Version 1 too for a record written before version 2.
+        let version: FingerprintVersion = match protected.client {
+            Some(_) => Fingerprint::new,
+            None => Fingerprint::new_v1,
+        };
         let v1 = || fingerprint(Fingerprint::new_v1, &parts, &bytes);
         let fingerprints = Fingerprints {
-            current: fingerprint(Fingerprint::new, &parts, &bytes),
+            current: fingerprint(version, &parts, &bytes),
             v1: Some(&v1),
         };
         let decision = engine
