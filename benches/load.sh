@@ -196,7 +196,7 @@ nonce=$(date +%s%N)
 # Runs the replay key's first request. Again before each replay run: the fresh keys of
 # the run before may have pushed the record out of the store (64 MiB, oldest first).
 prime_replay_key() {
-    curl -sf -o /dev/null -X POST "$base/load/${1:-idempotent}" -H 'content-type: application/json' \
+    curl -sf -o /dev/null -X POST "$base/load/$1" -H 'content-type: application/json' \
         -H 'x-api-key: load-client' -H "idempotency-key: replay-$nonce" \
         -d '{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}'
 }
@@ -222,6 +222,31 @@ LOAD_NONCE="warm-$nonce" wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/fre
 : >"$work/results"
 
 steady=(-c "$CONNECTIONS" -d "${DURATION}s")
+
+# run_first NAME ROUTE ROUND: fresh keys on /load/ROUTE, each run once.
+run_first() {
+    local before line
+    before=$(executions)
+    LOAD_NONCE="$1-$nonce-$3" run "$1" "${steady[@]}" -s "$work/fresh.lua" "$base/load/$2"
+    line=$(tail -n1 "$work/results")
+    check "$1" "$line"
+    check_runs "$1" "$line" $(($(executions) - before))
+}
+
+# run_replay NAME ROUTE: one key on /load/ROUTE, run once beforehand and never again.
+run_replay() {
+    local before ran
+    prime_replay_key "$2"
+    before=$(executions)
+    LOAD_KEY="replay-$nonce" run "$1" "${steady[@]}" -s "$work/common.lua" "$base/load/$2"
+    check "$1" "$(tail -n1 "$work/results")"
+    ran=$(($(executions) - before))
+    if [ "$ran" != 0 ]; then
+        echo "FAIL $1: the handler ran $ran times" >&2
+        failed=1
+    fi
+}
+
 for round in $(seq "$ROUNDS"); do
     echo "round $round of $ROUNDS" >&2
     run bare "${steady[@]}" -s "$work/common.lua" "$base/load/bare"
@@ -233,42 +258,13 @@ for round in $(seq "$ROUNDS"); do
     run correlated "${steady[@]}" -s "$work/common.lua" "$base/load/correlated"
     check correlated "$(tail -n1 "$work/results")"
 
-    before=$(executions)
-    LOAD_NONCE="fresh-$nonce-$round" run first "${steady[@]}" -s "$work/fresh.lua" \
-        "$base/load/idempotent"
-    line=$(tail -n1 "$work/results")
-    check first "$line"
-    check_runs first "$line" $(($(executions) - before))
-
-    prime_replay_key
-    before=$(executions)
-    LOAD_KEY="replay-$nonce" run replay "${steady[@]}" -s "$work/common.lua" \
-        "$base/load/idempotent"
-    check replay "$(tail -n1 "$work/results")"
-    ran=$(($(executions) - before))
-    if [ "$ran" != 0 ]; then
-        echo "FAIL replay: the handler ran $ran times" >&2
-        failed=1
-    fi
+    run_first first idempotent "$round"
+    run_replay replay idempotent
 
     run logged_get "${steady[@]}" -s "$work/get.lua" "$base/load/logged"
     check logged_get "$(tail -n1 "$work/results")"
-    before=$(executions)
-    LOAD_NONCE="logged-$nonce-$round" run logged_first "${steady[@]}" -s "$work/fresh.lua" \
-        "$base/load/logged"
-    line=$(tail -n1 "$work/results")
-    check logged_first "$line"
-    check_runs logged_first "$line" $(($(executions) - before))
-    prime_replay_key logged
-    before=$(executions)
-    LOAD_KEY="replay-$nonce" run logged_replay "${steady[@]}" -s "$work/common.lua" \
-        "$base/load/logged"
-    check logged_replay "$(tail -n1 "$work/results")"
-    ran=$(($(executions) - before))
-    if [ "$ran" != 0 ]; then
-        echo "FAIL logged_replay: the handler ran $ran times" >&2
-        failed=1
-    fi
+    run_first logged_first logged "$round"
+    run_replay logged_replay logged
 done
 
 echo "burst: $BURST_CONNECTIONS connections, one new key, handler sleeping ${BURST_SLEEP_MS} ms" >&2

@@ -5,6 +5,8 @@
 
 #[path = "support/demo.rs"]
 mod demo;
+#[path = "support/rabbitmq.rs"]
+mod rabbitmq;
 #[path = "support/mod.rs"]
 mod support;
 
@@ -19,45 +21,12 @@ use lapin::{
         QueueDeclareOptions,
     },
     types::FieldTable,
-    Channel, Connection, ConnectionProperties, Consumer, ExchangeKind,
+    Channel, Connection, Consumer, ExchangeKind,
 };
+use rabbitmq::{connect, url};
 use serde_json::Value;
 use support::{client, send};
 use tower_ids::{correlation::MessageCorrelation, idempotency::IdempotencyKey};
-
-/// `AMQP_URL`, or the local RabbitMQ as guest.
-fn url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
-}
-
-/// A connection to the broker, or `None` (said loudly) when none answers and this is
-/// not CI.
-async fn connect() -> Option<Connection> {
-    let connected = tokio::time::timeout(
-        Duration::from_secs(5),
-        Connection::connect(&url(), ConnectionProperties::default()),
-    )
-    .await;
-    match connected {
-        Ok(Ok(connection)) => Some(connection),
-        failed => {
-            let why = match failed {
-                Ok(Err(error)) => error.to_string(),
-                _ => "timed out".to_owned(),
-            };
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "no RabbitMQ at {} ({why}), and CI is set: the AMQP tests must run",
-                url()
-            );
-            eprintln!(
-                "SKIPPED: no RabbitMQ at {} ({why}); start one (rabbitmq-server -detached) or set AMQP_URL; this test did not run",
-                url()
-            );
-            None
-        }
-    }
-}
 
 async fn create(demo: &Demo, correlation_id: &str, key: &str) -> support::Reply {
     send(

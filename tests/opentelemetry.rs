@@ -4,6 +4,9 @@
 //! outbound correlation layer to a second local server.
 #![allow(missing_docs)]
 
+#[cfg(feature = "amqp")]
+#[path = "support/rabbitmq.rs"]
+mod rabbitmq;
 #[path = "support/mod.rs"]
 mod support;
 
@@ -411,36 +414,6 @@ async fn with_the_access_log_its_request_span_continues_the_trace() {
     assert_eq!(access["fields"]["status"], 200);
 }
 
-/// A connection to RabbitMQ (`AMQP_URL`, or the local one as guest), or `None`, said
-/// loudly, when none answers and this is not CI.
-#[cfg(feature = "amqp")]
-async fn rabbitmq() -> Option<lapin::Connection> {
-    let url = std::env::var("AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
-    let connected = tokio::time::timeout(
-        Duration::from_secs(5),
-        lapin::Connection::connect(&url, lapin::ConnectionProperties::default()),
-    )
-    .await;
-    match connected {
-        Ok(Ok(connection)) => Some(connection),
-        failed => {
-            let why = match failed {
-                Ok(Err(error)) => error.to_string(),
-                _ => "timed out".to_owned(),
-            };
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "no RabbitMQ at {url} ({why}), and CI is set: the AMQP tests must run"
-            );
-            eprintln!(
-                "SKIPPED: no RabbitMQ at {url} ({why}); start one (rabbitmq-server -detached) or set AMQP_URL; this test did not run"
-            );
-            None
-        }
-    }
-}
-
 /// An HTTP request with a `traceparent`; its handler publishes a message to RabbitMQ
 /// with `MessageCorrelation::inject_current`; a consumer handles it in
 /// `MessageCorrelation::scope`. One trace, exported: the server span, and the
@@ -459,7 +432,7 @@ async fn one_trace_runs_from_the_request_through_rabbitmq_into_the_consumer() {
 
     const TRACE: &str = "5af7651916cd43dd8448eb211c80319c";
     let lines = &pipeline().1;
-    let Some(connection) = rabbitmq().await else {
+    let Some(connection) = rabbitmq::connect().await else {
         return;
     };
     let channel = connection.create_channel().await.unwrap();

@@ -125,33 +125,12 @@ pub struct AccessSpan {
 
 impl<B> tower_http::trace::MakeSpan<B> for AccessSpan {
     fn make_span(&mut self, request: &Request<B>) -> Span {
-        #[cfg(not(feature = "opentelemetry"))]
-        let span = tracing::info_span!(
+        let span = request_span!(
+            tracing::Level::INFO,
             "request",
             method = %request.method(),
             path = request.uri().path(),
             correlation_id = tracing::field::Empty,
-            idempotency_key = tracing::field::Empty,
-            idempotency_scope = tracing::field::Empty,
-            idempotency_client = tracing::field::Empty,
-            idempotency_outcome = tracing::field::Empty,
-            idempotency_request_count = tracing::field::Empty,
-            idempotency_store_ms = tracing::field::Empty,
-        );
-        #[cfg(feature = "opentelemetry")]
-        let span = tracing::info_span!(
-            "request",
-            method = %request.method(),
-            path = request.uri().path(),
-            correlation_id = tracing::field::Empty,
-            idempotency_key = tracing::field::Empty,
-            idempotency_scope = tracing::field::Empty,
-            idempotency_client = tracing::field::Empty,
-            idempotency_outcome = tracing::field::Empty,
-            idempotency_request_count = tracing::field::Empty,
-            idempotency_store_ms = tracing::field::Empty,
-            trace_id = tracing::field::Empty,
-            otel.kind = "server",
         );
         #[cfg(feature = "opentelemetry")]
         if self.trace_context {

@@ -110,40 +110,10 @@ impl<B> MakeSpan<B> for DefaultMakeSpan {
         if !tracing::level_enabled!(self.level) {
             return Span::none();
         }
-        #[cfg(not(feature = "opentelemetry"))]
+        // `trace_id` is recorded once the incoming trace is continued.
         macro_rules! span {
             ($level:expr) => {
-                tracing::span!(
-                    $level,
-                    "correlation",
-                    correlation_id = %id,
-                    idempotency_key = tracing::field::Empty,
-                    idempotency_scope = tracing::field::Empty,
-                    idempotency_client = tracing::field::Empty,
-                    idempotency_outcome = tracing::field::Empty,
-                    idempotency_request_count = tracing::field::Empty,
-                    idempotency_store_ms = tracing::field::Empty,
-                )
-            };
-        }
-        // `trace_id` is recorded once the incoming trace is continued; `otel.kind`
-        // makes it a server span for tracing-opentelemetry.
-        #[cfg(feature = "opentelemetry")]
-        macro_rules! span {
-            ($level:expr) => {
-                tracing::span!(
-                    $level,
-                    "correlation",
-                    correlation_id = %id,
-                    trace_id = tracing::field::Empty,
-                    idempotency_key = tracing::field::Empty,
-                    idempotency_scope = tracing::field::Empty,
-                    idempotency_client = tracing::field::Empty,
-                    idempotency_outcome = tracing::field::Empty,
-                    idempotency_request_count = tracing::field::Empty,
-                    idempotency_store_ms = tracing::field::Empty,
-                    otel.kind = "server",
-                )
+                request_span!($level, "correlation", correlation_id = %id,)
             };
         }
         match self.level {

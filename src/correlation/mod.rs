@@ -212,6 +212,42 @@
     doc = "[`OutboundCorrelationLayer::baggage`]: OutboundCorrelationLayer"
 )]
 
+/// A request's span: `$name` at `$level` with `$fields`, and, empty, the fields the
+/// layers record in it: the idempotency layer's (`tower_ids::idempotency::field`) and,
+/// with the `opentelemetry` feature, `trace_id` and `otel.kind = "server"` (which makes
+/// it a server span for tracing-opentelemetry).
+macro_rules! request_span {
+    ($level:expr, $name:literal, $($fields:tt)*) => {{
+        #[cfg(not(feature = "opentelemetry"))]
+        let span = tracing::span!(
+            $level,
+            $name,
+            $($fields)*
+            idempotency_key = tracing::field::Empty,
+            idempotency_scope = tracing::field::Empty,
+            idempotency_client = tracing::field::Empty,
+            idempotency_outcome = tracing::field::Empty,
+            idempotency_request_count = tracing::field::Empty,
+            idempotency_store_ms = tracing::field::Empty,
+        );
+        #[cfg(feature = "opentelemetry")]
+        let span = tracing::span!(
+            $level,
+            $name,
+            $($fields)*
+            idempotency_key = tracing::field::Empty,
+            idempotency_scope = tracing::field::Empty,
+            idempotency_client = tracing::field::Empty,
+            idempotency_outcome = tracing::field::Empty,
+            idempotency_request_count = tracing::field::Empty,
+            idempotency_store_ms = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+            otel.kind = "server",
+        );
+        span
+    }};
+}
+
 #[cfg(feature = "access-log")]
 mod access_log;
 mod carrier;

@@ -27,40 +27,9 @@ use tower_ids::{
     idempotency::IdempotencyKey,
 };
 
-/// `AMQP_URL`, or the local RabbitMQ as guest.
-pub fn url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
-}
-
-/// A connection to the broker, or `None` (said loudly) when none answers and this is
-/// not CI.
-pub async fn connect() -> Option<Connection> {
-    let connected = tokio::time::timeout(
-        Duration::from_secs(5),
-        Connection::connect(&url(), ConnectionProperties::default()),
-    )
-    .await;
-    match connected {
-        Ok(Ok(connection)) => Some(connection),
-        failed => {
-            let why = match failed {
-                Ok(Err(error)) => error.to_string(),
-                _ => "timed out".to_owned(),
-            };
-            if std::env::var_os("CI").is_some() {
-                panic!(
-                    "no RabbitMQ at {} ({why}), and CI is set: the AMQP tests must run",
-                    url()
-                );
-            }
-            eprintln!(
-                "SKIPPED: no RabbitMQ at {} ({why}); start one (rabbitmq-server -detached) or set AMQP_URL; these tests did not run",
-                url()
-            );
-            None
-        }
-    }
-}
+#[path = "../support/rabbitmq.rs"]
+mod rabbitmq;
+pub use rabbitmq::{connect, url};
 
 /// An exchange and a controller queue of this test's own, with a queue collecting
 /// every outcome published on the exchange; removed by [`remove`](Self::remove), or on

@@ -151,7 +151,12 @@ impl<St: IdempotencyStore> Engine<St> {
             }
             _ => (!spent.is_zero()).then_some(spent),
         };
-        observe::record_decision(decision.outcome(), decision.request_count(), store_time);
+        let outcome = decision.outcome();
+        // A replay is counted by its adapter, once it has the answer (see `Verdict`).
+        if !matches!(decision, Decision::Answer(Verdict::Replay { .. })) {
+            observe::count(outcome);
+        }
+        observe::record_decision(outcome, decision.request_count(), store_time);
         decision
     }
 
@@ -188,7 +193,6 @@ impl<St: IdempotencyStore> Engine<St> {
             Err(error) => {
                 return match policy.store_failure {
                     StoreFailure::FailClosed => {
-                        observe::count("store_unavailable");
                         tracing::warn!(
                             event = "idempotency.store_failed",
                             error = %Chain(&error),
@@ -199,7 +203,6 @@ impl<St: IdempotencyStore> Engine<St> {
                         Decision::Answer(Verdict::StoreUnavailable)
                     }
                     StoreFailure::FailOpen => {
-                        observe::count("fail_open");
                         tracing::warn!(
                             event = "idempotency.store_failed",
                             error = %Chain(&error),
@@ -215,7 +218,6 @@ impl<St: IdempotencyStore> Engine<St> {
         match begin {
             Begin::Claimed { lease } => {
                 claimed.set();
-                observe::count("executed");
                 tracing::debug!(
                     event = "idempotency.accepted",
                     "idempotency key accepted; running the handler"
@@ -264,7 +266,6 @@ impl<St: IdempotencyStore> Engine<St> {
                     }
                     Ok(Settled::TimedOut) => in_flight(first_seen, Some(request_count), AFTER_WAIT),
                     Ok(Settled::Released) => {
-                        observe::count("original_failed");
                         tracing::debug!(
                             event = "idempotency.original_failed",
                             "the work this one waited for did not complete; retry"
@@ -272,7 +273,6 @@ impl<St: IdempotencyStore> Engine<St> {
                         Decision::Answer(Verdict::OriginalFailed)
                     }
                     Err(error) => {
-                        observe::count("store_unavailable");
                         tracing::warn!(
                             event = "idempotency.store_failed",
                             error = %Chain(&error),
@@ -329,7 +329,6 @@ fn in_flight<St: IdempotencyStore>(
     request_count: Option<u64>,
     retry_after: Duration,
 ) -> Decision<St> {
-    observe::count("in_flight");
     tracing::debug!(
         event = "idempotency.in_flight",
         request_count,
@@ -344,7 +343,6 @@ fn in_flight<St: IdempotencyStore>(
 }
 
 fn conflict<St: IdempotencyStore>() -> Decision<St> {
-    observe::count("conflict");
     tracing::warn!(
         event = "idempotency.conflict",
         "idempotency key reused with another request"
@@ -356,7 +354,6 @@ fn epoch_mismatch<St: IdempotencyStore>(
     recorded: Option<u64>,
     requested: Option<u64>,
 ) -> Decision<St> {
-    observe::count("conflict");
     tracing::warn!(
         event = "idempotency.epoch_mismatch",
         recorded_epoch = recorded,
@@ -406,13 +403,13 @@ pub(crate) fn replayed(record: &Record, request_count: u64) {
 /// A duplicate the engine decided to replay whose outcome this transport cannot hand
 /// back after all: [`not_replayable`], and the outcome recorded again.
 pub(crate) fn replay_failed(request_count: u64) {
+    observe::count("not_replayable");
     observe::record(observe::field::OUTCOME, "not_replayable");
     not_replayable(request_count);
 }
 
 /// A duplicate of work that ran, whose outcome this transport cannot hand back.
-pub(crate) fn not_replayable(request_count: u64) {
-    observe::count("not_replayable");
+fn not_replayable(request_count: u64) {
     tracing::debug!(
         event = "idempotency.not_replayable",
         request_count,

@@ -381,8 +381,7 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
             }
         }
         Err(error) => {
-            core::observe::count("not_replayable");
-            core::observe::record(core::observe::field::OUTCOME, "not_replayable");
+            core::replay_failed(request_count);
             tracing::warn!(
                 event = "idempotency.outcome_undecodable",
                 error = %error,
