@@ -48,6 +48,12 @@
 #                        the address it listens on); `info` logs the access line of
 #                        every request to the logged routes, as JSON, to a file
 #   WORKER_THREADS=      tokio worker threads of the server (default: one per core)
+#   COMPARE=             "NAME=BINARY NAME=BINARY ...": instead of the table above, compare
+#                        builds of the commands example side by side. Each round starts
+#                        each binary in turn on a fresh process and runs correlated,
+#                        first and replay against it; the table gives each build's
+#                        medians and its first execution's server CPU against the
+#                        first build's. Nothing is built in this mode.
 #
 # wrk: taken from PATH; when missing and this runs as root with apt-get, it is installed
 # from the distribution (`apt-get install wrk`); otherwise the script says how to get it
@@ -92,10 +98,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "building the commands example (release)..." >&2
-cargo build --quiet --release --example commands
-binary=$(cargo metadata --format-version 1 --no-deps |
-    sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/examples/commands
+if [ -z "${COMPARE:-}" ]; then
+    echo "building the commands example (release)..." >&2
+    cargo build --quiet --release --example commands
+    binary=$(cargo metadata --format-version 1 --no-deps |
+        sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/examples/commands
+fi
 
 # Every request carries the same JSON body and client; wrk formats it once, except for
 # `fresh.lua`, which sets a new key per request.
@@ -140,16 +148,25 @@ function request()
 end
 EOF
 
-env RUST_LOG="$SERVER_LOG,commands=info" ${WORKER_THREADS:+TOKIO_WORKER_THREADS="$WORKER_THREADS"} \
-    "$binary" --addr 127.0.0.1:0 --load-routes --log-format json >"$work/server.log" 2>&1 &
-server_pid=$!
-base=
-for _ in $(seq 100); do
-    base=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$work/server.log" | head -n1 || true)
-    [ -n "$base" ] && break
-    sleep 0.1
-done
-[ -n "$base" ] || { echo "the server did not start:" >&2; cat "$work/server.log" >&2; exit 1; }
+# start_server BINARY: starts it on a free port; sets server_pid and base.
+start_server() {
+    env RUST_LOG="$SERVER_LOG,commands=info" ${WORKER_THREADS:+TOKIO_WORKER_THREADS="$WORKER_THREADS"} \
+        "$1" --addr 127.0.0.1:0 --load-routes --log-format json >"$work/server.log" 2>&1 &
+    server_pid=$!
+    base=
+    for _ in $(seq 100); do
+        base=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$work/server.log" | head -n1 || true)
+        [ -n "$base" ] && break
+        sleep 0.1
+    done
+    [ -n "$base" ] || { echo "the server did not start:" >&2; cat "$work/server.log" >&2; exit 1; }
+}
+
+stop_server() {
+    kill "$server_pid"
+    wait "$server_pid" 2>/dev/null || true
+    server_pid=
+}
 
 failed=0
 # The handler's runs so far. A connection wrk closes at its deadline may still have a
@@ -213,15 +230,18 @@ check_runs() {
     fi
 }
 
-echo "warming up..." >&2
-for route in bare noop tower-http correlated; do
-    wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/common.lua" "$base/load/$route" >/dev/null
-done
-LOAD_NONCE="warm-$nonce" wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/fresh.lua" \
-    "$base/load/idempotent" >/dev/null
+steady=(-c "$CONNECTIONS" -d "${DURATION}s")
 : >"$work/results"
 
-steady=(-c "$CONNECTIONS" -d "${DURATION}s")
+# warm_up ROUTES...: a second of each route, then two of fresh keys, which fill the store.
+warm_up() {
+    local route
+    for route in "$@"; do
+        wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/common.lua" "$base/load/$route" >/dev/null
+    done
+    LOAD_NONCE="warm-$nonce-$RANDOM" wrk -t "$THREADS" -c "$CONNECTIONS" -d 2s -s "$work/fresh.lua" \
+        "$base/load/idempotent" >/dev/null
+}
 
 # run_first NAME ROUTE ROUND: fresh keys on /load/ROUTE, each run once.
 run_first() {
@@ -246,6 +266,64 @@ run_replay() {
         failed=1
     fi
 }
+
+if [ -n "${COMPARE:-}" ]; then
+    for round in $(seq "$ROUNDS"); do
+        for build in $COMPARE; do
+            name=${build%%=*}
+            echo "round $round of $ROUNDS: $name" >&2
+            start_server "${build#*=}"
+            warm_up correlated
+            run "$name/correlated" "${steady[@]}" -s "$work/common.lua" "$base/load/correlated"
+            check "$name/correlated" "$(tail -n1 "$work/results")"
+            run_first "$name/first" idempotent "$round"
+            run_replay "$name/replay" idempotent
+            stop_server
+        done
+    done
+    echo
+    echo "wrk: $THREADS threads, $CONNECTIONS connections, ${DURATION} s x $ROUNDS rounds; builds: $COMPARE"
+    echo
+    awk -v builds="${COMPARE}" '
+function median(values, n,    i, j, t) {
+    for (i = 2; i <= n; i++)
+        for (j = i; j > 1 && values[j - 1] > values[j]; j--) {
+            t = values[j]; values[j] = values[j - 1]; values[j - 1] = t
+        }
+    return n % 2 ? values[(n + 1) / 2] : (values[n / 2] + values[n / 2 + 1]) / 2
+}
+{
+    for (i = 2; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
+    k = ++n[$1]
+    rate[$1, k] = f["requests"] / (f["duration_us"] / 1e6)
+    cpu[$1, k] = f["server_cpu_us"] / f["requests"]
+}
+END {
+    printf "%-10s %-11s %10s %13s %18s %18s\n", "build", "workload", "req/s", "server CPU", "over correlated", "vs first build"
+    count = split(builds, list, " ")
+    for (b = 1; b <= count; b++) {
+        name = list[b]; sub(/=.*/, "", name)
+        split("correlated first replay", workloads, " ")
+        for (w = 1; w <= 3; w++) {
+            row = name "/" workloads[w]; m = n[row]
+            for (i = 1; i <= m; i++) {
+                a[i] = rate[row, i]; c[i] = cpu[row, i]
+                d[i] = cpu[row, i] - cpu[name "/correlated", i]
+            }
+            per = median(c, m); over = median(d, m)
+            if (b == 1) base_over[w] = over
+            printf "%-10s %-11s %10.0f %7.1f us/req %+15.1f us %+15.1f us\n", name, workloads[w], median(a, m), per, \
+                w == 1 ? 0 : over, w == 1 ? 0 : over - base_over[w]
+        }
+    }
+}' "$work/results"
+    exit "$failed"
+fi
+
+start_server "$binary"
+echo "warming up..." >&2
+warm_up bare noop tower-http correlated
+: >"$work/results"
 
 for round in $(seq "$ROUNDS"); do
     echo "round $round of $ROUNDS" >&2

@@ -27,7 +27,6 @@ pin_project! {
             #[pin]
             future: TaskLocalFuture<CorrelationId, F>,
             span: Span,
-            id: CorrelationId,
             header: HeaderName,
         },
         Refused {
@@ -40,14 +39,12 @@ impl<F, B> ResponseFuture<F, B> {
     pub(super) fn called(
         future: TaskLocalFuture<CorrelationId, F>,
         span: Span,
-        id: CorrelationId,
         header: HeaderName,
     ) -> Self {
         Self {
             kind: Kind::Called {
                 future,
                 span,
-                id,
                 header,
             },
         }
@@ -76,14 +73,17 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
             KindProj::Called {
-                future,
+                mut future,
                 span,
-                id,
                 header,
             } => {
                 let _entered = span.enter();
-                let mut response = ready!(future.poll(cx))?.map(Body::inner);
-                echo(&mut response, id, header.clone());
+                let mut response = ready!(future.as_mut().poll(cx))?.map(Body::inner);
+                // The ID the task-local held: taken back rather than kept in a clone of
+                // its own, which would cost two atomic operations per request.
+                if let Some(id) = future.take_value() {
+                    echo(&mut response, &id, header.clone());
+                }
                 Poll::Ready(Ok(response))
             }
             KindProj::Refused { response } => Poll::Ready(Ok(response

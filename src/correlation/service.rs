@@ -211,12 +211,7 @@ where
             let _entered = span.enter();
             id.clone().sync_scope(|| inner.call(request))
         };
-        ResponseFuture::called(
-            id.clone().task_local(future),
-            span,
-            id,
-            settings.header.clone(),
-        )
+        ResponseFuture::called(id.task_local(future), span, settings.header.clone())
     }
 }
 

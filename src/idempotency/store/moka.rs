@@ -3,12 +3,13 @@ use std::{
     hash::{BuildHasherDefault, Hasher},
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, Mutex, MutexGuard, PoisonError,
+        Arc, Mutex, MutexGuard, PoisonError, Weak,
     },
     time::{Duration, Instant, SystemTime},
 };
 
-use moka::{future::Cache, policy::EvictionPolicy, Expiry};
+#[cfg(not(tower_ids_fifo_index))]
+use moka::{policy::EvictionPolicy, sync::Cache, Expiry};
 use tokio::sync::watch;
 
 use super::{
@@ -17,59 +18,71 @@ use super::{
 };
 use crate::idempotency::{Fingerprint, ScopeKey};
 
+#[cfg(tower_ids_fifo_index)]
+mod fifo;
+
 /// Default bound on what the store holds: 64 MiB of weighed entries.
 ///
 /// Room for about 34,000 records of 1 KiB responses; set it to what a TTL's worth of
 /// protected requests needs. Past the bound the oldest records go.
 pub const DEFAULT_MOKA_MAX_BYTES: usize = 64 * 1024 * 1024;
 
-/// What a stored record weighs beyond its response ([`Record::weight`]): the scope key
-/// (in the map and in the index), the record (fingerprint, times, attempt ID, status),
-/// its slot in the map, and moka's bookkeeping for the index entry (key copy, access
-/// and write deques, timer wheel). Measured with a counting global allocator at 602
-/// bytes with 5,000 records (`tests/memory.rs`) and 634 with 1,000,000
-/// (`benches/scale.rs`), and charged to every entry, so the byte bound holds whatever
-/// the responses.
+/// What a stored record weighs beyond its response ([`Record::weight`]): the scope key,
+/// the record (fingerprint, times, attempt ID, status) and moka's bookkeeping for its
+/// entry (key copy, access and write deques, timer wheel). Charged to every entry, so
+/// the byte bound holds whatever the responses. Measured with a counting global
+/// allocator at 602 bytes with 5,000 records (`tests/memory.rs`); that test and
+/// `benches/scale.rs` (1,000,000 records) fail if an entry costs more than this.
 pub const MOKA_ENTRY_OVERHEAD_BYTES: usize = 768;
 
 /// Shards of the map of scopes: enough that two workers rarely wait on one lock, few
 /// enough to cost nothing idle.
 const SHARDS: usize = 64;
 
-/// A shard sweeps out claims whose lease ran out (and records past their TTL) once it
-/// holds this many claims, or twice as many as were left after its last sweep.
-const IN_FLIGHT_SWEEP_AT: usize = 1024;
+/// The fewest scopes a shard sweeps at (see `Shard::sweep_if_due`).
+const SWEEP_SCOPES_AT: usize = 64;
 
-/// The embedded store: requests in flight and stored outcomes in one sharded map, and a
-/// [`moka`] cache beside it as the index that bounds the stored outcomes in bytes and
-/// expires them at their TTL.
+/// The stored records, bounded in bytes and expired at their TTL.
+#[cfg(not(tower_ids_fifo_index))]
+type Records = Cache<ScopeKey, Arc<Stored>, BuildScopeHasher>;
+/// A byte-bounded FIFO queue in place of moka, for measuring what moka costs
+/// (`RUSTFLAGS='--cfg tower_ids_fifo_index'`; see `benches/README.md`). Not a
+/// supported configuration: it never expires a record by time.
+#[cfg(tower_ids_fifo_index)]
+type Records = fifo::FifoIndex;
+
+/// The embedded store: a sharded map of the scopes it knows, and a [`moka`] cache that
+/// owns the stored records, bounds them in bytes and expires them at their TTL.
 ///
-/// Claiming, completing and releasing a key take a shard's lock for a few map
-/// operations, never across an await. A duplicate of a stored record is one map read
-/// under that lock; moka is not involved, so a replay costs the same with a thousand
-/// records stored or a million. Completing a request turns its claim into its record
-/// under the same lock (a duplicate sees one or the other, never neither), then writes
-/// the record's weight and TTL to moka; when moka evicts or expires that entry, its
-/// eviction listener removes the record.
+/// Claiming, completing and releasing a key take the lock of the key's shard for a few
+/// map operations, never across an await. A duplicate of a stored record is one map
+/// read under that lock, which finds the record through a weak pointer; moka is not
+/// involved, so a replay costs the same with a thousand records stored or a million.
+/// Completing a request turns its claim into that pointer and hands the record to
+/// moka under the same lock, so a duplicate sees one or the other, never neither.
+/// When moka evicts or expires a record, the record is freed at once and the pointer
+/// dies; moka needs no eviction listener to tell the map (with one, it takes a lock
+/// per key on every write). Dead pointers are swept out as the map grows.
 ///
 /// # Memory
 ///
 /// Each stored record weighs its response ([`Record::weight`]) plus
 /// [`MOKA_ENTRY_OVERHEAD_BYTES`]; the store holds at most
 /// [`max_bytes`](MokaStoreBuilder::max_bytes) of weight (default
-/// [`DEFAULT_MOKA_MAX_BYTES`]), oldest records evicted first. A response larger than the
-/// whole bound is evicted as soon as it is written. A request in flight holds about 500
-/// bytes outside that bound until it settles, so that part is bounded by how many
-/// requests run at once.
+/// [`DEFAULT_MOKA_MAX_BYTES`]), the least recently stored records evicted first. A
+/// response larger than the whole bound is evicted as soon as it is written. The
+/// overhead charged also covers the map's slots for records moka has dropped (about
+/// 150 bytes each, fewer than half the live records). A request in flight holds about
+/// 100 bytes outside that bound until it settles (`tests/memory.rs`), so that part is
+/// bounded by how many requests run at once.
 ///
 /// # Clone
 ///
-/// Clones share one map and one index.
+/// Clones share one map and one cache.
 #[derive(Clone)]
 pub struct MokaStore {
     shards: Arc<[Mutex<Shard>]>,
-    /// What bounds and expires the stored records: their weights and TTLs.
-    index: Cache<ScopeKey, IndexEntry, BuildScopeHasher>,
+    records: Records,
     clock: Arc<dyn Clock>,
     next_token: Arc<AtomicU64>,
 }
@@ -77,8 +90,8 @@ pub struct MokaStore {
 impl std::fmt::Debug for MokaStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MokaStore")
-            .field("entries", &self.index.entry_count())
-            .field("weighted_bytes", &self.index.weighted_size())
+            .field("entries", &self.records.entry_count())
+            .field("weighted_bytes", &self.records.weighted_size())
             .finish()
     }
 }
@@ -106,30 +119,32 @@ impl MokaStoreBuilder {
 
     /// The store.
     pub fn build(self) -> MokaStore {
-        let shards: Arc<[Mutex<Shard>]> = (0..SHARDS).map(|_| Mutex::default()).collect();
-        let evicted_from = Arc::clone(&shards);
-        let index = Cache::builder()
-            // Oldest first: the index is written once per record and never read, so
-            // least recently used is least recently stored. Retries come soon after
-            // the request they repeat, so the newest records matter most (moka's
-            // default, TinyLFU, could refuse a brand-new record).
-            .eviction_policy(EvictionPolicy::lru())
-            .max_capacity(u64::try_from(self.max_bytes).unwrap_or(u64::MAX))
-            .weigher(|_scope: &ScopeKey, entry: &IndexEntry| entry.weight)
-            .expire_after(IndexExpiry)
-            .eviction_listener(move |scope: Arc<ScopeKey>, entry: IndexEntry, _cause| {
-                let removed = lock(&evicted_from, &scope).remove_record(&scope, entry.token);
-                // The record's response is freed outside the lock.
-                drop(removed);
-            })
-            .build_with_hasher(BuildScopeHasher::default());
         MokaStore {
-            shards,
-            index,
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            records: records(self.max_bytes),
             clock: self.clock,
             next_token: Arc::new(AtomicU64::new(1)),
         }
     }
+}
+
+#[cfg(not(tower_ids_fifo_index))]
+fn records(max_bytes: usize) -> Records {
+    Cache::builder()
+        // Oldest first: a record is written once and never read from the cache (a
+        // replay finds it through the map), so least recently used is least recently
+        // stored. Retries come soon after the request they repeat, so the newest
+        // records matter most (moka's default, TinyLFU, could refuse a brand-new one).
+        .eviction_policy(EvictionPolicy::lru())
+        .max_capacity(u64::try_from(max_bytes).unwrap_or(u64::MAX))
+        .weigher(|_scope: &ScopeKey, stored: &Arc<Stored>| stored.weight)
+        .expire_after(RecordExpiry)
+        .build_with_hasher(BuildScopeHasher::default())
+}
+
+#[cfg(tower_ids_fifo_index)]
+fn records(max_bytes: usize) -> Records {
+    fifo::FifoIndex::new(max_bytes)
 }
 
 impl MokaStore {
@@ -148,22 +163,27 @@ impl MokaStore {
 
     /// Stored records (approximate until moka's pending tasks run).
     pub fn entry_count(&self) -> u64 {
-        self.index.entry_count()
+        self.records.entry_count()
     }
 
     /// Weighted bytes of the stored records (approximate until moka's pending tasks
     /// run).
     pub fn weighted_bytes(&self) -> usize {
-        usize::try_from(self.index.weighted_size()).unwrap_or(usize::MAX)
+        usize::try_from(self.records.weighted_size()).unwrap_or(usize::MAX)
     }
 
     /// Runs moka's pending maintenance, so counts and evictions are up to date.
     pub async fn run_pending_tasks(&self) {
-        self.index.run_pending_tasks().await;
+        self.records.run_pending_tasks();
     }
 
     fn shard(&self, scope: &ScopeKey) -> MutexGuard<'_, Shard> {
-        lock(&self.shards, scope)
+        // The scope is a digest: any of its bytes picks a shard uniformly.
+        let index = usize::from(scope.as_bytes()[31]) % self.shards.len();
+        // Every write leaves a shard consistent, so a panic elsewhere cannot poison it.
+        self.shards[index]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -171,14 +191,6 @@ impl Default for MokaStore {
     fn default() -> Self {
         Self::new()
     }
-}
-
-/// The shard that holds `scope`, locked.
-fn lock<'a>(shards: &'a [Mutex<Shard>], scope: &ScopeKey) -> MutexGuard<'a, Shard> {
-    // The scope is a digest: any of its bytes picks a shard uniformly.
-    let index = usize::from(scope.as_bytes()[31]) % shards.len();
-    // Every write leaves a shard consistent, so a panic elsewhere cannot poison it.
-    shards[index].lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Hashes a [`ScopeKey`] by taking 8 of its bytes: it is already a SHA-256 digest,
@@ -209,9 +221,7 @@ type BuildScopeHasher = BuildHasherDefault<ScopeHasher>;
 #[derive(Default)]
 struct Shard {
     scopes: HashMap<ScopeKey, Scope, BuildScopeHasher>,
-    /// Claims among `scopes`.
-    in_flight: usize,
-    /// Claims at which to sweep next; 0 until the first claim.
+    /// Scopes at which to sweep next; 0 until the first sweep.
     sweep_at: usize,
 }
 
@@ -220,51 +230,41 @@ enum Scope {
     /// Boxed: claims are few, records many, and the map's slots are as large as the
     /// larger variant.
     InFlight(Box<InFlight>),
-    Stored(Stored),
+    /// The record, which the cache owns: dead once the cache has evicted or expired it.
+    Stored(Weak<Stored>),
+}
+
+impl Scope {
+    /// Whether the scope still means something at `now`: a claim that holds, or a
+    /// record the cache keeps and its TTL has not ended.
+    fn is_live(&self, now: SystemTime) -> bool {
+        match self {
+            Self::InFlight(claim) => claim.holds(now),
+            Self::Stored(record) => record.upgrade().is_some_and(|r| r.expires_at > now),
+        }
+    }
 }
 
 impl Shard {
-    /// Counts a new claim, and sweeps out lost claims and expired records when claims
-    /// pile up (a worker that never settles its claim leaves one behind).
-    fn claimed(&mut self, now: SystemTime) {
-        self.in_flight += 1;
-        if self.in_flight < self.sweep_at.max(IN_FLIGHT_SWEEP_AT) {
+    /// Sweeps out the scopes that mean nothing any more (lost claims, and records the
+    /// cache dropped) once the shard holds half as many again as were live after the
+    /// last sweep: dead slots stay below half the live ones (plus
+    /// [`SWEEP_SCOPES_AT`] a shard), which the entry overhead charged covers. A swept
+    /// claim drops its sender, which wakes its waiters.
+    fn sweep_if_due(&mut self, now: SystemTime) {
+        if self.scopes.len() < self.sweep_at.max(SWEEP_SCOPES_AT) {
             return;
         }
-        self.scopes.retain(|_, scope| match scope {
-            Scope::InFlight(claim) => claim.holds(now),
-            Scope::Stored(record) => record.expires_at > now,
-        });
-        self.in_flight = self
-            .scopes
-            .values()
-            .filter(|scope| matches!(scope, Scope::InFlight(_)))
-            .count();
-        self.sweep_at = self.in_flight * 2;
+        self.scopes.retain(|_, scope| scope.is_live(now));
+        self.sweep_at = self.scopes.len() + self.scopes.len() / 2;
     }
 
-    /// Releases the claim `token` holds on `scope`, if it still holds it: its waiters
-    /// wake, and find the key free.
-    fn release_claim(&mut self, scope: &ScopeKey, token: u128) -> bool {
-        let Entry::Occupied(entry) = self.scopes.entry(*scope) else {
-            return false;
-        };
-        match entry.get() {
-            Scope::InFlight(claim) if u128::from(claim.token) == token => claim.wake_waiters(),
-            _ => return false,
+    /// The record stored for `scope`, unless the cache dropped it or its TTL ended.
+    fn record(&self, scope: &ScopeKey, now: SystemTime) -> Option<Arc<Stored>> {
+        match self.scopes.get(scope)? {
+            Scope::Stored(record) => record.upgrade().filter(|r| r.expires_at > now),
+            Scope::InFlight(_) => None,
         }
-        entry.remove();
-        self.in_flight -= 1;
-        true
-    }
-
-    /// Removes the record `token`'s request stored for `scope`, if it is still there.
-    fn remove_record(&mut self, scope: &ScopeKey, token: u64) -> Option<Scope> {
-        let Entry::Occupied(entry) = self.scopes.entry(*scope) else {
-            return None;
-        };
-        matches!(entry.get(), Scope::Stored(record) if record.token == token)
-            .then(|| entry.remove())
     }
 }
 
@@ -324,53 +324,49 @@ impl InFlight {
     }
 }
 
-/// A stored record.
+/// A stored record, as the cache owns it.
 struct Stored {
     record: Arc<Record>,
     expires_at: SystemTime,
-    /// The token of the claim that stored it, which its index entry carries.
+    /// The token of the claim that stored it: completing that claim again is a no-op.
     token: u64,
-    request_count: u64,
-}
-
-impl Stored {
-    fn count_and_describe(&mut self) -> Begin {
-        self.request_count += 1;
-        Begin::Completed {
-            record: self.record.clone(),
-            request_count: self.request_count,
-        }
-    }
-}
-
-/// A stored record's entry in the index.
-#[derive(Clone, Copy)]
-struct IndexEntry {
-    token: u64,
+    request_count: AtomicU64,
+    /// What the cache charges for it.
     weight: u32,
     ttl: Duration,
 }
 
-struct IndexExpiry;
+impl Stored {
+    fn count_and_describe(&self) -> Begin {
+        Begin::Completed {
+            record: self.record.clone(),
+            request_count: self.request_count.fetch_add(1, Ordering::Relaxed) + 1,
+        }
+    }
+}
 
-impl Expiry<ScopeKey, IndexEntry> for IndexExpiry {
+#[cfg(not(tower_ids_fifo_index))]
+struct RecordExpiry;
+
+#[cfg(not(tower_ids_fifo_index))]
+impl Expiry<ScopeKey, Arc<Stored>> for RecordExpiry {
     fn expire_after_create(
         &self,
         _: &ScopeKey,
-        entry: &IndexEntry,
+        stored: &Arc<Stored>,
         _: Instant,
     ) -> Option<Duration> {
-        Some(entry.ttl)
+        Some(stored.ttl)
     }
 
     fn expire_after_update(
         &self,
         _: &ScopeKey,
-        entry: &IndexEntry,
+        stored: &Arc<Stored>,
         _: Instant,
         _: Option<Duration>,
     ) -> Option<Duration> {
-        Some(entry.ttl)
+        Some(stored.ttl)
     }
 }
 
@@ -382,20 +378,20 @@ impl IdempotencyStore for MokaStore {
         let mut entry = shard.scopes.entry(*scope);
         let carried = match &mut entry {
             Entry::Occupied(occupied) => match occupied.get_mut() {
-                // A duplicate of a stored record, or of a request in flight.
-                Scope::Stored(record) if record.expires_at > now => {
-                    return Ok(record.count_and_describe())
-                }
+                // A duplicate of a request in flight.
                 Scope::InFlight(running) if running.holds(now) => {
                     return Ok(running.count_and_describe())
                 }
                 // A lost worker's claim: taken over, its requests still counted.
-                Scope::InFlight(lost) => {
-                    shard.in_flight -= 1;
-                    lost.request_count
-                }
-                // A record past its TTL is gone: the key is new again.
-                Scope::Stored(_) => 0,
+                Scope::InFlight(lost) => lost.request_count,
+                Scope::Stored(record) => match record.upgrade() {
+                    // A duplicate of a stored record.
+                    Some(stored) if stored.expires_at > now => {
+                        return Ok(stored.count_and_describe())
+                    }
+                    // Evicted, or past its TTL: the key is new again.
+                    _ => 0,
+                },
             },
             Entry::Vacant(_) => 0,
         };
@@ -409,7 +405,7 @@ impl IdempotencyStore for MokaStore {
             request_count: carried + 1,
             settled: None,
         })));
-        shard.claimed(now);
+        shard.sweep_if_due(now);
         Ok(Begin::Claimed {
             lease: Lease {
                 token: u128::from(token),
@@ -437,16 +433,15 @@ impl IdempotencyStore for MokaStore {
                 held.expires_at = now + claim.lease;
                 return Ok(renewal);
             }
-            Some(Scope::InFlight(other)) if other.holds(now) => return Ok(Renewal::Lost),
-            Some(Scope::Stored(stored)) if stored.expires_at > now => return Ok(Renewal::Lost),
-            // Another worker's lost claim, taken over.
-            Some(Scope::InFlight(_)) => shard.in_flight -= 1,
-            // Nothing, or a record past its TTL.
+            // Another worker's claim that holds, or a record.
+            Some(other) if other.is_live(now) => return Ok(Renewal::Lost),
+            // Nothing that means anything: another worker's lost claim taken over, a
+            // record past its TTL or evicted, or nothing at all.
             _ => {}
         }
         let restored = Scope::InFlight(Box::new(InFlight::restored(lease, claim, now)));
         let replaced = shard.scopes.insert(*scope, restored);
-        shard.claimed(now);
+        shard.sweep_if_due(now);
         drop(guard);
         drop(replaced);
         Ok(Renewal::Restored)
@@ -464,64 +459,76 @@ impl IdempotencyStore for MokaStore {
         let token = u64::try_from(lease.token).unwrap_or(0);
         let weight = u32::try_from(record.weight().saturating_add(MOKA_ENTRY_OVERHEAD_BYTES))
             .unwrap_or(u32::MAX);
-        let (entry, replaced, completion) = {
-            let mut guard = self.shard(scope);
-            let shard = &mut *guard;
-            let completion = match shard.scopes.get(scope) {
-                Some(Scope::InFlight(claim)) if claim.token == token && claim.holds(now) => {
-                    Completion::Stored
-                }
-                Some(Scope::Stored(stored)) if stored.token == token => {
-                    return Ok(Completion::Stored)
-                }
-                Some(Scope::InFlight(other)) if other.holds(now) => {
-                    return Ok(Completion::Superseded)
-                }
-                Some(Scope::Stored(other)) if other.expires_at > now => {
-                    return Ok(Completion::Superseded)
-                }
-                _ => Completion::StoredWithoutClaim,
-            };
-            let request_count = match shard.scopes.get(scope) {
-                Some(Scope::InFlight(claim)) => {
-                    // Waiters wake once the lock is released, and find the record.
-                    claim.wake_waiters();
-                    shard.in_flight -= 1;
-                    claim.request_count
-                }
-                _ => 1,
-            };
-            let entry = IndexEntry { token, weight, ttl };
-            let stored = Scope::Stored(Stored {
-                record,
-                expires_at: now + ttl,
-                token,
-                request_count,
-            });
-            (entry, shard.scopes.insert(*scope, stored), completion)
+        let mut guard = self.shard(scope);
+        let shard = &mut *guard;
+        let (completion, request_count) = match shard.scopes.get(scope) {
+            Some(Scope::InFlight(claim)) if claim.token == token && claim.holds(now) => {
+                (Completion::Stored, claim.request_count)
+            }
+            Some(Scope::InFlight(other)) if other.holds(now) => return Ok(Completion::Superseded),
+            // Our claim, or another's, lost and not taken over since.
+            Some(Scope::InFlight(lost)) => (Completion::StoredWithoutClaim, lost.request_count),
+            Some(Scope::Stored(record)) => match record.upgrade() {
+                Some(stored) if stored.token == token => return Ok(Completion::Stored),
+                Some(other) if other.expires_at > now => return Ok(Completion::Superseded),
+                _ => (Completion::StoredWithoutClaim, 1),
+            },
+            None => (Completion::StoredWithoutClaim, 1),
         };
-        // What the record replaced, freed outside the lock.
-        drop(replaced);
-        self.index.insert(*scope, entry).await;
+        let stored = Arc::new(Stored {
+            record,
+            expires_at: now + ttl,
+            token,
+            request_count: AtomicU64::new(request_count),
+            weight,
+            ttl,
+        });
+        // Under the lock, so that the cache and the map never disagree on which record
+        // a scope has. The cache owns the record from here; the map only points to it.
+        let settled = shard
+            .scopes
+            .insert(*scope, Scope::Stored(Arc::downgrade(&stored)));
+        self.records.insert(*scope, stored);
+        drop(guard);
+        // Waiters wake now the record is there, and find it.
+        if let Some(Scope::InFlight(claim)) = settled {
+            claim.wake_waiters();
+        }
         Ok(completion)
     }
 
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
-        Ok(self.shard(scope).release_claim(scope, lease.token))
+        let mut shard = self.shard(scope);
+        let Entry::Occupied(entry) = shard.scopes.entry(*scope) else {
+            return Ok(false);
+        };
+        match entry.get() {
+            Scope::InFlight(claim) if u128::from(claim.token) == lease.token => {
+                claim.wake_waiters();
+            }
+            _ => return Ok(false),
+        }
+        entry.remove();
+        Ok(true)
     }
 
     async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let now = self.clock.now();
-            let mut settled = match self.shard(scope).scopes.get_mut(scope) {
-                Some(Scope::Stored(stored)) if stored.expires_at > now => {
-                    return Ok(Settled::Completed {
-                        record: stored.record.clone(),
-                    })
+            let mut settled = {
+                let mut shard = self.shard(scope);
+                match shard.scopes.get_mut(scope) {
+                    Some(Scope::InFlight(claim)) if claim.holds(now) => claim.subscribe(),
+                    _ => {
+                        return Ok(match shard.record(scope, now) {
+                            Some(stored) => Settled::Completed {
+                                record: stored.record.clone(),
+                            },
+                            None => Settled::Released,
+                        })
+                    }
                 }
-                Some(Scope::InFlight(claim)) if claim.holds(now) => claim.subscribe(),
-                _ => return Ok(Settled::Released),
             };
             // A lost claim taken over drops its sender: look again then too.
             if tokio::time::timeout_at(deadline, settled.changed())
@@ -673,8 +680,16 @@ mod eviction_tests {
             .is_stored());
     }
 
+    fn slots(store: &MokaStore) -> usize {
+        store
+            .shards
+            .iter()
+            .map(|shard| shard.lock().unwrap().scopes.len())
+            .sum()
+    }
+
     #[tokio::test]
-    async fn an_evicted_record_leaves_the_map_and_its_key_runs_again() {
+    async fn an_evicted_record_is_gone_and_its_key_runs_again() {
         // Room for about 100 records; 300 stored.
         let store = MokaStore::builder()
             .max_bytes(100 * MOKA_ENTRY_OVERHEAD_BYTES)
@@ -684,17 +699,7 @@ mod eviction_tests {
         }
         store.run_pending_tasks().await;
 
-        let held: usize = store
-            .shards
-            .iter()
-            .map(|shard| lock_shard(shard).scopes.len())
-            .sum();
         assert!(store.entry_count() <= 100, "{}", store.entry_count());
-        assert_eq!(
-            held as u64,
-            store.entry_count(),
-            "the map holds exactly what the index holds"
-        );
         let claim = Claim {
             fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
             lease: Duration::from_secs(60),
@@ -706,8 +711,23 @@ mod eviction_tests {
         ));
     }
 
-    fn lock_shard(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-        shard.lock().unwrap()
+    #[tokio::test]
+    async fn the_slots_of_evicted_records_are_swept() {
+        // Room for about 1,000 records; 20,000 stored.
+        let store = MokaStore::builder()
+            .max_bytes(1_000 * MOKA_ENTRY_OVERHEAD_BYTES)
+            .build();
+        for i in 0..20_000 {
+            store_one(&store, &format!("key-{i}")).await;
+        }
+        store.run_pending_tasks().await;
+        let live = usize::try_from(store.entry_count()).unwrap();
+        assert!(live <= 1_000, "{live}");
+        let slots = slots(&store);
+        assert!(
+            slots <= live + live / 2 + SHARDS * SWEEP_SCOPES_AT,
+            "{slots} slots for {live} records"
+        );
     }
 
     #[tokio::test]
