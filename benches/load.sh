@@ -48,6 +48,9 @@
 #                        the address it listens on); `info` logs the access line of
 #                        every request to the logged routes, as JSON, to a file
 #   WORKER_THREADS=      tokio worker threads of the server (default: one per core)
+#   PIN=                 1: the server on CPU 0 with one worker thread, wrk on CPU 1
+#                        (one thread), so neither takes the other's core: server CPU per
+#                        request then moves by a few percent between runs, not tens
 #   COMPARE=             "NAME=BINARY NAME=BINARY ...": instead of the table above, compare
 #                        builds of the commands example side by side. Each round starts
 #                        each binary in turn on a fresh process and runs correlated,
@@ -70,6 +73,15 @@ THREADS=${THREADS:-2}
 CONNECTIONS=${CONNECTIONS:-32}
 BURST_CONNECTIONS=${BURST_CONNECTIONS:-256}
 SERVER_LOG=${SERVER_LOG:-warn}
+PIN=${PIN:-}
+server_cpus=()
+load_cpus=()
+if [ "$PIN" = 1 ]; then
+    server_cpus=(taskset -c 0)
+    load_cpus=(taskset -c 1)
+    WORKER_THREADS=1
+    THREADS=1
+fi
 BURST_SLEEP_MS=200
 
 cd "$(dirname "$0")/.."
@@ -151,7 +163,7 @@ EOF
 # start_server BINARY: starts it on a free port; sets server_pid and base.
 start_server() {
     env RUST_LOG="$SERVER_LOG,commands=info" ${WORKER_THREADS:+TOKIO_WORKER_THREADS="$WORKER_THREADS"} \
-        "$1" --addr 127.0.0.1:0 --load-routes --log-format json >"$work/server.log" 2>&1 &
+        "${server_cpus[@]}" "$1" --addr 127.0.0.1:0 --load-routes --log-format json >"$work/server.log" 2>&1 &
     server_pid=$!
     base=
     for _ in $(seq 100); do
@@ -188,7 +200,7 @@ run() {
     shift
     local out ticks_before result
     ticks_before=$(server_ticks)
-    out=$(wrk --latency -t "$THREADS" "$@") || { echo "wrk failed: $out" >&2; exit 1; }
+    out=$("${load_cpus[@]}" wrk --latency -t "$THREADS" "$@") || { echo "wrk failed: $out" >&2; exit 1; }
     result=$(grep '^RESULT ' <<<"$out") || { echo "no result from wrk: $out" >&2; exit 1; }
     result="$name ${result#RESULT } server_cpu_us=$((($(server_ticks) - ticks_before) * 1000000 / ticks_per_second))"
     echo "$result" >>"$work/results"
@@ -237,9 +249,9 @@ steady=(-c "$CONNECTIONS" -d "${DURATION}s")
 warm_up() {
     local route
     for route in "$@"; do
-        wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/common.lua" "$base/load/$route" >/dev/null
+        "${load_cpus[@]}" wrk -t "$THREADS" -c "$CONNECTIONS" -d 1s -s "$work/common.lua" "$base/load/$route" >/dev/null
     done
-    LOAD_NONCE="warm-$nonce-$RANDOM" wrk -t "$THREADS" -c "$CONNECTIONS" -d 2s -s "$work/fresh.lua" \
+    LOAD_NONCE="warm-$nonce-$RANDOM" "${load_cpus[@]}" wrk -t "$THREADS" -c "$CONNECTIONS" -d 2s -s "$work/fresh.lua" \
         "$base/load/idempotent" >/dev/null
 }
 

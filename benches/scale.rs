@@ -141,7 +141,9 @@ const FIRST_ROOM: u64 = 8_000_000;
 /// for [`request`], each with its own copy of `body`, then runs moka's maintenance.
 async fn fill(store: &MokaStore, n: u64, body: &[u8]) {
     let method = Method::POST;
-    let fingerprint = Fingerprint::new(
+    // Version 1 (SHA-256), as the layer computes it for a scope every caller shares
+    // (`NoClient`, below).
+    let fingerprint = Fingerprint::new_v1(
         &method,
         PATH,
         None,

@@ -9,6 +9,7 @@ use std::{
 };
 
 use base64::{engine::general_purpose::URL_SAFE_NO_PAD, Engine as _};
+use bytes::Bytes;
 use http::HeaderValue;
 use tokio::task::futures::TaskLocalFuture;
 use tracing::{instrument::Instrumented, Instrument as _};
@@ -70,11 +71,12 @@ impl CorrelationId {
         // No shared context: per-process monotonicity costs a lock and buys nothing for
         // an ID that only has to be unique; the 74 random bits make it so.
         let uuid = Uuid::new_v7(uuid::Timestamp::now(uuid::NoContext));
-        let text = uuid.hyphenated().encode_lower(&mut buf);
-        Self::from_trusted(
-            HeaderValue::from_str(text).expect("a UUID is a valid header value"),
-            max_len,
-        )
+        uuid.hyphenated().encode_lower(&mut buf);
+        // Bytes that own the array: one allocation that holds its own reference count,
+        // where a copied `Vec` would allocate again on its first clone.
+        let value = HeaderValue::from_maybe_shared(Bytes::from_owner(buf))
+            .expect("a UUID is a valid header value");
+        Self::from_trusted(value, max_len)
     }
 
     /// Parses an ID under the default rules: 1 to [`DEFAULT_MAX_LEN`] bytes of ASCII

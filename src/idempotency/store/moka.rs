@@ -5,11 +5,13 @@ use std::{
         atomic::{AtomicU64, Ordering},
         Arc, Mutex, MutexGuard, PoisonError, Weak,
     },
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, SystemTime},
 };
 
 #[cfg(not(tower_ids_fifo_index))]
 use moka::{policy::EvictionPolicy, sync::Cache, Expiry};
+#[cfg(not(tower_ids_fifo_index))]
+use std::time::Instant;
 use tokio::sync::watch;
 
 use super::{
@@ -333,6 +335,7 @@ struct Stored {
     request_count: AtomicU64,
     /// What the cache charges for it.
     weight: u32,
+    #[cfg_attr(tower_ids_fifo_index, allow(dead_code))]
     ttl: Duration,
 }
 

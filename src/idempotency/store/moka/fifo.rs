@@ -34,10 +34,6 @@ impl FifoIndex {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub(super) fn get(&self, scope: &ScopeKey) -> Option<Arc<Stored>> {
-        self.lock().records.get(scope).cloned()
-    }
-
     pub(super) fn insert(&self, scope: ScopeKey, stored: Arc<Stored>) {
         let mut fifo = self.lock();
         fifo.bytes += stored.weight as usize;
