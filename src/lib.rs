@@ -190,7 +190,7 @@ pub mod guide {
 }
 
 #[cfg(feature = "correlation")]
-pub use problem::PROBLEM_JSON;
+pub use problem::{CORRELATION_PROBLEM_DOCS, IDEMPOTENCY_PROBLEM_DOCS, PROBLEM_JSON};
 
 #[cfg(feature = "client")]
 pub use client::RetryLayer;

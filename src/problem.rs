@@ -9,11 +9,41 @@ use crate::{body::Body, correlation::CorrelationId};
 /// The media type of RFC 9457 problem details.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
+/// Where the `type` of an idempotency problem points by default: its row in the status
+/// table of the [`idempotency`](crate::idempotency) module's documentation. The type
+/// is this followed by the problem's `code`; set another base with
+/// `IdempotencyLayer::problem_docs`.
+pub const IDEMPOTENCY_PROBLEM_DOCS: &str =
+    "https://docs.rs/tower-ids/latest/tower_ids/idempotency/index.html#";
+
+/// Where the `type` of a correlation problem points by default: its row in the
+/// [`correlation`](crate::correlation) module's documentation. Set another base with
+/// `CorrelationLayer::problem_docs`.
+pub const CORRELATION_PROBLEM_DOCS: &str =
+    "https://docs.rs/tower-ids/latest/tower_ids/correlation/index.html#";
+
+/// Checks a base URL for problem types: an absolute URI that can sit in a `Link`
+/// header. Panics otherwise, as a misconfiguration found at start-up.
+pub(crate) fn checked_docs_base(base: &str) -> std::sync::Arc<str> {
+    let valid = base
+        .parse::<http::Uri>()
+        .is_ok_and(|uri| uri.scheme().is_some())
+        && HeaderValue::from_str(base).is_ok()
+        && !base.contains(['<', '>']);
+    assert!(
+        valid,
+        "problem_docs: {base:?} is not an absolute URL that can be sent in a header"
+    );
+    std::sync::Arc::from(base)
+}
+
 /// One problem a layer reports to the client.
 ///
-/// `type` is a stable URN made from `code` (`idempotency.in_flight` is
-/// `urn:tower-ids:problem:idempotency-in-flight`) and `code` a stable short string;
-/// clients match on either, never on `title` or `detail`.
+/// `type` is a URL that opens the problem's documentation: a base URL (by default
+/// [`IDEMPOTENCY_PROBLEM_DOCS`] or [`CORRELATION_PROBLEM_DOCS`], whose pages have an
+/// anchor per code) followed by `code`, and the response links to it with
+/// `Link: <type>; rel="describedby"`. `code` is a stable short string; clients match on
+/// it, never on `type` (which moves with the base), `title` or `detail`.
 ///
 /// Two extension members (RFC 9457, section 3.2) name the request, so a client that
 /// logs only bodies can quote both IDs: `correlation_id`, the effective ID of this
@@ -61,8 +91,13 @@ impl Problem {
         title: &'static str,
         detail: impl Into<String>,
     ) -> Self {
+        let base = if code.starts_with("correlation_id.") {
+            CORRELATION_PROBLEM_DOCS
+        } else {
+            IDEMPOTENCY_PROBLEM_DOCS
+        };
         Self {
-            type_uri: format!("urn:tower-ids:problem:{}", code.replace(['.', '_'], "-")),
+            type_uri: format!("{base}{code}"),
             title,
             status,
             detail: detail.into(),
@@ -71,6 +106,15 @@ impl Problem {
             #[cfg(feature = "idempotency")]
             idempotency_key: None,
         }
+    }
+
+    /// Points `type` at `base` followed by the code, when the layer was given a base
+    /// ([`checked_docs_base`]).
+    pub(crate) fn docs(mut self, base: Option<&str>) -> Self {
+        if let Some(base) = base {
+            self.type_uri = format!("{base}{}", self.code);
+        }
+        self
     }
 
     /// Names the attempt with `id`, for a layer that answers before the ID is current
@@ -108,9 +152,14 @@ impl Problem {
         }
         let mut response = Response::new(body(self.to_bytes()));
         *response.status_mut() = self.status;
-        response
-            .headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        // The base was checked to fit a header, and a code is letters, `.` and `_`.
+        if let Ok(link) =
+            HeaderValue::from_str(&format!("<{}>; rel=\"describedby\"", self.type_uri))
+        {
+            headers.insert(header::LINK, link);
+        }
         response
     }
 }
@@ -181,6 +230,26 @@ mod tests {
         assert!(
             missing.is_empty(),
             "codes no status table lists: {missing:?}"
+        );
+
+        // Every problem's `type` opens its row: the page of its module has an anchor
+        // named by the code.
+        let unanchored: Vec<_> = http
+            .iter()
+            .filter(|code| {
+                let page = if code.starts_with("correlation_id.") {
+                    "correlation/mod.rs"
+                } else {
+                    "idempotency/mod.rs"
+                };
+                !fs::read_to_string(src.join(page))
+                    .unwrap()
+                    .contains(&format!("<a id=\"{code}\"></a>"))
+            })
+            .collect();
+        assert!(
+            unanchored.is_empty(),
+            "codes without an anchor on their page: {unanchored:?}"
         );
 
         let mut refusals = BTreeSet::new();

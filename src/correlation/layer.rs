@@ -33,6 +33,8 @@ pub(super) struct Settings {
     pub(super) fallbacks: Vec<HeaderName>,
     pub(super) max_len: usize,
     pub(super) enforce: bool,
+    /// The base of problem types, when not [`CORRELATION_PROBLEM_DOCS`](crate::CORRELATION_PROBLEM_DOCS).
+    pub(super) problem_docs: Option<Arc<str>>,
     /// Continue an incoming W3C trace on the span.
     #[cfg(feature = "opentelemetry")]
     pub(super) trace_context: bool,
@@ -51,6 +53,7 @@ impl CorrelationLayer {
                 fallbacks: Vec::new(),
                 max_len: DEFAULT_MAX_LEN,
                 enforce: false,
+                problem_docs: None,
                 #[cfg(feature = "opentelemetry")]
                 trace_context: true,
                 #[cfg(feature = "opentelemetry")]
@@ -98,6 +101,20 @@ impl<M, V, P> CorrelationLayer<M, V, P> {
             "a correlation id bound of {max_len} bytes cannot hold a UUID (36 bytes)"
         );
         Arc::make_mut(&mut self.settings).max_len = max_len;
+        self
+    }
+
+    /// The base URL of problem types: a refusal's `type` (and its `Link: <...>;
+    /// rel="describedby"` header) is `base` followed by its `code`. Default
+    /// [`CORRELATION_PROBLEM_DOCS`](crate::CORRELATION_PROBLEM_DOCS), this crate's
+    /// page, which has an anchor per code.
+    ///
+    /// # Panics
+    ///
+    /// If `base` is not an absolute URL that can be sent in a header.
+    pub fn problem_docs(mut self, base: &str) -> Self {
+        Arc::make_mut(&mut self.settings).problem_docs =
+            Some(crate::problem::checked_docs_base(base));
         self
     }
 

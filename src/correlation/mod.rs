@@ -140,9 +140,9 @@
 //!
 //! | Status | When | `code` in the problem body |
 //! |---|---|---|
-//! | `400` `application/problem+json` | `enforce`, and the ID is missing | `correlation_id.missing` |
-//! | `400` `application/problem+json` | `enforce`, and the ID is invalid | `correlation_id.invalid` |
-//! | `500` `application/problem+json` | the axum extractor ran without the layer | `correlation_id.not_installed` |
+//! | `400` `application/problem+json` | `enforce`, and the ID is missing | <a id="correlation_id.missing"></a>`correlation_id.missing` |
+//! | `400` `application/problem+json` | `enforce`, and the ID is invalid | <a id="correlation_id.invalid"></a>`correlation_id.invalid` |
+//! | `500` `application/problem+json` | the axum extractor ran without the layer | <a id="correlation_id.not_installed"></a>`correlation_id.not_installed` |
 //!
 //! A refusal's body names the ID the response header carries, in its `correlation_id`
 //! member.

@@ -200,7 +200,10 @@ where
             let problem = refused.report(&id, settings);
             if let Some(problem) = problem {
                 return ResponseFuture::refused(
-                    problem.correlation_id(&id).into_response(),
+                    problem
+                        .docs(settings.problem_docs.as_deref())
+                        .correlation_id(&id)
+                        .into_response(),
                     id,
                     settings.header.clone(),
                 );

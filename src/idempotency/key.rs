@@ -21,12 +21,14 @@ impl IdempotencyKey {
     /// derived digest, and a bound on what one key costs the store.
     pub const MAX_LEN: usize = 255;
 
-    /// Parses a header value: a bare token, or a quoted structured-field string with
-    /// `\"` and `\\` escapes.
+    /// Parses a header value: a structured-field Item whose value is a String (RFC
+    /// 8941, `"abc-123"`, with `\"` and `\\` escapes and any parameters, which are
+    /// ignored: `"abc-123";p=1` is `abc-123`), or a bare token (`abc-123`, any visible
+    /// ASCII, taken whole).
     pub fn parse(raw: &[u8]) -> Result<Self, InvalidIdempotencyKey> {
         let raw = trim_ows(raw);
         match raw.first() {
-            Some(b'"') => Self::new(&unquote(raw)?),
+            Some(b'"') => Self::new(&sf_string(raw)?),
             _ => Self::new(std::str::from_utf8(raw).map_err(|_| KeyError::NotVisibleAscii)?),
         }
     }
@@ -67,15 +69,12 @@ impl IdempotencyKey {
     /// Reads the key from the headers `names` (the layer's are `Idempotency-Key` and
     /// `X-Idempotency-Key`).
     ///
-    /// `Ok(None)` when none is present. Every value must name the same key, else the
-    /// request is refused as ambiguous: one header repeated with different keys is
-    /// `repeated`, two headers with different keys `conflicting`.
-    ///
-    /// A header repeated with the same key (`abc` twice, or `abc` and `"abc"`) is
-    /// accepted. RFC 9110 (section 5.3) says a field that is not a list must not be
-    /// repeated, but such a repeat is unambiguous, clients and proxies that duplicate a
-    /// header by mistake exist, and Stripe-like APIs accept it; refusing it would turn
-    /// a harmless duplicate into a failed retry.
+    /// `Ok(None)` when none is present. A header sent on more than one line is refused
+    /// (`repeated`), even with the same key on each: RFC 9110 (section 5.3) combines
+    /// the lines into one value, `"k", "k"`, which is not an RFC 8941 Item, and RFC 8941
+    /// (section 4.2) says such a field must be ignored as a whole, never taken apart.
+    /// Two of the headers must name the same key, else the request is refused as
+    /// ambiguous (`conflicting`).
     pub fn from_headers(
         headers: &HeaderMap,
         names: &[HeaderName],
@@ -86,12 +85,10 @@ impl IdempotencyKey {
             let Some(first) = values.next() else {
                 continue;
             };
-            let key = Self::from_header_value(first)?;
-            for value in values {
-                if Self::from_header_value(value)? != key {
-                    return Err(KeyError::Repeated { name: name.clone() }.into());
-                }
+            if values.next().is_some() {
+                return Err(KeyError::Repeated { name: name.clone() }.into());
             }
+            let key = Self::from_header_value(first)?;
             match &found {
                 Some((previous, first_name)) if *previous != key => {
                     return Err(KeyError::Conflicting {
@@ -194,27 +191,17 @@ fn trim_ows(mut raw: &[u8]) -> &[u8] {
     raw
 }
 
-/// An RFC 8941 sf-string: `"` chars `"`, where chars are printable ASCII and `\` only
-/// escapes `"` or `\`.
-fn unquote(raw: &[u8]) -> Result<String, KeyError> {
-    let inner = raw
-        .strip_prefix(b"\"")
-        .and_then(|r| r.strip_suffix(b"\""))
-        .ok_or(KeyError::MalformedString)?;
-    let mut text = String::with_capacity(inner.len());
-    let mut bytes = inner.iter();
-    while let Some(&b) = bytes.next() {
-        match b {
-            b'\\' => match bytes.next() {
-                Some(&escaped @ (b'"' | b'\\')) => text.push(char::from(escaped)),
-                _ => return Err(KeyError::MalformedString),
-            },
-            b'"' => return Err(KeyError::MalformedString),
-            0x20..=0x7e => text.push(char::from(b)),
-            _ => return Err(KeyError::NotVisibleAscii),
-        }
+/// The String of an RFC 8941 Item: `"` chars `"`, where chars are printable ASCII
+/// and `\` only escapes `"` or `\`, followed by any parameters, which are ignored.
+fn sf_string(raw: &[u8]) -> Result<String, KeyError> {
+    let item: sfv::Item = sfv::Parser::new(raw)
+        .with_version(sfv::Version::Rfc8941)
+        .parse_item()
+        .map_err(|_| KeyError::MalformedString)?;
+    match item.bare_item {
+        sfv::BareItem::String(text) => Ok(text.as_str().to_owned()),
+        _ => Err(KeyError::MalformedString),
     }
-    Ok(text)
 }
 
 fn check_visible(text: &str, max_len: usize) -> Result<(), KeyError> {
@@ -244,7 +231,7 @@ enum KeyError {
     },
     NotVisibleAscii,
     MalformedString,
-    /// One header, several values naming different keys.
+    /// One header sent on several lines.
     Repeated {
         name: HeaderName,
     },
@@ -264,7 +251,7 @@ impl From<KeyError> for InvalidIdempotencyKey {
 
 impl InvalidIdempotencyKey {
     /// A stable code: `empty`, `too_long`, `not_visible_ascii`, `malformed_string`,
-    /// `repeated` (one key header sent twice with different keys), `conflicting` (two
+    /// `repeated` (one key header sent on more than one line), `conflicting` (two
     /// key headers with different keys) or `invalid_attempt_id`.
     pub fn code(&self) -> &'static str {
         match self.0 {
@@ -297,7 +284,7 @@ impl fmt::Display for InvalidIdempotencyKey {
             // The names are the layer's configured key headers, never the client's text.
             KeyError::Repeated { name } => write!(
                 f,
-                "the {name} header was sent more than once with different values; send it once"
+                "the {name} header was sent more than once; send it once"
             ),
             KeyError::Conflicting { first, second } => write!(
                 f,
@@ -328,6 +315,36 @@ mod tests {
             IdempotencyKey::parse(br#""a\"b\\c""#).unwrap().as_str(),
             r#"a"b\c"#
         );
+    }
+
+    #[test]
+    fn an_item_with_parameters_is_its_string() {
+        // RFC 8941 section 3.1.2: parameters a recipient does not know are ignored.
+        for raw in [
+            &b"\"abc\";p=1"[..],
+            b"\"abc\"; a; b=?0; c=\"x\";d=1.5",
+            b" \"abc\";p ",
+        ] {
+            assert_eq!(
+                IdempotencyKey::parse(raw).unwrap().as_str(),
+                "abc",
+                "{raw:?}"
+            );
+        }
+        // Not an Item: a list, a parameter key in capitals, a string followed by junk.
+        for raw in [
+            &b"\"a\", \"b\""[..],
+            b"\"abc\";P=1",
+            b"\"abc\"x",
+            b"\"abc\";p=",
+            b"\"abc\";",
+        ] {
+            assert_eq!(
+                IdempotencyKey::parse(raw).unwrap_err().code(),
+                "malformed_string",
+                "{raw:?}"
+            );
+        }
     }
 
     #[test]
@@ -370,7 +387,7 @@ mod tests {
         assert_eq!(repeated.code(), "repeated");
         assert_eq!(
             repeated.to_string(),
-            "the idempotency-key header was sent more than once with different values; send it once"
+            "the idempotency-key header was sent more than once; send it once"
         );
         let disagree = read(&[(&IDEMPOTENCY_KEY, "a"), (&X_IDEMPOTENCY_KEY, "b")]).unwrap_err();
         assert_eq!(disagree.code(), "conflicting");
@@ -386,14 +403,13 @@ mod tests {
         ]);
         assert_eq!(both.unwrap_err().code(), "repeated");
 
-        // The same key twice, in either form, is one key.
-        let same = read(&[
-            (&IDEMPOTENCY_KEY, "a"),
-            (&IDEMPOTENCY_KEY, "\"a\""),
-            (&X_IDEMPOTENCY_KEY, "a"),
-            (&X_IDEMPOTENCY_KEY, "a"),
-        ]);
-        assert_eq!(same.unwrap().unwrap().as_str(), "a");
+        // RFC 8941 section 4.2: `a, a` is not an Item, so even the same key twice is
+        // refused.
+        let same = read(&[(&IDEMPOTENCY_KEY, "a"), (&IDEMPOTENCY_KEY, "a")]);
+        assert_eq!(same.unwrap_err().code(), "repeated");
+        // The two headers naming one key, in either form, are one key.
+        let agree = read(&[(&IDEMPOTENCY_KEY, "a"), (&X_IDEMPOTENCY_KEY, "\"a\"")]);
+        assert_eq!(agree.unwrap().unwrap().as_str(), "a");
         assert_eq!(read(&[]).unwrap(), None);
     }
 

@@ -145,7 +145,8 @@
 //! valid one):
 //!
 //! ```json
-//! {"type":"urn:tower-ids:problem:idempotency-in-flight","title":"Request in progress",
+//! {"type":"https://docs.rs/tower-ids/latest/tower_ids/idempotency/index.html#idempotency.in_flight",
+//!  "title":"Request in progress",
 //!  "status":409,"detail":"…","code":"idempotency.in_flight",
 //!  "correlation_id":"attempt-2","idempotency_key":"order-17"}
 //! ```
@@ -153,28 +154,28 @@
 //!
 //! | Status | `code` | When |
 //! |---|---|---|
-//! | `400` | `idempotency.key_missing` | `require_key` and no key |
-//! | `400` | `idempotency.key_invalid` | empty, too long, not visible ASCII, malformed quoted string |
-//! | `400` | `idempotency.keys_disagree` | `Idempotency-Key` and `X-Idempotency-Key` differ |
-//! | `400` | `idempotency.key_repeated` | one key header sent twice with different values |
-//! | `400` | `idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
-//! | `400` | `idempotency.client_invalid` | the [`IdentifyClient`](extract::IdentifyClient) refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`InvalidClient`](extract::InvalidClient)) |
-//! | `400` | `idempotency.body_unreadable` | the request body failed mid-read |
-//! | `400` | `idempotency.body_not_json` | the key is read from the JSON body ([`KeyFromJson`]) and the body is not JSON |
-//! | `401` | `idempotency.client_missing` | with [`require_client`](IdempotencyLayer::require_client): a key but no client; no `WWW-Authenticate` (the authentication in front knows the scheme, this layer does not) |
-//! | `409` | `idempotency.in_flight` | a request with this key is running |
-//! | `409` | `idempotency.original_failed` | the request waited on failed; retry |
-//! | `410` | `idempotency.not_replayable` | the request ran but its response was too large to keep |
-//! | `413` | `idempotency.body_too_large` | request body over the limit |
-//! | `400` | `idempotency.epoch_invalid` | with [`epoch`](IdempotencyLayer::epoch): the epoch header is not one decimal number |
-//! | `422` | `idempotency.fingerprint_mismatch` | the key was used with another request |
-//! | `422` | `idempotency.epoch_mismatch` | with [`epoch`](IdempotencyLayer::epoch): the key was first seen in another epoch |
-//! | `500` | `idempotency.response_failed` | the handler's response body failed mid-read |
-//! | `500` | `idempotency.transaction_missing` | a handler takes the request's `Transaction` (feature `postgres`, axum extractor) on a route with no idempotency layer over a `PostgresStore`: a server misconfiguration |
-//! | `503` | `idempotency.overloaded` | the request bodies in flight fill the byte budget ([`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)); `Retry-After: 1`, nothing ran |
-//! | `503` | `idempotency.store_unavailable` | the store failed (fail closed); nothing ran, and the refused claim never lands later |
-//! | `503` | `idempotency.not_committed` | transactional mode: the handler's transaction did not commit; nothing it wrote stands; retry |
-//! | `503` | `idempotency.outcome_unknown` | transactional mode: the commit got no answer and the store could not be read back in time; retry with the same key (replays if it committed) |
+//! | `400` | <a id="idempotency.key_missing"></a>`idempotency.key_missing` | `require_key` and no key |
+//! | `400` | <a id="idempotency.key_invalid"></a>`idempotency.key_invalid` | empty, too long, not visible ASCII, malformed quoted string |
+//! | `400` | <a id="idempotency.keys_disagree"></a>`idempotency.keys_disagree` | `Idempotency-Key` and `X-Idempotency-Key` differ |
+//! | `400` | <a id="idempotency.key_repeated"></a>`idempotency.key_repeated` | one key header sent twice with different values |
+//! | `400` | <a id="idempotency.attempt_id_invalid"></a>`idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
+//! | `400` | <a id="idempotency.client_invalid"></a>`idempotency.client_invalid` | the [`IdentifyClient`](extract::IdentifyClient) refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`InvalidClient`](extract::InvalidClient)) |
+//! | `400` | <a id="idempotency.body_unreadable"></a>`idempotency.body_unreadable` | the request body failed mid-read |
+//! | `400` | <a id="idempotency.body_not_json"></a>`idempotency.body_not_json` | the key is read from the JSON body ([`KeyFromJson`]) and the body is not JSON |
+//! | `401` | <a id="idempotency.client_missing"></a>`idempotency.client_missing` | with [`require_client`](IdempotencyLayer::require_client): a key but no client; no `WWW-Authenticate` (the authentication in front knows the scheme, this layer does not) |
+//! | `409` | <a id="idempotency.in_flight"></a>`idempotency.in_flight` | a request with this key is running |
+//! | `409` | <a id="idempotency.original_failed"></a>`idempotency.original_failed` | the request waited on failed; retry |
+//! | `410` | <a id="idempotency.not_replayable"></a>`idempotency.not_replayable` | the request ran but its response was too large to keep |
+//! | `413` | <a id="idempotency.body_too_large"></a>`idempotency.body_too_large` | request body over the limit |
+//! | `400` | <a id="idempotency.epoch_invalid"></a>`idempotency.epoch_invalid` | with [`epoch`](IdempotencyLayer::epoch): the epoch header is not one decimal number |
+//! | `422` | <a id="idempotency.fingerprint_mismatch"></a>`idempotency.fingerprint_mismatch` | the key was used with another request |
+//! | `422` | <a id="idempotency.epoch_mismatch"></a>`idempotency.epoch_mismatch` | with [`epoch`](IdempotencyLayer::epoch): the key was first seen in another epoch |
+//! | `500` | <a id="idempotency.response_failed"></a>`idempotency.response_failed` | the handler's response body failed mid-read |
+//! | `500` | <a id="idempotency.transaction_missing"></a>`idempotency.transaction_missing` | a handler takes the request's `Transaction` (feature `postgres`, axum extractor) on a route with no idempotency layer over a `PostgresStore`: a server misconfiguration |
+//! | `503` | <a id="idempotency.overloaded"></a>`idempotency.overloaded` | the request bodies in flight fill the byte budget ([`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)); `Retry-After: 1`, nothing ran |
+//! | `503` | <a id="idempotency.store_unavailable"></a>`idempotency.store_unavailable` | the store failed (fail closed); nothing ran, and the refused claim never lands later |
+//! | `503` | <a id="idempotency.not_committed"></a>`idempotency.not_committed` | transactional mode: the handler's transaction did not commit; nothing it wrote stands; retry |
+//! | `503` | <a id="idempotency.outcome_unknown"></a>`idempotency.outcome_unknown` | transactional mode: the commit got no answer and the store could not be read back in time; retry with the same key (replays if it committed) |
 //!
 //! Why `410` for a response too large to keep: the request ran, so running it again
 //! would break the one-execution promise, and a truncated replay would be a lie; `410

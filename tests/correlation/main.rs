@@ -154,9 +154,12 @@ async fn enforce_answers_400_problem_json() {
     let problem = missing.json();
     assert_eq!(problem["status"], 400);
     assert_eq!(problem["code"], "correlation_id.missing");
+    let docs =
+        "https://docs.rs/tower-ids/latest/tower_ids/correlation/index.html#correlation_id.missing";
+    assert_eq!(problem["type"], docs);
     assert_eq!(
-        problem["type"],
-        "urn:tower-ids:problem:correlation-id-missing"
+        missing.header("link"),
+        Some(format!("<{docs}>; rel=\"describedby\"").as_str())
     );
     // The refusal itself is traceable: its ID is on the response and on the WARN line.
     let fresh = missing.header(X_CORRELATION_ID).unwrap();

@@ -237,19 +237,76 @@ async fn the_quoted_and_bare_forms_and_the_x_header_are_one_key() {
             BODY,
         )
         .await;
-    // Repeated with the same key: unambiguous, so accepted (see `from_headers`).
-    let repeated_same = app
-        .post(
-            "/commands",
-            &[("idempotency-key", "abc"), ("idempotency-key", "abc")],
-            BODY,
-        )
+    // An RFC 8941 Item with a parameter: the parameter is ignored.
+    let with_parameter = app
+        .post("/commands", &[("idempotency-key", "\"abc\";p=1")], BODY)
         .await;
 
     assert_eq!(app.runs.get(), 1);
-    for reply in [quoted, x_header, both_agree, repeated_same] {
+    for reply in [quoted, x_header, both_agree, with_parameter] {
         assert_eq!(reply.header("idempotent-replayed"), Some("true"));
     }
+}
+
+/// Draft section 2.7: the 400 and 422 answers carry a link to documentation. Every
+/// problem's `type` is a URL that opens its row of the status table, and the response
+/// links it as `describedby`; a service points both at its own pages.
+#[tokio::test]
+async fn draft_2_7_problems_link_to_their_documentation() {
+    let default = start(IdempotencyLayer::new()).await;
+    let own =
+        start(IdempotencyLayer::new().problem_docs("https://api.example.com/problems/")).await;
+    for (app, base) in [
+        (&default, tower_ids::IDEMPOTENCY_PROBLEM_DOCS),
+        (&own, "https://api.example.com/problems/"),
+    ] {
+        let bad_key = app
+            .post("/commands", &[("idempotency-key", "\"open")], BODY)
+            .await;
+        app.post("/commands", &[KEY], BODY).await;
+        let mismatch = app.post("/commands", &[KEY], "{\"other\":true}").await;
+        for (reply, status, code) in [
+            (&bad_key, 400, "idempotency.key_invalid"),
+            (&mismatch, 422, "idempotency.fingerprint_mismatch"),
+        ] {
+            assert_eq!(reply.status, status);
+            let url = format!("{base}{code}");
+            assert_eq!(reply.json()["type"], url.as_str());
+            assert_eq!(reply.json()["code"], code);
+            assert_eq!(
+                reply.header("link"),
+                Some(format!("<{url}>; rel=\"describedby\"").as_str())
+            );
+        }
+    }
+}
+
+/// RFC 8941 section 4.2 and RFC 9110 section 5.3: a field on two lines is one value,
+/// `abc, abc`, which is not an Item, so it is never used as a key, even when both lines
+/// say the same.
+#[tokio::test]
+async fn rfc8941_4_2_a_key_header_sent_twice_is_refused_even_with_one_key() {
+    let app = start(IdempotencyLayer::new()).await;
+    for lines in [["abc", "abc"], ["abc", "\"abc\""], ["abc", "def"]] {
+        let reply = app
+            .post(
+                "/commands",
+                &[("idempotency-key", lines[0]), ("idempotency-key", lines[1])],
+                BODY,
+            )
+            .await;
+        assert_eq!(reply.status, 400, "{lines:?}");
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(
+            reply.json()["code"],
+            "idempotency.key_repeated",
+            "{lines:?}"
+        );
+    }
+    assert_eq!(app.runs.get(), 0);
 }
 
 #[tokio::test]
@@ -327,7 +384,7 @@ async fn a_repeated_client_header_is_400_never_the_first_value() {
         assert_eq!(reply.json()["code"], "idempotency.client_invalid");
         assert_eq!(
             reply.json()["type"],
-            "urn:tower-ids:problem:idempotency-client-invalid"
+            "https://docs.rs/tower-ids/latest/tower_ids/idempotency/index.html#idempotency.client_invalid"
         );
         assert!(reply.json()["detail"]
             .as_str()
@@ -484,7 +541,7 @@ async fn bad_keys_are_400_problems() {
         .await;
     assert_eq!(
         repeated.json()["detail"],
-        "the idempotency-key header was sent more than once with different values; send it once",
+        "the idempotency-key header was sent more than once; send it once",
         "no word of a second header name"
     );
 

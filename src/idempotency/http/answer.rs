@@ -27,6 +27,8 @@ use crate::{body::Body, problem::Problem};
 pub(super) struct Reply<'a> {
     pub(super) key: Option<&'a IdempotencyKey>,
     pub(super) attempt: Option<&'a AttemptId>,
+    /// The base of problem types the layer was given, if any.
+    pub(super) docs: Option<&'a str>,
 }
 
 impl Reply<'_> {
@@ -53,7 +55,10 @@ impl Reply<'_> {
 
     /// `problem` as the response, naming the key.
     fn problem<B>(self, problem: Problem) -> Response<Body<B>> {
-        problem.idempotency_key(self.key).into_response()
+        problem
+            .docs(self.docs)
+            .idempotency_key(self.key)
+            .into_response()
     }
 
     /// `problem` with `Retry-After`, finished.

@@ -54,6 +54,8 @@ pub(super) struct Settings {
     pub(super) store_if: StorePredicate,
     /// Warns once, for this layer and its clones, of a request without a correlation ID.
     pub(super) layer_order: Arc<LayerOrder>,
+    /// The base of problem types, when not [`IDEMPOTENCY_PROBLEM_DOCS`](crate::IDEMPOTENCY_PROBLEM_DOCS).
+    pub(super) problem_docs: Option<Arc<str>>,
 }
 
 /// The default storage rule: everything but 5xx, `408` and `429`, whose retry should
@@ -134,6 +136,7 @@ impl<St> IdempotencyLayer<St> {
                 ],
                 store_if: Arc::new(default_store_if),
                 layer_order: Arc::default(),
+                problem_docs: None,
             }),
         }
     }
@@ -171,6 +174,22 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
             epoch,
             settings: self.settings,
         }
+    }
+
+    /// The base URL of problem types: each problem's `type` (and its `Link: <...>;
+    /// rel="describedby"` header) is `base` followed by its `code`, so
+    /// `"https://api.example.com/problems/"` makes
+    /// `https://api.example.com/problems/idempotency.in_flight`; your page then holds
+    /// an anchor or a path per code. Default
+    /// [`IDEMPOTENCY_PROBLEM_DOCS`](crate::IDEMPOTENCY_PROBLEM_DOCS), this crate's
+    /// status table, which has an anchor per code.
+    ///
+    /// # Panics
+    ///
+    /// If `base` is not an absolute URL that can be sent in a header.
+    pub fn problem_docs(mut self, base: &str) -> Self {
+        self.settings().problem_docs = Some(crate::problem::checked_docs_base(base));
+        self
     }
 
     /// Answer `400` to a covered request without a key. Default: let it through

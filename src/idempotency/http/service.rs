@@ -163,10 +163,11 @@ struct Protected {
 }
 
 impl Protected {
-    fn reply(&self) -> Reply<'_> {
+    fn reply<'a>(&'a self, settings: &'a Settings) -> Reply<'a> {
         Reply {
             key: Some(&self.key),
             attempt: self.attempt.as_ref(),
+            docs: settings.problem_docs.as_deref(),
         }
     }
 }
@@ -201,7 +202,13 @@ where
         }
         let attempt = match AttemptId::from_headers(request.headers()) {
             Ok(attempt) => attempt,
-            Err(error) => return unclaimed(ready(Reply::default().reject_key(&error))),
+            Err(error) => {
+                let reply = Reply {
+                    docs: settings.problem_docs.as_deref(),
+                    ..Reply::default()
+                };
+                return unclaimed(ready(reply.reject_key(&error)));
+            }
         };
         // Read from the head now (the body type changes once it is read), applied once
         // the key is known: a request without a key never hears of them.
@@ -266,6 +273,7 @@ fn protect<B>(
     let keyless = Reply {
         key: None,
         attempt: attempt.as_ref(),
+        docs: settings.problem_docs.as_deref(),
     };
     let (key, named) = match extracted {
         Ok(Some(extracted)) => extracted.into_parts(),
@@ -293,6 +301,7 @@ fn protect<B>(
     let reply = Reply {
         key: Some(&key),
         attempt: attempt.as_ref(),
+        docs: settings.problem_docs.as_deref(),
     };
     let epoch = match epoch {
         Ok(epoch) => epoch,
@@ -370,6 +379,7 @@ where
     let reply = Reply {
         key: None,
         attempt: attempt.as_ref(),
+        docs: None,
     };
     Ok(reply.finish(response.map(Body::inner)))
 }
@@ -400,10 +410,11 @@ where
         let _in_flight = engine.track();
         // The body's bytes of the layer's budget, held until this work ends (dropped
         // with it on every path, including a cancelled or abandoned future).
-        let (request, _budget) = match read_body(request, &settings, protected.reply()).await {
-            Ok(read) => read,
-            Err(refused) => return Ok(refused),
-        };
+        let (request, _budget) =
+            match read_body(request, &settings, protected.reply(&settings)).await {
+                Ok(read) => read,
+                Err(refused) => return Ok(refused),
+            };
         deduplicate(inner, engine, settings, request, protected, claimed).await
     }
 }
@@ -449,6 +460,7 @@ where
     let keyless = Reply {
         key: None,
         attempt: identity.attempt.as_ref(),
+        docs: settings.problem_docs.as_deref(),
     };
     let (request, _budget) = match read_body(request, &settings, keyless).await {
         Ok(read) => read,
@@ -472,6 +484,7 @@ where
             let reply = Reply {
                 key: None,
                 attempt: attempt.as_ref(),
+                docs: None,
             };
             Ok(reply.finish(response.map(Body::inner)))
         }
@@ -515,7 +528,7 @@ where
             .decide(protected.scope, &fingerprints, protected.epoch, &claimed)
             .await;
         let request = Request::from_parts(parts, body);
-        let reply = protected.reply();
+        let reply = protected.reply(&settings);
         match decision {
             // Boxed, so the replay path's future stays small.
             Decision::Run(guard) => {

@@ -25,17 +25,20 @@ mod fifo;
 
 /// Default bound on what the store holds: 64 MiB of weighed entries.
 ///
-/// Room for about 34,000 records of 1 KiB responses; set it to what a TTL's worth of
+/// Room for about 33,000 records of 1 KiB responses; set it to what a TTL's worth of
 /// protected requests needs. Past the bound the oldest records go.
 pub const DEFAULT_MOKA_MAX_BYTES: usize = 64 * 1024 * 1024;
 
 /// What a stored record weighs beyond its response ([`Record::weight`]): the scope key,
-/// the record (fingerprint, times, attempt ID, status) and moka's bookkeeping for its
-/// entry (key copy, access and write deques, timer wheel). Charged to every entry, so
+/// the record (fingerprint, times, attempt ID, status), its slot in the store's map and
+/// moka's bookkeeping for its entry (key copy, access and write deques, timer wheel),
+/// plus a share of the slots that records moka has dropped leave in the map until the
+/// next sweep (a slot and a small allocation, about 150 bytes, for at most half as
+/// many records as were live at the shard's last sweep). Charged to every entry, so
 /// the byte bound holds whatever the responses. Measured with a counting global
-/// allocator at 602 bytes with 5,000 records (`tests/memory.rs`); that test and
-/// `benches/scale.rs` (1,000,000 records) fail if an entry costs more than this.
-pub const MOKA_ENTRY_OVERHEAD_BYTES: usize = 768;
+/// allocator at 602 bytes with 5,000 records (`tests/memory.rs`), 640 with 1,000,000
+/// and 696 with 1,000 (`benches/scale.rs`); both fail if an entry costs more than this.
+pub const MOKA_ENTRY_OVERHEAD_BYTES: usize = 832;
 
 /// Shards of the map of scopes: enough that two workers rarely wait on one lock, few
 /// enough to cost nothing idle.
@@ -62,9 +65,10 @@ type Records = fifo::FifoIndex;
 /// involved, so a replay costs the same with a thousand records stored or a million.
 /// Completing a request turns its claim into that pointer and hands the record to
 /// moka under the same lock, so a duplicate sees one or the other, never neither.
-/// When moka evicts or expires a record, the record is freed at once and the pointer
-/// dies; moka needs no eviction listener to tell the map (with one, it takes a lock
-/// per key on every write). Dead pointers are swept out as the map grows.
+/// When moka evicts or expires a record, the pointer dies once moka lets go of it
+/// (moka frees what it removes a little later, through its epoch-based reclamation),
+/// so moka needs no eviction listener to tell the map (with one, it takes a lock per
+/// key on every write). Dead pointers are swept out as the map grows.
 ///
 /// # Memory
 ///
@@ -74,7 +78,8 @@ type Records = fifo::FifoIndex;
 /// [`DEFAULT_MOKA_MAX_BYTES`]), the least recently stored records evicted first. A
 /// response larger than the whole bound is evicted as soon as it is written. The
 /// overhead charged also covers the map's slots for records moka has dropped (about
-/// 150 bytes each, fewer than half the live records). A request in flight holds about
+/// 150 bytes each, for at most half as many records as were live at the last sweep,
+/// plus 64 a shard). A request in flight holds about
 /// 100 bytes outside that bound until it settles (`tests/memory.rs`), so that part is
 /// bounded by how many requests run at once.
 ///
