@@ -152,6 +152,8 @@ pub mod body;
 pub mod client;
 #[cfg(feature = "correlation")]
 pub mod correlation;
+#[cfg(all(feature = "correlation", feature = "idempotency"))]
+pub mod cors;
 #[cfg(any(feature = "idempotency", feature = "client"))]
 pub mod idempotency;
 #[cfg(feature = "correlation")]

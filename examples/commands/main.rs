@@ -93,6 +93,7 @@
 //! | `--max-concurrent-requests` | `512` | requests handled at once; more are shed at once with `503` and `Retry-After: 1` |
 //! | `--max-commands` | `1000` | commands the in-memory list keeps; creating one more drops the oldest. In DB mode, which keeps every command, how many of the newest `GET /commands` answers |
 //! | `--load-routes` | off | also serve `POST /load/bare` (no layer), `POST /load/noop` (a layer that does nothing), `POST /load/tower-http` (tower-http's request-ID pair), `POST /load/correlated` (correlation layer), `POST /load/idempotent` (both layers, key required) and `GET /load/executions` (handler runs so far), one trivial handler behind each, for `benches/load.sh` |
+//! | `--cors-origin` | none | let a page on this origin (`http://127.0.0.1:8080`) call the service from a browser: preflights allow the layers' headers, `x-api-key` and `Content-Type`, and responses expose `idempotent-replayed`, the correlation ID and the rest of `tower_ids::cors::EXPOSE_HEADERS` |
 //! | `--redis-url` | none (in memory) | with `--features redis`: keep idempotency records in this Redis (or Valkey), shared by every replica started with the same URL; if it cannot be reached at start the service exits, if it goes away later the `POST` routes answer `503` until it is back |
 //! | `--redis-cluster-url` | none | with `--features redis`, instead of `--redis-url`: a seed node of a Redis Cluster that keeps the idempotency records (repeat it for more seeds) |
 //! | `--redis-wait-replicas` | `0` | with Redis: a claim and a completion count only once this many replicas acknowledged them (`WAIT`, within 500 ms); not acknowledged, the request is answered `503` without running, or its outcome is kept and stored again |
@@ -362,7 +363,10 @@ use std::{
 
 use axum::Router;
 use clap::{Parser, ValueEnum};
+use http::{header, HeaderName, HeaderValue, Method};
 use tokio::{net::TcpListener, sync::mpsc, task::JoinHandle};
+use tower_http::cors::CorsLayer;
+use tower_ids::cors;
 use tower_ids::idempotency::{IdempotencyStore, MokaStore, DEFAULT_LEASE};
 use tracing_subscriber::{
     filter::LevelFilter, fmt::writer::BoxMakeWriter, layer::SubscriberExt as _,
@@ -510,6 +514,11 @@ struct Args {
     /// pair, the correlation layer, and both layers.
     #[arg(long)]
     load_routes: bool,
+
+    /// Let a web page on this origin call the service from a browser (CORS), with
+    /// the layers' headers allowed and exposed (`tower_ids::cors`).
+    #[arg(long)]
+    cors_origin: Option<HeaderValue>,
 }
 
 impl From<&Args> for Limits {
@@ -671,7 +680,7 @@ fn app_with<S: Storage, St: IdempotencyStore>(
     args: &Args,
     limits: Limits,
 ) -> Router {
-    app(
+    let app = app(
         state,
         Duration::from_secs(args.idempotency_ttl_secs),
         Duration::from_millis(args.idempotency_lease_ms.get()),
@@ -679,7 +688,27 @@ fn app_with<S: Storage, St: IdempotencyStore>(
         kind,
         args.load_routes,
         limits,
-    )
+    );
+    match &args.cors_origin {
+        // Last, so outermost: it answers preflights before any other layer runs.
+        Some(origin) => app.layer(
+            CorsLayer::new()
+                .allow_origin(origin.clone())
+                .allow_methods([Method::GET, Method::POST])
+                .allow_headers(
+                    cors::ALLOW_HEADERS
+                        .into_iter()
+                        .chain([
+                            header::CONTENT_TYPE,
+                            HeaderName::from_static("x-api-key"),
+                            HeaderName::from_static("x-request-id"),
+                        ])
+                        .collect::<Vec<_>>(),
+                )
+                .expose_headers(cors::EXPOSE_HEADERS),
+        ),
+        None => app,
+    }
 }
 
 /// Waits for the publisher to return, and says the service stopped.

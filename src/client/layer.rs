@@ -58,7 +58,15 @@ pub(crate) type RetryPredicate = Arc<dyn Fn(StatusCode, &HeaderMap) -> bool + Se
 ///   you waited on failed" (`idempotency.original_failed`); a `409` without it is an
 ///   application's conflict, which a retry would only repeat.
 /// - Every other `4xx` is the caller's to fix and is returned at once.
+/// - A replayed answer (`idempotent-replayed: true`) is returned at once, whatever its
+///   status: the server stored it for this key, so every retry would get it again.
 pub fn default_retry_if(status: StatusCode, headers: &HeaderMap) -> bool {
+    if headers
+        .get(crate::idempotency::header::IDEMPOTENT_REPLAYED)
+        .is_some_and(|value| value == "true")
+    {
+        return false;
+    }
     match status.as_u16() {
         408 | 429 => true,
         409 => headers.contains_key(http::header::RETRY_AFTER),
@@ -280,6 +288,19 @@ impl<S> Layer<S> for RetryLayer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replayed_answer_is_never_retried() {
+        let mut replayed = HeaderMap::new();
+        replayed.insert(
+            crate::idempotency::header::IDEMPOTENT_REPLAYED,
+            http::HeaderValue::from_static("true"),
+        );
+        for code in [500, 502, 503, 429] {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(!default_retry_if(status, &replayed), "{code}");
+        }
+    }
 
     #[test]
     fn default_retry_if_covers_what_a_retry_can_change() {

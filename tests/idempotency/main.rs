@@ -8,6 +8,8 @@ mod support;
 #[path = "../contract/mod.rs"]
 mod contract;
 
+mod conformance;
+
 mod faults;
 
 mod ids;

@@ -102,6 +102,13 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         }
     }
 
+    /// Whether the handler began the store's transaction ([`HandlerTransaction::taken`]).
+    pub(crate) fn transaction_taken(&self) -> bool {
+        self.transaction
+            .as_ref()
+            .is_some_and(|transaction| transaction.taken())
+    }
+
     /// Offers the store's transaction, if any, to the handler in `extensions`.
     pub(crate) fn offer_transaction(&self, extensions: &mut http::Extensions) {
         if let Some(transaction) = &self.transaction {

@@ -58,9 +58,28 @@ pub(super) struct Settings {
     pub(super) problem_docs: Option<Arc<str>>,
 }
 
-/// The default storage rule: everything but 5xx, `408` and `429`, whose retry should
-/// run again.
+/// The default storage rule: every response is stored, errors included, except `408`,
+/// `429` and `503`, which say the request was not processed and may be retried.
+///
+/// The draft's section 2.6 asks that a retry after completion get "the result of the
+/// previously completed operation, success or an error", and Stripe stores `500`s too:
+/// a handler that fails after its side effect (the row written, then a `500`) must not
+/// run again because the client retried. A client that wants another attempt after a
+/// stored `500` sends a new key. [`release_server_errors`] is the other rule.
 pub fn default_store_if(status: StatusCode) -> bool {
+    !matches!(
+        status,
+        StatusCode::REQUEST_TIMEOUT
+            | StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::SERVICE_UNAVAILABLE
+    )
+}
+
+/// The storage rule that releases the key on every 5xx (and `408`, `429`), so a retry
+/// runs the handler again: for handlers whose server errors never follow a side effect,
+/// such as one that answers `500` only after its transaction rolled back. Pass it to
+/// [`store_if`](IdempotencyLayer::store_if).
+pub fn release_server_errors(status: StatusCode) -> bool {
     !(status.is_server_error()
         || status == StatusCode::REQUEST_TIMEOUT
         || status == StatusCode::TOO_MANY_REQUESTS)
@@ -353,7 +372,8 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     }
 
     /// Which responses are stored; the others release the key so a retry runs again.
-    /// Default [`default_store_if`]: all but 5xx, `408` and `429`.
+    /// Default [`default_store_if`]: all but `408`, `429` and `503`;
+    /// [`release_server_errors`] releases every 5xx too.
     pub fn store_if(
         mut self,
         predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,

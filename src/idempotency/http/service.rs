@@ -574,7 +574,10 @@ where
             return Err(error);
         }
     };
-    let storable = (settings.store_if)(parts.status);
+    // A server error in a transaction is rolled back, not stored: nothing it wrote
+    // remains, so its retry may run again.
+    let storable = (settings.store_if)(parts.status)
+        && !(parts.status.is_server_error() && guard.transaction_taken());
     let attempt = reply.attempt.cloned();
     let response = match body {
         Collected::Complete(body) if storable => {

@@ -186,6 +186,14 @@ pub trait HandlerTransaction: Send + Sync + 'static {
     /// Puts what the handler takes the transaction from into the request's extensions.
     fn offer(&self, extensions: &mut http::Extensions);
 
+    /// Whether the handler has begun the transaction (and it is not settled yet). A
+    /// server error of a handler that did is rolled back and its key released, whatever
+    /// the layer's storage rule: the rollback undid its writes, so a retry may run
+    /// again. Default `false`.
+    fn taken(&self) -> bool {
+        false
+    }
+
     /// After the handler: if it took the transaction, stores `outcome` (the record and
     /// its TTL) for `lease` in it and commits; with no outcome (the response is not
     /// stored, or the handler failed), rolls it back.

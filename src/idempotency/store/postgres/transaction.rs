@@ -25,9 +25,11 @@ use crate::idempotency::{
 /// response's record in the same transaction and commits, so the writes and the record
 /// commit together or not at all. A process that dies before the commit leaves
 /// nothing, and the retry runs again; after it, the retry replays. A response the
-/// layer does not store (5xx, `408`, `429`, see
-/// [`store_if`](crate::idempotency::IdempotencyLayer::store_if)) and a handler that
-/// fails or panics roll the transaction back. A handler that never takes it gets the
+/// layer does not store (`408`, `429`, `503` by default, see
+/// [`store_if`](crate::idempotency::IdempotencyLayer::store_if)), any 5xx of a handler
+/// that took the transaction (whatever `store_if` says: the rollback undoes its
+/// writes, so its retry may run again), and a handler that fails or panics roll the
+/// transaction back and release the key. A handler that never takes it gets the
 /// durable mode: claim, run, store.
 ///
 /// A `COMMIT` that gets no answer within the store's timeout (an fsync stall, a slow
@@ -154,6 +156,15 @@ impl Offered {
 impl HandlerTransaction for Offered {
     fn offer(&self, extensions: &mut http::Extensions) {
         extensions.insert(self.0.clone());
+    }
+
+    fn taken(&self) -> bool {
+        // Locked: a task of the handler's still holds the connection, so it began.
+        self.0
+            .slot
+            .state
+            .try_lock()
+            .map_or(true, |state| matches!(*state, State::Open(_)))
     }
 
     fn settle(
