@@ -190,20 +190,19 @@
 //!
 //! Against draft-ietf-httpapi-idempotency-key-header-07 (the latest revision, October
 //! 2025) and RFC 8941 for the field. Each requirement a server can meet has a test
-//! named by its section in `tests/idempotency/conformance.rs` (or the test named
-//! here).
+//! named by its section in `tests/idempotency/conformance.rs`.
 //!
 //! | Section | Requirement | Our default | The option that changes it |
 //! |---|---|---|---|
 //! | 2.1, RFC 8941 3.3.3 | the field is an Item whose value is a String | a quoted key is parsed as an Item (the `sfv` crate); **departure**: a bare token (`abc-123`) is accepted too, as many clients send it, and names the same key as `"abc-123"` | none: a bare key is never ambiguous |
 //! | RFC 8941 3.1.2 | unknown parameters are ignored | `"abc";p=1` is the key `abc` | none |
 //! | 2.1, RFC 8941 4.2 | one field per request; a field that is not an Item is not used | a key header on two lines is `400 idempotency.key_repeated`, even with one key (`rfc8941_4_2_a_key_header_sent_twice_is_refused_even_with_one_key`) | none |
-//! | 2.3 | keys expire after a published time | 24 hours, then the key runs again (`keys_expire_after_the_ttl`) | [`ttl`](IdempotencyLayer::ttl) |
+//! | 2.3 | keys expire after a published time | 24 hours, then the key runs again (`draft_2_3_a_key_runs_again_after_it_expires`) | [`ttl`](IdempotencyLayer::ttl) |
 //! | 2.4 | a fingerprint may tell a reused key from a retry | method, path, `Content-Type` and body (see [`Fingerprint::new`]) | [`scope_query`](IdempotencyLayer::scope_query) adds the query |
 //! | 2.6 | a retry after completion gets the previous result, success or error | every response is stored, 5xx included, except `408`, `429` and `503` (`draft_2_6_a_retry_after_an_error_gets_the_error_and_nothing_runs_again`) | **departure as an option**: [`store_if`](IdempotencyLayer::store_if)`(`[`release_server_errors`]`)` releases the key on 5xx, for handlers whose errors never follow a side effect; a handler that took the PostgreSQL store's `Transaction` (feature `postgres`) has its 5xx rolled back and released whatever the rule |
-//! | 2.6 | a duplicate while the first runs gets `409` | `409 idempotency.in_flight` with `Retry-After` | [`in_flight`](IdempotencyLayer::in_flight)`(InFlight::Wait { .. })` waits and replays instead |
-//! | 2.6, 2.7 | a key reused with another payload gets `422` | `422 idempotency.fingerprint_mismatch` | none |
-//! | 2.6, 2.7 | a missing key where one is required gets `400` | `400 idempotency.key_missing` with [`require_key`](IdempotencyLayer::require_key); without it the request passes through | `require_key(false)`, the default |
+//! | 2.6 | a duplicate while the first runs gets `409` | `409 idempotency.in_flight` with `Retry-After` (`draft_2_6_a_duplicate_while_the_first_runs_gets_409_with_retry_after`) | [`in_flight`](IdempotencyLayer::in_flight)`(InFlight::Wait { .. })` waits and replays instead |
+//! | 2.6, 2.7 | a key reused with another payload gets `422` | `422 idempotency.fingerprint_mismatch` (`draft_2_6_a_key_reused_with_another_payload_gets_422`) | none |
+//! | 2.6, 2.7 | a missing key where one is required gets `400` | `400 idempotency.key_missing` with [`require_key`](IdempotencyLayer::require_key); without it the request passes through (`draft_2_7_a_missing_key_where_required_gets_400_with_a_link`) | `require_key(false)`, the default |
 //! | 2.7 | error answers link to documentation | every problem's `type` is the URL of its row below (an anchor per code) and the response has `Link: <type>; rel="describedby"` (`draft_2_7_problems_link_to_their_documentation`) | [`problem_docs`](IdempotencyLayer::problem_docs) points both at your pages |
 //! | 2.5 | the server publishes its idempotency policy | this page: the key format, expiry, fingerprint and answers | none |
 //!

@@ -696,16 +696,21 @@ mod eviction_tests {
             .sum()
     }
 
-    #[tokio::test]
-    async fn an_evicted_record_is_gone_and_its_key_runs_again() {
-        // Room for about 100 records; 300 stored.
+    /// A store with room for about `room` records, after `stored` were stored.
+    async fn overfilled(room: usize, stored: usize) -> MokaStore {
         let store = MokaStore::builder()
-            .max_bytes(100 * MOKA_ENTRY_OVERHEAD_BYTES)
+            .max_bytes(room * MOKA_ENTRY_OVERHEAD_BYTES)
             .build();
-        for i in 0..300 {
+        for i in 0..stored {
             store_one(&store, &format!("key-{i}")).await;
         }
         store.run_pending_tasks().await;
+        store
+    }
+
+    #[tokio::test]
+    async fn an_evicted_record_is_gone_and_its_key_runs_again() {
+        let store = overfilled(100, 300).await;
 
         assert!(store.entry_count() <= 100, "{}", store.entry_count());
         let claim = Claim {
@@ -721,14 +726,7 @@ mod eviction_tests {
 
     #[tokio::test]
     async fn the_slots_of_evicted_records_are_swept() {
-        // Room for about 1,000 records; 20,000 stored.
-        let store = MokaStore::builder()
-            .max_bytes(1_000 * MOKA_ENTRY_OVERHEAD_BYTES)
-            .build();
-        for i in 0..20_000 {
-            store_one(&store, &format!("key-{i}")).await;
-        }
-        store.run_pending_tasks().await;
+        let store = overfilled(1_000, 20_000).await;
         let live = usize::try_from(store.entry_count()).unwrap();
         assert!(live <= 1_000, "{live}");
         let slots = slots(&store);
