@@ -252,6 +252,28 @@ mod tests {
             "codes without an anchor on their page: {unanchored:?}"
         );
 
+        // The OpenAPI description lists every code the layer answers a route with (the
+        // `Transaction` extractor's is the handler's misconfiguration, not the layer's).
+        #[cfg(feature = "openapi")]
+        {
+            use crate::idempotency::http::openapi::{CLIENT_MISSING, PROBLEMS};
+            let documented: BTreeSet<&str> = PROBLEMS
+                .iter()
+                .chain([&CLIENT_MISSING])
+                .flat_map(|(_, _, codes)| codes.iter().copied())
+                .collect();
+            let missing: Vec<_> = http
+                .iter()
+                .filter(|code| code.starts_with("idempotency."))
+                .filter(|code| *code != "idempotency.transaction_missing")
+                .filter(|code| !documented.contains(code.as_str()))
+                .collect();
+            assert!(
+                missing.is_empty(),
+                "codes the OpenAPI description leaves out: {missing:?}"
+            );
+        }
+
         let mut refusals = BTreeSet::new();
         codes_in(&src.join("idempotency/message"), &[], &mut refusals);
         let table = src.join("idempotency/message/service.rs");

@@ -437,3 +437,72 @@ async fn in_the_pretty_format_the_one_line_carries_the_outcome_too() {
     }
     assert!(lines_of("pretty-2")[0].contains("idempotency_request_count=2"));
 }
+
+/// The demo's OpenAPI document (feature `openapi`): it parses as OpenAPI 3.1 with the
+/// `oas3` crate, and each protected operation says what a generated client needs.
+#[cfg(feature = "openapi")]
+#[tokio::test]
+async fn the_demo_serves_an_openapi_document_of_its_protected_operations() {
+    let demo = Demo::start(&[]);
+    let reply = send(
+        &client(),
+        "GET",
+        format!("{}/openapi.json", demo.url),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let text = String::from_utf8(reply.body.to_vec()).unwrap();
+    let spec = oas3::from_json(&text).expect("a valid OpenAPI 3.1 document");
+    assert!(spec.openapi.starts_with("3.1"), "{}", spec.openapi);
+    let document = reply.json();
+
+    let create = &document["paths"]["/commands"]["post"];
+    let cancel = &document["paths"]["/commands/{id}/cancel"]["post"];
+    let key = |operation: &serde_json::Value| {
+        operation["parameters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == "Idempotency-Key")
+            .cloned()
+            .expect("the key parameter")
+    };
+    assert_eq!(key(create)["in"], "header");
+    assert_eq!(
+        key(create)["required"],
+        true,
+        "the create route requires a key"
+    );
+    assert_eq!(key(cancel)["required"], false);
+    assert_eq!(key(create)["schema"]["type"], "string");
+
+    let codes = |operation: &serde_json::Value, status: &str| -> Vec<String> {
+        operation["responses"][status]["content"]["application/problem+json"]["schema"]
+            ["properties"]["code"]["enum"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{status}: {operation}"))
+            .iter()
+            .map(|code| code.as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert!(codes(create, "409").contains(&"idempotency.in_flight".to_owned()));
+    assert!(codes(create, "422").contains(&"idempotency.fingerprint_mismatch".to_owned()));
+    assert!(codes(create, "400").contains(&"idempotency.key_repeated".to_owned()));
+    assert!(codes(create, "401").contains(&"idempotency.client_missing".to_owned()));
+    assert!(codes(create, "503").contains(&"idempotency.store_unavailable".to_owned()));
+    for status in ["409", "503"] {
+        assert!(
+            create["responses"][status]["headers"]["Retry-After"].is_object(),
+            "{status}"
+        );
+    }
+    // The operation's own answers keep their description and gain the layer's headers.
+    assert_eq!(
+        create["responses"]["201"]["description"],
+        "The command, created"
+    );
+    assert!(create["responses"]["201"]["headers"]["idempotent-replayed"].is_object());
+    assert!(cancel["responses"]["404"]["headers"]["idempotent-replayed"].is_object());
+}

@@ -81,6 +81,16 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
         .with_state(state);
     #[cfg(feature = "metrics")]
     let routes = routes.route("/metrics", get(crate::metrics::render));
+    #[cfg(feature = "openapi")]
+    let routes = {
+        let document = openapi_document(&idempotent.clone().require_key(true), &idempotent);
+        routes.route(
+            "/openapi.json",
+            get(move || async move {
+                ([(http::header::CONTENT_TYPE, "application/json")], document)
+            }),
+        )
+    };
     // One access line per request, whoever answers it (the limits included).
     let mut routes = with_request_limits(routes, limits).layer(
         CorrelationLayer::new()
@@ -310,4 +320,71 @@ fn parse_id(id: &str) -> Result<Uuid, ApiError> {
         );
         ApiError::NotFound
     })
+}
+
+/// The service's OpenAPI document (feature `openapi`): its two protected operations,
+/// each documented by the layer that protects it.
+#[cfg(feature = "openapi")]
+fn openapi_document<St, C, E>(
+    create_layer: &IdempotencyLayer<St, C, E>,
+    cancel_layer: &IdempotencyLayer<St, C, E>,
+) -> String {
+    use utoipa::openapi::{
+        path::{HttpMethod, OperationBuilder, ParameterBuilder, ParameterIn, PathItem},
+        schema::{ObjectBuilder, Type},
+        InfoBuilder, OpenApiBuilder, PathsBuilder, Required, ResponseBuilder,
+    };
+
+    let mut create = OperationBuilder::new()
+        .operation_id(Some("createCommand"))
+        .summary(Some("Create a command for a device"))
+        .parameter(
+            ParameterBuilder::new()
+                .name("x-api-key")
+                .parameter_in(ParameterIn::Header)
+                .required(Required::True)
+                .description(Some("The client: its keys are its own"))
+                .schema(Some(ObjectBuilder::new().schema_type(Type::String))),
+        )
+        .response(
+            "201",
+            ResponseBuilder::new().description("The command, created"),
+        )
+        .build();
+    create_layer.document(&mut create);
+    let mut cancel = OperationBuilder::new()
+        .operation_id(Some("cancelCommand"))
+        .summary(Some("Cancel a command"))
+        .parameter(
+            ParameterBuilder::new()
+                .name("id")
+                .parameter_in(ParameterIn::Path)
+                .required(Required::True)
+                .schema(Some(ObjectBuilder::new().schema_type(Type::String))),
+        )
+        .response(
+            "200",
+            ResponseBuilder::new().description("The command, cancelled"),
+        )
+        .response("404", ResponseBuilder::new().description("No such command"))
+        .build();
+    cancel_layer.document(&mut cancel);
+    let paths = PathsBuilder::new()
+        .path("/commands", PathItem::new(HttpMethod::Post, create))
+        .path(
+            "/commands/{id}/cancel",
+            PathItem::new(HttpMethod::Post, cancel),
+        )
+        .build();
+    OpenApiBuilder::new()
+        .info(
+            InfoBuilder::new()
+                .title("Command Service")
+                .version("1")
+                .build(),
+        )
+        .paths(paths)
+        .build()
+        .to_pretty_json()
+        .expect("a document of strings serialises")
 }

@@ -341,7 +341,7 @@
 mod core;
 pub mod header;
 #[cfg(feature = "idempotency")]
-mod http;
+pub(crate) mod http;
 mod key;
 #[cfg(feature = "idempotency")]
 pub mod message;

@@ -4,7 +4,7 @@
 //! In the order a request meets them: [`layer`](IdempotencyLayer) (the settings),
 //! `service` (the request's path through the layer), `client`, `epoch` and `extract`
 //! (what the head and body say), `budget` and `read` (the body, within its limits),
-//! `answer` and `replay` (every response the layer writes).
+//! `answer` and `replay` (every response the layer writes); `openapi` documents it.
 
 mod answer;
 mod budget;
@@ -12,6 +12,8 @@ mod client;
 mod epoch;
 mod extract;
 mod layer;
+#[cfg(feature = "openapi")]
+pub(crate) mod openapi;
 mod read;
 mod replay;
 mod service;

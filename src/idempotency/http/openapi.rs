@@ -1,0 +1,260 @@
+//! OpenAPI for a protected operation, with [utoipa](https://docs.rs/utoipa) (feature
+//! `openapi`): [`IdempotencyLayer::document`] adds to an operation what a generated
+//! client must know of the layer in front of it.
+//!
+//! utoipa rather than aide: it is what most axum services use to write their
+//! document, and its builder API takes an existing `Operation` as it is, whether it
+//! came from `#[utoipa::path]` or was built by hand.
+
+use utoipa::openapi::{
+    header::HeaderBuilder,
+    path::{Operation, ParameterBuilder, ParameterIn},
+    schema::{ObjectBuilder, Type},
+    ContentBuilder, RefOr, Required, Response, ResponseBuilder,
+};
+
+use super::IdempotencyLayer;
+use crate::idempotency::{
+    header::{
+        ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT,
+        IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
+    },
+    IdempotencyKey,
+};
+use crate::{problem::PROBLEM_JSON, IDEMPOTENCY_PROBLEM_DOCS};
+
+/// The problems the layer answers with, by status: what each status's `code` may be.
+pub(crate) const PROBLEMS: &[(u16, &str, &[&str])] = &[
+    (
+        400,
+        "The idempotency headers or the body could not be used",
+        &[
+            "idempotency.key_missing",
+            "idempotency.key_invalid",
+            "idempotency.keys_disagree",
+            "idempotency.key_repeated",
+            "idempotency.attempt_id_invalid",
+            "idempotency.client_invalid",
+            "idempotency.body_unreadable",
+            "idempotency.body_not_json",
+            "idempotency.epoch_invalid",
+        ],
+    ),
+    (
+        409,
+        "A request with this key is running, or the one waited on failed; retry after Retry-After",
+        &["idempotency.in_flight", "idempotency.original_failed"],
+    ),
+    (
+        410,
+        "The request ran, but its response was too large to keep",
+        &["idempotency.not_replayable"],
+    ),
+    (
+        413,
+        "The request body is over the limit",
+        &["idempotency.body_too_large"],
+    ),
+    (
+        422,
+        "The key was used with another request",
+        &[
+            "idempotency.fingerprint_mismatch",
+            "idempotency.epoch_mismatch",
+        ],
+    ),
+    (
+        500,
+        "The handler's response failed while being read",
+        &["idempotency.response_failed"],
+    ),
+    (
+        503,
+        "The layer is full or its store is unavailable (nothing ran), or the handler's \
+         transaction did not commit or its outcome is unknown; retry after Retry-After",
+        &[
+            "idempotency.overloaded",
+            "idempotency.store_unavailable",
+            "idempotency.not_committed",
+            "idempotency.outcome_unknown",
+        ],
+    ),
+];
+
+/// `401`, only where the layer requires a client.
+pub(crate) const CLIENT_MISSING: (u16, &str, &[&str]) = (
+    401,
+    "A key but no client to scope it",
+    &["idempotency.client_missing"],
+);
+
+impl<St, C, E> IdempotencyLayer<St, C, E> {
+    /// Documents `operation` as one this layer protects, for generated clients: the
+    /// `Idempotency-Key` header parameter (its format, and whether this layer requires
+    /// it) and `attempt-id`; every problem the layer can answer, as
+    /// `application/problem+json` with its `code` values (a status the operation
+    /// already documents keeps its own description and gains the problem content);
+    /// and the headers the layer adds to every response (`idempotent-replayed` and
+    /// the rest), with `Retry-After` on `409` and `503`.
+    ///
+    /// ```
+    /// use utoipa::openapi::{path::OperationBuilder, ResponseBuilder};
+    /// use tower_ids::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new().require_key(true);
+    /// let mut create = OperationBuilder::new()
+    ///     .response("201", ResponseBuilder::new().description("Created"))
+    ///     .build();
+    /// layer.document(&mut create);
+    /// assert!(create.responses.responses.contains_key("409"));
+    /// ```
+    pub fn document(&self, operation: &mut Operation) {
+        let parameters = operation.parameters.get_or_insert_with(Vec::new);
+        parameters.push(key_parameter(self.settings.require_key));
+        parameters.push(
+            ParameterBuilder::new()
+                .name(ATTEMPT_ID.as_str())
+                .parameter_in(ParameterIn::Header)
+                .required(Required::False)
+                .description(Some(
+                    "The client's name for this attempt: echoed, and named in the logs; \
+                     never part of deduplication.",
+                ))
+                .schema(Some(string(Some(128))))
+                .build(),
+        );
+        for response in operation.responses.responses.values_mut() {
+            if let RefOr::T(response) = response {
+                add_layer_headers(response);
+            }
+        }
+        let client_missing = self.settings.require_client.then_some(&CLIENT_MISSING);
+        for (status, description, codes) in PROBLEMS.iter().chain(client_missing) {
+            let entry = operation
+                .responses
+                .responses
+                .entry(status.to_string())
+                .or_insert_with(|| ResponseBuilder::new().description(*description).into());
+            if let RefOr::T(response) = entry {
+                response
+                    .content
+                    .insert(PROBLEM_JSON.to_owned(), problem_content(codes));
+                add_layer_headers(response);
+                if matches!(status, 409 | 503) {
+                    response.headers.insert(
+                        "Retry-After".to_owned(),
+                        HeaderBuilder::new()
+                            .schema(ObjectBuilder::new().schema_type(Type::Integer))
+                            .description(Some("Seconds to wait before retrying."))
+                            .build(),
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn key_parameter(required: bool) -> utoipa::openapi::path::Parameter {
+    ParameterBuilder::new()
+        .name("Idempotency-Key")
+        .parameter_in(ParameterIn::Header)
+        .required(if required {
+            Required::True
+        } else {
+            Required::False
+        })
+        .description(Some(format!(
+            "One key per user action, the same on every retry of it \
+             (draft-ietf-httpapi-idempotency-key-header): an RFC 8941 String such as \
+             \"0193c4a2-7b1e-7cc0-9a51-3f2d6c1e8b47\" (parameters ignored), or the same \
+             text as a bare token; 1 to {} visible ASCII characters. Sent once: a header \
+             on two lines is refused. A retry with the same key gets the first \
+             response, replayed, with `{}: true`.",
+            IdempotencyKey::MAX_LEN,
+            IDEMPOTENT_REPLAYED
+        )))
+        .schema(Some(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .min_length(Some(1))
+                .max_length(Some(IdempotencyKey::MAX_LEN + 2))
+                .pattern(Some(r#"^("[ -~]+"(;.*)?|[!#-~][!-~]*)$"#)),
+        ))
+        .build()
+}
+
+fn string(max_length: Option<usize>) -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .max_length(max_length)
+}
+
+/// The headers the layer sets on every response of a protected route.
+fn add_layer_headers(response: &mut Response) {
+    let headers = [
+        (
+            IDEMPOTENT_REPLAYED,
+            "`true` on a replay of the stored response, `false` otherwise.",
+        ),
+        (IDEMPOTENCY_KEY, "The request's key, echoed."),
+        (ATTEMPT_ID, "The request's attempt ID, echoed."),
+        (
+            ORIGINAL_ATTEMPT_ID,
+            "On a replay: the attempt ID of the request that ran.",
+        ),
+        (
+            IDEMPOTENCY_FIRST_SEEN,
+            "On a replay: when the request that ran arrived (HTTP-date).",
+        ),
+        (
+            IDEMPOTENCY_REQUEST_COUNT,
+            "On a replay: requests seen with this key, this one included.",
+        ),
+    ];
+    for (name, description) in headers {
+        response
+            .headers
+            .entry(name.as_str().to_owned())
+            .or_insert_with(|| {
+                HeaderBuilder::new()
+                    .schema(string(None))
+                    .description(Some(description))
+                    .build()
+            });
+    }
+}
+
+/// An RFC 9457 problem whose `code` is one of `codes`.
+fn problem_content(codes: &[&str]) -> utoipa::openapi::Content {
+    let types: Vec<String> = codes
+        .iter()
+        .map(|code| format!("{IDEMPOTENCY_PROBLEM_DOCS}{code}"))
+        .collect();
+    let schema = ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .description(Some(
+            "RFC 9457 problem details. Match on `code`; `type` opens its documentation.",
+        ))
+        .property(
+            "type",
+            string(None).description(Some(format!(
+                "The documentation of the problem (by default one of {types:?}, or the \
+                 service's own base followed by the code)."
+            ))),
+        )
+        .property("title", string(None))
+        .property("status", ObjectBuilder::new().schema_type(Type::Integer))
+        .property("detail", string(None))
+        .property(
+            "code",
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .enum_values(Some(codes.iter().copied())),
+        )
+        .property("correlation_id", string(Some(128)))
+        .property("idempotency_key", string(Some(IdempotencyKey::MAX_LEN)))
+        .required("type")
+        .required("status")
+        .required("code");
+    ContentBuilder::new().schema(Some(schema)).build()
+}
