@@ -31,6 +31,22 @@ pub(super) struct Reply<'a> {
     pub(super) docs: Option<&'a str>,
 }
 
+impl<'a> Reply<'a> {
+    /// The reply of a layer with `settings` (its problems link to its docs) to a
+    /// request with `key` and `attempt`.
+    pub(super) fn new(
+        settings: &'a Settings,
+        key: Option<&'a IdempotencyKey>,
+        attempt: Option<&'a AttemptId>,
+    ) -> Self {
+        Self {
+            key,
+            attempt,
+            docs: settings.problem_docs.as_deref(),
+        }
+    }
+}
+
 impl Reply<'_> {
     /// The headers every response of a protected route carries when it is not a
     /// replay: `idempotent-replayed: false`, the attempt ID, and the key, unless the

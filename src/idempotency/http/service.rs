@@ -164,11 +164,7 @@ struct Protected {
 
 impl Protected {
     fn reply<'a>(&'a self, settings: &'a Settings) -> Reply<'a> {
-        Reply {
-            key: Some(&self.key),
-            attempt: self.attempt.as_ref(),
-            docs: settings.problem_docs.as_deref(),
-        }
+        Reply::new(settings, Some(&self.key), self.attempt.as_ref())
     }
 }
 
@@ -203,10 +199,7 @@ where
         let attempt = match AttemptId::from_headers(request.headers()) {
             Ok(attempt) => attempt,
             Err(error) => {
-                let reply = Reply {
-                    docs: settings.problem_docs.as_deref(),
-                    ..Reply::default()
-                };
+                let reply = Reply::new(&settings, None, None);
                 return unclaimed(ready(reply.reject_key(&error)));
             }
         };
@@ -270,11 +263,7 @@ fn protect<B>(
         client,
         attempt,
     } = identity;
-    let keyless = Reply {
-        key: None,
-        attempt: attempt.as_ref(),
-        docs: settings.problem_docs.as_deref(),
-    };
+    let keyless = Reply::new(settings, None, attempt.as_ref());
     let (key, named) = match extracted {
         Ok(Some(extracted)) => extracted.into_parts(),
         Ok(None) if settings.require_key => {
@@ -298,11 +287,7 @@ fn protect<B>(
         }
     };
     // From here on every answer names the key.
-    let reply = Reply {
-        key: Some(&key),
-        attempt: attempt.as_ref(),
-        docs: settings.problem_docs.as_deref(),
-    };
+    let reply = Reply::new(settings, Some(&key), attempt.as_ref());
     let epoch = match epoch {
         Ok(epoch) => epoch,
         Err(error) => {
@@ -457,11 +442,7 @@ where
     ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
-    let keyless = Reply {
-        key: None,
-        attempt: identity.attempt.as_ref(),
-        docs: settings.problem_docs.as_deref(),
-    };
+    let keyless = Reply::new(&settings, None, identity.attempt.as_ref());
     let (request, _budget) = match read_body(request, &settings, keyless).await {
         Ok(read) => read,
         Err(refused) => return Ok(refused),
