@@ -6,6 +6,7 @@ use std::{
 };
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Frame, SizeHint};
 use pin_project_lite::pin_project;
 
@@ -28,6 +29,7 @@ pin_project! {
         Inner { #[pin] body: B },
         Complete { data: Option<Bytes> },
         Prefixed { prefix: Option<Bytes>, #[pin] rest: B },
+        Trailed { data: Option<Bytes>, trailers: Option<Box<HeaderMap>> },
     }
 }
 
@@ -54,6 +56,17 @@ impl<B> Body<B> {
         match &self.kind {
             Kind::Complete { data } => Some(data.clone().unwrap_or_default()),
             _ => None,
+        }
+    }
+
+    /// A complete body followed by `trailers` (a gRPC response's status).
+    #[cfg(feature = "grpc")]
+    pub(crate) fn with_trailers(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        Self {
+            kind: Kind::Trailed {
+                data: (!data.is_empty()).then_some(data),
+                trailers: trailers.map(Box::new),
+            },
         }
     }
 
@@ -87,6 +100,10 @@ where
                 Some(prefix) => Poll::Ready(Some(Ok(Frame::data(prefix)))),
                 None => rest.poll_frame(cx),
             },
+            KindProj::Trailed { data, trailers } => Poll::Ready(match data.take() {
+                Some(data) => Some(Ok(Frame::data(data))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(*t))),
+            }),
         }
     }
 
@@ -95,13 +112,14 @@ where
             Kind::Inner { body } => body.is_end_stream(),
             Kind::Complete { data } => data.is_none(),
             Kind::Prefixed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
+            Kind::Trailed { data, trailers } => data.is_none() && trailers.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Inner { body } => body.size_hint(),
-            Kind::Complete { data } => {
+            Kind::Complete { data } | Kind::Trailed { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             Kind::Prefixed { prefix, rest } => {
@@ -124,6 +142,7 @@ impl<B> std::fmt::Debug for Body<B> {
             Kind::Inner { .. } => "Inner",
             Kind::Complete { .. } => "Complete",
             Kind::Prefixed { .. } => "Prefixed",
+            Kind::Trailed { .. } => "Trailed",
         };
         f.debug_struct("Body").field("kind", &kind).finish()
     }

@@ -537,3 +537,104 @@ async fn one_trace_runs_from_the_request_through_rabbitmq_into_the_consumer() {
     assert_eq!(consumed.len(), 1, "{consumed:?}");
     assert_eq!(consumed[0]["span"]["trace_id"], TRACE);
 }
+
+#[allow(clippy::all, clippy::pedantic, missing_docs, unreachable_pub)]
+mod ledger {
+    include!("grpc/ledger.v1.rs");
+}
+
+/// A ledger whose transfers answer the correlation ID they ran under.
+struct EchoLedger;
+
+#[tonic::async_trait]
+impl ledger::ledger_server::Ledger for EchoLedger {
+    async fn transfer(
+        &self,
+        _: tonic::Request<ledger::TransferRequest>,
+    ) -> Result<tonic::Response<ledger::TransferReply>, tonic::Status> {
+        tracing::info!(event = "test.transfer", "transfer");
+        Ok(tonic::Response::new(ledger::TransferReply {
+            transfer_id: tower_ids::correlation::CorrelationId::current()
+                .map(|id| id.as_str().to_owned())
+                .unwrap_or_default(),
+            cents: 0,
+        }))
+    }
+
+    async fn transfer_many(
+        &self,
+        _: tonic::Request<tonic::Streaming<ledger::TransferRequest>>,
+    ) -> Result<tonic::Response<ledger::TransferReply>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this test"))
+    }
+
+    type WatchStream = std::pin::Pin<
+        Box<
+            dyn tonic::codegen::tokio_stream::Stream<
+                    Item = Result<ledger::TransferReply, tonic::Status>,
+                > + Send,
+        >,
+    >;
+
+    async fn watch(
+        &self,
+        _: tonic::Request<ledger::TransferRequest>,
+    ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not in this test"))
+    }
+}
+
+#[tokio::test]
+async fn a_grpc_calls_traceparent_and_correlation_id_travel_in_its_metadata() {
+    use tower_ids::idempotency::grpc::GrpcIdempotencyLayer;
+    let lines = &pipeline().1;
+    let trace_id = "5cf92f3577b34da6a3ce929d0e0e4799";
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(CorrelationLayer::new())
+            .layer(GrpcIdempotencyLayer::new())
+            .add_service(ledger::ledger_server::LedgerServer::new(EchoLedger))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = ledger::ledger_client::LedgerClient::new(channel);
+
+    let mut request = tonic::Request::new(ledger::TransferRequest::default());
+    let metadata = request.metadata_mut();
+    let traceparent = format!("00-{trace_id}-{PARENT_ID}-01");
+    metadata.insert("traceparent", traceparent.parse().unwrap());
+    metadata.insert("x-correlation-id", "grpc-call-1".parse().unwrap());
+    metadata.insert("idempotency-key", "k-trace".parse().unwrap());
+    let reply = client.transfer(request).await.unwrap();
+
+    // The handler ran under the caller's correlation ID, which comes back in metadata.
+    assert_eq!(reply.get_ref().transfer_id, "grpc-call-1");
+    assert_eq!(
+        reply.metadata().get("x-correlation-id").unwrap(),
+        "grpc-call-1"
+    );
+    assert_eq!(
+        reply.metadata().get("idempotent-replayed").unwrap(),
+        "false"
+    );
+    // The server span continues the caller's trace, under its span.
+    let spans = spans_of(trace_id, 1).await;
+    let server = spans
+        .iter()
+        .find(|span| span.name == "correlation")
+        .expect("the correlation span is exported");
+    assert_eq!(server.parent_span_id.to_string(), PARENT_ID);
+    assert!(server.parent_span_is_remote);
+    let logged = lines.with_correlation_id("grpc-call-1");
+    let transfer = logged
+        .iter()
+        .find(|line| line["fields"]["event"] == "test.transfer")
+        .expect("the handler's line");
+    assert_eq!(transfer["span"]["trace_id"], trace_id);
+}

@@ -339,6 +339,8 @@
 // are compiled: what the retry layer sends. Everything else is the layers'.
 #[cfg(feature = "idempotency")]
 mod core;
+#[cfg(feature = "grpc")]
+pub mod grpc;
 pub mod header;
 #[cfg(feature = "idempotency")]
 pub(crate) mod http;

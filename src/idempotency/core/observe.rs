@@ -21,7 +21,7 @@ use std::{
 use tracing::Span;
 
 use crate::correlation::CorrelationId;
-use crate::idempotency::store::StoreError;
+use crate::idempotency::{store::StoreError, ClientId, IdempotencyKey, ScopeKey};
 
 /// Counter: protected requests the layer answered, by `outcome`.
 pub const REQUESTS: &str = "tower_ids_idempotency_requests_total";
@@ -178,6 +178,23 @@ pub(crate) fn record(name: &'static str, value: impl tracing::Value) {
 #[inline]
 pub(crate) fn store_time(spent: Duration) {
     record(field::STORE_MS, crate::correlation::log_millis(spent));
+}
+
+/// Records a protected request's key, scope and client on its request's span.
+pub(crate) fn protected(key: &IdempotencyKey, scope: &ScopeKey, client: Option<&ClientId>) {
+    if !tracing::level_enabled!(tracing::Level::INFO) {
+        return;
+    }
+    let scope = tracing::field::display(scope);
+    let client = client.map(tracing::field::display);
+    record_three([
+        (field::KEY, Some(&key.as_str())),
+        (field::SCOPE, Some(&scope)),
+        (
+            field::CLIENT,
+            client.as_ref().map(|c| c as &dyn tracing::Value),
+        ),
+    ]);
 }
 
 /// Records up to three fields on the current span in one recording: a formatter that

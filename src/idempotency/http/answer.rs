@@ -84,18 +84,7 @@ impl Reply<'_> {
 
     /// The `400` for an idempotency key or attempt ID the layer cannot accept.
     pub(super) fn reject_key<B>(self, error: &InvalidIdempotencyKey) -> Response<Body<B>> {
-        let (code, title) = match error.code() {
-            "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
-            "repeated" => (
-                "idempotency.key_repeated",
-                "Idempotency key header repeated",
-            ),
-            "conflicting" => (
-                "idempotency.keys_disagree",
-                "Two different idempotency keys",
-            ),
-            _ => ("idempotency.key_invalid", "Invalid idempotency key"),
-        };
+        let (code, title) = key_refusal(error);
         let status = StatusCode::BAD_REQUEST;
         self.refuse(status, error.code(), code, title, error.to_string())
     }
@@ -344,7 +333,7 @@ fn with_retry_after<B>(mut response: Response<B>, retry_after: Duration) -> Resp
 }
 
 /// What a duplicate learns of the original: when it came, how many came, which attempt.
-fn replay_headers(headers: &mut HeaderMap, record: &Record, request_count: u64) {
+pub(crate) fn replay_headers(headers: &mut HeaderMap, record: &Record, request_count: u64) {
     headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(record.first_seen));
     headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
     if let Some(original) = &record.original_attempt {
@@ -371,4 +360,20 @@ fn http_date(time: SystemTime) -> HeaderValue {
         *last = Some((time, value.clone()));
         value
     })
+}
+
+/// The code and title of a refused key (or attempt ID), for every transport.
+pub(crate) fn key_refusal(error: &InvalidIdempotencyKey) -> (&'static str, &'static str) {
+    match error.code() {
+        "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
+        "repeated" => (
+            "idempotency.key_repeated",
+            "Idempotency key header repeated",
+        ),
+        "conflicting" => (
+            "idempotency.keys_disagree",
+            "Two different idempotency keys",
+        ),
+        _ => ("idempotency.key_invalid", "Invalid idempotency key"),
+    }
 }

@@ -12,14 +12,14 @@ use std::{
 /// A counter, not a semaphore: nothing ever waits for bytes (a request that cannot
 /// have them now is refused), and tokio's `Semaphore` takes a mutex on every release,
 /// which every protected request would contend for on a multi-threaded runtime.
-pub(super) struct Budget {
+pub(crate) struct Budget {
     available: AtomicUsize,
     capacity: usize,
 }
 
 impl Budget {
     /// A budget of `bytes`.
-    pub(super) fn new(bytes: usize) -> Arc<Self> {
+    pub(crate) fn new(bytes: usize) -> Arc<Self> {
         Arc::new(Self {
             available: AtomicUsize::new(bytes),
             capacity: bytes,
@@ -27,7 +27,7 @@ impl Budget {
     }
 
     /// The whole budget.
-    pub(super) fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }
 
@@ -37,7 +37,7 @@ impl Budget {
     }
 
     /// An empty reservation, to grow as a body is read.
-    pub(super) fn reserve(self: &Arc<Self>) -> Reservation {
+    pub(crate) fn reserve(self: &Arc<Self>) -> Reservation {
         Reservation {
             budget: self.clone(),
             bytes: 0,
@@ -75,7 +75,7 @@ pub(super) struct Overloaded;
 /// The bytes of the budget one request holds; all given back when it is dropped, on
 /// whatever path (done, refused, failed, cancelled, panicked).
 #[derive(Debug)]
-pub(super) struct Reservation {
+pub(crate) struct Reservation {
     budget: Arc<Budget>,
     bytes: usize,
 }

@@ -36,6 +36,20 @@ pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
 /// The largest response kept for replay: 1 MiB; larger is streamed on, never stored.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 
+/// The headers that belong to one attempt, not to its outcome: never stored, so a
+/// replay carries its own.
+pub(crate) fn per_attempt_headers() -> Vec<HeaderName> {
+    vec![
+        X_CORRELATION_ID,
+        ATTEMPT_ID,
+        header::DATE,
+        ORIGINAL_ATTEMPT_ID,
+        IDEMPOTENT_REPLAYED,
+        IDEMPOTENCY_FIRST_SEEN,
+        IDEMPOTENCY_REQUEST_COUNT,
+    ]
+}
+
 pub(super) type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 
 #[derive(Clone)]
@@ -144,15 +158,7 @@ impl<St> IdempotencyLayer<St> {
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 budget: Budget::new(DEFAULT_MAX_BUFFERED_BYTES),
                 not_replayed: vec![header::SET_COOKIE],
-                per_attempt: vec![
-                    X_CORRELATION_ID,
-                    ATTEMPT_ID,
-                    header::DATE,
-                    ORIGINAL_ATTEMPT_ID,
-                    IDEMPOTENT_REPLAYED,
-                    IDEMPOTENCY_FIRST_SEEN,
-                    IDEMPOTENCY_REQUEST_COUNT,
-                ],
+                per_attempt: per_attempt_headers(),
                 store_if: Arc::new(default_store_if),
                 layer_order: Arc::default(),
                 problem_docs: None,

@@ -7,16 +7,23 @@
 //! `answer` and `replay` (every response the layer writes); `openapi` documents it.
 
 mod answer;
-mod budget;
+pub(crate) mod budget;
 mod client;
 mod epoch;
 mod extract;
 mod layer;
 #[cfg(feature = "openapi")]
 pub(crate) mod openapi;
-mod read;
+pub(crate) mod read;
 mod replay;
 mod service;
+
+pub(crate) use self::{
+    answer::{key_refusal, replay_headers},
+    budget::Budget,
+    layer::per_attempt_headers,
+    service::BoxError,
+};
 
 pub use self::{
     client::{

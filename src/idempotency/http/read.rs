@@ -79,7 +79,7 @@ where
 }
 
 /// What reading a request body came to.
-pub(super) enum Read {
+pub(crate) enum Read {
     Complete(Bytes),
     TooLarge,
     /// The budget could not take the `requested` bytes the body needed in all.
@@ -97,7 +97,7 @@ pub(super) enum Read {
 ///
 /// While a frame or a smaller buffer is copied into a bigger one, both are alive for
 /// that copy only; the copy never awaits, so at most one is under way per thread.
-pub(super) async fn read_within<B>(
+pub(crate) async fn read_within<B>(
     mut body: B,
     max: usize,
     declared: Option<usize>,

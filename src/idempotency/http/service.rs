@@ -18,15 +18,12 @@ use super::{
 };
 use crate::body::Body;
 use crate::idempotency::{
-    core::{
-        observe::{self, field},
-        ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard,
-    },
+    core::{observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard},
     store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
     AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey,
 };
 
-pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The service a protected route wraps, as the layer needs it: it takes the request
 /// with its body buffered (or streamed on), and it and its future move across tasks.
@@ -410,19 +407,7 @@ where
 fn record_protected(protected: &Protected, settings: &Settings) {
     // Warns once if the correlation layer is not outside this one.
     settings.layer_order.check();
-    if !tracing::level_enabled!(tracing::Level::INFO) {
-        return;
-    }
-    let scope = tracing::field::display(&protected.scope);
-    let client = protected.client.as_ref().map(tracing::field::display);
-    observe::record_three([
-        (field::KEY, Some(&protected.key.as_str())),
-        (field::SCOPE, Some(&scope)),
-        (
-            field::CLIENT,
-            client.as_ref().map(|c| c as &dyn tracing::Value),
-        ),
-    ]);
+    observe::protected(&protected.key, &protected.scope, protected.client.as_ref());
 }
 
 /// [`run`] for a route whose key is in the body: the body is read (within the limits,

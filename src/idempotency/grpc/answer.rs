@@ -1,0 +1,204 @@
+//! Every response the gRPC layer writes: a status with `google.rpc` details where it
+//! does not run the call, the stored call where it replays one, and the metadata that
+//! says which.
+
+use std::{collections::HashMap, time::Duration};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response};
+use tonic::Code;
+use tonic_types::{ErrorDetails, StatusExt as _};
+
+use super::call::StoredCall;
+use crate::body::Body;
+use crate::idempotency::{
+    core::{self, Unsettled, Verdict},
+    http::replay_headers,
+    store::Record,
+    AttemptId, IdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
+};
+
+/// The `domain` of every `google.rpc.ErrorInfo` the layer answers; its `reason` is the
+/// layer's stable code (`idempotency.in_flight`), as the HTTP layer's problems carry it.
+pub const ERROR_DOMAIN: &str = "tower-ids";
+
+/// A status the layer answers instead of running the call.
+pub(super) struct Refusal {
+    code: Code,
+    reason: &'static str,
+    message: String,
+    retry_after: Option<Duration>,
+}
+
+impl Refusal {
+    pub(super) fn new(code: Code, reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            reason,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// With `google.rpc.RetryInfo`: a retry after `delay` can succeed.
+    pub(super) fn retry_after(mut self, delay: Duration) -> Self {
+        self.retry_after = Some(delay);
+        self
+    }
+
+    /// The answer the engine decided on instead of running the call, but a replay.
+    fn decided(verdict: Verdict) -> Self {
+        match verdict {
+            Verdict::Replay { .. } | Verdict::NotReplayable { .. } => Self::not_replayable(),
+            Verdict::InFlight { retry_after, .. } => Self::new(
+                Code::Aborted,
+                "idempotency.in_flight",
+                "a call with this idempotency key is still running; retry after the delay to get its response",
+            )
+            .retry_after(retry_after),
+            // gRPC calls carry no epoch; a mismatch is a conflict if it happened.
+            Verdict::Conflict | Verdict::EpochMismatch { .. } => Self::new(
+                Code::FailedPrecondition,
+                "idempotency.fingerprint_mismatch",
+                "this idempotency key was used with a different call (method or message); use a new key for a new call",
+            ),
+            Verdict::OriginalFailed => Self::new(
+                Code::Aborted,
+                "idempotency.original_failed",
+                "the call with this key that was running failed and stored nothing; retry to run it again",
+            )
+            .retry_after(Duration::ZERO),
+            Verdict::StoreUnavailable => Self::new(
+                Code::Unavailable,
+                "idempotency.store_unavailable",
+                "the server cannot check this idempotency key now, so it ran nothing; retry later",
+            )
+            .retry_after(Duration::from_secs(1)),
+        }
+    }
+
+    fn not_replayable() -> Self {
+        Self::new(
+            Code::FailedPrecondition,
+            "idempotency.not_replayable",
+            "the call with this idempotency key ran, but its response was not kept for replay; it will not run again",
+        )
+    }
+
+    /// The answer when the call's outcome does not stand, or may not.
+    pub(super) fn unsettled(unsettled: &Unsettled) -> Self {
+        match unsettled {
+            Unsettled::NotCommitted(error) => Self::new(
+                Code::Unavailable,
+                "idempotency.not_committed",
+                format!("the call's transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
+            ),
+            Unsettled::Unknown(error) => Self::new(
+                Code::Unavailable,
+                "idempotency.outcome_unknown",
+                format!("whether the call's transaction committed is not known ({error}); retry with the same key: it replays the outcome if it committed"),
+            ),
+        }
+        .retry_after(Duration::from_secs(1))
+    }
+
+    /// The trailers-only response carrying this status.
+    fn into_response<B>(self) -> Response<Body<B>> {
+        let mut details = ErrorDetails::with_error_info(self.reason, ERROR_DOMAIN, HashMap::new());
+        if let Some(delay) = self.retry_after {
+            details.set_retry_info(Some(delay));
+        }
+        tonic::Status::with_error_details(self.code, self.message, details)
+            .into_http::<()>()
+            .map(|()| Body::complete(Bytes::new()))
+    }
+}
+
+/// What every response of one protected call echoes.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Reply<'a> {
+    pub(super) key: Option<&'a IdempotencyKey>,
+    pub(super) attempt: Option<&'a AttemptId>,
+}
+
+impl Reply<'_> {
+    /// `response`, marked as not replayed.
+    pub(super) fn finish<B>(self, mut response: Response<B>) -> Response<B> {
+        self.mark(response.headers_mut(), false);
+        response
+    }
+
+    fn mark(self, headers: &mut HeaderMap, replayed: bool) {
+        headers.insert(
+            IDEMPOTENT_REPLAYED,
+            HeaderValue::from_static(bool_str(replayed)),
+        );
+        if let Some(attempt) = self.attempt {
+            headers.insert(ATTEMPT_ID, attempt.to_header_value());
+        }
+        if let Some(key) = self.key {
+            headers.insert(IDEMPOTENCY_KEY, key.to_header_value());
+        }
+    }
+
+    /// A refusal before the engine is asked, with its WARN event; the message is the
+    /// layer's own text, never the request's.
+    pub(super) fn refuse<B>(self, refusal: Refusal) -> Response<Body<B>> {
+        core::rejected(refusal.reason, refusal.reason, &refusal.message, None);
+        self.status(refusal)
+    }
+
+    /// `refusal` as the response, marked as not replayed.
+    pub(super) fn status<B>(self, refusal: Refusal) -> Response<Body<B>> {
+        self.finish(refusal.into_response())
+    }
+
+    /// The answer the engine decided on instead of running the call.
+    pub(super) fn decided<B>(self, verdict: Verdict) -> Response<Body<B>> {
+        match verdict {
+            Verdict::Replay {
+                record,
+                request_count,
+            } => self.replay(&record, request_count),
+            Verdict::NotReplayable {
+                record,
+                request_count,
+            } => {
+                let mut response = self.status(Refusal::not_replayable());
+                replay_headers(response.headers_mut(), &record, request_count);
+                response
+            }
+            verdict => self.status(Refusal::decided(verdict)),
+        }
+    }
+
+    /// The stored call, for a duplicate of one that completed.
+    fn replay<B>(self, record: &Record, request_count: u64) -> Response<Body<B>> {
+        // A record another transport wrote cannot be told here: never run it again.
+        let Some((headers, data, trailers)) = record
+            .payload
+            .as_ref()
+            .and_then(|payload| StoredCall::decode(payload.body()))
+        else {
+            core::replay_failed(request_count);
+            let mut response = self.status(Refusal::not_replayable());
+            replay_headers(response.headers_mut(), record, request_count);
+            return response;
+        };
+        core::replayed(record, request_count);
+        let mut response = Response::new(Body::with_trailers(data, trailers));
+        *response.headers_mut() = headers;
+        let headers = response.headers_mut();
+        replay_headers(headers, record, request_count);
+        self.mark(headers, true);
+        response
+    }
+}
+
+fn bool_str(value: bool) -> &'static str {
+    if value {
+        "true"
+    } else {
+        "false"
+    }
+}

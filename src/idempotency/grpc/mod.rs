@@ -1,0 +1,145 @@
+//! Idempotent gRPC calls through tonic: each unary call runs once per
+//! `idempotency-key`, and every retry gets its response back, as gRPC statuses a
+//! client's retry policy can act on.
+//!
+//! tonic servers are tower services over HTTP/2, so the HTTP layer would run on them,
+//! but its answers are HTTP: a duplicate in flight would get `409` with a JSON body,
+//! which a gRPC client reads as a transport failure, and a replay would lose the
+//! trailers that carry `grpc-status`. [`GrpcIdempotencyLayer`] is the third thin
+//! adapter over the engine the HTTP and message layers share (the same stores, claim,
+//! lease renewal, completion rules, events and metrics): the key comes from the call's
+//! metadata, the fingerprint covers the method and the request message, the whole
+//! response is kept (initial metadata, messages, trailers), and every refusal is a
+//! `tonic::Status` with `google.rpc` details.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use tonic::{service::Routes, transport::Server};
+//! use tower_ids::{correlation::CorrelationLayer, idempotency::grpc::GrpcIdempotencyLayer};
+//!
+//! # async fn serve(routes: Routes) -> Result<(), Box<dyn std::error::Error>> {
+//! // `routes`: your services, `Routes::new(LedgerServer::new(ledger))`.
+//! Server::builder()
+//!     .layer(CorrelationLayer::new())
+//!     .layer(GrpcIdempotencyLayer::new())
+//!     .add_routes(routes)
+//!     .serve("127.0.0.1:50051".parse()?)
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! A client sends the key as metadata, the same on every retry of one user action:
+//!
+//! ```
+//! # fn call(message: ()) {
+//! let mut request = tonic::Request::new(message);
+//! request.metadata_mut().insert("idempotency-key", "transfer-7f3a".parse().unwrap());
+//! # }
+//! ```
+//!
+//! `tower_ids::client::IdempotentRetryLayer` is HTTP-shaped; with tonic, retry with the
+//! same request metadata (tonic's generated clients are `Clone`).
+//!
+//! # What a call gets
+//!
+//! Every response of a call through the layer carries `idempotent-replayed: true` or
+//! `false` in its metadata (in the initial metadata, or with the status of a
+//! trailers-only answer), and echoes the key and `attempt-id`. A replay also carries
+//! `idempotency-first-seen`, `idempotency-request-count` and `original-attempt-id`,
+//! as the HTTP layer's do.
+//!
+//! | Case | Status | `ErrorInfo.reason` | `RetryInfo` |
+//! |---|---|---|---|
+//! | first call | the handler's | - | - |
+//! | retry after it completed | the handler's, replayed: same messages, metadata and trailers | - | - |
+//! | key malformed, repeated, or two keys | `INVALID_ARGUMENT` | `idempotency.key_invalid`, `idempotency.key_repeated`, `idempotency.keys_disagree` | - |
+//! | `attempt-id` malformed | `INVALID_ARGUMENT` | `idempotency.attempt_id_invalid` | - |
+//! | no key, with [`require_key`](GrpcIdempotencyLayer::require_key) | `INVALID_ARGUMENT` | `idempotency.key_missing` | - |
+//! | client refused by its extractor | `INVALID_ARGUMENT` | `idempotency.client_invalid` | - |
+//! | no client, with [`require_client`](GrpcIdempotencyLayer::require_client) | `UNAUTHENTICATED` | `idempotency.client_missing` | - |
+//! | same key, another method or message | `FAILED_PRECONDITION` | `idempotency.fingerprint_mismatch` | - |
+//! | same key while the first call runs | `ABORTED` | `idempotency.in_flight` | the delay |
+//! | the call waited for failed ([`InFlight::Wait`](crate::idempotency::InFlight::Wait)) | `ABORTED` | `idempotency.original_failed` | `0s` |
+//! | retry of a call whose response was not kept (over [`max_response_bytes`](GrpcIdempotencyLayer::max_response_bytes)) | `FAILED_PRECONDITION` | `idempotency.not_replayable` | - |
+//! | store down (fail closed): nothing ran | `UNAVAILABLE` | `idempotency.store_unavailable` | `1s` |
+//! | byte budget full: nothing ran | `UNAVAILABLE` | `idempotency.overloaded` | `1s` |
+//! | the outcome's transaction did not commit, or its commit is unknown | `UNAVAILABLE` | `idempotency.not_committed`, `idempotency.outcome_unknown` | `1s` |
+//! | request over [`max_request_bytes`](GrpcIdempotencyLayer::max_request_bytes) | `RESOURCE_EXHAUSTED` | `idempotency.body_too_large` | - |
+//! | a keyed call that sent more or fewer than one message | `UNIMPLEMENTED` | `idempotency.streaming_unsupported` | - |
+//! | a body that is not length-prefixed messages, or could not be read | `INVALID_ARGUMENT` | `idempotency.message_invalid`, `idempotency.body_unreadable` | - |
+//! | the response failed while it was read: nothing stored | `INTERNAL` | `idempotency.response_failed` | - |
+//!
+//! `ErrorInfo.domain` is [`ERROR_DOMAIN`]; read the details with
+//! `tonic_types::StatusExt::get_details_error_info`. The reasons are the HTTP layer's
+//! problem codes, so one dashboard or alert serves both transports.
+//!
+//! **Why these codes.** gRPC clients retry only the codes their retry policy lists
+//! (`retryableStatusCodes`), and most list `UNAVAILABLE` alone:
+//!
+//! - `UNAVAILABLE` is kept for "nothing ran, and a retry may succeed": the store down,
+//!   the budget full, an outcome's commit that did not land. A policy that retries it
+//!   with backoff is right, since the key makes the retry safe.
+//! - `ABORTED` is "in flight", not `UNAVAILABLE`: the server is fine and the user's own
+//!   earlier attempt is running. gRPC defines `ABORTED` for concurrency conflicts, to be
+//!   retried by the caller; `RetryInfo` says when. A client that adds `ABORTED` to its
+//!   policy for keyed methods gets the replay once the first call ends; one that does
+//!   not sees the conflict, which is what happened. Not `ALREADY_EXISTS`, which means
+//!   "do not retry".
+//! - `FAILED_PRECONDITION` is "reused with another message": no retry of that call can
+//!   succeed (the key's state, not the message alone, is what is wrong, hence not
+//!   `INVALID_ARGUMENT`), and no retry policy retries it. It is the HTTP layer's `422`.
+//!
+//! # Streaming
+//!
+//! The layer deduplicates unary calls. A keyed call's request is read whole before
+//! anything runs (as the HTTP layer reads a body), so a keyed call with a request stream
+//! of more or fewer than one message is refused (`UNIMPLEMENTED`) once that stream
+//! ends, and the handler never runs. Send streaming calls without the key: they pass
+//! through, not deduplicated. Do not key a bidirectional call whose client waits for a
+//! response before it closes its stream: the layer would wait for the end of the
+//! stream. A keyed server-streaming call runs, and its response is read whole (up to
+//! [`max_response_bytes`](GrpcIdempotencyLayer::max_response_bytes)) before it is sent,
+//! so it is replayed as a whole, but no longer streamed.
+//!
+//! # Scope and fingerprint
+//!
+//! A key is scoped by client (from [`client`](GrpcIdempotencyLayer::client): any
+//! [`IdentifyClient`](crate::idempotency::extract::IdentifyClient) reads the call's
+//! metadata and extensions as it reads HTTP headers), the method's path
+//! (`/ledger.v1.Ledger/Transfer`) and the key. gRPC calls are scoped apart from HTTP
+//! requests, so one store can serve both layers. The fingerprint covers the method and
+//! the request message as sent (its length prefix included): the same key with another
+//! message is `FAILED_PRECONDITION`. A client that compresses its messages sends other
+//! bytes for the same message than one that does not; keep one setting per client.
+//!
+//! # Storage rule
+//!
+//! By [`default_store_code`], every status is stored but `UNAVAILABLE`,
+//! `RESOURCE_EXHAUSTED` and `ABORTED`, which release the key so a retry runs the call
+//! again. Change it with [`store_if`](GrpcIdempotencyLayer::store_if). A handler that
+//! took the PostgreSQL transaction (see the store's docs) and answered a server error
+//! (`UNKNOWN`, `DEADLINE_EXCEEDED`, `UNIMPLEMENTED`, `INTERNAL`, `UNAVAILABLE`,
+//! `DATA_LOSS`) has its writes rolled back and its key released, as with HTTP `5xx`.
+//!
+//! # Correlation
+//!
+//! Put [`CorrelationLayer`](crate::correlation::CorrelationLayer) outside this layer, as
+//! the example does: gRPC metadata is HTTP/2 headers, so the correlation ID is read
+//! from `x-correlation-id` metadata (or generated), carried in the span, and echoed in
+//! the response metadata; with the `opentelemetry` feature, `traceparent` metadata
+//! continues the caller's trace. On the client, wrap tonic's `Channel` in
+//! [`OutboundCorrelationLayer`](crate::correlation::OutboundCorrelationLayer) (a tower
+//! layer) to send the current ID on every call.
+
+mod answer;
+mod call;
+mod layer;
+mod service;
+
+pub use self::{
+    answer::ERROR_DOMAIN,
+    layer::{default_store_code, GrpcIdempotencyLayer},
+    service::{GrpcIdempotency, ResponseFuture},
+};

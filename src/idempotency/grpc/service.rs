@@ -1,0 +1,445 @@
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{Arc, LazyLock},
+    task::{Context, Poll},
+};
+
+use http::{Method, Request, Response};
+use tonic::Code;
+use tower_service::Service;
+
+use super::{
+    answer::{Refusal, Reply},
+    call::{message_count, read_response, status_code, Produced, StoredCall},
+    layer::Settings,
+};
+use crate::body::Body;
+use crate::correlation::CorrelationId;
+use crate::idempotency::{
+    core::{observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard},
+    http::{
+        key_refusal,
+        read::{read_within, Read},
+        BoxError, IdentifyClient, NoClient,
+    },
+    store::{IdempotencyStore, MokaStore, Payload},
+    AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_KEY,
+};
+
+/// The method gRPC calls are scoped and fingerprinted under: not an HTTP method, so a
+/// call never shares a scope with an HTTP request on the same path and store.
+static GRPC: LazyLock<Method> =
+    LazyLock::new(|| Method::from_bytes(b"GRPC").expect("a valid method token"));
+
+/// Middleware that runs each keyed unary gRPC call once and replays its response.
+/// Made by [`GrpcIdempotencyLayer`](super::GrpcIdempotencyLayer); see the
+/// [module docs](super).
+pub struct GrpcIdempotency<S, St = MokaStore, C = NoClient> {
+    pub(super) inner: S,
+    pub(super) engine: Engine<St>,
+    pub(super) identify: C,
+    pub(super) settings: Arc<Settings>,
+}
+
+impl<S, St, C> GrpcIdempotency<S, St, C> {
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, St, C: Clone> Clone for GrpcIdempotency<S, St, C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            engine: self.engine.clone(),
+            identify: self.identify.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, St, C> std::fmt::Debug for GrpcIdempotency<S, St, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpcIdempotency")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Response future of [`GrpcIdempotency`]. Dropped once its call has claimed its key
+/// (the client went away, or its deadline passed), it hands the rest of the work to a
+/// task of its own, as the HTTP layer's does: the call runs to completion and its
+/// response is stored for the retry.
+pub struct ResponseFuture<B: 'static, E: 'static> {
+    work: Detaching<Result<Response<Body<B>>, E>>,
+}
+
+impl<B, E> Future for ResponseFuture<B, E> {
+    type Output = Result<Response<Body<B>>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.work).poll(cx)
+    }
+}
+
+impl<B: 'static, E: 'static> std::fmt::Debug for ResponseFuture<B, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+/// A keyed call: what scopes it, and what its responses echo.
+struct Protected {
+    key: IdempotencyKey,
+    client: Option<ClientId>,
+    scope: ScopeKey,
+    attempt: Option<AttemptId>,
+}
+
+impl Protected {
+    fn reply(&self) -> Reply<'_> {
+        Reply {
+            key: Some(&self.key),
+            attempt: self.attempt.as_ref(),
+        }
+    }
+}
+
+impl<S, St, C, ReqBody, ResBody> Service<Request<ReqBody>> for GrpcIdempotency<S, St, C>
+where
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    C: IdentifyClient<ReqBody>,
+    ReqBody: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Send + Unpin + 'static,
+    ResBody: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Send + Unpin + 'static,
+{
+    type Response = Response<Body<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let protected = match protect(&self.settings, &self.identify, &request) {
+            Decided::Protected(protected) => protected,
+            Decided::PassThrough(attempt) => {
+                return unclaimed(async move {
+                    let response = inner.call(request.map(Body::inner)).await?;
+                    let reply = Reply {
+                        key: None,
+                        attempt: attempt.as_ref(),
+                    };
+                    Ok(reply.finish(response.map(Body::inner)))
+                });
+            }
+            Decided::Refused(refused) => return unclaimed(std::future::ready(Ok(refused))),
+        };
+        let engine = self.engine.clone();
+        let settings = self.settings.clone();
+        ResponseFuture {
+            work: Detaching::claiming(|claimed| {
+                deduplicate(inner, engine, settings, request, protected, claimed)
+            }),
+        }
+    }
+}
+
+fn unclaimed<B, E>(
+    future: impl Future<Output = Result<Response<Body<B>>, E>> + Send + 'static,
+) -> ResponseFuture<B, E> {
+    ResponseFuture {
+        work: Detaching::new(future),
+    }
+}
+
+/// What becomes of a call before its message is read.
+enum Decided<B> {
+    /// It has a key: deduplicate it.
+    Protected(Protected),
+    /// It has none, and may pass without one.
+    PassThrough(Option<AttemptId>),
+    /// It is refused.
+    Refused(Response<Body<B>>),
+}
+
+/// The call's key, client and scope, or what else becomes of it.
+fn protect<B, C: IdentifyClient<B>, R>(
+    settings: &Settings,
+    identify: &C,
+    request: &Request<B>,
+) -> Decided<R> {
+    let headers = request.headers();
+    let attempt = match AttemptId::from_headers(headers) {
+        Ok(attempt) => attempt,
+        Err(error) => {
+            let (code, _) = key_refusal(&error);
+            let refusal = Refusal::new(Code::InvalidArgument, code, error.to_string());
+            return Decided::Refused(Reply::default().refuse(refusal));
+        }
+    };
+    let keyless = Reply {
+        key: None,
+        attempt: attempt.as_ref(),
+    };
+    let key = match IdempotencyKey::from_headers(headers, &[IDEMPOTENCY_KEY]) {
+        Ok(Some(key)) => key,
+        Ok(None) if settings.require_key => {
+            return Decided::Refused(keyless.refuse(Refusal::new(
+                Code::InvalidArgument,
+                "idempotency.key_missing",
+                "this method requires `idempotency-key` metadata on every call",
+            )));
+        }
+        Ok(None) => return Decided::PassThrough(attempt),
+        Err(error) => {
+            let (code, _) = key_refusal(&error);
+            return Decided::Refused(keyless.refuse(Refusal::new(
+                Code::InvalidArgument,
+                code,
+                error.to_string(),
+            )));
+        }
+    };
+    let reply = Reply {
+        key: Some(&key),
+        attempt: attempt.as_ref(),
+    };
+    let client = match identify.identify_client(request) {
+        Ok(client) => client,
+        Err(error) => {
+            return Decided::Refused(reply.refuse(Refusal::new(
+                Code::InvalidArgument,
+                "idempotency.client_invalid",
+                // Fixed text or a configured header name, never what the call sent.
+                error.to_string(),
+            )));
+        }
+    };
+    if client.is_none() && settings.require_client {
+        return Decided::Refused(reply.refuse(Refusal::new(
+            Code::Unauthenticated,
+            "idempotency.client_missing",
+            "this method keeps idempotency keys per client, and this call names none; send your credentials",
+        )));
+    }
+    let scope = ScopeKey::new(client.as_ref(), &GRPC, request.uri().path(), None, &key);
+    Decided::Protected(Protected {
+        key,
+        client,
+        scope,
+        attempt,
+    })
+}
+
+/// Reads the call's message, asks the engine what to do with it, and does it.
+async fn deduplicate<S, St, ReqBody, ResBody>(
+    mut inner: S,
+    engine: Engine<St>,
+    settings: Arc<Settings>,
+    request: Request<ReqBody>,
+    protected: Protected,
+    claimed: ClaimFlag,
+) -> Result<Response<Body<ResBody>>, S::Error>
+where
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    St: IdempotencyStore,
+    ReqBody: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Unpin,
+    ResBody: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Unpin,
+{
+    observe::protected(&protected.key, &protected.scope, protected.client.as_ref());
+    let _in_flight = engine.track();
+    let reply = protected.reply();
+    let (parts, body) = request.into_parts();
+    let max = settings.max_request_bytes.min(settings.budget.capacity());
+    // Held until the call's work ends, as the HTTP layer holds a body's bytes.
+    let mut reservation = settings.budget.reserve();
+    let message = match read_within(body, max, None, &mut reservation).await {
+        Read::Complete(message) => message,
+        Read::TooLarge => {
+            return Ok(reply.refuse(Refusal::new(
+                Code::ResourceExhausted,
+                "idempotency.body_too_large",
+                format!("the call's messages are over the idempotency limit of {max} bytes; nothing ran"),
+            )));
+        }
+        Read::Overloaded { .. } => {
+            return Ok(reply.refuse(
+                Refusal::new(
+                    Code::Unavailable,
+                    "idempotency.overloaded",
+                    "the server holds as many calls as it can right now, so it ran nothing; retry later",
+                )
+                .retry_after(std::time::Duration::from_secs(1)),
+            ));
+        }
+        Read::Failed(_) => {
+            return Ok(reply.refuse(Refusal::new(
+                Code::InvalidArgument,
+                "idempotency.body_unreadable",
+                "the call's messages could not be read to the end",
+            )));
+        }
+    };
+    match message_count(&message) {
+        Some(1) => {}
+        Some(_) => {
+            return Ok(reply.refuse(Refusal::new(
+                Code::Unimplemented,
+                "idempotency.streaming_unsupported",
+                "a call with an idempotency key must send exactly one message; streaming calls are not deduplicated, send them without the key",
+            )));
+        }
+        None => {
+            return Ok(reply.refuse(Refusal::new(
+                Code::InvalidArgument,
+                "idempotency.message_invalid",
+                "the call's body is not a sequence of length-prefixed gRPC messages",
+            )));
+        }
+    }
+    // As the HTTP layer: the fast version 2 where the scope is one client's, SHA-256
+    // where every caller shares it.
+    let path = parts.uri.path();
+    let fingerprint = match protected.client {
+        Some(_) => Fingerprint::new(&GRPC, path, None, None, &message),
+        None => Fingerprint::new_v1(&GRPC, path, None, None, &message),
+    };
+    let fingerprints = Fingerprints {
+        current: fingerprint,
+        v1: None,
+    };
+    let decision = engine
+        .decide(protected.scope, &fingerprints, None, &claimed)
+        .await;
+    let request = Request::from_parts(parts, Body::complete(message));
+    match decision {
+        Decision::Run(guard) => Box::pin(execute(inner, &settings, request, guard, reply)).await,
+        Decision::FailOpen => {
+            let response = Box::pin(inner.call(request)).await?;
+            Ok(reply.finish(response.map(Body::inner)))
+        }
+        Decision::Answer(verdict) => Ok(reply.decided(verdict)),
+    }
+}
+
+/// The codes the HTTP mapping of gRPC statuses answers with a 5xx: a transaction the
+/// handler took is rolled back for them, as for the HTTP layer's server errors.
+fn is_server_error(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unknown
+            | Code::DeadlineExceeded
+            | Code::Unimplemented
+            | Code::Internal
+            | Code::Unavailable
+            | Code::DataLoss
+    )
+}
+
+/// Runs the claimed call, renewing its claim while it runs, reads its response whole
+/// and stores it (or releases the key).
+async fn execute<S, St, ReqBody, ResBody>(
+    mut inner: S,
+    settings: &Settings,
+    mut request: Request<Body<ReqBody>>,
+    mut guard: LeaseGuard<St>,
+    reply: Reply<'_>,
+) -> Result<Response<Body<ResBody>>, S::Error>
+where
+    S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>>,
+    St: IdempotencyStore,
+    ResBody: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Unpin,
+{
+    guard.offer_transaction(request.extensions_mut());
+    let produced = guard
+        .renewing(async {
+            let (parts, body) = inner.call(request).await?.into_parts();
+            Ok((
+                parts,
+                read_response(body, settings.max_response_bytes).await,
+            ))
+        })
+        .await;
+    let (parts, produced) = match produced {
+        Ok(produced) => produced,
+        Err(error) => {
+            guard.release("handler_error").await;
+            return Err(error);
+        }
+    };
+    // The call that ran, named by its attempt ID, else its correlation ID: replays
+    // log it.
+    let attempt = reply.attempt.cloned().or_else(|| {
+        CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()))
+    });
+    let response = match produced {
+        Produced::Complete { data, trailers } => {
+            let code = status_code(&parts.headers, trailers.as_ref());
+            let storable =
+                (settings.store_if)(code) && !(is_server_error(code) && guard.transaction_taken());
+            if storable {
+                let call = StoredCall::new(
+                    &parts.headers,
+                    &settings.per_attempt,
+                    &data,
+                    trailers.as_ref(),
+                );
+                if let Err(unsettled) = guard
+                    .complete(attempt, call.encode().map(Payload::Message))
+                    .await
+                {
+                    return Ok(reply.status(Refusal::unsettled(&unsettled)));
+                }
+            } else {
+                guard.release("not_stored").await;
+            }
+            Response::from_parts(parts, Body::with_trailers(data, trailers))
+        }
+        Produced::TooLarge { prefix, rest } => {
+            // Its status comes after the limit: keep the key whatever it is, as the
+            // call ran.
+            tracing::warn!(
+                event = "idempotency.response_too_large",
+                max_bytes = settings.max_response_bytes,
+                "response over the idempotency limit: streamed, not stored; retries get FAILED_PRECONDITION"
+            );
+            if let Err(unsettled) = guard.complete(attempt, None).await {
+                return Ok(reply.status(Refusal::unsettled(&unsettled)));
+            }
+            Response::from_parts(parts, Body::prefixed(prefix, rest))
+        }
+        Produced::Failed(error) => {
+            tracing::warn!(
+                event = "idempotency.response_failed",
+                error = %error,
+                "the response body failed while being read"
+            );
+            guard.release("response_failed").await;
+            return Ok(reply.status(Refusal::new(
+                Code::Internal,
+                "idempotency.response_failed",
+                "the response could not be produced; nothing was stored, so a retry runs again",
+            )));
+        }
+    };
+    Ok(reply.finish(response))
+}
