@@ -216,8 +216,9 @@ mod tests {
     fn every_problem_code_is_in_a_status_table() {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         let mut http = BTreeSet::new();
-        // The message layer answers with `Refusal`s, documented on `Refusal::code`.
-        codes_in(&src, &["message", "tests"], &mut http);
+        // The message layer answers with `Refusal`s, documented on `Refusal::code`; the
+        // gRPC layer with statuses, in its own table (checked below).
+        codes_in(&src, &["message", "grpc", "tests"], &mut http);
         assert!(http.len() > 20, "the scan found the codes: {http:?}");
         let tables = [
             src.join("idempotency/mod.rs"),
@@ -231,6 +232,15 @@ mod tests {
             missing.is_empty(),
             "codes no status table lists: {missing:?}"
         );
+        #[cfg(feature = "grpc")]
+        {
+            let mut grpc = BTreeSet::new();
+            codes_in(&src.join("idempotency/grpc"), &["tests"], &mut grpc);
+            assert!(grpc.len() > 10, "the scan found the codes: {grpc:?}");
+            let table = src.join("idempotency/grpc/mod.rs");
+            let missing: Vec<_> = grpc.iter().filter(|c| !documented(&table, c)).collect();
+            assert!(missing.is_empty(), "gRPC codes its table lacks: {missing:?}");
+        }
 
         // Every problem's `type` opens its row: the page of its module has an anchor
         // named by the code.
