@@ -239,7 +239,10 @@ mod tests {
             assert!(grpc.len() > 10, "the scan found the codes: {grpc:?}");
             let table = src.join("idempotency/grpc/mod.rs");
             let missing: Vec<_> = grpc.iter().filter(|c| !documented(&table, c)).collect();
-            assert!(missing.is_empty(), "gRPC codes its table lacks: {missing:?}");
+            assert!(
+                missing.is_empty(),
+                "gRPC codes its table lacks: {missing:?}"
+            );
         }
 
         // Every problem's `type` opens its row: the page of its module has an anchor

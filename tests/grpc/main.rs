@@ -352,6 +352,42 @@ async fn an_error_after_the_side_effect_is_replayed_and_unavailable_releases_the
 }
 
 #[tokio::test]
+async fn a_call_whose_client_gave_up_completes_and_its_retry_replays() {
+    let ledger = CountingLedger {
+        delay: Duration::from_millis(400),
+        ..CountingLedger::default()
+    };
+    let mut client = serve(ledger.clone(), GrpcIdempotencyLayer::new()).await;
+
+    // The client's deadline passes while the transfer runs: it sees the deadline, and
+    // the server drops the call's future.
+    let mut hurried = transfer(Some("k-d"), 42);
+    hurried.set_timeout(Duration::from_millis(100));
+    let status = client.transfer(hurried).await.unwrap_err();
+    assert!(
+        matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{status:?}"
+    );
+
+    // Its retry while the transfer still runs is told so; once it ended, the retry
+    // gets its reply.
+    let status = client
+        .transfer(transfer(Some("k-d"), 42))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Aborted, "{status:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let retry = client.transfer(transfer(Some("k-d"), 42)).await.unwrap();
+    assert_eq!(meta(retry.metadata(), "idempotent-replayed"), Some("true"));
+    assert_eq!(retry.get_ref().cents, 42);
+    assert_eq!(
+        ledger.runs.load(Ordering::SeqCst),
+        1,
+        "the transfer ran once"
+    );
+}
+
+#[tokio::test]
 async fn a_keyed_stream_of_requests_is_refused_and_an_unkeyed_one_passes() {
     let ledger = CountingLedger::default();
     let mut client = serve(ledger.clone(), GrpcIdempotencyLayer::new()).await;
