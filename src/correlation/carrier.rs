@@ -81,6 +81,41 @@ impl<C: Carrier + ?Sized> Carrier for &mut C {
 
 /// A header table entry holding text: a long string (what publishers send) or a short
 /// one. Other AMQP types (numbers, tables) are not an ID.
+/// Kafka record headers (rdkafka's `OwnedHeaders`, feature `kafka`). A header is read
+/// when its value is present; one sent twice [`is_repeated`](Carrier::is_repeated), so
+/// [`MessageCorrelation::read`] refuses it as the HTTP layer refuses a repeated header.
+/// [`set`](Carrier::set) replaces every header of that name. Read a consumed record's
+/// headers with `message.headers().map(Headers::detach)`.
+#[cfg(feature = "kafka")]
+impl Carrier for rdkafka::message::OwnedHeaders {
+    fn get(&self, name: &str) -> Option<&[u8]> {
+        use rdkafka::message::Headers as _;
+        self.iter()
+            .find(|header| header.key == name)
+            .and_then(|header| header.value)
+    }
+
+    fn is_repeated(&self, name: &str) -> bool {
+        use rdkafka::message::Headers as _;
+        self.iter()
+            .filter(|header| header.key == name)
+            .nth(1)
+            .is_some()
+    }
+
+    fn set(&mut self, name: &str, value: &str) {
+        use rdkafka::message::{Header, Headers as _};
+        let mut rebuilt = rdkafka::message::OwnedHeaders::new_with_capacity(self.count() + 1);
+        for header in self.iter().filter(|header| header.key != name) {
+            rebuilt = rebuilt.insert(header);
+        }
+        *self = rebuilt.insert(Header {
+            key: name,
+            value: Some(value),
+        });
+    }
+}
+
 #[cfg(feature = "amqp")]
 impl Carrier for lapin::types::FieldTable {
     fn get(&self, name: &str) -> Option<&[u8]> {

@@ -12,13 +12,13 @@ use std::{
 
 use serde_json::Value;
 
-/// The example binary `cargo test` built next to this test.
-fn example_path() -> std::path::PathBuf {
+/// The example binary `name` that `cargo test` built next to this test.
+fn example_path(name: &str) -> std::path::PathBuf {
     let mut path = std::env::current_exe().unwrap();
     path.pop(); // deps/
     path.pop();
     path.push("examples");
-    path.push(format!("commands{}", std::env::consts::EXE_SUFFIX));
+    path.push(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     path
 }
 
@@ -50,22 +50,34 @@ impl Demo {
     /// [`start`](Self::start) with environment variables, such as `RUST_LOG`. With
     /// `--log-format pretty` in `args`, each line is kept as a JSON string.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Demo {
-        let pretty = args.windows(2).any(|w| w == ["--log-format", "pretty"]);
         // The demo takes each flag once: a default only where `args` has none.
         let defaults: Vec<&str> = [("--log-format", "json"), ("--publish-delay-ms", "50")]
             .into_iter()
             .filter(|(flag, _)| !args.contains(flag))
             .flat_map(|(flag, value)| [flag, value])
             .collect();
-        let mut child = Command::new(example_path())
+        let args: Vec<&str> = defaults.into_iter().chain(args.iter().copied()).collect();
+        Self::example("commands", &args, env)
+    }
+
+    /// Starts the example `name` with `--addr 127.0.0.1:0` and `args` (`--log-format
+    /// json` unless they say `pretty`), and waits until it says where it listens.
+    pub fn example(name: &str, args: &[&str], env: &[(&str, &str)]) -> Demo {
+        let pretty = args.windows(2).any(|w| w == ["--log-format", "pretty"]);
+        let json: &[&str] = if args.contains(&"--log-format") {
+            &[]
+        } else {
+            &["--log-format", "json"]
+        };
+        let mut child = Command::new(example_path(name))
             .args(["--addr", "127.0.0.1:0"])
-            .args(defaults)
+            .args(json)
             .args(args)
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("the commands example is built by `cargo test`");
+            .unwrap_or_else(|e| panic!("the {name} example is built by `cargo test`: {e}"));
         let stdout = BufReader::new(child.stdout.take().unwrap());
         let lines = Arc::new(Mutex::new(Vec::new()));
         let (url_tx, url_rx) = std::sync::mpsc::channel();

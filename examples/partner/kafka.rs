@@ -1,0 +1,258 @@
+//! The dispatch feed on Kafka (`--kafka-brokers`): the planner publishes each event of
+//! the feed, in feed order, keyed by `warehouse_frn` so that one warehouse's events stay
+//! on one partition, in order; the executor consumes them through a
+//! `MessageIdempotencyLayer` keyed by (`planner_id`, `correlation_id`), and commits a
+//! record's offset only once it stored the event.
+
+use std::{convert::Infallible, time::Duration};
+
+use rdkafka::{
+    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+    consumer::{CommitMode, Consumer, StreamConsumer},
+    message::OwnedHeaders,
+    producer::{FutureProducer, FutureRecord},
+    ClientConfig, Message,
+};
+use serde_json::{json, Value};
+use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
+use tower_ids::{
+    correlation::{CorrelationId, MessageCorrelation},
+    idempotency::{
+        extract::KeyRejection,
+        message::{Handled, MessageIdempotencyLayer, MessageKey},
+        store::PostgresStore,
+        IdempotencyKey, IdempotencyStore, MokaStore,
+    },
+};
+
+use crate::{
+    db::{ExecutorDb, PlannerDb},
+    executor::{received, Options},
+    Common,
+};
+
+/// Partitions of the topic the planner creates when it is missing.
+const PARTITIONS: i32 = 3;
+
+fn config(brokers: &str) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", brokers);
+    config
+}
+
+/// Creates the topic if missing, then publishes the feed from the planner's outbox for
+/// as long as the process runs.
+pub(crate) fn spawn_publisher(
+    db: PlannerDb,
+    brokers: &str,
+    topic: &str,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let admin: AdminClient<_> = config(brokers).create()?;
+    let producer: FutureProducer = config(brokers)
+        .set("enable.idempotence", "true")
+        .set("message.timeout.ms", "10000")
+        .create()?;
+    let topic = topic.to_owned();
+    tokio::spawn(async move {
+        let new = NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1));
+        if let Err(error) = admin.create_topics([&new], &AdminOptions::new()).await {
+            tracing::warn!(event = "partner.topic_failed", error = %error, "could not create the topic");
+        }
+        loop {
+            match publish_batch(&db, &producer, &topic).await {
+                Ok(0) => tokio::time::sleep(Duration::from_millis(100)).await,
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::warn!(event = "partner.publish_failed", error = %error, "publishing failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Publishes the outbox's next events in order, each delivered before the next is
+/// sent, then marks them published. A crash before the mark publishes them again: the
+/// consumer's idempotency absorbs that.
+async fn publish_batch(
+    db: &PlannerDb,
+    producer: &FutureProducer,
+    topic: &str,
+) -> Result<usize, Box<dyn std::error::Error + Send + Sync>> {
+    let batch = db.unpublished(100).await.map_err(|p| format!("{p:?}"))?;
+    for (executor, event) in &batch {
+        let payload = json!({
+            "executor_id": executor,
+            "planner_id": event.planner_id,
+            "correlation_id": event.correlation_id,
+            "warehouse_frn": event.warehouse_frn,
+            "movement_id": event.movement_id,
+        })
+        .to_string();
+        // The event's key, and this publication's own correlation ID.
+        let mut headers = OwnedHeaders::new();
+        IdempotencyKey::new(&event.correlation_id)?.inject(&mut headers);
+        MessageCorrelation::new().inject(&mut headers, &CorrelationId::new());
+        let record = FutureRecord::to(topic)
+            .key(&event.warehouse_frn)
+            .payload(&payload)
+            .headers(headers);
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(error, _)| error)?;
+        tracing::info!(event = "partner.published", seq = event.seq, warehouse_frn = %event.warehouse_frn, "published");
+    }
+    if let Some((_, last)) = batch.last() {
+        db.published(last.seq).await.map_err(|p| format!("{p:?}"))?;
+    }
+    Ok(batch.len())
+}
+
+/// One record as the layer sees it: its headers and its JSON payload.
+struct Delivery {
+    headers: OwnedHeaders,
+    payload: Value,
+}
+
+/// (planner, correlation ID) from the record: the key from its `idempotency-key`
+/// header, scoped by the payload's `planner_id`; the payload is the fingerprint.
+fn delivery_key(delivery: &Delivery) -> Result<Option<MessageKey>, KeyRejection> {
+    let Some(key) = IdempotencyKey::from_carrier(&delivery.headers)? else {
+        return Ok(None);
+    };
+    let planner = delivery.payload["planner_id"].as_str().unwrap_or_default();
+    Ok(Some(
+        MessageKey::new(key)
+            .scope(planner)
+            .fingerprint(delivery.payload.to_string()),
+    ))
+}
+
+pub(crate) fn spawn_consumer(
+    db: ExecutorDb,
+    brokers: &str,
+    options: &Options,
+    common: &Common,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let consumer: StreamConsumer = config(brokers)
+        .set("group.id", &options.kafka_group)
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        // A group forms in seconds, not the default 45 s session.
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "1000")
+        .create()?;
+    consumer.subscribe(&[&options.kafka_topic])?;
+    let retention = options.webhook_retention;
+    match (&db, &common.database_url) {
+        (ExecutorDb::Postgres(pool), Some(_)) => {
+            let store = PostgresStore::builder(pool.clone()).build()?;
+            tokio::spawn(consume(consumer, db, store, retention));
+        }
+        _ => {
+            tokio::spawn(consume(consumer, db, MokaStore::new(), retention));
+        }
+    }
+    Ok(())
+}
+
+async fn consume<St: IdempotencyStore>(
+    consumer: StreamConsumer,
+    db: ExecutorDb,
+    store: St,
+    retention: Duration,
+) {
+    let handler = service_fn(move |delivery: Delivery| {
+        let db = db.clone();
+        async move {
+            let stored = match received("kafka", &delivery.payload) {
+                Ok(event) => db.store(&[event]).await.ok().map(|new| new == 1),
+                Err(_) => None,
+            };
+            tracing::info!(
+                event = "partner.kafka_handled",
+                ?stored,
+                "dispatch record handled"
+            );
+            Ok::<_, Infallible>(json!({ "stored": stored }))
+        }
+    });
+    let mut service = ServiceBuilder::new()
+        .layer(
+            MessageIdempotencyLayer::with_store(store)
+                .key(delivery_key)
+                .require_key(true)
+                .ttl(retention),
+        )
+        .service(handler);
+    let correlation = MessageCorrelation::new();
+    loop {
+        let message = match consumer.recv().await {
+            Ok(message) => message,
+            Err(error) => {
+                tracing::warn!(event = "partner.consume_failed", error = %error, "consume failed");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        let headers = message
+            .headers()
+            .map(|headers| headers.detach())
+            .unwrap_or_default();
+        let payload = message
+            .payload()
+            .and_then(|bytes| serde_json::from_slice(bytes).ok())
+            .unwrap_or(Value::Null);
+        let id = correlation.for_delivery(&headers);
+        // A record is committed once it is handled or can never be: a claim held
+        // elsewhere, or a store that cannot answer, is waited out here, as Kafka
+        // redelivers nothing that was read.
+        let commit = loop {
+            let delivery = Delivery {
+                headers: headers.clone(),
+                payload: payload.clone(),
+            };
+            let handled = correlation
+                .scope(id.clone(), &headers, async {
+                    service.ready().await?.call(delivery).await
+                })
+                .await;
+            match handled {
+                Ok(Handled::Ran(_)) => break true,
+                Ok(Handled::Replayed { .. }) => {
+                    tracing::info!(
+                        event = "partner.kafka_duplicate",
+                        "duplicate record: stored outcome replayed, not handled again"
+                    );
+                    break true;
+                }
+                Ok(Handled::InFlight { retry_after }) => tokio::time::sleep(retry_after).await,
+                Ok(Handled::Refused(refusal)) if refusal.retryable() => {
+                    tracing::warn!(
+                        event = "partner.kafka_retrying",
+                        code = refusal.code(),
+                        "record not handled yet; retrying"
+                    );
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Ok(Handled::Refused(refusal)) => {
+                    tracing::warn!(
+                        event = "partner.kafka_refused",
+                        code = refusal.code(),
+                        "record refused for good"
+                    );
+                    break true;
+                }
+                Ok(_) => break true,
+                Err(never) => match never {},
+            }
+        };
+        if commit {
+            if let Err(error) = consumer.commit_message(&message, CommitMode::Sync) {
+                tracing::warn!(event = "partner.commit_failed", error = %error, "offset commit failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! A warehouse partner contract you can run: a planner that partners (executors) call,
+//! and an executor that receives the planner's dispatch. The walkthrough, with commands
+//! to paste, is in this directory's `README.md`.
+//!
+//! | Surface | Key | Retention | A replay |
+//! |---|---|---|---|
+//! | realtime calls (executor to planner), `POST /wes/v1/realtime` | (partner, `correlation_id`) from the body | 30 days | `200` with `"replay": true`, no second movement |
+//! | confirmations (executor to planner), `POST /wes/v1/confirmations` | (partner, `correlation_id`); one confirmation per window key | 30 days | same |
+//! | webhook dispatch (planner to executor), `POST /wes/v1/webhooks/dispatch` on the executor | (`planner_id`, `correlation_id`) | 24 hours | same |
+//! | poll-mode acks, `POST /wes/v1/dispatch/ack` | (executor, cursor) | - | an earlier or equal cursor is a no-op: cursors are monotone |
+//!
+//! `cargo run --example partner` runs the planner; `cargo run --example partner --
+//! executor --planner-url ...` the executor. Both keep their state in memory, or with
+//! `--database-url` in PostgreSQL (tables created at start).
+
+mod db;
+mod executor;
+#[cfg(feature = "kafka")]
+mod kafka;
+mod planner;
+mod problem;
+
+use std::{net::SocketAddr, time::Duration};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use tokio::net::TcpListener;
+
+#[derive(Parser, Debug)]
+#[command(about = "A planner (by default) or an executor speaking the warehouse partner contract")]
+struct Args {
+    #[command(subcommand)]
+    role: Option<Role>,
+    #[command(flatten)]
+    common: Common,
+    #[command(flatten)]
+    planner: planner::Options,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+struct Common {
+    /// Address to bind; port 0 picks a free one.
+    #[arg(long, default_value = "127.0.0.1:3000", global = true)]
+    addr: SocketAddr,
+    /// `pretty` or `json` (one object per line).
+    #[arg(long, value_enum, default_value = "pretty", global = true)]
+    log_format: LogFormat,
+    /// Keep everything in this PostgreSQL database instead of in memory.
+    #[arg(long, global = true)]
+    database_url: Option<String>,
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum)]
+enum LogFormat {
+    Pretty,
+    Json,
+}
+
+#[derive(Subcommand, Debug)]
+enum Role {
+    /// The executor: webhooks from the planner, and the dispatch feed polled.
+    Executor(executor::Options),
+}
+
+/// Seconds, for retention flags.
+pub(crate) fn seconds(text: &str) -> Result<Duration, String> {
+    text.parse::<u64>()
+        .map(Duration::from_secs)
+        .map_err(|error| format!("{text}: {error}"))
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let args = Args::parse();
+    init_tracing(args.common.log_format);
+    let listener = TcpListener::bind(args.common.addr).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    match args.role {
+        Some(Role::Executor(options)) => executor::run(options, args.common, listener, url).await,
+        None => planner::run(args.planner, args.common, listener, url).await,
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    use tracing_subscriber::{filter::LevelFilter, EnvFilter};
+    let filter = EnvFilter::builder()
+        .with_default_directive(LevelFilter::INFO.into())
+        .from_env_lossy();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Pretty => builder.init(),
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init(),
+    }
+}
+
+/// Serves `app` on `listener` until Ctrl-C or SIGTERM.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    url: &str,
+    app: axum::Router,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    tracing::info!("listening on {url}");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown())
+        .await?;
+    Ok(())
+}
+
+async fn shutdown() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap();
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

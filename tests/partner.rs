@@ -1,0 +1,413 @@
+//! The `partner` example as a partner runs it: the planner and the executor as child
+//! processes on free loopback ports, in memory or on a PostgreSQL database of their
+//! own, killed and restarted; every row of the contract's table through the servers,
+//! counted by what they stored.
+//!
+//! The tests run the example binary `cargo test` builds; `cargo test --test partner`
+//! alone does not rebuild it, so run `cargo build --examples` first.
+
+#[path = "postgres/database.rs"]
+mod database;
+#[path = "support/demo.rs"]
+mod demo;
+#[path = "support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use base64::{engine::general_purpose::URL_SAFE_NO_PAD, Engine as _};
+use database::TestDatabase;
+use demo::Demo;
+use http::StatusCode;
+use serde_json::{json, Value};
+use support::{client, send, HttpClient, Reply};
+
+const ACME: &str = "Bearer acme-token";
+const GLOBEX: &str = "Bearer globex-token";
+
+/// Starts the planner (off the runtime's threads: it waits for the log line).
+async fn planner(args: &[&str]) -> Demo {
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Demo::example("partner", &args, &[])
+    })
+    .await
+    .unwrap()
+}
+
+/// Starts an executor with `args` after the `executor` subcommand.
+async fn executor(args: &[&str]) -> Demo {
+    let mut all = vec!["executor".to_owned()];
+    all.extend(args.iter().map(|a| (*a).to_owned()));
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = all.iter().map(String::as_str).collect();
+        Demo::example("partner", &args, &[])
+    })
+    .await
+    .unwrap()
+}
+
+async fn post(http: &HttpClient, url: &str, auth: &str, body: &Value) -> Reply {
+    let headers = [
+        ("content-type", "application/json"),
+        ("authorization", auth),
+    ];
+    send(http, "POST", url.to_owned(), &headers, &body.to_string()).await
+}
+
+async fn get(http: &HttpClient, url: &str, auth: &str) -> Reply {
+    send(http, "GET", url.to_owned(), &[("authorization", auth)], "").await
+}
+
+fn movement(partner: &str, correlation_id: &str, warehouse: &str) -> Value {
+    json!({
+        "partner_id": partner,
+        "correlation_id": correlation_id,
+        "warehouse_frn": warehouse,
+        "sku": "SKU-1",
+        "qty": 4,
+    })
+}
+
+async fn counts(http: &HttpClient, planner: &Demo, auth: &str) -> Value {
+    let reply = get(http, &format!("{}/wes/v1/counts", planner.url), auth).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    reply.json()
+}
+
+/// Sends `body` until the answer is not `409` (a duplicate in flight), waiting the
+/// `Retry-After` it gives.
+async fn until_settled(http: &HttpClient, url: &str, auth: &str, body: &Value) -> Reply {
+    loop {
+        let reply = post(http, url, auth, body).await;
+        if reply.status != StatusCode::CONFLICT {
+            return reply;
+        }
+        assert_eq!(reply.json()["code"], "idempotency.in_flight");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_realtime_call_sent_20_times_at_once_books_one_movement() {
+    let database = TestDatabase::create().await;
+    let mut modes = vec![vec![]];
+    if let Some(database) = &database {
+        modes.push(vec!["--database-url", database.url()]);
+    }
+    for args in modes {
+        let planner = planner(&args).await;
+        let http = client();
+        let url = format!("{}/wes/v1/realtime", planner.url);
+        let call = movement("acme", "0190f5d8-1111-7000-8000-000000000020", "frn:wh:1");
+        let calls: Vec<_> = (0..20)
+            .map(|_| {
+                let (http, url, call) = (http.clone(), url.clone(), call.clone());
+                tokio::spawn(async move { until_settled(&http, &url, ACME, &call).await })
+            })
+            .collect();
+        let mut replies = Vec::new();
+        for call in calls {
+            replies.push(call.await.unwrap());
+        }
+        let first: Vec<_> = replies
+            .iter()
+            .filter(|r| r.status == StatusCode::CREATED)
+            .collect();
+        assert_eq!(first.len(), 1, "{args:?}: one call booked the movement");
+        let booked = first[0].json();
+        assert_eq!(booked["replay"], false);
+        for reply in replies.iter().filter(|r| r.status != StatusCode::CREATED) {
+            assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+            assert_eq!(reply.json()["replay"], true);
+            assert_eq!(reply.json()["movement_id"], booked["movement_id"]);
+            assert_eq!(reply.header("idempotent-replayed"), Some("true"));
+        }
+        let counts = counts(&http, &planner, ACME).await;
+        assert_eq!(counts["movements"], 1, "{args:?}: no second movement");
+
+        // Another partner's identical call is its own.
+        let globex = movement("globex", "0190f5d8-1111-7000-8000-000000000020", "frn:wh:1");
+        let reply = post(&http, &url, GLOBEX, &globex).await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+        // A partner may not speak for another.
+        let forged = post(&http, &url, GLOBEX, &call).await;
+        assert_eq!(forged.status, StatusCode::FORBIDDEN);
+        assert_eq!(forged.json()["code"], "partner.partner_mismatch");
+    }
+}
+
+#[tokio::test]
+async fn bad_bodies_get_problems_and_change_nothing() {
+    let planner = planner(&[]).await;
+    let http = client();
+    let url = format!("{}/wes/v1/realtime", planner.url);
+    let headers = [
+        ("content-type", "application/json"),
+        ("authorization", ACME),
+    ];
+    for (body, status, code) in [
+        ("not json", 400, "idempotency.body_not_json"),
+        (r#"{"partner_id":"acme"}"#, 400, "idempotency.key_missing"),
+        (
+            r#"{"partner_id":"acme","correlation_id":"c-bad-1","qty":"four"}"#,
+            400,
+            "partner.body_invalid",
+        ),
+    ] {
+        let reply = send(&http, "POST", url.clone(), &headers, body).await;
+        assert_eq!(reply.status.as_u16(), status, "{body}: {}", reply.text());
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(reply.json()["code"], code);
+    }
+    let unauthenticated = send(
+        &http,
+        "POST",
+        url,
+        &[("content-type", "application/json")],
+        &movement("acme", "c-1", "frn:wh:1").to_string(),
+    )
+    .await;
+    assert_eq!(unauthenticated.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(counts(&http, &planner, ACME).await["movements"], 0);
+}
+
+#[tokio::test]
+async fn a_confirmation_repeated_after_a_restart_replays_and_a_window_is_confirmed_once() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let args = ["--database-url", database.url()];
+    let mut first_planner = planner(&args).await;
+    let http = client();
+    let confirmation = |correlation_id: &str| {
+        json!({
+            "partner_id": "acme",
+            "correlation_id": correlation_id,
+            "window_key": "frn:wh:1/2026-11-25T10",
+            "warehouse_frn": "frn:wh:1",
+        })
+    };
+    let url = |planner: &Demo| format!("{}/wes/v1/confirmations", planner.url);
+    let first = post(&http, &url(&first_planner), ACME, &confirmation("conf-1")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(first.json()["replay"], false);
+
+    // The planner crashes and comes back on the same database.
+    tokio::task::spawn_blocking(move || first_planner.kill())
+        .await
+        .unwrap();
+    let planner = planner(&args).await;
+    let replay = post(&http, &url(&planner), ACME, &confirmation("conf-1")).await;
+    assert_eq!(replay.status, StatusCode::OK);
+    assert_eq!(replay.json()["replay"], true);
+    assert_eq!(
+        replay.json()["confirmation_id"],
+        first.json()["confirmation_id"]
+    );
+
+    // Another confirmation for the same window: deduplicated by the window.
+    let second = post(&http, &url(&planner), ACME, &confirmation("conf-2")).await;
+    assert_eq!(second.status, StatusCode::OK);
+    assert_eq!(second.json()["window_confirmed_before"], true);
+    assert_eq!(
+        second.json()["confirmation_id"],
+        first.json()["confirmation_id"]
+    );
+
+    let pool = database.pool(1).await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM partner_confirmations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "one confirmation row");
+}
+
+#[tokio::test]
+async fn a_webhook_is_replayed_within_its_window_and_runs_again_after_it() {
+    let executor = executor(&["--webhook-retention-secs", "1"]).await;
+    let http = client();
+    let url = format!("{}/wes/v1/webhooks/dispatch", executor.url);
+    let webhook = json!({
+        "planner_id": "planner-1",
+        "correlation_id": "0190f5d8-2222-7000-8000-000000000001",
+        "warehouse_frn": "frn:wh:1",
+        "movement_id": "mv-1",
+    });
+    let auth = "Bearer planner-token";
+    let first = post(&http, &url, auth, &webhook).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
+    assert_eq!(first.json(), json!({"stored": true, "replay": false}));
+    let replay = post(&http, &url, auth, &webhook).await;
+    assert_eq!(replay.status, StatusCode::OK);
+    assert_eq!(replay.json(), json!({"stored": true, "replay": true}));
+
+    // Past the window the key is forgotten: the handler runs again, and the executor's
+    // own table recognises the event.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let late = post(&http, &url, auth, &webhook).await;
+    assert_eq!(late.status, StatusCode::CREATED);
+    assert_eq!(late.json(), json!({"stored": false, "replay": false}));
+    assert_eq!(late.header("idempotent-replayed"), Some("false"));
+
+    let events = get(&http, &format!("{}/wes/v1/events", executor.url), auth).await;
+    assert_eq!(events.json()["events"].as_array().unwrap().len(), 1);
+    let unauthenticated = post(&http, &url, "Bearer wrong", &webhook).await;
+    assert_eq!(unauthenticated.status, StatusCode::UNAUTHORIZED);
+}
+
+fn cursor(owner: &str, seq: i64) -> String {
+    URL_SAFE_NO_PAD.encode(format!("v1:{owner}:{seq}"))
+}
+
+#[tokio::test]
+async fn acks_out_of_order_never_move_the_cursor_back() {
+    let planner = planner(&[]).await;
+    let http = client();
+    for n in 1..=3 {
+        let call = movement("acme", &format!("c-ack-{n}"), "frn:wh:1");
+        let booked = post(
+            &http,
+            &format!("{}/wes/v1/realtime", planner.url),
+            ACME,
+            &call,
+        )
+        .await;
+        assert_eq!(booked.status, StatusCode::CREATED);
+    }
+    let page = get(
+        &http,
+        &format!("{}/wes/v1/dispatch/pending?limit=10", planner.url),
+        ACME,
+    )
+    .await;
+    let cursors: Vec<String> = page.json()["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|event| event["cursor"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(cursors.len(), 3);
+    assert_eq!(page.json()["next_cursor"], cursors[2].as_str());
+
+    let ack_url = format!("{}/wes/v1/dispatch/ack", planner.url);
+    let ack = |cursor: String| {
+        let (http, url) = (http.clone(), ack_url.clone());
+        async move { post(&http, &url, ACME, &json!({ "cursor": cursor })).await }
+    };
+    let second = ack(cursors[1].clone()).await;
+    assert_eq!(
+        second.json(),
+        json!({"advanced": true, "cursor": cursors[1]})
+    );
+    for earlier_or_equal in [&cursors[0], &cursors[1]] {
+        let noop = ack(earlier_or_equal.clone()).await;
+        assert_eq!(noop.status, StatusCode::OK);
+        assert_eq!(
+            noop.json(),
+            json!({"advanced": false, "cursor": cursors[1]})
+        );
+    }
+    assert_eq!(
+        counts(&http, &planner, ACME).await["acked"],
+        cursors[1].as_str()
+    );
+    let third = ack(cursors[2].clone()).await;
+    assert_eq!(third.json()["advanced"], true);
+
+    // The next page starts after the acked cursor.
+    let next = get(
+        &http,
+        &format!(
+            "{}/wes/v1/dispatch/pending?since={}",
+            planner.url, cursors[1]
+        ),
+        ACME,
+    )
+    .await;
+    assert_eq!(next.json()["events"].as_array().unwrap().len(), 1);
+
+    for (cursor, status, code) in [
+        (cursor("acme", 99), 422, "dispatch.cursor_ahead"),
+        (cursor("globex", 1), 403, "dispatch.cursor_foreign"),
+        ("not-a-cursor".to_owned(), 400, "dispatch.cursor_invalid"),
+    ] {
+        let refused = ack(cursor).await;
+        assert_eq!(refused.status.as_u16(), status, "{}", refused.text());
+        assert_eq!(refused.json()["code"], code);
+    }
+    assert_eq!(
+        counts(&http, &planner, ACME).await["acked"],
+        cursors[2].as_str()
+    );
+}
+
+#[tokio::test]
+async fn a_crash_between_storing_a_page_and_acking_it_redelivers_the_page_once() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let planner = planner(&[]).await;
+    let http = client();
+    for n in 1..=3 {
+        let call = movement("acme", &format!("c-crash-{n}"), &format!("frn:wh:{n}"));
+        let booked = post(
+            &http,
+            &format!("{}/wes/v1/realtime", planner.url),
+            ACME,
+            &call,
+        )
+        .await;
+        assert_eq!(booked.status, StatusCode::CREATED);
+    }
+    let planner_url = planner.url.clone();
+    let args = [
+        "--database-url",
+        database.url(),
+        "--planner-url",
+        &planner_url,
+        "--poll-interval-ms",
+        "50",
+    ];
+    let mut crashing = executor(&[&args[..], &["--exit-after-storing-page"]].concat()).await;
+    let status = crashing
+        .exited_within(Duration::from_secs(20))
+        .await
+        .expect("the executor exits after storing its first page");
+    assert_eq!(status.code(), Some(3));
+    let pool = database.pool(1).await;
+    let stored = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM executor_events")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(stored().await, 3, "the page was stored");
+    assert_eq!(
+        counts(&http, &planner, ACME).await["acked"],
+        "",
+        "and not acked"
+    );
+
+    // Restarted, it gets the same page again, stores nothing new, and acks it.
+    let executor = executor(&args).await;
+    let acked = executor.events("partner.page_acked").await;
+    assert_eq!(acked.len(), 1);
+    let stored_lines = executor.logged("partner.page_stored");
+    assert_eq!(stored_lines[0]["fields"]["new"], 0, "every event was known");
+    assert_eq!(stored().await, 3, "no event stored twice");
+    let page = get(
+        &http,
+        &format!("{}/wes/v1/dispatch/pending", planner.url),
+        ACME,
+    )
+    .await;
+    assert_eq!(
+        counts(&http, &planner, ACME).await["acked"],
+        page.json()["next_cursor"]
+    );
+}
