@@ -3,6 +3,8 @@
 //! own, killed and restarted; every row of the contract's table through the servers,
 //! counted by what they stored.
 //!
+//! The Kafka path runs against a real broker (Tansu, `TANSU_BIN`) the test starts.
+//!
 //! The tests run the example binary `cargo test` builds; `cargo test --test partner`
 //! alone does not rebuild it, so run `cargo build --examples` first.
 
@@ -10,6 +12,8 @@
 mod database;
 #[path = "support/demo.rs"]
 mod demo;
+#[path = "support/kafka.rs"]
+mod kafka;
 #[path = "support/mod.rs"]
 mod support;
 
@@ -410,4 +414,116 @@ async fn a_crash_between_storing_a_page_and_acking_it_redelivers_the_page_once()
         counts(&http, &planner, ACME).await["acked"],
         page.json()["next_cursor"]
     );
+}
+
+/// The executor's events, once it has `count` of them (waiting up to 40 s: a Kafka
+/// consumer group takes seconds to form).
+async fn events_once(http: &HttpClient, executor: &Demo, count: usize) -> Vec<Value> {
+    for _ in 0..400 {
+        let reply = get(http, &format!("{}/wes/v1/events", executor.url), "").await;
+        let events = reply.json()["events"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if events.len() >= count {
+            return events;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the executor did not receive {count} events");
+}
+
+#[tokio::test]
+async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_changes_nothing() {
+    let Some(broker) = tokio::task::spawn_blocking(kafka::Broker::start)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let topic = format!("dispatch-{}", uuid::Uuid::now_v7());
+    let kafka = [
+        "--kafka-brokers",
+        broker.addr.as_str(),
+        "--kafka-topic",
+        &topic,
+    ];
+    let planner = planner(&kafka).await;
+    let http = client();
+    for n in 1..=6 {
+        let call = movement(
+            "acme",
+            &format!("c-kafka-{n}"),
+            &format!("frn:wh:{}", n % 3),
+        );
+        let booked = post(
+            &http,
+            &format!("{}/wes/v1/realtime", planner.url),
+            ACME,
+            &call,
+        )
+        .await;
+        assert_eq!(booked.status, StatusCode::CREATED);
+    }
+    let group = format!("executor-{}", uuid::Uuid::now_v7());
+    let executor = executor(&[&kafka[..], &["--kafka-group", &group]].concat()).await;
+
+    let received = events_once(&http, &executor, 6).await;
+    assert!(received.iter().all(|event| event["source"] == "kafka"));
+    // Each warehouse's events arrive in the planner's order (its feed order).
+    let feed = get(
+        &http,
+        &format!("{}/wes/v1/dispatch/pending", planner.url),
+        ACME,
+    )
+    .await;
+    let feed = feed.json()["events"].as_array().unwrap().clone();
+    for warehouse in ["frn:wh:0", "frn:wh:1", "frn:wh:2"] {
+        let order = |events: &[Value]| -> Vec<String> {
+            events
+                .iter()
+                .filter(|event| event["warehouse_frn"] == warehouse)
+                .map(|event| event["correlation_id"].as_str().unwrap().to_owned())
+                .collect()
+        };
+        assert_eq!(order(&received), order(&feed), "{warehouse}");
+        assert_eq!(order(&feed).len(), 2);
+    }
+
+    // A publisher that re-emits from a stale position sends a record again: the
+    // executor's idempotency layer replays it, and nothing is stored twice.
+    let again = &feed[0];
+    let payload = json!({
+        "executor_id": "acme",
+        "planner_id": again["planner_id"],
+        "correlation_id": again["correlation_id"],
+        "warehouse_frn": again["warehouse_frn"],
+        "movement_id": again["movement_id"],
+    })
+    .to_string();
+    let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &broker.addr)
+        .create()
+        .unwrap();
+    let mut headers = rdkafka::message::OwnedHeaders::new();
+    tower_ids::idempotency::IdempotencyKey::new(again["correlation_id"].as_str().unwrap())
+        .unwrap()
+        .inject(&mut headers);
+    let record = rdkafka::producer::FutureRecord::to(&topic)
+        .key(again["warehouse_frn"].as_str().unwrap())
+        .payload(&payload)
+        .headers(headers);
+    producer
+        .send(record, Duration::from_secs(10))
+        .await
+        .map_err(|(error, _)| error)
+        .unwrap();
+    let duplicate = executor.events("partner.kafka_duplicate").await;
+    assert_eq!(duplicate.len(), 1);
+    assert_eq!(
+        executor.logged("partner.kafka_handled").len(),
+        6,
+        "handled once each"
+    );
+    assert_eq!(events_once(&http, &executor, 6).await.len(), 6);
 }
