@@ -10,7 +10,7 @@ use tracing::{instrument::Instrumented, Instrument as _};
 use super::{CorrelationId, DefaultValidator, InvalidCorrelationId, DEFAULT_MAX_LEN};
 
 /// The headers of a message, as far as the correlation (and idempotency) headers go:
-/// `http::HeaderMap`, and with the `amqp` feature lapin's `FieldTable` (an AMQP
+/// `http::HeaderMap`, with the `kafka` feature rdkafka's `OwnedHeaders`, and with the `amqp` feature lapin's `FieldTable` (an AMQP
 /// message's header table). `Option<C>` reads as empty when `None` and makes the table
 /// on the first write, as lapin's `BasicProperties::headers` is.
 ///
