@@ -18,6 +18,8 @@ pub(crate) mod read;
 mod replay;
 mod service;
 
+// The gRPC adapter's share of the HTTP one.
+#[cfg(feature = "grpc")]
 pub(crate) use self::{
     answer::{key_refusal, replay_headers},
     budget::Budget,
