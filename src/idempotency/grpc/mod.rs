@@ -141,5 +141,10 @@ mod service;
 pub use self::{
     answer::ERROR_DOMAIN,
     layer::{default_store_code, GrpcIdempotencyLayer},
-    service::{GrpcIdempotency, ResponseFuture},
+    service::GrpcIdempotency,
 };
+/// Response future of [`GrpcIdempotency`]: the HTTP layer's. Dropped once its call has
+/// claimed its key (the client went away, or its deadline passed), it hands the rest of
+/// the work to a task of its own: the call runs to completion and its response is
+/// stored for the retry.
+pub use crate::idempotency::ResponseFuture;

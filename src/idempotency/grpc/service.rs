@@ -1,6 +1,4 @@
 use std::{
-    future::Future,
-    pin::Pin,
     sync::{Arc, LazyLock},
     task::{Context, Poll},
 };
@@ -21,7 +19,7 @@ use crate::idempotency::{
     http::{
         key_refusal,
         read::{read_within, Read},
-        BoxError, IdentifyClient, NoClient,
+        unclaimed, BoxError, IdentifyClient, NoClient, ResponseFuture,
     },
     store::{IdempotencyStore, MokaStore, Payload},
     AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_KEY,
@@ -75,28 +73,6 @@ impl<S: std::fmt::Debug, St, C> std::fmt::Debug for GrpcIdempotency<S, St, C> {
         f.debug_struct("GrpcIdempotency")
             .field("inner", &self.inner)
             .finish_non_exhaustive()
-    }
-}
-
-/// Response future of [`GrpcIdempotency`]. Dropped once its call has claimed its key
-/// (the client went away, or its deadline passed), it hands the rest of the work to a
-/// task of its own, as the HTTP layer's does: the call runs to completion and its
-/// response is stored for the retry.
-pub struct ResponseFuture<B: 'static, E: 'static> {
-    work: Detaching<Result<Response<Body<B>>, E>>,
-}
-
-impl<B, E> Future for ResponseFuture<B, E> {
-    type Output = Result<Response<Body<B>>, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.work).poll(cx)
-    }
-}
-
-impl<B: 'static, E: 'static> std::fmt::Debug for ResponseFuture<B, E> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
     }
 }
 
@@ -159,14 +135,6 @@ where
                 deduplicate(inner, engine, settings, request, protected, claimed)
             }),
         }
-    }
-}
-
-fn unclaimed<B, E>(
-    future: impl Future<Output = Result<Response<Body<B>>, E>> + Send + 'static,
-) -> ResponseFuture<B, E> {
-    ResponseFuture {
-        work: Detaching::new(future),
     }
 }
 

@@ -24,7 +24,7 @@ pub(crate) use self::{
     answer::{key_refusal, replay_headers},
     budget::Budget,
     layer::per_attempt_headers,
-    service::BoxError,
+    service::{unclaimed, BoxError},
 };
 
 pub use self::{

@@ -133,7 +133,7 @@ impl<S: std::fmt::Debug, St, C, E> std::fmt::Debug for Idempotency<S, St, C, E> 
 /// is stored for the client's retry. Dropped before the claim, it is cancelled, as any
 /// future: nothing ran, and the request body stops being read.
 pub struct ResponseFuture<B: 'static, E: 'static> {
-    work: Detaching<Result<Response<Body<B>>, E>>,
+    pub(crate) work: Detaching<Result<Response<Body<B>>, E>>,
 }
 
 impl<B, E> Future for ResponseFuture<B, E> {
@@ -337,7 +337,7 @@ fn protect<B>(
 }
 
 /// The future of a request that claims no key: refused, or passed through.
-fn unclaimed<B, E>(
+pub(crate) fn unclaimed<B, E>(
     future: impl Future<Output = Result<Response<Body<B>>, E>> + Send + 'static,
 ) -> ResponseFuture<B, E> {
     ResponseFuture {
