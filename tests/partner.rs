@@ -338,6 +338,7 @@ async fn acks_out_of_order_never_move_the_cursor_back() {
     for (cursor, status, code) in [
         (cursor("acme", 99), 422, "dispatch.cursor_ahead"),
         (cursor("globex", 1), 403, "dispatch.cursor_foreign"),
+        (cursor("acme", 0), 400, "dispatch.cursor_invalid"),
         ("not-a-cursor".to_owned(), 400, "dispatch.cursor_invalid"),
     ] {
         let refused = ack(cursor).await;
@@ -465,11 +466,16 @@ async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_ch
         .await;
         assert_eq!(booked.status, StatusCode::CREATED);
     }
+    // Another partner's event on the same topic is not acme's executor's.
+    let globex = movement("globex", "c-kafka-globex", "frn:wh:1");
+    let booked = post(&http, &format!("{}/wes/v1/realtime", planner.url), GLOBEX, &globex).await;
+    assert_eq!(booked.status, StatusCode::CREATED);
     let group = format!("executor-{}", uuid::Uuid::now_v7());
     let executor = executor(&[&kafka[..], &["--kafka-group", &group]].concat()).await;
 
     let received = events_once(&http, &executor, 6).await;
     assert!(received.iter().all(|event| event["source"] == "kafka"));
+    assert!(received.iter().all(|event| event["body"]["executor_id"] == "acme"));
     // Each warehouse's events arrive in the planner's order (its feed order).
     let feed = get(
         &http,

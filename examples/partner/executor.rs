@@ -31,7 +31,7 @@ use crate::{
 pub(crate) struct Options {
     /// This executor's partner ID at the planner.
     #[arg(long, default_value = "acme")]
-    executor_id: String,
+    pub(crate) executor_id: String,
     /// The planner's base URL (`http://127.0.0.1:3000`); without it, no polling.
     #[arg(long)]
     planner_url: Option<String>,

@@ -4,7 +4,7 @@
 //! `MessageIdempotencyLayer` keyed by (`planner_id`, `correlation_id`), and commits a
 //! record's offset only once it stored the event.
 
-use std::{convert::Infallible, time::Duration};
+use std::time::Duration;
 
 use rdkafka::{
     admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
@@ -146,13 +146,20 @@ pub(crate) fn spawn_consumer(
         .create()?;
     consumer.subscribe(&[&options.kafka_topic])?;
     let retention = options.webhook_retention;
+    let executor_id = options.executor_id.clone();
     match (&db, &common.database_url) {
         (ExecutorDb::Postgres(pool), Some(_)) => {
             let store = PostgresStore::builder(pool.clone()).build()?;
-            tokio::spawn(consume(consumer, db, store, retention));
+            tokio::spawn(consume(consumer, db, store, retention, executor_id));
         }
         _ => {
-            tokio::spawn(consume(consumer, db, MokaStore::new(), retention));
+            tokio::spawn(consume(
+                consumer,
+                db,
+                MokaStore::new(),
+                retention,
+                executor_id,
+            ));
         }
     }
     Ok(())
@@ -163,12 +170,20 @@ async fn consume<St: IdempotencyStore>(
     db: ExecutorDb,
     store: St,
     retention: Duration,
+    executor_id: String,
 ) {
+    // A database failure is an error, not an outcome: the layer releases the key and the
+    // record is handled again, never committed unstored.
     let handler = service_fn(move |delivery: Delivery| {
         let db = db.clone();
         async move {
             let stored = match received("kafka", &delivery.payload) {
-                Ok(event) => db.store(&[event]).await.ok().map(|new| new == 1),
+                Ok(event) => Some(
+                    db.store(&[event])
+                        .await
+                        .map_err(|problem| format!("{problem:?}"))?
+                        == 1,
+                ),
                 Err(_) => None,
             };
             tracing::info!(
@@ -176,7 +191,7 @@ async fn consume<St: IdempotencyStore>(
                 ?stored,
                 "dispatch record handled"
             );
-            Ok::<_, Infallible>(json!({ "stored": stored }))
+            Ok::<_, String>(json!({ "stored": stored }))
         }
     });
     let mut service = ServiceBuilder::new()
@@ -205,6 +220,11 @@ async fn consume<St: IdempotencyStore>(
             .payload()
             .and_then(|bytes| serde_json::from_slice(bytes).ok())
             .unwrap_or(Value::Null);
+        // The topic carries every partner's feed: this executor handles its own.
+        if payload["executor_id"].as_str() != Some(executor_id.as_str()) {
+            commit(&consumer, &message);
+            continue;
+        }
         let id = correlation.for_delivery(&headers);
         // A record is committed once it is handled or can never be: a claim held
         // elsewhere, or a store that cannot answer, is waited out here, as Kafka
@@ -246,13 +266,22 @@ async fn consume<St: IdempotencyStore>(
                     break true;
                 }
                 Ok(_) => break true,
-                Err(never) => match never {},
+                Err(error) => {
+                    tracing::warn!(event = "partner.kafka_retrying", error = %error, "record not stored; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
             }
         };
         if commit {
-            if let Err(error) = consumer.commit_message(&message, CommitMode::Sync) {
-                tracing::warn!(event = "partner.commit_failed", error = %error, "offset commit failed");
-            }
+            self::commit(&consumer, &message);
         }
+    }
+}
+
+/// Commits past `message` without waiting for the broker: a later commit covers an
+/// earlier one that failed.
+fn commit(consumer: &StreamConsumer, message: &rdkafka::message::BorrowedMessage<'_>) {
+    if let Err(error) = consumer.commit_message(message, CommitMode::Async) {
+        tracing::warn!(event = "partner.commit_failed", error = %error, "offset commit failed");
     }
 }

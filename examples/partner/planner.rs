@@ -321,7 +321,11 @@ fn decode_cursor(executor: &str, cursor: &str) -> Result<i64, Problem> {
     let (Some("v1"), Some(owner), Some(seq)) = (parts.next(), parts.next(), parts.next()) else {
         return Err(invalid());
     };
-    let seq: i64 = seq.parse().map_err(|_| invalid())?;
+    let seq: i64 = seq
+        .parse()
+        .ok()
+        .filter(|seq| *seq >= 1)
+        .ok_or_else(invalid)?;
     if owner != executor {
         return Err(Problem::new(
             StatusCode::FORBIDDEN,

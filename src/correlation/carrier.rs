@@ -79,13 +79,13 @@ impl<C: Carrier + ?Sized> Carrier for &mut C {
     }
 }
 
-/// A header table entry holding text: a long string (what publishers send) or a short
-/// one. Other AMQP types (numbers, tables) are not an ID.
 /// Kafka record headers (rdkafka's `OwnedHeaders`, feature `kafka`). A header is read
 /// when its value is present; one sent twice [`is_repeated`](Carrier::is_repeated), so
 /// [`MessageCorrelation::read`] refuses it as the HTTP layer refuses a repeated header.
 /// [`set`](Carrier::set) replaces every header of that name. Read a consumed record's
-/// headers with `message.headers().map(Headers::detach)`.
+/// headers with `message.headers().map(Headers::detach)`. Kafka header keys are
+/// case-sensitive: a producer that writes `X-Correlation-Id` is not read by the default
+/// `x-correlation-id` (set [`MessageCorrelation::header`] to its spelling).
 #[cfg(feature = "kafka")]
 impl Carrier for rdkafka::message::OwnedHeaders {
     fn get(&self, name: &str) -> Option<&[u8]> {
@@ -116,6 +116,8 @@ impl Carrier for rdkafka::message::OwnedHeaders {
     }
 }
 
+/// A header table entry holding text: a long string (what publishers send) or a short
+/// one. Other AMQP types (numbers, tables) are not an ID.
 #[cfg(feature = "amqp")]
 impl Carrier for lapin::types::FieldTable {
     fn get(&self, name: &str) -> Option<&[u8]> {

@@ -60,7 +60,7 @@ impl Refusal {
             Verdict::Conflict | Verdict::EpochMismatch { .. } => Self::new(
                 Code::FailedPrecondition,
                 "idempotency.fingerprint_mismatch",
-                "this idempotency key was used with a different call (method or message); use a new key for a new call",
+                "this idempotency key was used on this method with a different message; use a new key for a new call",
             ),
             Verdict::OriginalFailed => Self::new(
                 Code::Aborted,

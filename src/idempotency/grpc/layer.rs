@@ -6,7 +6,7 @@ use tower_layer::Layer;
 
 use super::GrpcIdempotency;
 use crate::idempotency::{
-    core::{Engine, InFlight, StoreFailure},
+    core::{observe::LayerOrder, Engine, InFlight, StoreFailure},
     http::{per_attempt_headers, Budget, NoClient},
     store::{IdempotencyStore, MokaStore},
     DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
@@ -16,7 +16,7 @@ use crate::idempotency::{DEFAULT_LEASE, DEFAULT_RETRY_AFTER, DEFAULT_TTL};
 
 /// Which statuses are stored and replayed, by default: all but `UNAVAILABLE`,
 /// `RESOURCE_EXHAUSTED` and `ABORTED`, the codes gRPC defines as "nothing was done,
-/// retry" (the HTTP layer's `503`, `429` and `409`). An error the handler answered
+/// retry" (as the HTTP layer releases `503` and `429`). An error the handler answered
 /// after its side effect (`INTERNAL`, say) is stored, so its retry gets the same error
 /// and does not run the call again.
 pub fn default_store_code(code: Code) -> bool {
@@ -37,6 +37,8 @@ pub(super) struct Settings {
     pub(super) budget: Arc<Budget>,
     pub(super) per_attempt: Vec<HeaderName>,
     pub(super) store_if: StorePredicate,
+    /// Warns once, for this layer and its clones, of a call without a correlation ID.
+    pub(super) layer_order: Arc<LayerOrder>,
 }
 
 /// Runs each unary gRPC call once per `idempotency-key` and replays its response to
@@ -81,6 +83,7 @@ impl<St: IdempotencyStore> GrpcIdempotencyLayer<St> {
                 budget: Budget::new(DEFAULT_MAX_BUFFERED_BYTES),
                 per_attempt: per_attempt_headers(),
                 store_if: Arc::new(default_store_code),
+                layer_order: Arc::default(),
             }),
         }
     }

@@ -59,7 +59,7 @@
 //! | no key, with [`require_key`](GrpcIdempotencyLayer::require_key) | `INVALID_ARGUMENT` | `idempotency.key_missing` | - |
 //! | client refused by its extractor | `INVALID_ARGUMENT` | `idempotency.client_invalid` | - |
 //! | no client, with [`require_client`](GrpcIdempotencyLayer::require_client) | `UNAUTHENTICATED` | `idempotency.client_missing` | - |
-//! | same key, another method or message | `FAILED_PRECONDITION` | `idempotency.fingerprint_mismatch` | - |
+//! | same key and method, another message | `FAILED_PRECONDITION` | `idempotency.fingerprint_mismatch` | - |
 //! | same key while the first call runs | `ABORTED` | `idempotency.in_flight` | the delay |
 //! | the call waited for failed ([`InFlight::Wait`](crate::idempotency::InFlight::Wait)) | `ABORTED` | `idempotency.original_failed` | `0s` |
 //! | retry of a call whose response was not kept (over [`max_response_bytes`](GrpcIdempotencyLayer::max_response_bytes)) | `FAILED_PRECONDITION` | `idempotency.not_replayable` | - |
@@ -109,9 +109,10 @@
 //! [`IdentifyClient`](crate::idempotency::extract::IdentifyClient) reads the call's
 //! metadata and extensions as it reads HTTP headers), the method's path
 //! (`/ledger.v1.Ledger/Transfer`) and the key. gRPC calls are scoped apart from HTTP
-//! requests, so one store can serve both layers. The fingerprint covers the method and
-//! the request message as sent (its length prefix included): the same key with another
-//! message is `FAILED_PRECONDITION`. A client that compresses its messages sends other
+//! requests, so one store can serve both layers; the same key on another method is
+//! another call. The fingerprint covers the request message as sent (its length prefix
+//! included): the same key on the same method with another message is
+//! `FAILED_PRECONDITION`. A client that compresses its messages sends other
 //! bytes for the same message than one that does not; keep one setting per client.
 //!
 //! # Storage rule
@@ -122,6 +123,13 @@
 //! took the PostgreSQL transaction (see the store's docs) and answered a server error
 //! (`UNKNOWN`, `DEADLINE_EXCEEDED`, `UNIMPLEMENTED`, `INTERNAL`, `UNAVAILABLE`,
 //! `DATA_LOSS`) has its writes rolled back and its key released, as with HTTP `5xx`.
+//!
+//! A response over [`max_response_bytes`](GrpcIdempotencyLayer::max_response_bytes) is
+//! streamed on as it comes, and its key is kept (its retries are `FAILED_PRECONDITION
+//! idempotency.not_replayable`) whatever status it ends with: a gRPC status comes after
+//! the messages, past the point where the layer must settle the key without holding
+//! them. A handler's transaction is committed then too. Keep such calls under the
+//! limit, or unkeyed.
 //!
 //! # Correlation
 //!

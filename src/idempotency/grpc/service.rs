@@ -233,6 +233,7 @@ where
     ReqBody: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Unpin,
     ResBody: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Unpin,
 {
+    settings.layer_order.check();
     observe::protected(&protected.key, &protected.scope, protected.client.as_ref());
     let _in_flight = engine.track();
     let reply = protected.reply();
