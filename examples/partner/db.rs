@@ -38,7 +38,9 @@ CREATE TABLE IF NOT EXISTS partner_dispatch (
     correlation_id text NOT NULL UNIQUE,
     warehouse_frn text NOT NULL,
     movement_id text NOT NULL,
-    published boolean NOT NULL DEFAULT false
+    published boolean NOT NULL DEFAULT false,
+    webhook text NOT NULL DEFAULT 'pending',
+    webhook_error text
 );
 CREATE TABLE IF NOT EXISTS partner_dispatch_acks (
     executor_id text PRIMARY KEY,
@@ -122,6 +124,9 @@ pub(crate) struct PlannerMemory {
     dispatch: Vec<(String, DispatchEvent)>,
     published: usize,
     acks: HashMap<String, i64>,
+    /// Webhooks settled, by sequence number: delivered (`None`) or dead-lettered with
+    /// the last error. Absent is pending.
+    webhooks: HashMap<i64, Option<String>>,
 }
 
 /// Where a handler writes in PostgreSQL: the request's transaction, committed by the
@@ -467,6 +472,114 @@ impl PlannerDb {
             .await
             .map(|_| ())
             .map_err(|error| Problem::database(&error, "marking published")),
+        }
+    }
+}
+
+/// Webhook delivery: the head of each (executor, warehouse) lane, and its settling.
+impl PlannerDb {
+    /// For each of `executors` and each warehouse, the oldest event whose webhook is
+    /// still pending: the only one of its lane that may be delivered now.
+    pub(crate) async fn webhook_heads(
+        &self,
+        executors: &[String],
+    ) -> Result<Vec<(String, DispatchEvent)>, Problem> {
+        match self {
+            Self::Memory(memory) => {
+                let memory = memory.lock().unwrap();
+                let mut lanes = std::collections::HashSet::new();
+                Ok(memory
+                    .dispatch
+                    .iter()
+                    .filter(|(owner, event)| {
+                        executors.contains(owner) && !memory.webhooks.contains_key(&event.seq)
+                    })
+                    .filter(|(owner, event)| {
+                        lanes.insert((owner.clone(), event.warehouse_frn.clone()))
+                    })
+                    .cloned()
+                    .collect())
+            }
+            Self::Postgres(pool) => {
+                let rows = sqlx::query(
+                    "SELECT DISTINCT ON (executor_id, warehouse_frn) \
+                       seq, planner_id, correlation_id, warehouse_frn, movement_id, executor_id \
+                     FROM partner_dispatch WHERE webhook = 'pending' AND executor_id = ANY($1) \
+                     ORDER BY executor_id, warehouse_frn, seq",
+                )
+                .bind(executors)
+                .fetch_all(pool)
+                .await
+                .map_err(|error| Problem::database(&error, "reading the webhook lanes"))?;
+                Ok(rows
+                    .iter()
+                    .map(|row| (row.get::<String, _>(5), dispatch_event(row)))
+                    .collect())
+            }
+        }
+    }
+
+    /// Settles the webhook of event `seq`: delivered, or dead-lettered with `error`.
+    pub(crate) async fn webhook_settled(
+        &self,
+        seq: i64,
+        error: Option<String>,
+    ) -> Result<(), Problem> {
+        match self {
+            Self::Memory(memory) => {
+                memory.lock().unwrap().webhooks.insert(seq, error);
+                Ok(())
+            }
+            Self::Postgres(pool) => sqlx::query(
+                "UPDATE partner_dispatch SET webhook = CASE WHEN $2::text IS NULL THEN 'delivered' ELSE 'dead' END, \
+                   webhook_error = $2 WHERE seq = $1",
+            )
+            .bind(seq)
+            .bind(error)
+            .execute(pool)
+            .await
+            .map(|_| ())
+            .map_err(|error| Problem::database(&error, "settling a webhook")),
+        }
+    }
+
+    /// The executor's dead-lettered webhooks, oldest first, with their last error.
+    pub(crate) async fn dead_letters(
+        &self,
+        executor: &str,
+    ) -> Result<Vec<(DispatchEvent, String)>, Problem> {
+        match self {
+            Self::Memory(memory) => {
+                let memory = memory.lock().unwrap();
+                Ok(memory
+                    .dispatch
+                    .iter()
+                    .filter(|(owner, _)| owner == executor)
+                    .filter_map(|(_, event)| match memory.webhooks.get(&event.seq) {
+                        Some(Some(error)) => Some((event.clone(), error.clone())),
+                        _ => None,
+                    })
+                    .collect())
+            }
+            Self::Postgres(pool) => {
+                let rows = sqlx::query(
+                    "SELECT seq, planner_id, correlation_id, warehouse_frn, movement_id, webhook_error \
+                     FROM partner_dispatch WHERE executor_id = $1 AND webhook = 'dead' ORDER BY seq",
+                )
+                .bind(executor)
+                .fetch_all(pool)
+                .await
+                .map_err(|error| Problem::database(&error, "reading dead letters"))?;
+                Ok(rows
+                    .iter()
+                    .map(|row| {
+                        (
+                            dispatch_event(row),
+                            row.get::<Option<String>, _>(5).unwrap_or_default(),
+                        )
+                    })
+                    .collect())
+            }
         }
     }
 }

@@ -6,7 +6,7 @@
 //! |---|---|---|---|
 //! | realtime calls (executor to planner), `POST /wes/v1/realtime` | (partner, `correlation_id`) from the body | 30 days | `200` with `"replay": true`, no second movement |
 //! | confirmations (executor to planner), `POST /wes/v1/confirmations` | (partner, `correlation_id`); one confirmation per window key | 30 days | same |
-//! | webhook dispatch (planner to executor), `POST /wes/v1/webhooks/dispatch` on the executor | (`planner_id`, `correlation_id`) | 24 hours | same |
+//! | webhook dispatch (planner to executor, one at a time per warehouse), `POST /wes/v1/webhooks/dispatch` on the executor | (`planner_id`, `correlation_id`) | 24 hours | same |
 //! | poll-mode acks, `POST /wes/v1/dispatch/ack` | (executor, cursor) | - | an earlier or equal cursor is a no-op: cursors are monotone |
 //!
 //! `cargo run --example partner` runs the planner; `cargo run --example partner --
@@ -19,6 +19,7 @@ mod executor;
 mod kafka;
 mod planner;
 mod problem;
+mod webhooks;
 
 use std::{net::SocketAddr, time::Duration};
 

@@ -45,6 +45,20 @@ pub(crate) struct Options {
     /// Seconds a confirmation's answer is replayed (30 days).
     #[arg(long = "confirmation-retention-secs", value_parser = seconds, default_value = "2592000")]
     confirmation_retention: Duration,
+    /// Deliver a partner's feed to its executor's webhook too, `ID=URL` (the executor's
+    /// base URL); repeat for more.
+    #[arg(long = "webhook", value_parser = partner)]
+    webhooks: Vec<(String, String)>,
+    /// The bearer token webhooks carry.
+    #[arg(long, default_value = "planner-token")]
+    webhook_token: String,
+    /// Attempts per webhook before it is dead-lettered and its warehouse's next event
+    /// goes.
+    #[arg(long, default_value_t = 5)]
+    webhook_attempts: u32,
+    /// The pause after a webhook's first failed attempt, doubled after each.
+    #[arg(long, default_value_t = 200)]
+    webhook_backoff_ms: u64,
     /// Most events one page of the feed holds.
     #[arg(long, default_value_t = 100)]
     max_page: i64,
@@ -105,7 +119,17 @@ pub(crate) async fn run(
     if let Some(brokers) = &options.kafka_brokers {
         crate::kafka::spawn_publisher(db.clone(), brokers, &options.kafka_topic)?;
     }
-    let _ = db;
+    if !options.webhooks.is_empty() {
+        crate::webhooks::spawn(
+            db.clone(),
+            crate::webhooks::Delivery {
+                urls: options.webhooks.iter().cloned().collect(),
+                token: options.webhook_token.clone(),
+                attempts: options.webhook_attempts.max(1),
+                backoff: Duration::from_millis(options.webhook_backoff_ms),
+            },
+        );
+    }
     let tokens: Arc<HashMap<String, String>> = Arc::new(
         options
             .partners
@@ -150,6 +174,7 @@ fn routes<St: IdempotencyStore>(db: PlannerDb, store: St, options: &Options) -> 
         .route("/wes/v1/dispatch/pending", get(pending))
         .route("/wes/v1/dispatch/ack", post(ack))
         .route("/wes/v1/counts", get(counts))
+        .route("/wes/v1/webhooks/dead", get(dead_letters))
         .with_state(planner)
 }
 
@@ -425,4 +450,26 @@ async fn counts(
         "confirmations": confirmations,
         "acked": if acked == 0 { String::new() } else { encode_cursor(&partner.0, acked) },
     })))
+}
+
+/// `GET /wes/v1/webhooks/dead`: the partner's dead-lettered webhooks, oldest first.
+async fn dead_letters(
+    State(planner): State<Planner>,
+    Extension(partner): Extension<Partner>,
+) -> Result<Json<Value>, Problem> {
+    let dead: Vec<Value> = planner
+        .db
+        .dead_letters(&partner.0)
+        .await?
+        .into_iter()
+        .map(|(event, error)| {
+            json!({
+                "cursor": encode_cursor(&partner.0, event.seq),
+                "correlation_id": event.correlation_id,
+                "warehouse_frn": event.warehouse_frn,
+                "error": error,
+            })
+        })
+        .collect();
+    Ok(Json(json!({ "dead": dead })))
 }
