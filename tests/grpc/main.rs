@@ -9,6 +9,8 @@ mod ledger {
     include!("ledger.v1.rs");
 }
 
+#[path = "../postgres/database.rs"]
+mod database;
 #[path = "../redis/server.rs"]
 #[allow(dead_code)]
 mod server;
@@ -40,7 +42,7 @@ use tower_ids::{
     correlation::{CorrelationId, CorrelationLayer},
     idempotency::{
         grpc::{GrpcIdempotencyLayer, ERROR_DOMAIN},
-        store::RedisStore,
+        store::{PostgresStore, RedisStore, Transaction},
         IdempotencyStore,
     },
 };
@@ -505,6 +507,123 @@ async fn a_store_outage_is_unavailable_and_nothing_runs() {
     let replay = client.transfer(transfer(Some("k-o"), 1)).await.unwrap();
     assert_eq!(replay.get_ref(), &ran);
     assert_eq!(ledger.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A ledger that writes each transfer in the call's PostgreSQL transaction, and fails
+/// with `INTERNAL` after its write when asked for a negative amount.
+#[derive(Clone)]
+struct PostgresLedger {
+    runs: Arc<AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl Ledger for PostgresLedger {
+    async fn transfer(
+        &self,
+        request: Request<TransferRequest>,
+    ) -> Result<Response<TransferReply>, Status> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        let transaction = request
+            .extensions()
+            .get::<Transaction>()
+            .cloned()
+            .ok_or_else(|| Status::internal("no transaction offered"))?;
+        let message = request.into_inner();
+        let id = uuid::Uuid::now_v7().to_string();
+        {
+            let mut connection = transaction.lock().await.unwrap();
+            sqlx::query("INSERT INTO transfers (id, cents) VALUES ($1, $2)")
+                .bind(&id)
+                .bind(message.cents)
+                .execute(&mut *connection)
+                .await
+                .unwrap();
+        }
+        if message.cents < 0 {
+            return Err(Status::internal("refused after the write"));
+        }
+        Ok(Response::new(TransferReply {
+            transfer_id: id,
+            cents: message.cents,
+        }))
+    }
+
+    async fn transfer_many(
+        &self,
+        _: Request<tonic::Streaming<TransferRequest>>,
+    ) -> Result<Response<TransferReply>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+
+    type WatchStream = Pin<Box<dyn Stream<Item = Result<TransferReply, Status>> + Send>>;
+
+    async fn watch(
+        &self,
+        _: Request<TransferRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+}
+
+#[tokio::test]
+async fn a_transfer_in_the_calls_transaction_commits_with_its_answer_or_not_at_all() {
+    let Some(database) = database::TestDatabase::create().await else {
+        return;
+    };
+    let pool = database.pool(5).await;
+    sqlx::raw_sql("CREATE TABLE transfers (id text PRIMARY KEY, cents bigint NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = PostgresStore::builder(pool.clone()).build().unwrap();
+    store.migrate().await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let ledger = PostgresLedger { runs: runs.clone() };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        Server::builder()
+            .layer(CorrelationLayer::new())
+            .layer(GrpcIdempotencyLayer::with_store(store))
+            .add_service(LedgerServer::new(ledger))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = LedgerClient::new(channel);
+    let rows = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM transfers")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+
+    // Committed with its answer: the retry replays it, one row.
+    let first = client.transfer(transfer(Some("k-pg"), 300)).await.unwrap();
+    let retry = client.transfer(transfer(Some("k-pg"), 300)).await.unwrap();
+    assert_eq!(retry.get_ref(), first.get_ref());
+    assert_eq!(meta(retry.metadata(), "idempotent-replayed"), Some("true"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(rows().await, 1);
+
+    // A server error after the write: rolled back, and the key released, so the retry
+    // runs again (and fails again); no row of either stands.
+    for _ in 0..2 {
+        let status = client
+            .transfer(transfer(Some("k-pg-bad"), -1))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Internal);
+        assert_eq!(
+            meta(status.metadata(), "idempotent-replayed"),
+            Some("false")
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    assert_eq!(rows().await, 1);
 }
 
 /// The checked-in code is what `tonic-prost-build` makes of `ledger.proto` now. Run
