@@ -1,12 +1,9 @@
-//! A gRPC call's bytes: the request's messages counted, the response read whole with
-//! its trailers, and kept as a record's payload for replay.
+//! A gRPC call's bytes: the request's messages counted, the response's status found,
+//! and the call kept as a record's payload for replay.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
-use http_body_util::BodyExt as _;
 use serde::{Deserialize, Serialize};
-
-use crate::idempotency::http::BoxError;
 
 /// The length-prefixed messages of a gRPC request body (a flag byte, a 4-byte
 /// big-endian length, the message): how many there are, or `None` when the body is not
@@ -22,57 +19,6 @@ pub(super) fn message_count(mut body: &[u8]) -> Option<usize> {
         count += 1;
     }
     Some(count)
-}
-
-/// The response a call produced, read up to the layer's limit.
-pub(super) enum Produced<B> {
-    /// Every data frame, and the trailers (`None` for a trailers-only response, whose
-    /// status is in the head).
-    Complete {
-        data: Bytes,
-        trailers: Option<HeaderMap>,
-    },
-    /// Over the limit: what was read, then the rest of the body, trailers included.
-    TooLarge { prefix: Bytes, rest: B },
-    /// The body failed while it was read.
-    Failed(String),
-}
-
-/// Reads `body` to its end (data and trailers), or to `max` data bytes.
-pub(super) async fn read_response<B>(mut body: B, max: usize) -> Produced<B>
-where
-    B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: Into<BoxError>,
-{
-    let mut data = BytesMut::new();
-    let mut trailers: Option<HeaderMap> = None;
-    while let Some(frame) = body.frame().await {
-        let frame = match frame {
-            Ok(frame) => frame,
-            Err(error) => return Produced::Failed(error.into().to_string()),
-        };
-        let frame = match frame.into_data() {
-            Ok(chunk) => {
-                if data.len() + chunk.len() > max {
-                    data.extend_from_slice(&chunk);
-                    return Produced::TooLarge {
-                        prefix: data.freeze(),
-                        rest: body,
-                    };
-                }
-                data.extend_from_slice(&chunk);
-                continue;
-            }
-            Err(frame) => frame,
-        };
-        if let Ok(more) = frame.into_trailers() {
-            trailers.get_or_insert_with(HeaderMap::new).extend(more);
-        }
-    }
-    Produced::Complete {
-        data: data.freeze(),
-        trailers,
-    }
 }
 
 /// The status a call answered: `grpc-status` from its trailers, or from its head for
@@ -91,67 +37,69 @@ const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 /// A call kept for replay: its head's metadata (but the per-attempt headers), its
 /// messages as sent, and its trailers. Stored in postcard as a message payload, so the
 /// stores keep it as they keep a consumer's outcome, with no format of their own.
+/// Encoded from the response's own bytes, and decoded with the messages left in the
+/// payload's buffer: no copy of the body either way.
 #[derive(Serialize, Deserialize)]
-pub(super) struct StoredCall {
-    headers: Vec<(serde_bytes::ByteBuf, serde_bytes::ByteBuf)>,
-    #[serde(with = "serde_bytes")]
-    data: Vec<u8>,
-    trailers: Option<Vec<(serde_bytes::ByteBuf, serde_bytes::ByteBuf)>>,
+pub(super) struct StoredCall<'a> {
+    #[serde(borrow)]
+    headers: Vec<(&'a serde_bytes::Bytes, &'a serde_bytes::Bytes)>,
+    #[serde(borrow)]
+    data: &'a serde_bytes::Bytes,
+    #[serde(borrow)]
+    trailers: Option<Vec<(&'a serde_bytes::Bytes, &'a serde_bytes::Bytes)>>,
 }
 
-fn pairs<'a>(
-    headers: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
-) -> Vec<(serde_bytes::ByteBuf, serde_bytes::ByteBuf)> {
+type Pairs<'a> = Vec<(&'a serde_bytes::Bytes, &'a serde_bytes::Bytes)>;
+
+fn pairs<'a>(headers: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>) -> Pairs<'a> {
     headers
         .map(|(name, value)| {
             (
-                serde_bytes::ByteBuf::from(name.as_str().as_bytes()),
-                serde_bytes::ByteBuf::from(value.as_bytes()),
+                serde_bytes::Bytes::new(name.as_str().as_bytes()),
+                serde_bytes::Bytes::new(value.as_bytes()),
             )
         })
         .collect()
 }
 
-fn header_map(pairs: Vec<(serde_bytes::ByteBuf, serde_bytes::ByteBuf)>) -> Option<HeaderMap> {
+fn header_map(pairs: &Pairs<'_>) -> Option<HeaderMap> {
     let mut map = HeaderMap::with_capacity(pairs.len());
     for (name, value) in pairs {
         map.append(
-            HeaderName::from_bytes(&name).ok()?,
-            HeaderValue::from_bytes(&value).ok()?,
+            HeaderName::from_bytes(name).ok()?,
+            HeaderValue::from_bytes(value).ok()?,
         );
     }
     Some(map)
 }
 
-impl StoredCall {
-    /// The call, without the head's headers `per_attempt` names.
-    pub(super) fn new(
+impl StoredCall<'_> {
+    /// The payload bytes of a call: the head's headers but those `per_attempt` names,
+    /// the messages, the trailers.
+    pub(super) fn encode(
         head: &HeaderMap,
         per_attempt: &[HeaderName],
         data: &Bytes,
         trailers: Option<&HeaderMap>,
-    ) -> Self {
-        Self {
+    ) -> Option<Bytes> {
+        let call = StoredCall {
             headers: pairs(head.iter().filter(|(name, _)| !per_attempt.contains(name))),
-            data: data.to_vec(),
+            data: serde_bytes::Bytes::new(data),
             trailers: trailers.map(|t| pairs(t.iter())),
-        }
+        };
+        postcard::to_stdvec(&call).ok().map(Bytes::from)
     }
 
-    /// The call as a record's payload bytes.
-    pub(super) fn encode(&self) -> Option<Bytes> {
-        postcard::to_stdvec(self).ok().map(Bytes::from)
-    }
-
-    /// The head's headers, the messages and the trailers of stored `bytes`; `None` for
-    /// bytes that are not a stored call.
-    pub(super) fn decode(bytes: &[u8]) -> Option<(HeaderMap, Bytes, Option<HeaderMap>)> {
-        let call: Self = postcard::from_bytes(bytes).ok()?;
-        let trailers = match call.trailers {
+    /// The head's headers, the messages (a slice of `payload`) and the trailers of a
+    /// stored call; `None` for bytes that are not one.
+    pub(super) fn decode(payload: &Bytes) -> Option<(HeaderMap, Bytes, Option<HeaderMap>)> {
+        let call: StoredCall<'_> = postcard::from_bytes(payload).ok()?;
+        let trailers = match &call.trailers {
             Some(trailers) => Some(header_map(trailers)?),
             None => None,
         };
-        Some((header_map(call.headers)?, Bytes::from(call.data), trailers))
+        let data = payload.slice_ref(call.data);
+        Some((header_map(&call.headers)?, data, trailers))
     }
 }
 
@@ -192,15 +140,15 @@ mod tests {
         trailers.insert("grpc-status", HeaderValue::from_static("0"));
         let data = Bytes::from(framed(&[b"reply"]));
         let per_attempt = [HeaderName::from_static("x-correlation-id")];
-        let stored = StoredCall::new(&head, &per_attempt, &data, Some(&trailers));
-        let (headers, body, kept) = StoredCall::decode(&stored.encode().unwrap()).unwrap();
+        let stored = StoredCall::encode(&head, &per_attempt, &data, Some(&trailers)).unwrap();
+        let (headers, body, kept) = StoredCall::decode(&stored).unwrap();
         assert_eq!(headers.len(), 3);
         assert!(!headers.contains_key("x-correlation-id"));
         let tags: Vec<_> = headers.get_all("x-tag").iter().collect();
         assert_eq!(tags, ["a", "b"]);
         assert_eq!(body, data);
         assert_eq!(kept.unwrap()["grpc-status"], "0");
-        assert!(StoredCall::decode(br#"{"json":"outcome"}"#).is_none());
+        assert!(StoredCall::decode(&Bytes::from_static(br#"{"json":"outcome"}"#)).is_none());
     }
 
     #[test]

@@ -9,7 +9,7 @@ use tower_service::Service;
 
 use super::{
     answer::{Refusal, Reply},
-    call::{message_count, read_response, status_code, Produced, StoredCall},
+    call::{message_count, status_code, StoredCall},
     layer::Settings,
 };
 use crate::body::Body;
@@ -18,7 +18,7 @@ use crate::idempotency::{
     core::{observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard},
     http::{
         key_refusal,
-        read::{read_within, Read},
+        read::{collect_up_to, read_within, Collected, Read},
         unclaimed, BoxError, IdentifyClient, NoClient, ResponseFuture,
     },
     store::{IdempotencyStore, MokaStore, Payload},
@@ -344,7 +344,7 @@ where
             let (parts, body) = inner.call(request).await?.into_parts();
             Ok((
                 parts,
-                read_response(body, settings.max_response_bytes).await,
+                collect_up_to(body, settings.max_response_bytes).await,
             ))
         })
         .await;
@@ -361,21 +361,21 @@ where
         CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()))
     });
     let response = match produced {
-        Produced::Complete { data, trailers } => {
+        Collected::Complete {
+            body: data,
+            trailers,
+        } => {
             let code = status_code(&parts.headers, trailers.as_ref());
             let storable =
                 (settings.store_if)(code) && !(is_server_error(code) && guard.transaction_taken());
             if storable {
-                let call = StoredCall::new(
+                let call = StoredCall::encode(
                     &parts.headers,
                     &settings.per_attempt,
                     &data,
                     trailers.as_ref(),
                 );
-                if let Err(unsettled) = guard
-                    .complete(attempt, call.encode().map(Payload::Message))
-                    .await
-                {
+                if let Err(unsettled) = guard.complete(attempt, call.map(Payload::Message)).await {
                     return Ok(reply.status(Refusal::unsettled(&unsettled)));
                 }
             } else {
@@ -383,7 +383,7 @@ where
             }
             Response::from_parts(parts, Body::with_trailers(data, trailers))
         }
-        Produced::TooLarge { prefix, rest } => {
+        Collected::TooLarge { prefix, rest } => {
             // Its status comes after the limit: keep the key whatever it is, as the
             // call ran.
             tracing::warn!(
@@ -396,7 +396,7 @@ where
             }
             Response::from_parts(parts, Body::prefixed(prefix, rest))
         }
-        Produced::Failed(error) => {
+        Collected::Failed(error) => {
             tracing::warn!(
                 event = "idempotency.response_failed",
                 error = %error,

@@ -2,7 +2,7 @@
 //! budget, whole, so it can be fingerprinted, and handed on unchanged.
 
 use bytes::{Bytes, BytesMut};
-use http::{header, HeaderValue, Request, Response};
+use http::{header, HeaderMap, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 
 use super::{answer::Reply, budget::Reservation, layer::Settings, service::BoxError};
@@ -211,8 +211,14 @@ pub(super) fn buffered<B>(body: &Body<B>) -> Bytes {
 }
 
 /// A handler's response body, as read for storing.
-pub(super) enum Collected<B> {
-    Complete(Bytes),
+pub(crate) enum Collected<B> {
+    /// Every data frame, and the trailers if it had any (a gRPC status; the HTTP layer
+    /// neither keeps nor forwards them).
+    Complete {
+        body: Bytes,
+        #[cfg_attr(not(feature = "grpc"), allow(dead_code))]
+        trailers: Option<HeaderMap>,
+    },
     TooLarge {
         prefix: Bytes,
         rest: B,
@@ -221,20 +227,27 @@ pub(super) enum Collected<B> {
     Failed(String),
 }
 
-/// Reads `body` whole if it fits in `max` bytes; a single-frame body is kept without
-/// a copy.
-pub(super) async fn collect_up_to<B>(mut body: B, max: usize) -> Collected<B>
+/// Reads `body` whole, trailers included, if its data fits in `max` bytes; a
+/// single-frame body is kept without a copy.
+pub(crate) async fn collect_up_to<B>(mut body: B, max: usize) -> Collected<B>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
     let mut first: Option<Bytes> = None;
     let mut joined: Option<BytesMut> = None;
+    let mut trailers: Option<HeaderMap> = None;
     let mut len = 0usize;
-    while let Some(data) = next_data(&mut body).await {
-        let data = match data {
-            Ok(data) => data,
-            Err(error) => return Collected::Failed(error),
+    while let Some(frame) = body.frame().await {
+        let data = match frame.map(http_body::Frame::into_data) {
+            Ok(Ok(data)) => data,
+            Ok(Err(frame)) => {
+                if let Ok(more) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                }
+                continue;
+            }
+            Err(error) => return Collected::Failed(error.into().to_string()),
         };
         len += data.len();
         if len > max {
@@ -256,7 +269,10 @@ where
             (_, Some(buf)) => buf.extend_from_slice(&data),
         }
     }
-    Collected::Complete(joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze))
+    Collected::Complete {
+        body: joined.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze),
+        trailers,
+    }
 }
 
 /// The next data frame of `body`; trailers are skipped (the fingerprint and replays

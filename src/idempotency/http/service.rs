@@ -546,7 +546,7 @@ where
         && !(parts.status.is_server_error() && guard.transaction_taken());
     let attempt = reply.attempt.cloned();
     let response = match body {
-        Collected::Complete(body) if storable => {
+        Collected::Complete { body, .. } if storable => {
             let headers = parts
                 .headers
                 .iter()
@@ -563,7 +563,7 @@ where
                 Err(unsettled) => return Ok(reply.unsettled(&unsettled)),
             }
         }
-        Collected::Complete(body) => {
+        Collected::Complete { body, .. } => {
             guard.release("not_stored").await;
             Response::from_parts(parts, Body::complete(body))
         }
