@@ -74,6 +74,18 @@ fn movement(partner: &str, correlation_id: &str, warehouse: &str) -> Value {
     })
 }
 
+/// Books a realtime movement on `planner`, which must answer `201`.
+async fn book(http: &HttpClient, planner: &Demo, auth: &str, call: &Value) {
+    let booked = post(
+        http,
+        &format!("{}/wes/v1/realtime", planner.url),
+        auth,
+        call,
+    )
+    .await;
+    assert_eq!(booked.status, StatusCode::CREATED, "{}", booked.text());
+}
+
 async fn counts(http: &HttpClient, planner: &Demo, auth: &str) -> Value {
     let reply = get(http, &format!("{}/wes/v1/counts", planner.url), auth).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
@@ -274,14 +286,7 @@ async fn acks_out_of_order_never_move_the_cursor_back() {
     let http = client();
     for n in 1..=3 {
         let call = movement("acme", &format!("c-ack-{n}"), "frn:wh:1");
-        let booked = post(
-            &http,
-            &format!("{}/wes/v1/realtime", planner.url),
-            ACME,
-            &call,
-        )
-        .await;
-        assert_eq!(booked.status, StatusCode::CREATED);
+        book(&http, &planner, ACME, &call).await;
     }
     let page = get(
         &http,
@@ -360,14 +365,7 @@ async fn a_crash_between_storing_a_page_and_acking_it_redelivers_the_page_once()
     let http = client();
     for n in 1..=3 {
         let call = movement("acme", &format!("c-crash-{n}"), &format!("frn:wh:{n}"));
-        let booked = post(
-            &http,
-            &format!("{}/wes/v1/realtime", planner.url),
-            ACME,
-            &call,
-        )
-        .await;
-        assert_eq!(booked.status, StatusCode::CREATED);
+        book(&http, &planner, ACME, &call).await;
     }
     let planner_url = planner.url.clone();
     let args = [
@@ -457,25 +455,11 @@ async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_ch
             &format!("c-kafka-{n}"),
             &format!("frn:wh:{}", n % 3),
         );
-        let booked = post(
-            &http,
-            &format!("{}/wes/v1/realtime", planner.url),
-            ACME,
-            &call,
-        )
-        .await;
-        assert_eq!(booked.status, StatusCode::CREATED);
+        book(&http, &planner, ACME, &call).await;
     }
     // Another partner's event on the same topic is not acme's executor's.
     let globex = movement("globex", "c-kafka-globex", "frn:wh:1");
-    let booked = post(
-        &http,
-        &format!("{}/wes/v1/realtime", planner.url),
-        GLOBEX,
-        &globex,
-    )
-    .await;
-    assert_eq!(booked.status, StatusCode::CREATED);
+    book(&http, &planner, GLOBEX, &globex).await;
     let group = format!("executor-{}", uuid::Uuid::now_v7());
     let executor = executor(&[&kafka[..], &["--kafka-group", &group]].concat()).await;
 
@@ -603,14 +587,7 @@ async fn serialised_lanes(extra: &[&str]) {
         .enumerate()
     {
         let call = movement("acme", &format!("c-hook-{n}"), warehouse);
-        let booked = post(
-            &http,
-            &format!("{}/wes/v1/realtime", planner.url),
-            ACME,
-            &call,
-        )
-        .await;
-        assert_eq!(booked.status, StatusCode::CREATED);
+        book(&http, &planner, ACME, &call).await;
     }
     let feed = get(
         &http,
@@ -685,14 +662,7 @@ async fn the_planner_delivers_webhooks_to_a_real_executor_once_each() {
             &format!("c-real-hook-{n}"),
             &format!("frn:wh:{}", n % 2),
         );
-        let booked = post(
-            &http,
-            &format!("{}/wes/v1/realtime", planner.url),
-            ACME,
-            &call,
-        )
-        .await;
-        assert_eq!(booked.status, StatusCode::CREATED);
+        book(&http, &planner, ACME, &call).await;
     }
     let received = events_once(&http, &executor, 4).await;
     assert!(received.iter().all(|event| event["source"] == "webhook"));

@@ -117,12 +117,7 @@ fn routes<St: IdempotencyStore>(db: ExecutorDb, store: St, options: &Options) ->
 }
 
 async fn authenticate(State(token): State<Arc<str>>, request: Request, next: Next) -> Response {
-    let sent = request
-        .headers()
-        .get(http::header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "));
-    if sent == Some(&*token) {
+    if crate::bearer(&request) == Some(&*token) {
         return next.run(request).await;
     }
     Problem::new(

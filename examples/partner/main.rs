@@ -97,6 +97,16 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// The token of `Authorization: Bearer TOKEN`, if the request sent one.
+pub(crate) fn bearer(request: &axum::extract::Request) -> Option<&str> {
+    request
+        .headers()
+        .get(http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+}
+
 /// Serves `app` on `listener` until Ctrl-C or SIGTERM.
 pub(crate) async fn serve(
     listener: TcpListener,

@@ -184,12 +184,7 @@ async fn authenticate(
     mut request: Request,
     next: Next,
 ) -> Response {
-    let token = request
-        .headers()
-        .get(http::header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "));
-    match token.and_then(|token| tokens.get(token)) {
+    match crate::bearer(&request).and_then(|token| tokens.get(token)) {
         Some(partner) => {
             request.extensions_mut().insert(Partner(partner.clone()));
             next.run(request).await
