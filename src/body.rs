@@ -61,11 +61,11 @@ impl<B> Body<B> {
 
     /// A complete body followed by `trailers` (a gRPC response's status).
     #[cfg(feature = "grpc")]
-    pub(crate) fn with_trailers(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+    pub(crate) fn with_trailers(data: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
         Self {
             kind: Kind::Trailed {
                 data: (!data.is_empty()).then_some(data),
-                trailers: trailers.map(Box::new),
+                trailers,
             },
         }
     }

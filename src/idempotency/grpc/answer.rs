@@ -186,7 +186,7 @@ impl Reply<'_> {
             return response;
         };
         core::replayed(record, request_count);
-        let mut response = Response::new(Body::with_trailers(data, trailers));
+        let mut response = Response::new(Body::with_trailers(data, trailers.map(Box::new)));
         *response.headers_mut() = headers;
         let headers = response.headers_mut();
         replay_headers(headers, record, request_count);

@@ -365,7 +365,7 @@ where
             body: data,
             trailers,
         } => {
-            let code = status_code(&parts.headers, trailers.as_ref());
+            let code = status_code(&parts.headers, trailers.as_deref());
             let storable =
                 (settings.store_if)(code) && !(is_server_error(code) && guard.transaction_taken());
             if storable {
@@ -373,7 +373,7 @@ where
                     &parts.headers,
                     &settings.per_attempt,
                     &data,
-                    trailers.as_ref(),
+                    trailers.as_deref(),
                 );
                 if let Err(unsettled) = guard.complete(attempt, call.map(Payload::Message)).await {
                     return Ok(reply.status(Refusal::unsettled(&unsettled)));

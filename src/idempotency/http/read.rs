@@ -216,8 +216,9 @@ pub(crate) enum Collected<B> {
     /// neither keeps nor forwards them).
     Complete {
         body: Bytes,
+        /// Boxed: most bodies have none, and this enum is moved on every request.
         #[cfg_attr(not(feature = "grpc"), allow(dead_code))]
-        trailers: Option<HeaderMap>,
+        trailers: Option<Box<HeaderMap>>,
     },
     TooLarge {
         prefix: Bytes,
@@ -236,14 +237,14 @@ where
 {
     let mut first: Option<Bytes> = None;
     let mut joined: Option<BytesMut> = None;
-    let mut trailers: Option<HeaderMap> = None;
+    let mut trailers: Option<Box<HeaderMap>> = None;
     let mut len = 0usize;
     while let Some(frame) = body.frame().await {
         let data = match frame.map(http_body::Frame::into_data) {
             Ok(Ok(data)) => data,
             Ok(Err(frame)) => {
                 if let Ok(more) = frame.into_trailers() {
-                    trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                    trailers.get_or_insert_default().extend(more);
                 }
                 continue;
             }
