@@ -358,8 +358,8 @@ pub use self::key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey};
 #[cfg(feature = "idempotency")]
 pub use self::{
     core::{
-        InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER,
-        DEFAULT_TTL,
+        Drain, Drained, InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES,
+        DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     http::{
         default_store_if, release_server_errors, ClientFromAuthorization, ClientFromExtension,

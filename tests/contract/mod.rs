@@ -84,6 +84,7 @@ pub(crate) async fn keeps_the_store_contract<St: IdempotencyStore>(store: Arc<St
     a_stranger_settles_nothing(&store).await;
     renewal_keeps_a_claim_past_its_lease(&store).await;
     a_lapsed_claim_is_taken_over_and_its_worker_fenced(&store).await;
+    a_late_outcome_yields_to_a_record_never_to_a_claim(&store).await;
     a_released_scope_is_claimed_again(&store).await;
     a_late_outcome_after_a_lapse_is_stored_without_its_claim(&store).await;
     renewal_restores_a_lapsed_claim_no_one_took(&store).await;
@@ -167,7 +168,8 @@ async fn a_stranger_settles_nothing<St: IdempotencyStore>(store: &Arc<St>) {
             .complete(&scope, &stranger, record(&stranger, "stranger"), LONG)
             .await
             .unwrap(),
-        Completion::Superseded
+        Completion::ClaimedByAnother,
+        "a claim holds the scope: not stored now, to be tried again"
     );
     assert!(matches!(
         store.begin(&scope, claim(LONG)).await.unwrap(),
@@ -222,6 +224,55 @@ async fn a_lapsed_claim_is_taken_over_and_its_worker_fenced<St: IdempotencyStore
     );
     let begin = store.begin(&scope, claim(LONG)).await.unwrap();
     assert_eq!(body_of(&begin).as_deref(), Some(&b"fresh"[..]));
+}
+
+/// A worker's claim lapses, another request claims the scope and gives it up without
+/// running (its own store call failed): the first worker's outcome, which met that
+/// claim, is stored once it is gone, and is what answers the next request. Once a
+/// record holds the scope, a late outcome is dropped.
+async fn a_late_outcome_yields_to_a_record_never_to_a_claim<St: IdempotencyStore>(store: &Arc<St>) {
+    let (scope, recorded) = (scope(14), scope(15));
+    let late = claimed(&**store, &scope, SHORT).await;
+    tokio::time::sleep(SHORT + SHORT / 2).await;
+    let retry = claimed(&**store, &scope, LONG).await;
+    assert_eq!(
+        store
+            .complete(&scope, &late, record(&late, "late"), LONG)
+            .await
+            .unwrap(),
+        Completion::ClaimedByAnother,
+        "another claim holds the scope: try again once it is settled"
+    );
+    assert!(store.release(&scope, &retry).await.unwrap());
+    assert!(
+        store
+            .complete(&scope, &late, record(&late, "late"), LONG)
+            .await
+            .unwrap()
+            .is_stored(),
+        "the claim was released without running: the late outcome is stored"
+    );
+    let begin = store.begin(&scope, claim(LONG)).await.unwrap();
+    assert_eq!(body_of(&begin).as_deref(), Some(&b"late"[..]));
+
+    // And a record, unlike a claim, is final.
+    let scope = recorded;
+    let late = claimed(&**store, &scope, SHORT).await;
+    tokio::time::sleep(SHORT + SHORT / 2).await;
+    let other = claimed(&**store, &scope, LONG).await;
+    store
+        .complete(&scope, &other, record(&other, "other"), LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .complete(&scope, &late, record(&late, "late"), LONG)
+            .await
+            .unwrap(),
+        Completion::Superseded
+    );
+    let begin = store.begin(&scope, claim(LONG)).await.unwrap();
+    assert_eq!(body_of(&begin).as_deref(), Some(&b"other"[..]));
 }
 
 async fn a_released_scope_is_claimed_again<St: IdempotencyStore>(store: &Arc<St>) {

@@ -39,10 +39,10 @@ const REPLAY_WITHIN: Duration = Duration::from_secs(3);
 
 /// How many times the handler ran, per idempotency key.
 #[derive(Clone, Default)]
-struct Ledger(std::sync::Arc<Mutex<HashMap<String, usize>>>);
+pub(super) struct Ledger(std::sync::Arc<Mutex<HashMap<String, usize>>>);
 
 impl Ledger {
-    fn runs(&self, key: &str) -> usize {
+    pub(super) fn runs(&self, key: &str) -> usize {
         self.0.lock().unwrap().get(key).copied().unwrap_or(0)
     }
 
@@ -79,13 +79,13 @@ async fn counted(State(ledger): State<Ledger>, headers: HeaderMap, body: Bytes) 
 
 /// A replica: its own `RedisStore` and axum server.
 #[derive(Clone)]
-struct Node {
+pub(super) struct Node {
     url: String,
     client: HttpClient,
 }
 
 impl Node {
-    async fn start(redis_url: &str, ledger: &Ledger, lease: Option<Duration>) -> Self {
+    pub(super) async fn start(redis_url: &str, ledger: &Ledger, lease: Option<Duration>) -> Self {
         let store = RedisStore::builder(redis_url)
             .command_timeout(Duration::from_millis(250))
             .build()
@@ -106,7 +106,7 @@ impl Node {
         }
     }
 
-    async fn post(
+    pub(super) async fn post(
         &self,
         key: &str,
         delay: Option<Duration>,
@@ -125,7 +125,7 @@ impl Node {
 
 const BODY: &str = r#"{"device_id":"d-1","name":"reboot"}"#;
 
-fn replayed(reply: &Reply) -> bool {
+pub(super) fn replayed(reply: &Reply) -> bool {
     reply.status == StatusCode::CREATED && reply.header("idempotent-replayed") == Some("true")
 }
 
@@ -142,7 +142,7 @@ async fn retry_until_replayed(nodes: [Node; 2], key: String) -> (Reply, Instant,
 }
 
 /// Polls until `key` has started running.
-async fn started(ledger: &Ledger, key: &str) -> Instant {
+pub(super) async fn started(ledger: &Ledger, key: &str) -> Instant {
     let deadline = Instant::now() + Duration::from_secs(5);
     while ledger.runs(key) == 0 {
         assert!(Instant::now() < deadline, "the handler never started");
@@ -152,7 +152,7 @@ async fn started(ledger: &Ledger, key: &str) -> Instant {
 }
 
 #[derive(Clone, Copy, Debug)]
-enum Fault {
+pub(super) enum Fault {
     /// SIGSTOP, then SIGCONT this much later.
     Pause(Duration),
     /// SIGKILL, then a restart (with the append-only file, if the server keeps one)
@@ -169,7 +169,7 @@ impl Fault {
 
     /// Starts the fault and returns once it is in place: when it started, and the
     /// blocking task that ends it, which returns the server and when it was back.
-    async fn begin(
+    pub(super) async fn begin(
         self,
         mut redis: RedisServer,
     ) -> (Instant, tokio::task::JoinHandle<(RedisServer, Instant)>) {
@@ -535,7 +535,7 @@ impl Broken {
 /// Sends `key` to `nodes` in turn, pausing `every` after each answer, until `done`
 /// accepts a reply or `until` has passed; returns that reply and when it came, if one
 /// did, and every status seen before it (`0` for a failed connection).
-async fn retry_until(
+pub(super) async fn retry_until(
     nodes: &[Node],
     key: &str,
     every: Duration,
@@ -568,7 +568,7 @@ fn problem_code(reply: &Reply) -> Option<String> {
 }
 
 /// Statuses in order, repeats counted: `503x4, 409x9, 201`.
-fn tally(seen: &[u16]) -> String {
+pub(super) fn tally(seen: &[u16]) -> String {
     let mut runs: Vec<(u16, usize)> = Vec::new();
     for &status in seen {
         match runs.last_mut() {
@@ -587,7 +587,7 @@ fn tally(seen: &[u16]) -> String {
 }
 
 /// `Some(d)` as `d`, `None` as `never`.
-fn or_never(duration: Option<Duration>) -> String {
+pub(super) fn or_never(duration: Option<Duration>) -> String {
     duration.map_or_else(|| "never".to_owned(), |duration| format!("{duration:?}"))
 }
 
@@ -604,7 +604,7 @@ fn describe(reply: &Reply) -> String {
 }
 
 /// One request on each replica: every script is loaded and both connections are open.
-async fn warm_up(a: &Node, b: &Node) {
+pub(super) async fn warm_up(a: &Node, b: &Node) {
     for (node, key) in [(a, "warm-a"), (b, "warm-b")] {
         let reply = node.post(key, None).await.unwrap();
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());

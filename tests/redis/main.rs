@@ -23,6 +23,7 @@ mod cluster;
 mod cluster_server;
 mod faults;
 mod messages;
+mod outages;
 mod server;
 
 use std::{

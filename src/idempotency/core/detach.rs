@@ -6,24 +6,24 @@
 use std::{
     future::Future,
     pin::Pin,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
+    sync::{Arc, OnceLock},
     task::{Context, Poll},
 };
 
-/// Set by the engine when the work's request claims its key.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct ClaimFlag(Arc<AtomicBool>);
+use super::drain::{Owed, Settling};
+
+/// Set by the engine when the work's request claims its key, with the layer's
+/// register of unsettled work, where the work goes if it must finish on its own.
+#[derive(Clone, Default)]
+pub(crate) struct ClaimFlag(Arc<OnceLock<Arc<Settling>>>);
 
 impl ClaimFlag {
-    pub(crate) fn set(&self) {
-        self.0.store(true, Ordering::Release);
+    pub(crate) fn set(&self, settling: &Arc<Settling>) {
+        let _ = self.0.set(settling.clone());
     }
 
-    fn is_set(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+    fn settling(&self) -> Option<&Arc<Settling>> {
+        self.0.get()
     }
 }
 
@@ -94,18 +94,22 @@ impl<T: 'static> Drop for Detaching<T> {
         let Some(unfinished) = self.work.take() else {
             return;
         };
-        if self.unwinding || !self.claimed.as_ref().is_some_and(ClaimFlag::is_set) {
+        let settling = match self.claimed.as_ref().and_then(ClaimFlag::settling) {
+            Some(settling) if !self.unwinding => settling,
             // Before the claim nothing ran; after a panic the guard let the key go.
-            return;
-        }
+            _ => return,
+        };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let span = std::mem::replace(&mut self.span, tracing::Span::none());
+        let unsettled = settling.enter(Owed::Handler, span.clone());
         let rest = tracing::Instrument::instrument(
             async move {
                 let _ = unfinished.await;
+                drop(unsettled);
             },
-            std::mem::replace(&mut self.span, tracing::Span::none()),
+            span,
         );
         // Dropped inside the correlation layer's scope, so the ID is still current.
         match crate::correlation::CorrelationId::current() {

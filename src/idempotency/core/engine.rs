@@ -9,6 +9,7 @@ use std::{
 
 use super::{
     detach::ClaimFlag,
+    drain::Drain,
     lease::{self, KeptOutcomes, LeaseGuard},
     observe,
     settings::{InFlight, Policy, StoreFailure},
@@ -175,16 +176,13 @@ impl<St: IdempotencyStore> Engine<St> {
             // This layer ran the work and holds its outcome until the store takes
             // it: never run it again, whatever the store says.
             waiting.nudge();
-            let wait = match policy.in_flight {
-                InFlight::Reject { retry_after } => Err(retry_after),
+            if let InFlight::Wait { timeout } = policy.in_flight {
                 // Boxed, as every rarely taken await here: the future is as large as
                 // its largest await, and it is moved on every request.
-                InFlight::Wait { timeout } if Box::pin(waiting.settled(timeout)).await => Ok(()),
-                InFlight::Wait { .. } => Err(AFTER_WAIT),
-            };
-            if let Err(retry_after) = wait {
-                return in_flight(waiting.first_seen, None, retry_after);
+                Box::pin(waiting.settled(timeout)).await;
             }
+            return Box::pin(self.ask_for_kept(scope, claim, fingerprint, epoch, waiting, spent))
+                .await;
         }
         let begin =
             observe::timed_store_call("begin", spent, self.store.begin(&scope, claim.clone()));
@@ -217,7 +215,7 @@ impl<St: IdempotencyStore> Engine<St> {
         };
         match begin {
             Begin::Claimed { lease } => {
-                claimed.set();
+                claimed.set(&self.kept.settling);
                 tracing::debug!(
                     event = "idempotency.accepted",
                     "idempotency key accepted; running the handler"
@@ -287,7 +285,75 @@ impl<St: IdempotencyStore> Engine<St> {
     }
 }
 
+impl<St: IdempotencyStore> Engine<St> {
+    /// The decision for a duplicate of work whose outcome this layer keeps: the
+    /// store's answer, as another replica would get it (the record once the outcome
+    /// is stored there, even if the store has not confirmed it to this layer), but
+    /// never a run: a key the store would let run is given back at once, and the
+    /// duplicate is told the work is in flight, as it is.
+    async fn ask_for_kept(
+        &self,
+        scope: ScopeKey,
+        claim: super::super::store::Claim,
+        fingerprint: &Fingerprints<'_>,
+        epoch: Option<u64>,
+        waiting: Arc<super::lease::Waiting>,
+        spent: &mut Duration,
+    ) -> Decision<St> {
+        let retry_after = match self.policy.in_flight {
+            InFlight::Reject { retry_after } => retry_after,
+            InFlight::Wait { .. } => AFTER_WAIT,
+        };
+        let begin = observe::timed_store_call("begin", spent, self.store.begin(&scope, claim));
+        match begin.await {
+            Ok(Begin::Completed {
+                record,
+                request_count,
+            }) if record.epoch == epoch => settled(record, fingerprint, request_count),
+            Ok(Begin::Completed { record, .. }) => epoch_mismatch(record.epoch, epoch),
+            Ok(Begin::InFlight { request_count, .. }) => {
+                in_flight(waiting.first_seen, Some(request_count), retry_after)
+            }
+            Ok(Begin::Claimed { lease }) => {
+                let released = observe::store_call("release", self.store.release(&scope, &lease));
+                if let Err(error) = released.await {
+                    tracing::debug!(
+                        event = "idempotency.store_failed",
+                        error = %Chain(&error),
+                        phase = "release",
+                        "could not give back a claim taken for a key whose outcome this layer keeps; it runs out with its lease"
+                    );
+                }
+                in_flight(waiting.first_seen, None, retry_after)
+            }
+            Err(_) => in_flight(waiting.first_seen, None, retry_after),
+        }
+    }
+
+    /// Refuses a lease that cannot outlive a store outage as documented: a quarter of
+    /// it must cover the store's [`recovery_time`](IdempotencyStore::recovery_time)
+    /// and the pause before a failed renewal is tried again.
+    ///
+    /// # Panics
+    ///
+    /// If it cannot, with a message that says why.
+    pub(crate) fn check_lease(&self) {
+        let needed = self.store.recovery_time() + lease::RENEWAL_RETRY_PAUSE;
+        let lease = self.policy.lease;
+        assert!(
+            lease / 4 >= needed,
+            "tower-ids: a lease of {lease:?} cannot outlive a store outage: a claim is renewed every quarter lease, and after an outage the store needs up to {needed:?} (its command timeout, the replicas' wait, reconnecting, and the 50 ms before a failed renewal is tried again) before a renewal lands; set a lease of at least {:?}, or shorten the store's timeouts",
+            needed * 4
+        );
+    }
+}
+
 impl<St> Engine<St> {
+    /// A handle that waits, at shutdown, for what this engine still owes its store.
+    pub(crate) fn drain(&self) -> Drain {
+        Drain::new(self.kept.settling.clone())
+    }
+
     pub(crate) fn new(store: Arc<St>) -> Self {
         observe::register();
         Self {

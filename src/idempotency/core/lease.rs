@@ -17,7 +17,11 @@ use std::{
 use tokio::sync::{watch, Notify};
 use tracing::Instrument as _;
 
-use super::{observe, settings::Policy};
+use super::{
+    drain::{Owed, Settling},
+    observe,
+    settings::Policy,
+};
 use crate::idempotency::{
     store::{
         Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Payload, Record,
@@ -34,6 +38,12 @@ const FIRST_STORE_RETRY_PAUSE: Duration = Duration::from_millis(50);
 /// retry of the request gets `409` until the outcome is stored, and a store that is
 /// down answers an attempt at once.
 const MAX_STORE_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// The pause before renewing again after a renewal failed: 50 ms, not the quarter
+/// lease between healthy renewals. A claim lives through a store outage only if a
+/// renewal lands soon after the store answers again, and a store that is down answers
+/// each attempt at once (a paused one within its command timeout).
+pub(crate) const RENEWAL_RETRY_PAUSE: Duration = Duration::from_millis(50);
 
 /// The claim a request makes under `lease`.
 ///
@@ -124,6 +134,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             return work.await;
         };
         let period = (self.claim.lease / 6).max(Duration::from_millis(1));
+        let mut pause = period;
         tokio::pin!(work);
         // A handler that is ready at once never makes a timer.
         let first = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
@@ -135,11 +146,11 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             tokio::select! {
                 biased;
                 output = &mut work => return output,
-                () = tokio::time::sleep(period) => {}
+                () = tokio::time::sleep(pause) => {}
             }
             let renewal = renew(&*self.store, &self.scope, lease, &self.claim);
             tokio::pin!(renewal);
-            let held = tokio::select! {
+            let renewed = tokio::select! {
                 biased;
                 output = &mut work => {
                     // A renewal already sent finishes (it is bounded) before the key is
@@ -148,11 +159,15 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                     let _ = renewal.await;
                     return output;
                 }
-                held = &mut renewal => held,
+                renewed = &mut renewal => renewed,
             };
-            if !held {
-                return work.await;
-            }
+            pause = match renewed {
+                Renewed::Held => period,
+                // Until one lands: the claim outlives an outage only if a renewal lands
+                // soon after the store is back.
+                Renewed::Failed => RENEWAL_RETRY_PAUSE.min(period),
+                Renewed::Lost => return work.await,
+            };
         }
     }
 
@@ -202,6 +217,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                         &lease,
                         self.claim.lease,
                         "rolled_back",
+                        &self.kept.settling,
                     )
                     .await;
                     return Err(Unsettled::NotCommitted(error));
@@ -218,6 +234,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                         &lease,
                         self.claim.lease,
                         "commit_failed",
+                        &self.kept.settling,
                     )
                     .await;
                     return Err(Unsettled::NotCommitted(error));
@@ -233,8 +250,11 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                     // change: so releasing is right whichever way the commit went,
                     // and frees the key as soon as the store can tell.
                     let (store, scope, hold) = (self.store.clone(), self.scope, self.claim.lease);
+                    let settling = self.kept.settling.clone();
+                    let pending = settling.enter(Owed::Release, tracing::Span::current());
                     let release = async move {
-                        release(&store, &scope, &lease, hold, "outcome_unknown").await;
+                        release(&store, &scope, &lease, hold, "outcome_unknown", &settling).await;
+                        drop(pending);
                     };
                     tokio::spawn(release.instrument(tracing::Span::current()));
                     return Err(Unsettled::Unknown(error));
@@ -250,6 +270,23 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         .await;
         observe::store_time(self.store_time);
         match completed {
+            Ok(Completion::ClaimedByAnother) => {
+                tracing::warn!(
+                    event = "idempotency.claim_lapsed",
+                    "this request's claim ran out while it ran and another request holds the key now; keeping the outcome and storing it once that claim is settled (dropped only if a record takes the key)"
+                );
+                self.kept.keep(
+                    self.store.clone(),
+                    self.scope,
+                    Outcome {
+                        lease,
+                        claim: self.claim.clone(),
+                        record,
+                        ttl,
+                    },
+                    max_kept_bytes,
+                );
+            }
             Ok(completion) => report(completion, &record, ttl, 1),
             Err(error) => {
                 tracing::warn!(
@@ -285,7 +322,15 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             // Nothing to store: whatever the handler wrote in it is rolled back.
             transaction.settle(self.scope, lease.clone(), None).await;
         }
-        release(&self.store, &self.scope, &lease, self.claim.lease, reason).await;
+        release(
+            &self.store,
+            &self.scope,
+            &lease,
+            self.claim.lease,
+            reason,
+            &self.kept.settling,
+        )
+        .await;
         observe::store_time(self.store_time + started.elapsed());
     }
 }
@@ -306,47 +351,62 @@ impl<St: IdempotencyStore> Drop for LeaseGuard<St> {
         } else {
             "abandoned"
         };
+        let settling = self.kept.settling.clone();
+        let pending = settling.enter(Owed::Release, tracing::Span::current());
         runtime.spawn(
-            async move { release(&store, &scope, &lease, hold, reason).await }
-                .instrument(tracing::Span::current()),
+            async move {
+                release(&store, &scope, &lease, hold, reason, &settling).await;
+                drop(pending);
+            }
+            .instrument(tracing::Span::current()),
         );
     }
 }
 
-/// One renewal; `false` once another request holds the scope (renewing is then over).
+/// What one renewal did.
+enum Renewed {
+    /// The claim holds (it was extended, or put back).
+    Held,
+    /// The store did not answer: try again soon.
+    Failed,
+    /// Another request holds the scope: renewing is over.
+    Lost,
+}
+
+/// One renewal.
 async fn renew<St: IdempotencyStore>(
     store: &St,
     scope: &ScopeKey,
     lease: &Lease,
     claim: &Claim,
-) -> bool {
+) -> Renewed {
     match observe::store_call("renew", store.renew(scope, lease, claim)).await {
         Ok(Renewal::Extended) => {
             tracing::trace!(event = "idempotency.lease_renewed", "renewed the claim");
-            true
+            Renewed::Held
         }
         Ok(Renewal::Restored) => {
             tracing::warn!(
                 event = "idempotency.claim_restored",
                 "the store had lost this request's claim (restarted without persistence, or the lease ran out unrenewed); it is back, but a duplicate may have run meanwhile"
             );
-            true
+            Renewed::Held
         }
         Ok(Renewal::Lost) => {
             tracing::warn!(
                 event = "idempotency.lease_lost",
-                "another request holds this key now: this request's claim ran out while it was running, and its outcome will not be stored"
+                "another request holds this key now: this request's claim ran out while it was running; its outcome is stored once that request's claim is settled, unless a record takes the key first"
             );
-            false
+            Renewed::Lost
         }
         Err(error) => {
             tracing::warn!(
                 event = "idempotency.store_failed",
                 error = %Chain(&error),
                 phase = "renew",
-                "could not renew the claim; trying again at the next renewal"
+                "could not renew the claim; trying again in 50 ms"
             );
-            true
+            Renewed::Failed
         }
     }
 }
@@ -362,13 +422,16 @@ async fn release<St: IdempotencyStore>(
     lease: &Lease,
     hold: Duration,
     reason: &'static str,
+    settling: &Arc<Settling>,
 ) {
     if try_release(&**store, scope, lease, reason, 1).await {
         return;
     }
     let (store, scope, lease) = (store.clone(), *scope, lease.clone());
     let until = tokio::time::Instant::now() + hold;
+    let pending = settling.enter(Owed::Release, tracing::Span::current());
     let retry = async move {
+        let _pending = pending;
         let mut pause = FIRST_STORE_RETRY_PAUSE;
         for attempts in 2.. {
             if tokio::time::Instant::now() + pause >= until {
@@ -469,8 +532,10 @@ fn report(completion: Completion, record: &Record, ttl: Duration, attempts: u32)
             event = "idempotency.lease_lost",
             status,
             attempts,
-            "another request holds this key or stored its outcome: this request's claim ran out while it was running, and its outcome was not stored"
+            "another request stored its outcome for this key: this request's claim ran out while it was running, and its outcome was not stored"
         ),
+        // Kept and tried again by the caller, never reported as settled.
+        Completion::ClaimedByAnother => {}
     }
 }
 
@@ -491,6 +556,8 @@ struct Outcome {
 /// other replicas find the claim and get `409` too.
 #[derive(Default)]
 pub(crate) struct KeptOutcomes {
+    /// The layer's register of unsettled work, which [`Drain`](super::Drain) reads.
+    pub(crate) settling: Arc<Settling>,
     by_scope: Mutex<HashMap<ScopeKey, Arc<Waiting>>>,
     /// Entries in `by_scope`, read without the lock on every request.
     count: AtomicUsize,
@@ -572,7 +639,9 @@ impl KeptOutcomes {
         self.lock().insert(scope, waiting.clone());
         self.count.fetch_add(1, Ordering::Release);
         let kept = self.clone();
+        let pending = self.settling.enter(Owed::Outcome, tracing::Span::current());
         let task = async move {
+            let _pending = pending;
             store_until_done(&*store, &scope, &outcome, &waiting).await;
             kept.lock().remove(&scope);
             kept.count.fetch_sub(1, Ordering::Release);
@@ -584,8 +653,11 @@ impl KeptOutcomes {
     }
 }
 
-/// Tries to store `outcome` until the store answers, renewing the claim between
-/// attempts so that no retry can take the key meanwhile.
+/// Tries to store `outcome` until the store takes it or a record holds the key,
+/// renewing the claim between attempts so that no retry can take the key meanwhile. If
+/// another request's claim holds the key (this one's ran out), waits for that claim to
+/// be settled: it may be released without running (its own store call failed), and
+/// then this outcome is what keeps the handler from running again.
 async fn store_until_done<St: IdempotencyStore>(
     store: &St,
     scope: &ScopeKey,
@@ -605,6 +677,13 @@ async fn store_until_done<St: IdempotencyStore>(
             store.complete(scope, &outcome.lease, outcome.record.clone(), outcome.ttl),
         );
         match completed.await {
+            Ok(Completion::ClaimedByAnother) => {
+                tracing::debug!(
+                    event = "idempotency.claim_lapsed",
+                    attempts,
+                    "another request's claim holds the key; trying again once it is settled"
+                );
+            }
             Ok(completion) => return report(completion, &outcome.record, outcome.ttl, attempts),
             Err(error) => {
                 tracing::debug!(

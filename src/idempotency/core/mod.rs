@@ -8,11 +8,13 @@
 //! fix or a metric lands once for every transport.
 
 mod detach;
+mod drain;
 mod engine;
 mod lease;
 pub(crate) mod observe;
 mod settings;
 
+pub use self::drain::{Drain, Drained};
 pub use self::settings::{
     InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
 };

@@ -6,7 +6,7 @@ use tower_layer::Layer;
 
 use super::GrpcIdempotency;
 use crate::idempotency::{
-    core::{observe::LayerOrder, Engine, InFlight, StoreFailure},
+    core::{observe::LayerOrder, Drain, Engine, InFlight, StoreFailure},
     http::{per_attempt_headers, Budget, NoClient},
     store::{IdempotencyStore, MokaStore},
     DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
@@ -134,6 +134,13 @@ impl<St, C> GrpcIdempotencyLayer<St, C> {
         self
     }
 
+    /// A handle to wait, when the service stops, for what this layer (and its clones)
+    /// still owes the store: handlers that run on for clients that hung up, outcomes
+    /// kept until the store takes them, releases not yet answered. See [`Drain`].
+    pub fn drain(&self) -> Drain {
+        self.engine.drain()
+    }
+
     /// The largest request read (its messages, framed). Default
     /// [`DEFAULT_MAX_REQUEST_BYTES`]; larger is `RESOURCE_EXHAUSTED`, and nothing runs.
     pub fn max_request_bytes(mut self, max: usize) -> Self {
@@ -199,10 +206,11 @@ impl<St, C> fmt::Debug for GrpcIdempotencyLayer<St, C> {
     }
 }
 
-impl<S, St, C: Clone> Layer<S> for GrpcIdempotencyLayer<St, C> {
+impl<S, St: IdempotencyStore, C: Clone> Layer<S> for GrpcIdempotencyLayer<St, C> {
     type Service = GrpcIdempotency<S, St, C>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.engine.check_lease();
         GrpcIdempotency {
             inner,
             engine: self.engine.clone(),

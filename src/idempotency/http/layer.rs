@@ -11,7 +11,7 @@ use super::{
 };
 use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
 use crate::idempotency::{
-    core::{observe::LayerOrder, Engine, InFlight, StoreFailure},
+    core::{observe::LayerOrder, Drain, Engine, InFlight, StoreFailure},
     store::{IdempotencyStore, MokaStore},
     ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
     ORIGINAL_ATTEMPT_ID,
@@ -303,6 +303,13 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
+    /// A handle to wait, when the service stops, for what this layer (and its clones)
+    /// still owes the store: handlers that run on for clients that hung up, outcomes
+    /// kept until the store takes them, releases not yet answered. See [`Drain`].
+    pub fn drain(&self) -> Drain {
+        self.engine.drain()
+    }
+
     /// The most response bytes this layer keeps for outcomes the store could not take
     /// when their request ended (they are stored from a task of their own as soon as
     /// it can). Default [`DEFAULT_MAX_KEPT_BYTES`]; past it, an outcome is kept without
@@ -419,6 +426,7 @@ impl<S, St: IdempotencyStore, C: Clone, E: Clone> Layer<S> for IdempotencyLayer<
     type Service = Idempotency<S, St, C, E>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.engine.check_lease();
         Idempotency {
             inner,
             engine: self.engine.clone(),

@@ -4,7 +4,7 @@ use tower_layer::Layer;
 
 use super::{MessageIdempotency, NoMessageKey};
 use crate::idempotency::{
-    core::Engine,
+    core::{Drain, Engine},
     store::{IdempotencyStore, MokaStore},
     InFlight, StoreFailure, DEFAULT_MAX_RESPONSE_BYTES,
 };
@@ -132,6 +132,13 @@ impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
         self
     }
 
+    /// A handle to wait, when the service stops, for what this layer (and its clones)
+    /// still owes the store: handlers that run on for clients that hung up, outcomes
+    /// kept until the store takes them, releases not yet answered. See [`Drain`].
+    pub fn drain(&self) -> Drain {
+        self.engine.drain()
+    }
+
     /// The largest outcome (the handler's response) kept, as JSON; a larger one is
     /// returned to this delivery and recorded as run without it, so its duplicates are
     /// refused (`idempotency.not_replayable`), never run again. Default
@@ -202,6 +209,7 @@ impl<S, R, K, St: IdempotencyStore> Layer<S> for MessageIdempotencyLayer<R, K, S
     type Service = MessageIdempotency<S, K, R, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.engine.check_lease();
         MessageIdempotency {
             inner,
             extract: self.extract.clone(),

@@ -141,9 +141,10 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Renewal, StoreError>> + Send;
 
     /// Stores the outcome of the claimed request for `ttl`, unless another request
-    /// holds the scope or stored its outcome ([`Completion::Superseded`]). A claim that
-    /// is gone with nothing in its place does not stop it: the request ran, and its
-    /// outcome is what keeps it from running again.
+    /// stored its outcome ([`Completion::Superseded`]) or holds the scope now
+    /// ([`Completion::ClaimedByAnother`]: the layer tries again once that claim is
+    /// settled). A claim that is gone with nothing in its place does not stop it: the
+    /// request ran, and its outcome is what keeps it from running again.
     ///
     /// Must be safe to repeat: completing twice with one lease stores once, and the
     /// second call answers [`Completion::Stored`] (the layer retries a completion
@@ -170,6 +171,16 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         scope: &ScopeKey,
         timeout: Duration,
     ) -> impl Future<Output = Result<Settled, StoreError>> + Send;
+
+    /// The longest from this store answering again after an outage to one of its calls
+    /// succeeding: a call's timeout (one sent just before the store came back may
+    /// wait it out), plus the time to reconnect. The layers refuse a lease a quarter
+    /// of which does not cover it, and the pause before a failed renewal is tried
+    /// again (see [the guarantees](crate::guide::guarantees)). Default zero, for a
+    /// store in process.
+    fn recovery_time(&self) -> Duration {
+        Duration::ZERO
+    }
 
     /// A transaction to offer the handler of a claimed request, for a store that can
     /// commit the request's record in the handler's own database transaction (so the
@@ -301,14 +312,20 @@ pub enum Completion {
     /// The outcome is stored, but the claim had gone (the store lost it, or it ran
     /// out): a duplicate may have run meanwhile.
     StoredWithoutClaim,
-    /// Another request holds the scope or stored its outcome; this one is not stored.
+    /// Another request stored its outcome; this one is not stored, and never will be.
     Superseded,
+    /// Another request's claim holds the scope (this one's ran out and was taken),
+    /// and no outcome is stored: this one is not stored now. The layer keeps it and
+    /// tries again until that claim is settled: completed (then this one is
+    /// [`Superseded`](Self::Superseded)) or released without running (then this one
+    /// is stored, and keeps the handler from running again).
+    ClaimedByAnother,
 }
 
 impl Completion {
     /// Whether the outcome is now in the store.
     pub fn is_stored(self) -> bool {
-        !matches!(self, Self::Superseded)
+        matches!(self, Self::Stored | Self::StoredWithoutClaim)
     }
 }
 

@@ -473,7 +473,9 @@ impl IdempotencyStore for MokaStore {
             Some(Scope::InFlight(claim)) if claim.token == token && claim.holds(now) => {
                 (Completion::Stored, claim.request_count)
             }
-            Some(Scope::InFlight(other)) if other.holds(now) => return Ok(Completion::Superseded),
+            Some(Scope::InFlight(other)) if other.holds(now) => {
+                return Ok(Completion::ClaimedByAnother)
+            }
             // Our claim, or another's, lost and not taken over since.
             Some(Scope::InFlight(lost)) => (Completion::StoredWithoutClaim, lost.request_count),
             Some(Scope::Stored(record)) => match record.upgrade() {

@@ -429,7 +429,7 @@ impl Statements {
         );
         let complete_late = guarded(&complete_late, 9, true);
         let completed_by =
-            format!("SELECT token = $2 AND completed AS ours FROM {t} WHERE scope = $1");
+            format!("SELECT token = $2 AND completed AS ours, completed FROM {t} WHERE scope = $1");
         let release = guarded(
             &format!(
                 "DELETE FROM {t} WHERE scope = $1 AND token = $2 AND NOT completed RETURNING 1"
@@ -538,6 +538,11 @@ fn first_seen_ms(lease: &Lease) -> i64 {
 }
 
 impl IdempotencyStore for PostgresStore {
+    fn recovery_time(&self) -> Duration {
+        // The pool opens a connection on demand, within the command's own bound.
+        self.shared.timeout
+    }
+
     fn handler_transaction(&self) -> Option<Box<dyn HandlerTransaction>> {
         Some(Box::new(transaction::Offered::new(self.shared.clone())))
     }
@@ -676,19 +681,21 @@ impl IdempotencyStore for PostgresStore {
         if late == 1 {
             return Ok(Completion::StoredWithoutClaim);
         }
-        let ours: Option<bool> = self
+        let holder: Option<(bool, bool)> = self
             .bounded(
                 "reading a record in PostgreSQL",
-                sqlx::query_scalar(&self.shared.sql.completed_by)
+                sqlx::query_as(&self.shared.sql.completed_by)
                     .bind(&scope.as_bytes()[..])
                     .bind(&token[..])
                     .fetch_optional(&self.shared.pool),
             )
             .await?;
-        Ok(if ours == Some(true) {
-            Completion::Stored
-        } else {
-            Completion::Superseded
+        Ok(match holder {
+            Some((true, _)) => Completion::Stored,
+            Some((false, true)) => Completion::Superseded,
+            // Another live claim; or none since the late insert (released meanwhile):
+            // either way, try again.
+            Some((false, false)) | None => Completion::ClaimedByAnother,
         })
     }
 

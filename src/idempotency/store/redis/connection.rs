@@ -17,6 +17,15 @@ use redis::{
 use super::scripts::StoreScript;
 use crate::idempotency::store::StoreError;
 
+/// The longest pause between two attempts to reconnect: 50 ms. After an outage a
+/// claim outlives only if a renewal lands soon after Redis accepts connections again,
+/// so the client must not be sleeping then; an attempt on a server that is down is
+/// refused at once and costs next to nothing.
+pub(super) const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(50);
+
+/// The first pause before reconnecting, doubled up to [`RECONNECT_MAX_DELAY`].
+const RECONNECT_MIN_DELAY: Duration = Duration::from_millis(10);
+
 /// A connection to one Redis node (reconnecting by itself) or to a cluster.
 #[derive(Clone)]
 pub(super) enum Connection {
@@ -65,7 +74,8 @@ impl Connection {
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(answer_within))
-            .set_max_delay(Duration::from_secs(1));
+            .set_min_delay(RECONNECT_MIN_DELAY)
+            .set_max_delay(RECONNECT_MAX_DELAY);
         let connection = tokio::time::timeout(
             timeout * 4,
             ConnectionManager::new_with_config(client, config),
@@ -89,6 +99,9 @@ impl Connection {
             // A failover takes seconds: the store's own timeout, not the client's
             // retries, decides how long a request waits for it.
             .retries(2)
+            // And between its retries, as a single node's reconnects.
+            .min_retry_wait(millis(RECONNECT_MIN_DELAY))
+            .max_retry_wait(millis(RECONNECT_MAX_DELAY))
             .build()
             .map_err(|e| StoreError::with_source("invalid Redis Cluster seed URLs", e))?;
         let connection = tokio::time::timeout(timeout * 4, client.get_async_connection())
@@ -196,6 +209,10 @@ impl Connection {
 pub(super) struct Wait {
     pub(super) replicas: u32,
     pub(super) timeout: Duration,
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Every `TIME` answer (two integers) in `value`, as microseconds.

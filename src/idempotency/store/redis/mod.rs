@@ -8,7 +8,7 @@ use redis::{Cmd, FromRedisValue};
 use serde::{Deserialize, Serialize};
 
 use self::{
-    connection::{Connection, Wait},
+    connection::{Connection, Wait, RECONNECT_MAX_DELAY},
     scripts::{StoreScript, BEGIN, COMPLETE, COUNT, RELEASE, RENEW, TOKEN_LEN},
 };
 use super::{
@@ -401,6 +401,12 @@ impl Expiry<ScopeKey, Local> for LocalExpiry {
 }
 
 impl IdempotencyStore for RedisStore {
+    fn recovery_time(&self) -> Duration {
+        self.command_timeout
+            + self.wait.map_or(Duration::ZERO, |wait| wait.timeout)
+            + RECONNECT_MAX_DELAY
+    }
+
     async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
         let [record_key, claim_key, count_key] = self.keys(scope);
         if let Some(local) = &self.local {
@@ -517,6 +523,7 @@ impl IdempotencyStore for RedisStore {
         let completion = match completed {
             1 => Completion::Stored,
             2 => Completion::StoredWithoutClaim,
+            3 => Completion::ClaimedByAnother,
             _ => Completion::Superseded,
         };
         if completion.is_stored() {

@@ -80,7 +80,8 @@ return 2
 /// "claimed" or "stored" writes, even on a repeat: Redis's `WAIT` covers a connection's
 /// last write, and a repeat on a new connection must not pass it for nothing.
 /// KEYS: record, claim, count. ARGV: token, record (token first), ttl ms, deadline.
-/// Returns 1 stored, 2 stored with the claim gone, 0 superseded.
+/// Returns 1 stored, 2 stored with the claim gone, 0 superseded by another record, 3
+/// another claim holds the scope.
 pub(super) const COMPLETE: &str = concat!(
     refuse_when_late!("4"),
     r"
@@ -97,7 +98,7 @@ local claim = redis.call('GET', KEYS[2])
 local result = 2
 if claim then
   if string.sub(claim, 1, 16) ~= ARGV[1] then
-    return 0
+    return 3
   end
   result = 1
 end

@@ -1,0 +1,198 @@
+//! What a layer still owes the store when its service stops: handlers that run on for
+//! clients that hung up, outcomes kept until the store takes them, and releases the
+//! store has not answered yet. Each registers while it lasts, so a graceful stop can
+//! wait for them and name the ones it could not wait for.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex, PoisonError,
+    },
+    time::Duration,
+};
+
+use tokio::sync::watch;
+
+/// What one piece of unsettled work is doing, as the drain's WARN event says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owed {
+    /// A handler still running in a task of its own (its client went away).
+    Handler,
+    /// An outcome kept until the store takes it.
+    Outcome,
+    /// A key to give up once the store answers.
+    Release,
+}
+
+impl Owed {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Handler => "handler_running",
+            Self::Outcome => "outcome_kept",
+            Self::Release => "release_pending",
+        }
+    }
+}
+
+/// The unsettled work of one layer and its clones.
+#[derive(Default)]
+pub(crate) struct Settling {
+    next: AtomicU64,
+    pending: Mutex<HashMap<u64, (Owed, tracing::Span)>>,
+    /// How many are pending, for waiters.
+    count: watch::Sender<usize>,
+}
+
+impl Settling {
+    /// Registers work owed in `span` (its request's) until the returned guard drops.
+    pub(crate) fn enter(self: &Arc<Self>, owed: Owed, span: tracing::Span) -> Pending {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut pending = self.lock();
+        pending.insert(id, (owed, span));
+        self.count.send_replace(pending.len());
+        Pending {
+            settling: self.clone(),
+            id,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Owed, tracing::Span)>> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Work registered with [`Settling`]; it is settled when this drops.
+pub(crate) struct Pending {
+    settling: Arc<Settling>,
+    id: u64,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let mut pending = self.settling.lock();
+        let removed = pending.remove(&self.id);
+        self.settling.count.send_replace(pending.len());
+        drop(pending);
+        drop(removed);
+    }
+}
+
+/// Waits, at shutdown, for what an idempotency layer still owes its store.
+///
+/// A layer finishes some work after its response has gone: a handler whose client
+/// hung up runs to completion in a task of its own, an outcome the store could not take
+/// is kept and stored later, and a key whose release the store did not answer is
+/// released again. A process that exits before they end leaves their keys claimed
+/// until the lease runs out, and then a retry runs the handler again. Stop taking
+/// requests (axum's `with_graceful_shutdown` returns once every connection is done),
+/// then call [`wait`](Self::wait) with a deadline before letting the runtime go.
+///
+/// Got from the layer: [`IdempotencyLayer::drain`](crate::idempotency::IdempotencyLayer::drain),
+/// [`MessageIdempotencyLayer::drain`](crate::idempotency::message::MessageIdempotencyLayer::drain)
+/// or, with the `grpc` feature, `GrpcIdempotencyLayer::drain`. Clones of a layer
+/// (per-route variants made from one layer included) share it; layers made apart each
+/// have their own.
+///
+/// ```
+/// use std::time::Duration;
+/// use axum::{routing::post, Router};
+/// use tower_ids::{correlation::CorrelationLayer, idempotency::IdempotencyLayer};
+///
+/// # async fn run() -> std::io::Result<()> {
+/// let idempotency = IdempotencyLayer::new();
+/// let drain = idempotency.drain();
+/// let app = Router::new()
+///     .route("/orders", post(|| async { "created" }).layer(idempotency))
+///     .layer(CorrelationLayer::new());
+/// let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+/// axum::serve(listener, app)
+///     .with_graceful_shutdown(async { /* e.g. tokio::signal::ctrl_c() */ })
+///     .await?;
+/// // Every connection is done; now what the layer still owes the store.
+/// let drained = drain.wait(Duration::from_secs(10)).await;
+/// assert!(drained.is_complete());
+/// # Ok(())
+/// # }
+/// # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
+/// ```
+///
+/// # Clone
+///
+/// Clones wait for the same work.
+#[derive(Clone)]
+pub struct Drain {
+    settling: Arc<Settling>,
+}
+
+impl std::fmt::Debug for Drain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drain")
+            .field("pending", &self.pending())
+            .finish()
+    }
+}
+
+/// What [`Drain::wait`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Drained {
+    /// Work still unsettled at the deadline: each one was named in a WARN event
+    /// `idempotency.drain_unsettled`.
+    pub unsettled: usize,
+}
+
+impl Drained {
+    /// Whether everything settled before the deadline.
+    pub fn is_complete(&self) -> bool {
+        self.unsettled == 0
+    }
+}
+
+impl Drain {
+    pub(crate) fn new(settling: Arc<Settling>) -> Self {
+        Self { settling }
+    }
+
+    /// How much work is unsettled now.
+    pub fn pending(&self) -> usize {
+        *self.settling.count.borrow()
+    }
+
+    /// Waits until every handler the layer detached has finished and every outcome it
+    /// kept is stored (or its release answered), or `timeout` has passed. Each piece
+    /// still unsettled then gets a WARN event `idempotency.drain_unsettled`, in its
+    /// request's span (so with its `idempotency_key` and `correlation_id`), saying
+    /// what it was doing (`owed`: `handler_running`, `outcome_kept` or
+    /// `release_pending`): its key stays claimed until the lease runs out, and a
+    /// retry after that may run the handler again.
+    pub async fn wait(&self, timeout: Duration) -> Drained {
+        let mut count = self.settling.count.subscribe();
+        let settled = tokio::time::timeout(timeout, count.wait_for(|pending| *pending == 0));
+        if matches!(settled.await, Ok(Ok(_))) {
+            tracing::info!(
+                event = "idempotency.drained",
+                "every outcome this layer owed the store is settled"
+            );
+            return Drained { unsettled: 0 };
+        }
+        let pending: Vec<_> = self
+            .settling
+            .lock()
+            .values()
+            .map(|(owed, span)| (*owed, span.clone()))
+            .collect();
+        for (owed, span) in &pending {
+            tracing::warn!(
+                parent: span,
+                event = "idempotency.drain_unsettled",
+                owed = owed.as_str(),
+                timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                "shutting down with this key unsettled: it stays claimed until the lease runs out, and a retry after that may run the handler again"
+            );
+        }
+        Drained {
+            unsettled: pending.len(),
+        }
+    }
+}
