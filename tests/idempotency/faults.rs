@@ -1,7 +1,8 @@
 //! The completion path under store faults, through a real axum server: an outcome the
 //! store cannot take is kept (never released) and stored later, duplicates get `409` or
-//! wait meanwhile, the budget for kept outcomes holds, and a handler may outlive its
-//! lease.
+//! wait meanwhile, the budget for kept outcomes holds, a handler may outlive its
+//! lease, a graceful stop drains what the layer still owes the store, and a lease too
+//! short for the store's recovery time is refused.
 
 use std::{
     sync::{
@@ -12,6 +13,7 @@ use std::{
 };
 
 use http::StatusCode;
+use tower_ids::correlation::CorrelationLayer;
 use tower_ids::idempotency::{
     store::ScopeKey,
     store::{
@@ -29,6 +31,11 @@ struct Flaky {
     inner: MokaStore,
     down: Arc<AtomicBool>,
     refused: Arc<AtomicUsize>,
+    /// What it says of its [`recovery_time`](IdempotencyStore::recovery_time).
+    recovery: Duration,
+    /// Stores a completion but answers it with an error, as Redis whose replicas do
+    /// not acknowledge the write (`WAIT`).
+    unacknowledged: Arc<AtomicBool>,
 }
 
 impl Flaky {
@@ -50,6 +57,9 @@ impl Flaky {
 }
 
 impl IdempotencyStore for Flaky {
+    fn recovery_time(&self) -> Duration {
+        self.recovery
+    }
     async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
         self.inner.begin(scope, claim).await
     }
@@ -74,7 +84,11 @@ impl IdempotencyStore for Flaky {
         if self.is_down() {
             return Err(self.refuse());
         }
-        self.inner.complete(scope, lease, record, ttl).await
+        let completion = self.inner.complete(scope, lease, record, ttl).await?;
+        if self.unacknowledged.load(Ordering::SeqCst) {
+            return Err(self.refuse());
+        }
+        Ok(completion)
     }
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
         self.inner.release(scope, lease).await
@@ -229,4 +243,135 @@ async fn a_handler_running_three_times_the_lease_is_not_run_again() {
         "{seen:?}"
     );
     assert_eq!(replay.body, first.body);
+}
+
+/// The store goes away as the handler returns: the outcome is kept. A drain with a
+/// deadline shorter than the outage names the key it could not settle; once the store
+/// is back, a drain sees everything settled, and the retry replays.
+#[tokio::test]
+async fn a_drain_waits_for_kept_outcomes_and_names_the_keys_it_could_not_settle() {
+    let (logs, _guard) = Logs::capture();
+    let store = Flaky::default();
+    let layer = IdempotencyLayer::with_store(store.clone());
+    let drain = layer.drain();
+    let app = start(layer).await;
+    assert_eq!(drain.pending(), 0);
+
+    store.set_down(true);
+    let first = app.post("/commands", &[KEY], BODY).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(drain.pending(), 1, "the kept outcome is owed");
+    let cut_short = drain.wait(Duration::from_millis(200)).await;
+
+    assert_eq!(cut_short.unsettled, 1);
+    assert!(!cut_short.is_complete());
+    let unsettled = logs.events("idempotency.drain_unsettled");
+    assert_eq!(unsettled.len(), 1, "{}", logs.raw());
+    assert_eq!(unsettled[0]["level"], "WARN");
+    assert_eq!(unsettled[0]["fields"]["owed"], "outcome_kept");
+    assert_eq!(
+        unsettled[0]["span"]["idempotency_key"], KEY.1,
+        "names the key"
+    );
+    assert!(unsettled[0]["span"]["correlation_id"].is_string());
+
+    store.set_down(false);
+    let drained = drain.wait(Duration::from_secs(3)).await;
+    assert!(drained.is_complete());
+    assert_eq!(logs.events("idempotency.drained").len(), 1);
+    let replay = app.post("/commands", &[KEY], BODY).await;
+    assert!(replayed(&replay));
+    assert_eq!(replay.body, first.body);
+    assert_eq!(app.runs.get(), 1);
+}
+
+/// A client hangs up mid-handler: the handler runs on in a task of its own, and a
+/// drain waits for it to finish and for its outcome to be stored.
+#[tokio::test]
+async fn a_drain_waits_for_a_handler_whose_client_hung_up() {
+    let layer = IdempotencyLayer::new();
+    let drain = layer.drain();
+    let app = start(layer).await;
+
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        app.post("/commands", &[KEY, ("x-delay-ms", "500")], BODY),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the client hung up before the response");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(drain.pending(), 1, "the detached handler is owed");
+    let began = Instant::now();
+    let drained = drain.wait(Duration::from_secs(5)).await;
+
+    assert!(drained.is_complete());
+    assert!(
+        began.elapsed() >= Duration::from_millis(300),
+        "it waited for the handler: {:?}",
+        began.elapsed()
+    );
+    let replay = app.post("/commands", &[KEY], BODY).await;
+    assert!(replayed(&replay), "stored before the drain returned");
+    assert_eq!(app.runs.get(), 1);
+}
+
+/// A quarter of the lease must cover the store's recovery time and the 50 ms before a
+/// failed renewal is tried again; a layer that cannot keep that promise is refused
+/// when it is applied, with a message that says why and what would do.
+#[test]
+fn a_lease_too_short_for_the_store_is_refused() {
+    let store = Flaky {
+        recovery: Duration::from_millis(700),
+        ..Flaky::default()
+    };
+    let too_short = IdempotencyLayer::with_store(store.clone()).lease(Duration::from_secs(2));
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        axum::Router::<()>::new()
+            .route("/", axum::routing::post(|| async { "ok" }).layer(too_short))
+            .layer(CorrelationLayer::new())
+    }));
+    let message = refused.expect_err("refused");
+    let message = message
+        .downcast_ref::<String>()
+        .expect("a formatted message");
+    assert!(
+        message.contains("a lease of 2s cannot outlive a store outage")
+            && message.contains("set a lease of at least 3s"),
+        "{message}"
+    );
+
+    // A lease whose quarter covers 700 ms and 50 ms is accepted, as is the default
+    // 10 s lease.
+    for layer in [
+        IdempotencyLayer::with_store(store.clone()).lease(Duration::from_secs(3)),
+        IdempotencyLayer::with_store(store),
+    ] {
+        let _ = axum::Router::<()>::new()
+            .route("/", axum::routing::post(|| async { "ok" }).layer(layer));
+    }
+}
+
+/// The store took the outcome but never confirmed it (a shard whose replicas cannot
+/// acknowledge): the replica that ran the request keeps it and tries again, yet answers
+/// its duplicates as the store would, with the replay, not `409` until the store
+/// confirms.
+#[tokio::test]
+async fn a_replica_keeping_an_outcome_the_store_holds_replays_it() {
+    let store = Flaky::default();
+    store.unacknowledged.store(true, Ordering::SeqCst);
+    let app = start(IdempotencyLayer::with_store(store.clone())).await;
+
+    let first = app.post("/commands", &[KEY], BODY).await;
+    let duplicate = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(
+        replayed(&duplicate),
+        "{} {}",
+        duplicate.status,
+        duplicate.text()
+    );
+    assert_eq!(duplicate.body, first.body);
+    assert!(store.refused.load(Ordering::SeqCst) >= 1, "never confirmed");
+    assert_eq!(app.runs.get(), 1);
 }
