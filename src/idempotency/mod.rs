@@ -115,6 +115,10 @@
 //!   stores it from a task of its own, with backoff, renewing the claim, until it is
 //!   stored; duplicates get `409` (or wait) meanwhile. [The guarantees
 //!   page](crate::guide::guarantees) says what holds under which fault, for each store.
+//! - **A graceful stop drains**: [`drain`](IdempotencyLayer::drain) gives a
+//!   [`Drain`] to wait on, once the server has stopped taking requests, for detached
+//!   handlers and kept outcomes; what it cannot settle by its deadline is named in a
+//!   WARN ([a graceful stop](crate::guide::guarantees#a-graceful-stop)).
 //! - **Stores**: [`MokaStore`] in process (the default), `RedisStore` (feature
 //!   `redis`) for a service that runs as several replicas, or `PostgresStore` (feature
 //!   `postgres`) for records that outlive anything, with the handler's writes committed

@@ -129,6 +129,11 @@ impl<St, C> GrpcIdempotencyLayer<St, C> {
     /// The longest store outage a running call's claim outlives. Default
     /// [`DEFAULT_LEASE`]; as the HTTP layer's
     /// [`lease`](crate::idempotency::IdempotencyLayer::lease).
+    ///
+    /// # Panics
+    ///
+    /// When the layer is applied, if the lease is too short for the store, as the HTTP
+    /// layer's [`lease`](crate::idempotency::IdempotencyLayer::lease) says.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.engine.policy.lease = lease;
         self

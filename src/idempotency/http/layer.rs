@@ -294,10 +294,15 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// lease and half again and is renewed every quarter of the lease while the
     /// handler runs, so a handler may run longer than its lease, and a crashed worker
     /// locks its key for at most one and a half leases. A shorter lease frees such keys
-    /// sooner but renews more often; keep it at least four times the longest a store
-    /// call may take (the command timeout, plus the replicas' wait with
-    /// `wait_for_replicas`): the renewal's own round trip is what the quarter is kept
-    /// for.
+    /// sooner but renews more often.
+    ///
+    /// # Panics
+    ///
+    /// When the layer is applied, if a quarter of the lease does not cover the store's
+    /// [`recovery_time`](IdempotencyStore::recovery_time) (its command timeout, the
+    /// replicas' wait, reconnecting) plus the 50 ms before a failed renewal is tried
+    /// again: such a claim could run out in an outage shorter than the lease. The
+    /// message names the shortest lease that would do.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.engine.policy.lease = lease;
         self

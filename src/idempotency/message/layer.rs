@@ -127,6 +127,11 @@ impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
     /// leases. Default
     /// [`DEFAULT_LEASE`] (10 s). A redelivery of the message of a consumer that was
     /// killed mid-handler waits out the rest of it ([`Handled::InFlight`](super::Handled::InFlight)).
+    ///
+    /// # Panics
+    ///
+    /// When the layer is applied, if the lease is too short for the store, as the HTTP
+    /// layer's [`lease`](crate::idempotency::IdempotencyLayer::lease) says.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.engine.policy.lease = lease;
         self
