@@ -135,6 +135,8 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         };
         let period = (self.claim.lease / 6).max(Duration::from_millis(1));
         let mut pause = period;
+        // Renewals failed in a row: the first is a WARN, the rest, 50 ms apart, DEBUG.
+        let mut failed = 0;
         tokio::pin!(work);
         // A handler that is ready at once never makes a timer.
         let first = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
@@ -148,7 +150,7 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                 output = &mut work => return output,
                 () = tokio::time::sleep(pause) => {}
             }
-            let renewal = renew(&*self.store, &self.scope, lease, &self.claim);
+            let renewal = renew(&*self.store, &self.scope, lease, &self.claim, failed);
             tokio::pin!(renewal);
             let renewed = tokio::select! {
                 biased;
@@ -162,10 +164,16 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                 renewed = &mut renewal => renewed,
             };
             pause = match renewed {
-                Renewed::Held => period,
+                Renewed::Held => {
+                    failed = 0;
+                    period
+                }
                 // Until one lands: the claim outlives an outage only if a renewal lands
                 // soon after the store is back.
-                Renewed::Failed => RENEWAL_RETRY_PAUSE.min(period),
+                Renewed::Failed => {
+                    failed += 1;
+                    RENEWAL_RETRY_PAUSE.min(period)
+                }
                 Renewed::Lost => return work.await,
             };
         }
@@ -373,12 +381,13 @@ enum Renewed {
     Lost,
 }
 
-/// One renewal.
+/// One renewal, after `failed` renewals that failed in a row.
 async fn renew<St: IdempotencyStore>(
     store: &St,
     scope: &ScopeKey,
     lease: &Lease,
     claim: &Claim,
+    failed: u32,
 ) -> Renewed {
     match observe::store_call("renew", store.renew(scope, lease, claim)).await {
         Ok(Renewal::Extended) => {
@@ -399,12 +408,22 @@ async fn renew<St: IdempotencyStore>(
             );
             Renewed::Lost
         }
-        Err(error) => {
+        Err(error) if failed == 0 => {
             tracing::warn!(
                 event = "idempotency.store_failed",
                 error = %Chain(&error),
                 phase = "renew",
-                "could not renew the claim; trying again in 50 ms"
+                "could not renew the claim; trying again every 50 ms until a renewal lands"
+            );
+            Renewed::Failed
+        }
+        Err(error) => {
+            tracing::debug!(
+                event = "idempotency.store_failed",
+                error = %Chain(&error),
+                phase = "renew",
+                attempts = failed + 1,
+                "still cannot renew the claim; trying again"
             );
             Renewed::Failed
         }
