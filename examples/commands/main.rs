@@ -99,14 +99,19 @@
 //! | `--redis-wait-replicas` | `0` | with Redis: a claim and a completion count only once this many replicas acknowledged them (`WAIT`, within 500 ms); not acknowledged, the request is answered `503` without running, or its outcome is kept and stored again |
 //! | `--amqp-url` | none (log only) | also publish each event to RabbitMQ (`amqp://USER:PASS@HOST:PORT/VHOST`), see [AMQP](#amqp); if the broker cannot be reached at start, the service logs a WARN and publishes by log only |
 //! | `--amqp-exchange` | `commands` | the topic exchange `--amqp-url` publishes to, declared durable at start |
+//! | `--drain-timeout-ms` | `10000` | at a graceful stop, once every connection is done: how long to wait for what the idempotency layer still owes its store (see below) |
 //! | `--database-url` | none (in memory) | with `--features postgres`: DB mode, with the commands, their outbox and the idempotency records in this PostgreSQL database (`postgres://USER@HOST:PORT/DATABASE`), shared by every replica started with the same URL; the tables are created at start if missing; if the database cannot be reached at start the service exits. Not with `--redis-url` |
 //!
 //! Once bound, the service logs `listening on http://ADDR` with the real address, so a
 //! script can start it on port `0` and grep the log for the URL. `RUST_LOG` sets the
 //! filter (default `info`). Ctrl-C (or SIGTERM) stops it gracefully: it stops accepting,
 //! closes idle connections, lets in-flight requests finish (each within the timeouts
-//! below) and drains the queue (in DB mode, the publisher finishes its batch and the
-//! rows still pending wait in the outbox).
+//! below), then waits up to `--drain-timeout-ms` for what the idempotency layer still
+//! owes its store (an outcome kept while Redis was away, a handler whose client hung up:
+//! [`Drain`]), and drains the queue (in DB mode, the publisher finishes its batch and the
+//! rows still pending wait in the outbox). It exits 0 either way; a WARN
+//! `idempotency.drain_unsettled` per key left says which keys stay claimed until their
+//! lease runs out.
 //!
 //! # Limits
 //!
@@ -321,6 +326,10 @@
 //! | `commands.open_files_limit_failed` | WARN | the open-files limit could not be raised |
 //! | `commands.internal_error` | ERROR | an error reached the limits' error handler that was not a shed request (none is expected) |
 //! | `commands.accept_failed` | WARN | accepting a connection failed (for example out of file descriptors); the loop pauses 100 ms |
+//! | `commands.shutting_down` | INFO | Ctrl-C or SIGTERM (`signal`): the listener is closed, the requests in flight finish |
+//! | `shutdown.drained` | INFO | every connection is done and the idempotency layer owes its store nothing (`waited_ms`; `pending`: what it owed when the wait began) |
+//! | `shutdown.drain_incomplete` | WARN | `--drain-timeout-ms` passed with work still owed (`unsettled`); each piece was named in an `idempotency.drain_unsettled` WARN in its request's span |
+//! | `commands.stopped` | INFO | the queue is drained; the process exits 0 |
 //!
 //! The idempotency layer adds its own events: its steps (`idempotency.replayed`,
 //! `idempotency.stored`, ...) at DEBUG (`RUST_LOG=info,tower_ids::idempotency=debug`
@@ -329,6 +338,7 @@
 //!
 //! [`CorrelationId::extend_redelivery`]: tower_ids::correlation::CorrelationId::extend_redelivery
 //! [`IdempotencyLayer`]: tower_ids::idempotency::IdempotencyLayer
+//! [`Drain`]: tower_ids::idempotency::Drain
 //! [`CorrelationLayer::access_log`]: tower_ids::correlation::CorrelationLayer::access_log
 //! [`MokaStore`]: tower_ids::idempotency::MokaStore
 //! [`MessageCorrelation::inject_current`]: tower_ids::correlation::MessageCorrelation::inject_current
@@ -353,6 +363,8 @@ mod postgres;
 mod publisher;
 mod routes;
 mod server;
+#[path = "../support/shutdown.rs"]
+mod shutdown;
 
 use std::{
     net::SocketAddr,
@@ -519,6 +531,9 @@ struct Args {
     /// the layers' headers allowed and exposed (`tower_ids::cors`).
     #[arg(long)]
     cors_origin: Option<HeaderValue>,
+
+    #[command(flatten)]
+    drain: shutdown::DrainArgs,
 }
 
 impl From<&Args> for Limits {
@@ -609,13 +624,16 @@ async fn main() -> std::io::Result<()> {
     let listener = listen_logged(args.addr)?;
     let state = app_state(Memory { commands, queue }, &args);
     #[cfg(feature = "redis")]
-    let app = match redis {
+    let (app, drain) = match redis {
         Some(store) => app_with(state, store, "redis", &args, limits),
         None => app_with(state, MokaStore::new(), "memory", &args, limits),
     };
     #[cfg(not(feature = "redis"))]
-    let app = app_with(state, MokaStore::new(), "memory", &args, limits);
+    let (app, drain) = app_with(state, MokaStore::new(), "memory", &args, limits);
     serve(listener, app, limits.header_read_timeout).await;
+    // Every connection is done; what the idempotency layer still owes the store (an
+    // outcome kept while Redis was away, a handler whose client hung up) is not.
+    shutdown::drain(&[drain], args.drain.timeout()).await;
 
     // The router, and with it every queue sender, is gone: the publisher drains what is
     // left in the queue and returns.
@@ -646,8 +664,9 @@ async fn run_on_database(
     ));
 
     let listener = listen_logged(args.addr)?;
-    let app = app_with(app_state(database, args), store, "postgres", args, limits);
+    let (app, drain) = app_with(app_state(database, args), store, "postgres", args, limits);
     serve(listener, app, limits.header_read_timeout).await;
+    shutdown::drain(&[drain], args.drain.timeout()).await;
 
     // The requests in flight have finished: the publisher ends its batch and stops.
     // Rows still pending wait in the outbox for the next start, or another replica.
@@ -672,15 +691,18 @@ fn app_state<S: Storage>(storage: S, args: &Args) -> AppState<S> {
     }
 }
 
-/// [`app`] with the flags' idempotency settings.
+/// [`app`] with the flags' idempotency settings, and the [`Drain`] of its idempotency
+/// layer.
+///
+/// [`Drain`]: tower_ids::idempotency::Drain
 fn app_with<S: Storage, St: IdempotencyStore>(
     state: AppState<S>,
     store: St,
     kind: &'static str,
     args: &Args,
     limits: Limits,
-) -> Router {
-    let app = app(
+) -> (Router, tower_ids::idempotency::Drain) {
+    let (app, drain) = app(
         state,
         Duration::from_secs(args.idempotency_ttl_secs),
         Duration::from_millis(args.idempotency_lease_ms.get()),
@@ -689,7 +711,7 @@ fn app_with<S: Storage, St: IdempotencyStore>(
         args.load_routes,
         limits,
     );
-    match &args.cors_origin {
+    let app = match &args.cors_origin {
         // Last, so outermost: it answers preflights before any other layer runs.
         Some(origin) => app.layer(
             CorsLayer::new()
@@ -708,7 +730,8 @@ fn app_with<S: Storage, St: IdempotencyStore>(
                 .expose_headers(cors::EXPOSE_HEADERS),
         ),
         None => app,
-    }
+    };
+    (app, drain)
 }
 
 /// Waits for the publisher to return, and says the service stopped.

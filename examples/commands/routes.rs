@@ -15,7 +15,7 @@ use tower::{util::MapRequestLayer, ServiceBuilder};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_ids::{
     correlation::{CorrelationId, CorrelationLayer},
-    idempotency::{ClientFromHeader, IdempotencyKey, IdempotencyLayer, IdempotencyStore},
+    idempotency::{ClientFromHeader, Drain, IdempotencyKey, IdempotencyLayer, IdempotencyStore},
 };
 use uuid::Uuid;
 
@@ -40,6 +40,9 @@ use crate::{
 /// its transaction, which the `POST` handlers of [`Database`](crate::postgres::Database)
 /// write in. `kind` names the store in the `commands.store` event; `load_routes` adds the
 /// `/load/*` routes ([`LoadState`](crate::load::LoadState)), outside the limits.
+///
+/// Every route's layer is a clone of one, so the [`Drain`] returned with the router
+/// waits for all of them at shutdown.
 pub(crate) fn app<S: Storage, St: IdempotencyStore>(
     state: AppState<S>,
     idempotency_ttl: Duration,
@@ -48,7 +51,7 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
     kind: &'static str,
     load_routes: bool,
     limits: Limits,
-) -> Router {
+) -> (Router, Drain) {
     tracing::info!(
         event = "commands.store",
         store = kind,
@@ -60,6 +63,7 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
         .ttl(idempotency_ttl)
         .lease(idempotency_lease)
         .max_request_bytes(limits.max_body_bytes);
+    let drain = idempotent.drain();
 
     let load = LoadState::default();
     let request_id = HeaderName::from_static("x-request-id");
@@ -128,11 +132,11 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
         );
     }
     if !load_routes {
-        return routes;
+        return (routes, drain);
     }
     // Merged after the correlation layer, so outside it: no layer at all, a layer that
     // does nothing, or tower-http's request-ID pair for comparison.
-    routes.merge(
+    let routes = routes.merge(
         Router::new()
             .route("/load/bare", post(load_handler))
             .route(
@@ -149,7 +153,8 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
             )
             .route("/load/executions", get(load_executions))
             .with_state(load),
-    )
+    );
+    (routes, drain)
 }
 
 /// Where the commands are kept: in memory ([`Memory`](crate::memory::Memory)), or in

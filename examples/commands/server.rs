@@ -319,32 +319,8 @@ async fn body_failures(State(limits): State<Limits>, request: Request, next: Nex
     error.into_response()
 }
 
-/// Resolves on Ctrl-C, or on SIGTERM on Unix.
+/// Resolves on Ctrl-C, or on SIGTERM on Unix, and says so.
 async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(error) = tokio::signal::ctrl_c().await {
-            tracing::error!(%error, "cannot listen for Ctrl-C");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(error) => {
-                tracing::error!(%error, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-
-    tokio::select! {
-        () = ctrl_c => {},
-        () = terminate => {},
-    }
-    tracing::info!(event = "commands.shutting_down", "shutting down");
+    let signal = crate::shutdown::signal().await;
+    tracing::info!(event = "commands.shutting_down", signal, "shutting down");
 }
