@@ -35,6 +35,12 @@
 //! `--ack-delay-ms` sleeps between publishing the outcome and acking: the window in
 //! which the tests kill it.
 //!
+//! On Ctrl-C or SIGTERM the controller cancels its consumer (no new deliveries; those
+//! prefetched but not started go back to the queue when it closes the connection), lets
+//! the deliveries in flight publish and ack, then waits up to `--drain-timeout-ms`
+//! (default 10 s) for what its idempotency layer still owes the store (an outcome kept
+//! while Redis was away, a handler whose delivery task was cancelled) and exits 0.
+//!
 //! # Topology
 //!
 //! | Name | Default | |
@@ -48,7 +54,9 @@
 //!
 //! `controller.ready`, `controller.received`, `controller.executed` (the handler ran),
 //! `controller.outcome_published` (with `replayed`), `controller.acked`,
-//! `controller.requeued`, `controller.rejected`; `orchestrator.sent`,
+//! `controller.requeued`, `controller.rejected`, `controller.stopping` (with `signal`
+//! and `in_flight`), `shutdown.drained` or `shutdown.drain_incomplete`,
+//! `controller.stopped`; `orchestrator.sent`,
 //! `orchestrator.timeout`, `orchestrator.outcome`; and the idempotency layer's
 //! (`idempotency.replayed`, `idempotency.stored`, ... at DEBUG: `RUST_LOG=info,tower_ids::idempotency=debug`).
 
@@ -60,20 +68,24 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+#[path = "../support/shutdown.rs"]
+mod shutdown;
+
 use clap::{Parser, Subcommand, ValueEnum};
 use futures_util::StreamExt as _;
 use lapin::{
     message::Delivery,
     options::{
-        BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
-        BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-        QueueBindOptions, QueueDeclareOptions,
+        BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+        BasicPublishOptions, BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
+        ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
     },
     types::FieldTable,
     BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tokio::task::JoinSet;
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt as _};
 use tower_ids::{
     correlation::{CorrelationId, MessageCorrelation},
@@ -155,6 +167,8 @@ struct ControllerArgs {
     /// How long outcomes are kept for duplicates.
     #[arg(long, default_value_t = 24 * 60 * 60)]
     retention_secs: u64,
+    #[command(flatten)]
+    drain: shutdown::DrainArgs,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -253,7 +267,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
     match cli.role {
-        Role::Controller(args) => controller(channel, cli.exchange, args).await,
+        Role::Controller(args) => {
+            let stopped = controller(channel, cli.exchange, args).await;
+            // Deliveries prefetched but never started go back to the queue now.
+            let _ = connection.close(200, "stopped".into()).await;
+            stopped
+        }
         Role::Orchestrator(args) => {
             let outcome = orchestrator(channel, cli.exchange, args).await?;
             let _ = connection.close(200, "done".into()).await;
@@ -408,16 +427,14 @@ async fn consume<St: IdempotencyStore>(
             })
         }
     });
-    let service = ServiceBuilder::new()
-        .layer(
-            MessageIdempotencyLayer::with_store(store)
-                .key(signal_key as fn(&Signal) -> _)
-                .require_key(true)
-                .in_flight(in_flight)
-                .lease(Duration::from_millis(args.lease_ms))
-                .ttl(Duration::from_secs(args.retention_secs)),
-        )
-        .service(execute);
+    let idempotency = MessageIdempotencyLayer::with_store(store)
+        .key(signal_key as fn(&Signal) -> _)
+        .require_key(true)
+        .in_flight(in_flight)
+        .lease(Duration::from_millis(args.lease_ms))
+        .ttl(Duration::from_secs(args.retention_secs));
+    let drain = idempotency.drain();
+    let service = ServiceBuilder::new().layer(idempotency).service(execute);
     let context = Arc::new(Context {
         channel: channel.clone(),
         exchange,
@@ -426,16 +443,21 @@ async fn consume<St: IdempotencyStore>(
     });
     tracing::info!(event = "controller.ready", queue = %args.queue, instance = %args.instance, "consuming");
 
-    loop {
+    // The deliveries being handled, so that a graceful stop can wait for them.
+    let mut handling = JoinSet::new();
+    let stop = shutdown::signal();
+    tokio::pin!(stop);
+    let signal = loop {
         let delivery = tokio::select! {
             delivery = deliveries.next() => delivery,
-            _ = tokio::signal::ctrl_c() => break,
+            Some(_) = handling.join_next() => continue,
+            signal = &mut stop => break Some(signal),
         };
-        let Some(delivery) = delivery else { break };
+        let Some(delivery) = delivery else { break None };
         let delivery = delivery?;
         let context = context.clone();
         let service = service.clone();
-        tokio::spawn(async move {
+        handling.spawn(async move {
             // The delivery's ID: the publisher's, extended for this delivery.
             let headers = delivery.properties.headers();
             let id = match context.correlation.read(headers) {
@@ -454,7 +476,23 @@ async fn consume<St: IdempotencyStore>(
                 .scope(id, &headers, handle(delivery, service, context))
                 .await;
         });
+    };
+    // No new deliveries; those in flight publish their outcome and ack.
+    tracing::info!(
+        event = "controller.stopping",
+        signal,
+        in_flight = handling.len(),
+        "stopping: no new deliveries, finishing those in flight"
+    );
+    if let Err(error) = channel
+        .basic_cancel(deliveries.tag(), BasicCancelOptions::default())
+        .await
+    {
+        tracing::warn!(event = "controller.cancel_failed", error = %error, "could not cancel the consumer");
     }
+    while handling.join_next().await.is_some() {}
+    shutdown::drain(&[drain], args.drain.timeout()).await;
+    tracing::info!(event = "controller.stopped", "stopped");
     Ok(())
 }
 
