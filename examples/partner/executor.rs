@@ -18,13 +18,15 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tower_ids::{
     correlation::CorrelationLayer,
-    idempotency::{IdempotencyLayer, IdempotencyStore, JsonReplayMarker, KeyFromJson, MokaStore},
+    idempotency::{
+        Drain, IdempotencyLayer, IdempotencyStore, JsonReplayMarker, KeyFromJson, MokaStore,
+    },
 };
 
 use crate::{
     db::{ExecutorDb, Received},
     problem::Problem,
-    seconds, Common,
+    seconds, shutdown, Common, Stopping,
 };
 
 #[derive(clap::Args, Debug, Clone)]
@@ -74,8 +76,9 @@ pub(crate) async fn run(
     common: Common,
     listener: TcpListener,
     url: String,
+    stopping: Stopping,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let (db, app) = match &common.database_url {
+    let (db, (app, webhook)) = match &common.database_url {
         Some(database) => {
             let (pool, store) = crate::db::connect(database).await?;
             let db = ExecutorDb::Postgres(pool);
@@ -90,21 +93,40 @@ pub(crate) async fn run(
         tokio::spawn(poll(db.clone(), planner, options.clone()));
     }
     #[cfg(feature = "kafka")]
-    if let Some(brokers) = &options.kafka_brokers {
-        crate::kafka::spawn_consumer(db.clone(), brokers, &options, &common)?;
-    }
+    let kafka = match &options.kafka_brokers {
+        Some(brokers) => Some(crate::kafka::spawn_consumer(
+            db.clone(),
+            brokers,
+            &options,
+            &common,
+            stopping.clone(),
+        )?),
+        None => None,
+    };
+    #[cfg(not(feature = "kafka"))]
+    let kafka: Option<(tokio::task::JoinHandle<()>, Drain)> = None;
     tracing::info!(event = "partner.executor", executor_id = %options.executor_id, "executor ready");
-    crate::serve(listener, &url, app).await
+    crate::serve(listener, &url, app, stopping).await?;
+    let mut drains = vec![webhook];
+    if let Some((consumer, drain)) = kafka {
+        // It stops polling on the same signal, once the record in hand is handled.
+        let _ = consumer.await;
+        drains.push(drain);
+    }
+    shutdown::drain(&drains, common.drain.timeout()).await;
+    Ok(())
 }
 
-fn routes<St: IdempotencyStore>(db: ExecutorDb, store: St, options: &Options) -> Router {
+/// The executor's routes, and the [`Drain`] of the webhook's idempotency layer.
+fn routes<St: IdempotencyStore>(db: ExecutorDb, store: St, options: &Options) -> (Router, Drain) {
     let webhook = IdempotencyLayer::with_store(store)
         .key(KeyFromJson::new("/correlation_id").client("/planner_id"))
         .require_key(true)
         .on_replay(JsonReplayMarker::new("replay").status(StatusCode::OK))
         .ttl(options.webhook_retention);
+    let drain = webhook.drain();
     let token: Arc<str> = options.webhook_token.as_str().into();
-    Router::new()
+    let routes = Router::new()
         .route(
             "/wes/v1/webhooks/dispatch",
             post(webhook_dispatch)
@@ -113,7 +135,8 @@ fn routes<St: IdempotencyStore>(db: ExecutorDb, store: St, options: &Options) ->
         )
         .route("/wes/v1/events", get(events))
         .with_state(db)
-        .layer(CorrelationLayer::new())
+        .layer(CorrelationLayer::new());
+    (routes, drain)
 }
 
 async fn authenticate(State(token): State<Arc<str>>, request: Request, next: Next) -> Response {

@@ -2,7 +2,9 @@
 //! the feed, in feed order, keyed by `warehouse_frn` so that one warehouse's events stay
 //! on one partition, in order; the executor consumes them through a
 //! `MessageIdempotencyLayer` keyed by (`planner_id`, `correlation_id`), and commits a
-//! record's offset only once it stored the event.
+//! record's offset only once it stored the event. On a stop it polls no more records:
+//! the one in hand is handled (or, if it is still waiting on another's claim, left
+//! uncommitted for the group) and the consumer returns.
 
 use std::time::Duration;
 
@@ -14,6 +16,7 @@ use rdkafka::{
     ClientConfig, Message,
 };
 use serde_json::{json, Value};
+use tokio::task::JoinHandle;
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 use tower_ids::{
     correlation::{CorrelationId, MessageCorrelation},
@@ -21,14 +24,14 @@ use tower_ids::{
         extract::KeyRejection,
         message::{Handled, MessageIdempotencyLayer, MessageKey},
         store::PostgresStore,
-        IdempotencyKey, IdempotencyStore, MokaStore,
+        Drain, IdempotencyKey, IdempotencyStore, MokaStore,
     },
 };
 
 use crate::{
     db::{ExecutorDb, PlannerDb},
     executor::{received, Options},
-    Common,
+    Common, Stopping,
 };
 
 /// Partitions of the topic the planner creates when it is missing.
@@ -130,12 +133,15 @@ fn delivery_key(delivery: &Delivery) -> Result<Option<MessageKey>, KeyRejection>
     ))
 }
 
+/// Starts the consumer; returns its task, which ends once a stop is asked for, and the
+/// [`Drain`] of its idempotency layer.
 pub(crate) fn spawn_consumer(
     db: ExecutorDb,
     brokers: &str,
     options: &Options,
     common: &Common,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    stopping: Stopping,
+) -> Result<(JoinHandle<()>, Drain), Box<dyn std::error::Error + Send + Sync>> {
     let consumer: StreamConsumer = config(brokers)
         .set("group.id", &options.kafka_group)
         .set("enable.auto.commit", "false")
@@ -147,31 +153,31 @@ pub(crate) fn spawn_consumer(
     consumer.subscribe(&[&options.kafka_topic])?;
     let retention = options.webhook_retention;
     let executor_id = options.executor_id.clone();
-    match (&db, &common.database_url) {
+    let started = match (&db, &common.database_url) {
         (ExecutorDb::Postgres(pool), Some(_)) => {
             let store = PostgresStore::builder(pool.clone()).build()?;
-            tokio::spawn(consume(consumer, db, store, retention, executor_id));
+            start(consumer, db, store, retention, executor_id, stopping)
         }
-        _ => {
-            tokio::spawn(consume(
-                consumer,
-                db,
-                MokaStore::new(),
-                retention,
-                executor_id,
-            ));
-        }
-    }
-    Ok(())
+        _ => start(
+            consumer,
+            db,
+            MokaStore::new(),
+            retention,
+            executor_id,
+            stopping,
+        ),
+    };
+    Ok(started)
 }
 
-async fn consume<St: IdempotencyStore>(
+fn start<St: IdempotencyStore>(
     consumer: StreamConsumer,
     db: ExecutorDb,
     store: St,
     retention: Duration,
     executor_id: String,
-) {
+    stopping: Stopping,
+) -> (JoinHandle<()>, Drain) {
     // A database failure is an error, not an outcome: the layer releases the key and the
     // record is handled again, never committed unstored.
     let handler = service_fn(move |delivery: Delivery| {
@@ -194,17 +200,32 @@ async fn consume<St: IdempotencyStore>(
             Ok::<_, String>(json!({ "stored": stored }))
         }
     });
-    let mut service = ServiceBuilder::new()
-        .layer(
-            MessageIdempotencyLayer::with_store(store)
-                .key(delivery_key)
-                .require_key(true)
-                .ttl(retention),
-        )
-        .service(handler);
+    let layer = MessageIdempotencyLayer::with_store(store)
+        .key(delivery_key)
+        .require_key(true)
+        .ttl(retention);
+    let drain = layer.drain();
+    let service = ServiceBuilder::new().layer(layer).service(handler);
+    let consumer = tokio::spawn(consume(consumer, service, executor_id, stopping));
+    (consumer, drain)
+}
+
+async fn consume<S>(
+    consumer: StreamConsumer,
+    mut service: S,
+    executor_id: String,
+    mut stopping: Stopping,
+) where
+    S: Service<Delivery, Response = Handled<Value>>,
+    S::Error: std::fmt::Display,
+{
     let correlation = MessageCorrelation::new();
     loop {
-        let message = match consumer.recv().await {
+        let received = tokio::select! {
+            received = consumer.recv() => received,
+            _ = stopping.wait_for(|stop| *stop) => break,
+        };
+        let message = match received {
             Ok(message) => message,
             Err(error) => {
                 tracing::warn!(event = "partner.consume_failed", error = %error, "consume failed");
@@ -230,6 +251,11 @@ async fn consume<St: IdempotencyStore>(
         // elsewhere, or a store that cannot answer, is waited out here, as Kafka
         // redelivers nothing that was read.
         let commit = loop {
+            // Stopping (the record not started, or waiting on another's claim or on
+            // the store): left uncommitted, for the group to deliver again.
+            if *stopping.borrow() {
+                break false;
+            }
             let delivery = Delivery {
                 headers: headers.clone(),
                 payload: payload.clone(),
@@ -276,6 +302,10 @@ async fn consume<St: IdempotencyStore>(
             self::commit(&consumer, &message);
         }
     }
+    tracing::info!(
+        event = "partner.kafka_stopped",
+        "the consumer polls no more records"
+    );
 }
 
 /// Commits past `message` without waiting for the broker: a later commit covers an

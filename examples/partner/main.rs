@@ -11,7 +11,8 @@
 //!
 //! `cargo run --example partner` runs the planner; `cargo run --example partner --
 //! executor --planner-url ...` the executor. Both keep their state in memory, or with
-//! `--database-url` in PostgreSQL (tables created at start).
+//! `--database-url` in PostgreSQL (tables created at start). Ctrl-C or SIGTERM stops
+//! either gracefully (see [`serve`]).
 
 mod db;
 mod executor;
@@ -19,12 +20,14 @@ mod executor;
 mod kafka;
 mod planner;
 mod problem;
+#[path = "../support/shutdown.rs"]
+mod shutdown;
 mod webhooks;
 
 use std::{net::SocketAddr, time::Duration};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use tokio::net::TcpListener;
+use tokio::{net::TcpListener, sync::watch};
 
 #[derive(Parser, Debug)]
 #[command(about = "A planner (by default) or an executor speaking the warehouse partner contract")]
@@ -48,6 +51,8 @@ struct Common {
     /// Keep everything in this PostgreSQL database instead of in memory.
     #[arg(long, global = true)]
     database_url: Option<String>,
+    #[command(flatten)]
+    drain: shutdown::DrainArgs,
 }
 
 #[derive(Copy, Clone, Debug, ValueEnum)]
@@ -75,10 +80,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     init_tracing(args.common.log_format);
     let listener = TcpListener::bind(args.common.addr).await?;
     let url = format!("http://{}", listener.local_addr()?);
-    match args.role {
-        Some(Role::Executor(options)) => executor::run(options, args.common, listener, url).await,
-        None => planner::run(args.planner, args.common, listener, url).await,
-    }
+    let (stop, stopping) = watch::channel(false);
+    tokio::spawn(async move {
+        let signal = shutdown::signal().await;
+        tracing::info!(event = "partner.shutting_down", signal, "shutting down");
+        let _ = stop.send(true);
+    });
+    let served = match args.role {
+        Some(Role::Executor(options)) => {
+            executor::run(options, args.common, listener, url, stopping).await
+        }
+        None => planner::run(args.planner, args.common, listener, url, stopping).await,
+    };
+    tracing::info!(event = "partner.stopped", "stopped");
+    served
 }
 
 fn init_tracing(format: LogFormat) {
@@ -107,30 +122,27 @@ pub(crate) fn bearer(request: &axum::extract::Request) -> Option<&str> {
         .strip_prefix("Bearer ")
 }
 
-/// Serves `app` on `listener` until Ctrl-C or SIGTERM.
+/// Set once, on Ctrl-C or SIGTERM: every part of the service stops taking work.
+pub(crate) type Stopping = watch::Receiver<bool>;
+
+/// Resolves once a stop is asked for.
+pub(crate) async fn stop_asked(mut stopping: Stopping) {
+    // An error is the sender gone, which only a stop does.
+    let _ = stopping.wait_for(|stop| *stop).await;
+}
+
+/// Serves `app` on `listener` until a stop is asked for; then stops accepting and lets
+/// the requests in flight finish (axum's graceful shutdown). The caller then waits for
+/// its idempotency layers ([`shutdown::drain`]).
 pub(crate) async fn serve(
     listener: TcpListener,
     url: &str,
     app: axum::Router,
+    stopping: Stopping,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tracing::info!("listening on {url}");
     axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown())
+        .with_graceful_shutdown(stop_asked(stopping))
         .await?;
     Ok(())
-}
-
-async fn shutdown() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap();
-        tokio::select! {
-            _ = ctrl_c => {},
-            _ = term.recv() => {},
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }

@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
-        store::Transaction, ClientFromExtension, IdempotencyLayer, IdempotencyStore,
+        store::Transaction, ClientFromExtension, Drain, IdempotencyLayer, IdempotencyStore,
         JsonReplayMarker, KeyFromJson, MokaStore,
     },
 };
@@ -28,7 +28,7 @@ use tower_ids::{
 use crate::{
     db::{Movement, PlannerDb},
     problem::Problem,
-    seconds, Common,
+    seconds, shutdown, Common, Stopping,
 };
 
 #[derive(clap::Args, Debug, Clone)]
@@ -102,9 +102,10 @@ pub(crate) async fn run(
     common: Common,
     listener: TcpListener,
     url: String,
+    stopping: Stopping,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let planner_id: Arc<str> = options.planner_id.as_str().into();
-    let (db, app) = match &common.database_url {
+    let (db, (app, drain)) = match &common.database_url {
         Some(database) => {
             let (pool, store) = crate::db::connect(database).await?;
             let db = PlannerDb::Postgres(pool);
@@ -141,41 +142,43 @@ pub(crate) async fn run(
         .layer(middleware::from_fn_with_state(tokens, authenticate))
         .layer(CorrelationLayer::new());
     tracing::info!(event = "partner.planner", planner_id = %planner_id, "planner ready");
-    crate::serve(listener, &url, app).await
+    crate::serve(listener, &url, app, stopping).await?;
+    shutdown::drain(&[drain], common.drain.timeout()).await;
+    Ok(())
 }
 
-fn routes<St: IdempotencyStore>(db: PlannerDb, store: St, options: &Options) -> Router {
-    let store = Arc::new(store);
+/// The planner's routes, and the [`Drain`] of their idempotency layers (variants of
+/// one, so one drain waits for both).
+fn routes<St: IdempotencyStore>(db: PlannerDb, store: St, options: &Options) -> (Router, Drain) {
     // One store, a retention per route; keys are the body's `correlation_id`, scoped by
     // the authenticated partner (and the body's `partner_id`, which must agree).
-    let keyed = |retention| {
-        IdempotencyLayer::with_shared_store(store.clone())
-            .client(ClientFromExtension::<Partner>::new())
-            .require_client(true)
-            .key(KeyFromJson::new("/correlation_id").client("/partner_id"))
-            .require_key(true)
-            .on_replay(JsonReplayMarker::new("replay").status(StatusCode::OK))
-            .ttl(retention)
-    };
+    let keyed = IdempotencyLayer::with_store(store)
+        .client(ClientFromExtension::<Partner>::new())
+        .require_client(true)
+        .key(KeyFromJson::new("/correlation_id").client("/partner_id"))
+        .require_key(true)
+        .on_replay(JsonReplayMarker::new("replay").status(StatusCode::OK));
+    let drain = keyed.drain();
     let planner = Planner {
         db,
         planner_id: options.planner_id.as_str().into(),
         max_page: options.max_page,
     };
-    Router::new()
+    let routes = Router::new()
         .route(
             "/wes/v1/realtime",
-            post(realtime).layer(keyed(options.realtime_retention)),
+            post(realtime).layer(keyed.clone().ttl(options.realtime_retention)),
         )
         .route(
             "/wes/v1/confirmations",
-            post(confirmation).layer(keyed(options.confirmation_retention)),
+            post(confirmation).layer(keyed.ttl(options.confirmation_retention)),
         )
         .route("/wes/v1/dispatch/pending", get(pending))
         .route("/wes/v1/dispatch/ack", post(ack))
         .route("/wes/v1/counts", get(counts))
         .route("/wes/v1/webhooks/dead", get(dead_letters))
-        .with_state(planner)
+        .with_state(planner);
+    (routes, drain)
 }
 
 /// `Authorization: Bearer TOKEN` names the partner; anything else is `401`.
