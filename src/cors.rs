@@ -48,8 +48,8 @@ use http::{header, HeaderName};
 use crate::{
     correlation::DEFAULT_HEADER,
     idempotency::header::{
-        ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT,
-        IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
+        ATTEMPT_ID, IDEMPOTENCY_EXPIRES, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY,
+        IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
     },
 };
 
@@ -60,9 +60,9 @@ pub const ALLOW_HEADERS: [HeaderName; 3] = [IDEMPOTENCY_KEY, DEFAULT_HEADER, ATT
 /// The response headers the layers write that a script needs, for
 /// `CorsLayer::expose_headers`: `idempotent-replayed`, `Idempotency-Key`,
 /// `x-correlation-id`, `attempt-id`, `original-attempt-id`, `idempotency-first-seen`,
-/// `idempotency-request-count`, `Retry-After` (on `409` and `503`) and `Link` (a
-/// problem's documentation).
-pub const EXPOSE_HEADERS: [HeaderName; 9] = [
+/// `idempotency-request-count`, `idempotency-expires`, `Retry-After` (on `409` and
+/// `503`) and `Link` (a problem's documentation).
+pub const EXPOSE_HEADERS: [HeaderName; 10] = [
     IDEMPOTENT_REPLAYED,
     IDEMPOTENCY_KEY,
     DEFAULT_HEADER,
@@ -70,6 +70,7 @@ pub const EXPOSE_HEADERS: [HeaderName; 9] = [
     ORIGINAL_ATTEMPT_ID,
     IDEMPOTENCY_FIRST_SEEN,
     IDEMPOTENCY_REQUEST_COUNT,
+    IDEMPOTENCY_EXPIRES,
     header::RETRY_AFTER,
     header::LINK,
 ];

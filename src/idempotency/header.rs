@@ -19,6 +19,13 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// `idempotency-first-seen`: when the original request arrived, as an HTTP-date.
 pub const IDEMPOTENCY_FIRST_SEEN: HeaderName = HeaderName::from_static("idempotency-first-seen");
 
+/// `idempotency-expires`: when the stored response expires and the key runs again, as
+/// an HTTP-date; on first answers and replays of a route that opts in with
+/// [`expiry_header`](crate::idempotency::IdempotencyLayer::expiry_header). No standard
+/// names this yet (the IETF draft's issue 35 discusses one); the name follows
+/// `Expires` and this crate's `idempotency-first-seen`.
+pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-expires");
+
 /// `idempotency-request-count`: requests seen with this key, this one included.
 pub const IDEMPOTENCY_REQUEST_COUNT: HeaderName =
     HeaderName::from_static("idempotency-request-count");

@@ -7,7 +7,7 @@ use std::{sync::Arc, time::Duration};
 
 use http::StatusCode;
 use tower_ids::idempotency::{
-    release_server_errors, store::ManualClock, IdempotencyLayer, MokaStore,
+    store::ManualClock, store_all_but_retryable, store_successes_only, IdempotencyLayer, MokaStore,
 };
 
 use super::{start, support::Logs, until_runs, BODY, KEY};
@@ -31,11 +31,58 @@ async fn draft_2_6_a_retry_after_an_error_gets_the_error_and_nothing_runs_again(
     assert_eq!(app.runs.get(), 1);
 }
 
-/// The departure, as a named option: with `release_server_errors` a 5xx releases the
-/// key and the retry runs again.
+/// The departure, by default: a handler's own refusal (a 4xx) is not stored, so the
+/// same request is refused again by the handler, and the corrected request under the
+/// same key runs once; never `422 fingerprint_mismatch` for it.
 #[tokio::test]
-async fn draft_2_6_departure_release_server_errors_runs_the_retry_again() {
-    let app = start(IdempotencyLayer::new().store_if(release_server_errors)).await;
+async fn draft_2_6_departure_a_refusal_is_not_stored_and_the_corrected_request_runs() {
+    let app = start(IdempotencyLayer::new()).await;
+
+    let refused = app
+        .post("/commands", &[KEY, ("x-status", "422")], BODY)
+        .await;
+    let again = app
+        .post("/commands", &[KEY, ("x-status", "422")], BODY)
+        .await;
+    let corrected = app
+        .post("/commands", &[KEY], r#"{"device_id":"d-1","name":"fixed"}"#)
+        .await;
+    let retry = app
+        .post("/commands", &[KEY], r#"{"device_id":"d-1","name":"fixed"}"#)
+        .await;
+
+    assert_eq!(refused.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(refused.header("idempotent-replayed"), Some("false"));
+    assert_eq!(again.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(again.header("idempotent-replayed"), Some("false"));
+    assert_eq!(corrected.status, StatusCode::CREATED);
+    assert_eq!(corrected.header("idempotent-replayed"), Some("false"));
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, corrected.body);
+    assert_eq!(app.runs.get(), 3, "two refusals and one run");
+}
+
+/// The preset that stores refusals too: the refusal replays, and the handler runs once.
+#[tokio::test]
+async fn store_all_but_retryable_replays_a_refusal() {
+    let app = start(IdempotencyLayer::new().store_if(store_all_but_retryable)).await;
+
+    let refused = app
+        .post("/commands", &[KEY, ("x-status", "403")], BODY)
+        .await;
+    let retry = app.post("/commands", &[KEY], BODY).await;
+
+    assert_eq!(retry.status, StatusCode::FORBIDDEN);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, refused.body);
+    assert_eq!(app.runs.get(), 1);
+}
+
+/// The other preset: with `store_successes_only` a 5xx releases the key and the retry
+/// runs again.
+#[tokio::test]
+async fn draft_2_6_departure_store_successes_only_runs_the_retry_again() {
+    let app = start(IdempotencyLayer::new().store_if(store_successes_only)).await;
 
     app.post("/commands", &[KEY, ("x-status", "500")], BODY)
         .await;

@@ -673,16 +673,16 @@ async fn waiting_mode_times_out_into_409() {
 }
 
 #[tokio::test]
-async fn a_client_error_is_stored_and_replayed() {
+async fn a_client_error_is_not_stored_and_the_retry_runs_again() {
     let app = start(IdempotencyLayer::new()).await;
 
     app.post("/commands", &[KEY, ("x-status", "404")], BODY)
         .await;
-    let replay = app.post("/commands", &[KEY], BODY).await;
+    let retry = app.post("/commands", &[KEY], BODY).await;
 
-    assert_eq!(replay.status, StatusCode::NOT_FOUND);
-    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
-    assert_eq!(app.runs.get(), 1);
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("false"));
+    assert_eq!(app.runs.get(), 2);
 }
 
 #[tokio::test]
@@ -1059,4 +1059,48 @@ async fn a_record_with_a_version_1_fingerprint_still_replays() {
     let other = app.post("/commands", &headers, "{}").await;
     assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(app.runs.get(), 0, "the handler never ran");
+}
+
+/// Opt-in: every stored answer, first and replayed, says when it expires, within a
+/// second of the store's TTL; a replay hook gets the same time; an answer that was not
+/// stored says nothing.
+#[tokio::test]
+async fn the_expiry_header_says_when_the_stored_answer_expires() {
+    let ttl = Duration::from_secs(3600);
+    let seen = Arc::new(std::sync::Mutex::new(None));
+    let hook = {
+        let seen = seen.clone();
+        move |_: &mut http::Response<Bytes>, replay: &tower_ids::idempotency::ReplayInfo| {
+            *seen.lock().unwrap() = replay.expires_at();
+        }
+    };
+    let app = start(
+        IdempotencyLayer::new()
+            .ttl(ttl)
+            .expiry_header(true)
+            .on_replay(hook),
+    )
+    .await;
+
+    let sent = std::time::SystemTime::now();
+    let first = app.post("/commands", &[KEY], BODY).await;
+    let replay = app.post("/commands", &[KEY], BODY).await;
+    let refused = app
+        .post(
+            "/commands",
+            &[("idempotency-key", "other"), ("x-status", "403")],
+            BODY,
+        )
+        .await;
+
+    assert!(Reply::within_a_second(first.expires(), sent + ttl));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.expires(), first.expires(), "the record's own expiry");
+    let hooked = seen.lock().unwrap().expect("the hook got the expiry");
+    assert!(Reply::within_a_second(hooked, first.expires()));
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    assert_eq!(refused.header("idempotency-expires"), None, "not stored");
+    let off = start(IdempotencyLayer::new()).await;
+    let quiet = off.post("/commands", &[KEY], BODY).await;
+    assert_eq!(quiet.header("idempotency-expires"), None, "opt-in");
 }

@@ -277,3 +277,43 @@ async fn replicas_starting_together_all_migrate() {
             .expect("every replica's migrate succeeds");
     }
 }
+
+/// The expiry a stored answer advertises is the row's `expires_at`, within a second.
+#[tokio::test]
+async fn the_expiry_header_is_the_rows_expiry_in_postgres() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let ttl = Duration::from_secs(7200);
+    let layer = IdempotencyLayer::with_store(store(&database).await)
+        .ttl(ttl)
+        .expiry_header(true);
+    let router = Router::new()
+        .route("/commands", post(counted).layer(layer))
+        .with_state(Ledger::default())
+        .layer(CorrelationLayer::new());
+    let replica = Replica {
+        url: format!("http://{}/commands", serve(router).await),
+        client: client(),
+    };
+
+    let first = replica.post("expiring").await;
+    let replay = replica.post("expiring").await;
+
+    let expires_ms: i64 = sqlx::query_scalar(
+        "SELECT (extract(epoch FROM expires_at) * 1000)::bigint FROM tower_ids_idempotency",
+    )
+    .fetch_one(&database.pool(1).await)
+    .await
+    .unwrap();
+    let in_postgres =
+        std::time::UNIX_EPOCH + Duration::from_millis(u64::try_from(expires_ms).unwrap());
+    assert!(
+        Reply::within_a_second(first.expires(), in_postgres),
+        "advertised {:?}, PostgreSQL {:?}",
+        first.expires(),
+        in_postgres
+    );
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.expires(), first.expires());
+}

@@ -500,3 +500,46 @@ async fn the_redis_store_keeps_the_store_contract() {
     let store = RedisStore::connect(redis.url()).await.unwrap();
     contract::keeps_the_store_contract(Arc::new(store)).await;
 }
+
+/// The expiry a stored answer advertises is the record's TTL in Redis, within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_expiry_header_is_the_records_ttl_in_redis() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let runs = Runs::default();
+    let ttl = Duration::from_secs(7200);
+    let replica = Replica::start(&redis.url(), &runs, "a", |layer| {
+        layer.ttl(ttl).expiry_header(true)
+    })
+    .await;
+
+    let first = replica.post("/commands", "expiring").await;
+    let replay = replica.post("/commands", "expiring").await;
+
+    let mut connection = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let records: Vec<String> = redis::cmd("KEYS")
+        .arg("tower-ids:idem:*:r")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
+    let left_ms: u64 = redis::cmd("PTTL")
+        .arg(&records[0])
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let in_redis = SystemTime::now() + Duration::from_millis(left_ms);
+    assert!(
+        Reply::within_a_second(first.expires(), in_redis),
+        "advertised {:?}, Redis {:?}",
+        first.expires(),
+        in_redis
+    );
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.expires(), first.expires());
+}

@@ -54,6 +54,23 @@ impl Reply {
             .collect()
     }
 
+    /// `idempotency-expires`, parsed; panics if it is missing or not an HTTP-date.
+    pub fn expires(&self) -> std::time::SystemTime {
+        let value = self
+            .header("idempotency-expires")
+            .expect("idempotency-expires");
+        httpdate::parse_http_date(value).expect("an HTTP-date")
+    }
+
+    /// Whether `at` is within a second of `expected`, either way.
+    pub fn within_a_second(at: std::time::SystemTime, expected: std::time::SystemTime) -> bool {
+        let apart = at
+            .duration_since(expected)
+            .or_else(|_| expected.duration_since(at))
+            .unwrap();
+        apart <= std::time::Duration::from_secs(1)
+    }
+
     pub fn text(&self) -> &str {
         std::str::from_utf8(&self.body).unwrap()
     }

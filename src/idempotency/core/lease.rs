@@ -87,6 +87,8 @@ pub(crate) struct LeaseGuard<St: IdempotencyStore> {
     transaction: Option<Box<dyn HandlerTransaction>>,
     /// Time spent in store calls on the request's path so far.
     pub(super) store_time: Duration,
+    /// When the outcome's record expires, once [`complete`](Self::complete) made it.
+    expires_at: Option<SystemTime>,
 }
 
 impl<St: IdempotencyStore> LeaseGuard<St> {
@@ -109,7 +111,13 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             max_kept_bytes: policy.max_kept_bytes,
             transaction,
             store_time: Duration::ZERO,
+            expires_at: None,
         }
+    }
+
+    /// When the record [`complete`](Self::complete) made expires (its TTL from then).
+    pub(crate) fn expires_at(&self) -> Option<SystemTime> {
+        self.expires_at
     }
 
     /// Whether the handler began the store's transaction ([`HandlerTransaction::taken`]).
@@ -193,14 +201,17 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         let Some(lease) = self.lease.take() else {
             return Ok(());
         };
+        let (ttl, max_kept_bytes) = (self.ttl, self.max_kept_bytes);
+        let expires_at = SystemTime::now() + ttl;
+        self.expires_at = Some(expires_at);
         let record = Record {
             fingerprint: self.claim.fingerprint,
             first_seen: lease.first_seen,
             original_attempt,
             epoch: self.claim.epoch,
             payload,
+            expires_at: Some(expires_at),
         };
-        let (ttl, max_kept_bytes) = (self.ttl, self.max_kept_bytes);
         let record = Arc::new(record);
         if let Some(transaction) = self.transaction.take() {
             let outcome = Some((record.clone(), ttl));

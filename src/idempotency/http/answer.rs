@@ -15,8 +15,9 @@ use super::{
 use crate::idempotency::{
     core::{self, Unsettled, Verdict},
     store::Record,
-    AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN,
-    IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
+    AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_EXPIRES,
+    IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
+    ORIGINAL_ATTEMPT_ID,
 };
 use crate::{body::Body, problem::Problem};
 
@@ -277,12 +278,16 @@ impl Reply<'_> {
                 request_count,
                 first_seen: record.first_seen,
                 original_attempt: record.original_attempt.clone(),
+                expires_at: record.expires_at,
             };
             response = replay::apply(&**hook, response, &info);
         }
         let mut response = response.map(Body::complete);
         let headers = response.headers_mut();
         replay_headers(headers, record, request_count);
+        if let Some(expires_at) = record.expires_at.filter(|_| settings.expiry_header) {
+            headers.insert(IDEMPOTENCY_EXPIRES, http_date(expires_at));
+        }
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         self.echo(headers);
         response
@@ -343,7 +348,7 @@ pub(crate) fn replay_headers(headers: &mut HeaderMap, record: &Record, request_c
 
 /// `time` as an HTTP-date; the last one formatted on this thread is reused, as replays
 /// of one record ask for the same date again and again.
-fn http_date(time: SystemTime) -> HeaderValue {
+pub(super) fn http_date(time: SystemTime) -> HeaderValue {
     thread_local! {
         static LAST: std::cell::RefCell<Option<(SystemTime, HeaderValue)>> =
             const { std::cell::RefCell::new(None) };

@@ -56,6 +56,7 @@ pub(super) type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 pub(super) struct Settings {
     pub(super) key: Arc<dyn ExtractKey>,
     pub(super) on_replay: Option<Arc<dyn OnReplay>>,
+    pub(super) expiry_header: bool,
     pub(super) methods: Vec<Method>,
     pub(super) require_key: bool,
     pub(super) require_client: bool,
@@ -72,31 +73,46 @@ pub(super) struct Settings {
     pub(super) problem_docs: Option<Arc<str>>,
 }
 
-/// The default storage rule: every response is stored, errors included, except `408`,
-/// `429` and `503`, which say the request was not processed and may be retried.
+/// The default storage rule: successes (and redirects) and server errors are stored;
+/// a handler's own refusal (every 4xx) and `503` release the key, so a retry runs
+/// again.
 ///
-/// The draft's section 2.6 asks that a retry after completion get "the result of the
-/// previously completed operation, success or an error", and Stripe stores `500`s too:
-/// a handler that fails after its side effect (the row written, then a `500`) must not
-/// run again because the client retried. A client that wants another attempt after a
-/// stored `500` sends a new key. [`release_server_errors`] is the other rule.
+/// Why: a 4xx says the request was wrong or not allowed, and a handler refuses before
+/// it acts. The client is meant to correct the request and send it again, under the
+/// same key when the key names the user's action (a partner contract's
+/// `correlation_id`): a stored refusal would answer that corrected request `422
+/// idempotency.fingerprint_mismatch` for the whole TTL, and a retry of the same
+/// request gets the same refusal from the handler anyway. Stripe saves no result for a
+/// request that failed validation, axum-idempotent caches no 4xx, Powertools stores
+/// successes only. A 5xx is stored because a handler can fail after its side effect
+/// (the row written, then a `500`), and then must not run again; this is what the
+/// draft's section 2.6 asks ("success or an error"). `503` says the request was not
+/// processed. The other presets: [`store_successes_only`] and
+/// [`store_all_but_retryable`]; a handler that took the PostgreSQL store's
+/// `Transaction` has its 5xx rolled back and released whatever the rule.
 pub fn default_store_if(status: StatusCode) -> bool {
+    !status.is_client_error() && status != StatusCode::SERVICE_UNAVAILABLE
+}
+
+/// The storage rule that stores successes (and redirects) only: every 4xx and 5xx
+/// releases the key, so a retry runs the handler again. For handlers whose errors never
+/// follow a side effect, such as one that answers `500` only after its transaction
+/// rolled back. Pass it to [`store_if`](IdempotencyLayer::store_if).
+pub fn store_successes_only(status: StatusCode) -> bool {
+    !(status.is_client_error() || status.is_server_error())
+}
+
+/// The storage rule that stores every answer but `408`, `429` and `503`, which say the
+/// request was not processed: for handlers whose refusals can follow a side effect (a
+/// `402` after a partial charge), whose 4xx must replay, not run again. Pass it to
+/// [`store_if`](IdempotencyLayer::store_if).
+pub fn store_all_but_retryable(status: StatusCode) -> bool {
     !matches!(
         status,
         StatusCode::REQUEST_TIMEOUT
             | StatusCode::TOO_MANY_REQUESTS
             | StatusCode::SERVICE_UNAVAILABLE
     )
-}
-
-/// The storage rule that releases the key on every 5xx (and `408`, `429`), so a retry
-/// runs the handler again: for handlers whose server errors never follow a side effect,
-/// such as one that answers `500` only after its transaction rolled back. Pass it to
-/// [`store_if`](IdempotencyLayer::store_if).
-pub fn release_server_errors(status: StatusCode) -> bool {
-    !(status.is_server_error()
-        || status == StatusCode::REQUEST_TIMEOUT
-        || status == StatusCode::TOO_MANY_REQUESTS)
 }
 
 /// Applies [`Idempotency`] to a service: one execution per key, full-response replay.
@@ -150,6 +166,7 @@ impl<St> IdempotencyLayer<St> {
             settings: Arc::new(Settings {
                 key: Arc::new(KeyFromHeader::default()),
                 on_replay: None,
+                expiry_header: false,
                 methods: vec![Method::POST, Method::PATCH],
                 require_key: false,
                 require_client: false,
@@ -275,6 +292,16 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
+    /// Say on every stored answer, first and replayed, when it expires: the header
+    /// `idempotency-expires` ([`IDEMPOTENCY_EXPIRES`](crate::idempotency::header::IDEMPOTENCY_EXPIRES)),
+    /// an HTTP-date, the TTL from when the outcome was stored; after it the key runs
+    /// again. Not on answers that were not stored (a handler's 4xx, say), nor on
+    /// refusals. Default off. (No standard names this header yet.)
+    pub fn expiry_header(mut self, advertise: bool) -> Self {
+        self.settings().expiry_header = advertise;
+        self
+    }
+
     /// Make the query string part of the scope: `?a=1` and `?a=2` with one key are
     /// two requests. Default off (the query is always part of the fingerprint, so the
     /// same key with another query is a `422`).
@@ -390,8 +417,10 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     }
 
     /// Which responses are stored; the others release the key so a retry runs again.
-    /// Default [`default_store_if`]: all but `408`, `429` and `503`;
-    /// [`release_server_errors`] releases every 5xx too.
+    /// Default [`default_store_if`]: successes and server errors, not a handler's 4xx
+    /// nor `503` (why, there); the presets [`store_successes_only`] and
+    /// [`store_all_but_retryable`] are the other choices. A refusal the layer makes
+    /// itself (a bad key or client, a body over the limit) is never stored: nothing ran.
     pub fn store_if(
         mut self,
         predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,

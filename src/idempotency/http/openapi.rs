@@ -16,8 +16,8 @@ use utoipa::openapi::{
 use super::IdempotencyLayer;
 use crate::idempotency::{
     header::{
-        ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT,
-        IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
+        ATTEMPT_ID, IDEMPOTENCY_EXPIRES, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY,
+        IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
     },
     IdempotencyKey,
 };
@@ -209,6 +209,11 @@ fn add_layer_headers(response: &mut Response) {
         (
             IDEMPOTENCY_REQUEST_COUNT,
             "On a replay: requests seen with this key, this one included.",
+        ),
+        (
+            IDEMPOTENCY_EXPIRES,
+            "On a stored answer, first or replayed, where the route opts in: when it \
+             expires and the key runs again (HTTP-date).",
         ),
     ];
     for (name, description) in headers {

@@ -19,6 +19,12 @@ use crate::idempotency::AttemptId;
 /// replay; it does not run for a `410` (no response was kept) or for any refusal.
 /// After it, a `Content-Length` the response carries is set to the body's new length.
 ///
+/// **A replay never changes a stored status that is not a success**: the hook sees the
+/// stored status (`response.status()`) and may mark the body of any replay, but a
+/// status it sets is kept only over a stored 2xx. A stored refusal or failure is
+/// replayed with its own status, so a client never reads a success for it, and a
+/// problem's `status` member always equals the response's.
+///
 /// Implemented for closures `Fn(&mut Response<Bytes>, &ReplayInfo)`. For an API whose
 /// contract says a replay answers `200 OK` with `"replay": true` in its JSON body,
 /// [`JsonReplayMarker`] is ready-made:
@@ -65,6 +71,7 @@ pub struct ReplayInfo {
     pub(crate) request_count: u64,
     pub(crate) first_seen: SystemTime,
     pub(crate) original_attempt: Option<AttemptId>,
+    pub(crate) expires_at: Option<SystemTime>,
 }
 
 impl ReplayInfo {
@@ -82,6 +89,12 @@ impl ReplayInfo {
     /// correlation ID of the delivery that ran).
     pub fn original_attempt(&self) -> Option<&AttemptId> {
         self.original_attempt.as_ref()
+    }
+
+    /// When the store lets the record go (and the key runs again): its TTL from when it
+    /// was stored. `None` for a record that does not say.
+    pub fn expires_at(&self) -> Option<SystemTime> {
+        self.expires_at
     }
 }
 
@@ -107,7 +120,8 @@ impl JsonReplayMarker {
         }
     }
 
-    /// Answers replays with `status` (say `200`), whatever the stored status was.
+    /// Answers replays of a stored success with `status` (say `200`); a stored 4xx or
+    /// 5xx keeps its own status (see [`OnReplay`]).
     pub fn status(mut self, status: StatusCode) -> Self {
         self.status = Some(status);
         self
@@ -135,7 +149,11 @@ pub(super) fn apply(
     mut response: Response<Bytes>,
     replay: &ReplayInfo,
 ) -> Response<Bytes> {
+    let stored = response.status();
     hook.on_replay(&mut response, replay);
+    if !stored.is_success() {
+        *response.status_mut() = stored;
+    }
     if response.headers().contains_key(header::CONTENT_LENGTH) {
         let len = HeaderValue::from(response.body().len());
         response.headers_mut().insert(header::CONTENT_LENGTH, len);
@@ -152,6 +170,7 @@ mod tests {
             request_count: 2,
             first_seen: SystemTime::UNIX_EPOCH,
             original_attempt: None,
+            expires_at: None,
         }
     }
 
@@ -179,6 +198,32 @@ mod tests {
             replay.headers()[header::CONTENT_LENGTH],
             replay.body().len().to_string().as_str()
         );
+    }
+
+    #[test]
+    fn a_stored_refusal_or_failure_keeps_its_status() {
+        let marker = JsonReplayMarker::new("replay").status(StatusCode::OK);
+        let by_hand = |response: &mut Response<Bytes>, _: &ReplayInfo| {
+            *response.status_mut() = StatusCode::OK;
+        };
+        let problem = r#"{"type":"about:blank","status":403}"#;
+        for hook in [&marker as &dyn OnReplay, &by_hand] {
+            for (status, expected) in [
+                (StatusCode::CREATED, StatusCode::OK),
+                (StatusCode::FORBIDDEN, StatusCode::FORBIDDEN),
+                (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                ),
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                ),
+            ] {
+                let replay = apply(hook, stored(status, problem), &info());
+                assert_eq!(replay.status(), expected, "stored {status}");
+            }
+        }
     }
 
     #[test]

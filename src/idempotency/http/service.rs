@@ -10,7 +10,7 @@ use http::{Request, Response, StatusCode};
 use tower_service::Service;
 
 use super::{
-    answer::Reply,
+    answer::{http_date, Reply},
     extract::{ExtractedKey, KeyRejection},
     layer::Settings,
     read::{buffered, collect_up_to, fingerprint, read_body, Collected, FingerprintVersion},
@@ -20,7 +20,7 @@ use crate::body::Body;
 use crate::idempotency::{
     core::{observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard},
     store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
-    AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey,
+    AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_EXPIRES,
 };
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -559,7 +559,16 @@ where
                 body: body.clone(),
             };
             match guard.complete(attempt, Some(Payload::Http(response))).await {
-                Ok(()) => Response::from_parts(parts, Body::complete(body)),
+                Ok(()) => {
+                    let mut parts = parts;
+                    if let Some(expires_at) = guard.expires_at().filter(|_| settings.expiry_header)
+                    {
+                        parts
+                            .headers
+                            .insert(IDEMPOTENCY_EXPIRES, http_date(expires_at));
+                    }
+                    Response::from_parts(parts, Body::complete(body))
+                }
                 Err(unsettled) => return Ok(reply.unsettled(&unsettled)),
             }
         }

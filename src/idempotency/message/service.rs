@@ -377,6 +377,7 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
                     request_count,
                     first_seen: record.first_seen,
                     original_attempt: record.original_attempt.clone(),
+                    expires_at: record.expires_at,
                 },
             }
         }

@@ -17,6 +17,7 @@ struct EncodedRecord {
     original_attempt: Option<serde_bytes::ByteBuf>,
     epoch: Option<u64>,
     response: Option<EncodedResponse>,
+    expires_at_ms: Option<u64>,
 }
 
 /// Byte fields as byte strings (`serde_bytes`): one copy each, not a sequence of
@@ -77,6 +78,7 @@ pub(super) fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
                 body: outcome.to_vec(),
             },
         }),
+        expires_at_ms: record.expires_at.map(millis),
     })
 }
 
@@ -116,6 +118,7 @@ pub(super) fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
         original_attempt,
         epoch: encoded.epoch,
         payload,
+        expires_at: encoded.expires_at_ms.map(from_millis),
     })
 }
 
@@ -141,6 +144,7 @@ mod tests {
             first_seen: from_millis(1_795_000_000_123),
             original_attempt: Some(AttemptId::from_header_value(HeaderValue::from_static("2"))),
             epoch: Some(7),
+            expires_at: Some(from_millis(1_795_086_400_123)),
             payload: Some(Payload::Http(StoredResponse {
                 status: StatusCode::CREATED,
                 headers: vec![
@@ -165,6 +169,7 @@ mod tests {
         assert_eq!(decoded.fingerprint, record.fingerprint);
         assert_eq!(decoded.first_seen, record.first_seen);
         assert_eq!(decoded.epoch, Some(7));
+        assert_eq!(decoded.expires_at, record.expires_at);
         assert_eq!(decoded.original_attempt.as_ref().unwrap().as_str(), "2");
         let response = decoded.response().unwrap();
         assert_eq!(response.status, StatusCode::CREATED);
@@ -172,7 +177,7 @@ mod tests {
         assert_eq!(response.body, Bytes::from_static(b"{\"id\":1}"));
         // Compact: a few bytes of framing around the content.
         assert!(
-            encoded.len() < 32 + 8 + 2 + 1 + 2 + 40 + 8 + 20,
+            encoded.len() < 32 + 8 + 2 + 1 + 2 + 40 + 8 + 20 + 8,
             "{} bytes",
             encoded.len()
         );

@@ -363,6 +363,10 @@ pub struct Record {
     /// What duplicates get back; `None` when it was too large to keep (the request ran,
     /// and duplicates are told so rather than run it again).
     pub payload: Option<Payload>,
+    /// When the store lets it go: set by the layer as it completes the request (then
+    /// plus the TTL, the expiry it gives the store), and kept with the record. `None`
+    /// for a record built without it.
+    pub expires_at: Option<SystemTime>,
 }
 
 impl Record {
@@ -380,7 +384,14 @@ impl Record {
             original_attempt,
             epoch,
             payload,
+            expires_at: None,
         }
+    }
+
+    /// The record, saying when the store lets it go.
+    pub fn with_expiry(mut self, expires_at: SystemTime) -> Self {
+        self.expires_at = Some(expires_at);
+        self
     }
 
     /// Bytes the record holds for its response (see [`StoredResponse::weight`]).

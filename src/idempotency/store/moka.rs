@@ -614,6 +614,7 @@ mod tests {
             original_attempt: None,
             epoch: None,
             payload: None,
+            expires_at: None,
         });
         let ttl = Duration::from_secs(60);
         assert!(!store.release(&scope("k"), &stranger).await.unwrap());
@@ -622,7 +623,7 @@ mod tests {
                 .complete(&scope("k"), &stranger, record.clone(), ttl)
                 .await
                 .unwrap(),
-            Completion::Superseded
+            Completion::ClaimedByAnother
         );
         assert_eq!(
             store.renew(&scope("k"), &stranger, &claim()).await.unwrap(),
@@ -681,6 +682,7 @@ mod eviction_tests {
             original_attempt: None,
             epoch: None,
             payload: None,
+            expires_at: None,
         };
         let ttl = Duration::from_secs(3600);
         assert!(store

@@ -1,8 +1,12 @@
 //! The store's way to Redis: one node, or a cluster whose client follows its topology
 //! (MOVED, ASK, failovers) by itself; and, optionally, replicas' acknowledgement of a
-//! write (`WAIT`) on the same connection as the write.
+//! write (`WAIT`) on the same connection as the write, a connection no other command
+//! shares meanwhile ([`WaitConnections`]).
 
-use std::time::Duration;
+use std::{
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
 
 use redis::{
     aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig},
@@ -201,6 +205,213 @@ impl Connection {
         let route = Route::with_key(key, SlotAddr::Master);
         let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
         connection.route_command(load, routing).await.map(drop)
+    }
+}
+
+/// The most connections that [`WaitConnections`] keeps between calls: as many as calls
+/// that wait for replicas usually run at once, so a steady load makes none.
+const IDLE_WAIT_CONNECTIONS: usize = 8;
+
+/// The most connections that [`WaitConnections`] lends at once. Past it, a call waits
+/// for replicas on the store's shared connection, as if there were no pool: a burst
+/// that large makes no more connections (on a cluster, one per node each).
+const MAX_WAIT_CONNECTIONS: usize = 64;
+
+/// Connections lent, one call at a time, to the calls that wait for replicas.
+///
+/// Redis's `WAIT` blocks the connection it is sent on until the replicas acknowledge the
+/// write or its timeout passes, and every command sent behind it on that connection
+/// waits too. On the store's one multiplexed connection per node, a primary that has
+/// lost its replica (a failover whose old primary does not come back, a replica in a
+/// full resynchronisation) held each command behind every `WAIT` for the whole replicas'
+/// wait, past its deadline: every claim, renewal, completion and replay on that node was
+/// refused as late or timed out, and a replica keeping an outcome never got it stored
+/// (its duplicates answered `409` until a replica came back, while the claim ran out).
+/// A connection of its own per call keeps a `WAIT` from delaying anything but its call.
+///
+/// A connection is given back only after an answer; one whose call timed out or broke
+/// (its `WAIT` may still be blocking it) is dropped, which closes it.
+pub(super) struct WaitConnections {
+    make: Make,
+    lent: Mutex<Lending>,
+    /// Lent instead, past [`MAX_WAIT_CONNECTIONS`].
+    shared: Connection,
+}
+
+#[derive(Default)]
+struct Lending {
+    idle: Vec<Connection>,
+    /// Connections lent now, of the pool's own.
+    out: usize,
+}
+
+/// How to make one more connection like the store's.
+enum Make {
+    Node {
+        url: String,
+        timeout: Duration,
+        answer_within: Duration,
+    },
+    Cluster {
+        seeds: Vec<String>,
+        timeout: Duration,
+        answer_within: Duration,
+    },
+}
+
+impl WaitConnections {
+    /// A pool of connections to the node at `url`, as [`Connection::node`] makes them.
+    pub(super) fn node(
+        url: &str,
+        timeout: Duration,
+        answer_within: Duration,
+        shared: Connection,
+    ) -> Self {
+        Self::new(
+            Make::Node {
+                url: url.to_owned(),
+                timeout,
+                answer_within,
+            },
+            shared,
+        )
+    }
+
+    /// A pool of connections to the cluster of `seeds`, as [`Connection::cluster`]
+    /// makes them.
+    pub(super) fn cluster(
+        seeds: &[String],
+        timeout: Duration,
+        answer_within: Duration,
+        shared: Connection,
+    ) -> Self {
+        Self::new(
+            Make::Cluster {
+                seeds: seeds.to_vec(),
+                timeout,
+                answer_within,
+            },
+            shared,
+        )
+    }
+
+    fn new(make: Make, shared: Connection) -> Self {
+        Self {
+            make,
+            lent: Mutex::default(),
+            shared,
+        }
+    }
+
+    /// Makes one connection to lend, so that the first call waiting for replicas does
+    /// not connect first.
+    pub(super) async fn open_one(&self) -> Result<(), StoreError> {
+        let connection = self
+            .make()
+            .await
+            .map_err(|e| StoreError::with_source("could not connect to Redis", e))?;
+        self.lending().idle.push(connection);
+        Ok(())
+    }
+
+    fn lending(&self) -> std::sync::MutexGuard<'_, Lending> {
+        self.lent.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// [`Connection::run`] on a connection no other call uses meanwhile.
+    pub(super) async fn run<T: FromRedisValue>(
+        self: &Arc<Self>,
+        script: &StoreScript,
+        call: Cmd,
+        wait: Option<Wait>,
+    ) -> RedisResult<Option<(T, Option<u64>)>> {
+        let lent = self.lend().await?;
+        let answer = lent.connection.clone().run(script, call, wait).await;
+        match &answer {
+            // Redis answered: nothing is left waiting on the connection.
+            Ok(_) => lent.give_back(),
+            Err(error) if !(error.is_io_error() || error.is_unrecoverable_error()) => {
+                lent.give_back();
+            }
+            // Dropped with `lent`: a `WAIT` may still hold it.
+            Err(_) => {}
+        }
+        answer
+    }
+
+    /// An idle connection, or a new one; the shared one past [`MAX_WAIT_CONNECTIONS`].
+    async fn lend(self: &Arc<Self>) -> RedisResult<Lent> {
+        let idle = {
+            let mut lending = self.lending();
+            if lending.idle.is_empty() && lending.out >= MAX_WAIT_CONNECTIONS {
+                return Ok(Lent {
+                    connection: self.shared.clone(),
+                    pool: None,
+                });
+            }
+            lending.out += 1;
+            lending.idle.pop()
+        };
+        // Counted from here: a connection that fails to be made, or whose call is
+        // dropped, is uncounted by `Lent`'s drop.
+        let mut lent = Lent {
+            connection: self.shared.clone(),
+            pool: Some(self.clone()),
+        };
+        lent.connection = match idle {
+            Some(connection) => connection,
+            None => self.make().await?,
+        };
+        Ok(lent)
+    }
+
+    async fn make(&self) -> RedisResult<Connection> {
+        let made = match &self.make {
+            Make::Node {
+                url,
+                timeout,
+                answer_within,
+            } => Connection::node(url, *timeout, *answer_within).await,
+            Make::Cluster {
+                seeds,
+                timeout,
+                answer_within,
+            } => Connection::cluster(seeds, *timeout, *answer_within).await,
+        };
+        made.map_err(|error| {
+            redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "connecting for a call that waits for replicas",
+                error.to_string(),
+            ))
+        })
+    }
+}
+
+/// A connection lent by [`WaitConnections`], or the shared one.
+struct Lent {
+    connection: Connection,
+    /// The pool it is counted in, if it is the pool's own.
+    pool: Option<Arc<WaitConnections>>,
+}
+
+impl Lent {
+    fn give_back(mut self) {
+        if let Some(pool) = self.pool.take() {
+            let mut lending = pool.lending();
+            lending.out -= 1;
+            if lending.idle.len() < IDLE_WAIT_CONNECTIONS {
+                lending.idle.push(self.connection.clone());
+            }
+        }
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.lending().out -= 1;
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use redis::{Cmd, FromRedisValue};
 use serde::{Deserialize, Serialize};
 
 use self::{
-    connection::{Connection, Wait, RECONNECT_MAX_DELAY},
+    connection::{Connection, Wait, WaitConnections, RECONNECT_MAX_DELAY},
     scripts::{StoreScript, BEGIN, COMPLETE, COUNT, RELEASE, RENEW, TOKEN_LEN},
 };
 use super::{
@@ -65,11 +65,14 @@ pub const DEFAULT_REDIS_COMMAND_TIMEOUT: Duration = Duration::from_millis(250);
 ///
 /// # Clone
 ///
-/// Clones share one connection (manager, or cluster client) and the optional local
-/// cache.
+/// Clones share one connection (manager, or cluster client), the connections lent to
+/// calls that wait for replicas, and the optional local cache.
 #[derive(Clone)]
 pub struct RedisStore {
     connection: Connection,
+    /// Connections of their own for the calls that wait for replicas, with
+    /// [`wait_for_replicas`](RedisStoreBuilder::wait_for_replicas).
+    wait_connections: Option<Arc<WaitConnections>>,
     prefix: Arc<str>,
     command_timeout: Duration,
     wait: Option<Wait>,
@@ -130,7 +133,11 @@ impl RedisStoreBuilder {
 
     /// Counts a claim and a completion only once `replicas` replicas acknowledged them
     /// (Redis's `WAIT`, sent right behind the write on the same connection), waiting
-    /// at most `timeout` (on top of the command timeout). Not acknowledged in time is a
+    /// at most `timeout` (on top of the command timeout). A `WAIT` holds up every
+    /// command behind it on its connection, so each call that waits gets a connection
+    /// no other call uses meanwhile (up to 64 at once, 8 kept between calls; on a
+    /// cluster, each one reaches every node): a primary that lost its replicas delays
+    /// only the calls waiting for them, never the rest. Not acknowledged in time is a
     /// store failure: a claim is given up and its request answered `503` without
     /// running; a completion is kept by the layer and stored again until it is
     /// acknowledged, never released. This closes the window in which a primary that
@@ -165,12 +172,36 @@ impl RedisStoreBuilder {
         // The client's own bound on an answer leaves room for the replicas' wait; the
         // store bounds each command itself.
         let answer_within = self.command_timeout + self.wait.map_or(Duration::ZERO, |w| w.timeout);
-        let connection = match &self.target {
-            Target::Node(url) => Connection::node(url, self.command_timeout, answer_within).await?,
+        let (connection, wait_connections) = match &self.target {
+            Target::Node(url) => {
+                let connection = Connection::node(url, self.command_timeout, answer_within).await?;
+                let waits = self.wait.map(|_| {
+                    WaitConnections::node(
+                        url,
+                        self.command_timeout,
+                        answer_within,
+                        connection.clone(),
+                    )
+                });
+                (connection, waits)
+            }
             Target::Cluster(seeds) => {
-                Connection::cluster(seeds, self.command_timeout, answer_within).await?
+                let connection =
+                    Connection::cluster(seeds, self.command_timeout, answer_within).await?;
+                let waits = self.wait.map(|_| {
+                    WaitConnections::cluster(
+                        seeds,
+                        self.command_timeout,
+                        answer_within,
+                        connection.clone(),
+                    )
+                });
+                (connection, waits)
             }
         };
+        if let Some(waits) = &wait_connections {
+            waits.open_one().await?;
+        }
         let redis_clock = Arc::new(StoreClock::new(self.command_timeout));
         let read_clock = {
             let connection = connection.clone();
@@ -194,6 +225,7 @@ impl RedisStoreBuilder {
         });
         Ok(RedisStore {
             connection,
+            wait_connections: wait_connections.map(Arc::new),
             prefix: self.prefix.into(),
             command_timeout: self.command_timeout,
             wait: self.wait,
@@ -299,7 +331,20 @@ impl RedisStore {
                 })
                 .await
                 .map_err(Failure::Other)?;
-            let run = self.connection.clone().run(script, call(deadline), wait);
+            let run = async {
+                match (&self.wait_connections, wait) {
+                    // A connection of its own: its `WAIT` holds up no other command.
+                    (Some(connections), Some(_)) if std::env::var_os("NO_POOL").is_none() => {
+                        connections.run(script, call(deadline), wait).await
+                    }
+                    _ => {
+                        self.connection
+                            .clone()
+                            .run(script, call(deadline), wait)
+                            .await
+                    }
+                }
+            };
             match tokio::time::timeout_at(give_up.into(), run).await {
                 Ok(Ok(Some(answer))) => return Ok(answer),
                 // Sent the script it lacked: once more.
