@@ -299,4 +299,101 @@ mod tests {
             "refusal codes Refusal::code does not list: {missing:?}"
         );
     }
+
+    /// Every row of a status table, as (status, code).
+    #[cfg(feature = "idempotency")]
+    fn table_rows(file: &Path) -> Vec<(u16, String)> {
+        fs::read_to_string(file)
+            .unwrap()
+            .lines()
+            .filter_map(|line| {
+                let row = line.trim_start().strip_prefix("//! | `")?;
+                let (status, rest) = row.split_once('`')?;
+                let status = status.parse().ok()?;
+                let code = rest.split("</a>`").nth(1)?.split('`').next()?;
+                Some((status, code.to_owned()))
+            })
+            .collect()
+    }
+
+    /// A problem's `status` member is the response's status, for every code of the
+    /// status tables; and where the source builds a problem with a literal status, it
+    /// is the one its row gives.
+    #[test]
+    #[cfg(feature = "idempotency")]
+    fn every_problem_says_the_status_it_is_answered_with() {
+        use super::*;
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut rows = table_rows(&src.join("idempotency/mod.rs"));
+        rows.extend(table_rows(&src.join("correlation/mod.rs")));
+        assert!(rows.len() > 20, "the tables were read: {rows:?}");
+        for (status, code) in &rows {
+            let code: &'static str = Box::leak(code.clone().into_boxed_str());
+            let status = StatusCode::from_u16(*status).unwrap();
+            let response = Problem::new(status, code, "title", "detail").into_response::<()>();
+            let body: serde_json::Value =
+                serde_json::from_slice(&futures_body(response.body())).unwrap();
+            assert_eq!(response.status(), status, "{code}");
+            assert_eq!(body["status"], status.as_u16(), "{code}");
+            assert_eq!(body["code"], code);
+        }
+        // `Problem::new(StatusCode::X, "code", ...)` in the source agrees with the table.
+        let names = [
+            ("BAD_REQUEST", 400),
+            ("UNAUTHORIZED", 401),
+            ("CONFLICT", 409),
+            ("GONE", 410),
+            ("PAYLOAD_TOO_LARGE", 413),
+            ("UNPROCESSABLE_ENTITY", 422),
+            ("INTERNAL_SERVER_ERROR", 500),
+            ("SERVICE_UNAVAILABLE", 503),
+        ];
+        let mut checked = 0;
+        let mut stack = vec![src.clone()];
+        while let Some(dir) = stack.pop() {
+            for entry in fs::read_dir(dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                if path.ends_with("problem.rs") {
+                    continue;
+                }
+                let text = fs::read_to_string(&path).unwrap_or_default();
+                for built in text.split("Problem::new(").skip(1) {
+                    let mut words = built.split(',').map(str::trim);
+                    let (Some(status), Some(code)) = (words.next(), words.next()) else {
+                        continue;
+                    };
+                    let (Some(name), Some(code)) = (
+                        status.strip_prefix("StatusCode::"),
+                        code.strip_prefix('"').and_then(|c| c.strip_suffix('"')),
+                    ) else {
+                        continue;
+                    };
+                    let Some((_, number)) = names.iter().find(|(n, _)| *n == name) else {
+                        panic!(
+                            "{}: a status this test does not know: {name}",
+                            path.display()
+                        );
+                    };
+                    let row = rows.iter().find(|(_, c)| c == code);
+                    assert_eq!(
+                        row.map(|(s, _)| s),
+                        Some(number),
+                        "{}: {code} answers {name}, its row says {row:?}",
+                        path.display()
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 10, "the source was read: {checked}");
+    }
+
+    #[cfg(feature = "idempotency")]
+    fn futures_body(body: &crate::body::Body<()>) -> Vec<u8> {
+        body.complete_bytes().expect("a complete body").to_vec()
+    }
 }

@@ -272,3 +272,34 @@ async fn rfc8941_4_2_a_key_header_sent_twice_is_refused_even_with_one_key() {
     }
     assert_eq!(app.runs.get(), 0);
 }
+
+/// A replay never changes a stored status: the ready-made marker (`200` with
+/// `"replay": true`) turns a stored `201` into `200`, but a stored `403` or `500`
+/// replays with its own status, its problem's `status` member still equal to it.
+#[tokio::test]
+async fn a_replay_hook_never_turns_a_refusal_or_a_failure_into_a_success() {
+    let app = start(
+        IdempotencyLayer::new()
+            .store_if(store_all_but_retryable)
+            .on_replay(
+                tower_ids::idempotency::JsonReplayMarker::new("replay").status(StatusCode::OK),
+            ),
+    )
+    .await;
+
+    for (n, stored) in [201u16, 403, 500].into_iter().enumerate() {
+        let key = ("idempotency-key", ["k-201", "k-403", "k-500"][n]);
+        let status = stored.to_string();
+        let first = app
+            .post("/commands", &[key, ("x-status", status.as_str())], BODY)
+            .await;
+        let replay = app.post("/commands", &[key], BODY).await;
+
+        assert_eq!(first.status.as_u16(), stored);
+        assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+        assert_eq!(replay.json()["replay"], true, "the body is marked");
+        let expected = if stored == 201 { 200 } else { stored };
+        assert_eq!(replay.status.as_u16(), expected, "stored {stored}");
+    }
+    assert_eq!(app.runs.get(), 3);
+}
