@@ -122,6 +122,10 @@
 //! | `opentelemetry` | no | W3C `traceparent` continued on the request's span and sent on outgoing calls, the `trace_id` in logs, optional W3C `baggage` (`tracing-opentelemetry`) |
 //! | `metrics` | no | the idempotency layer's counters, store latency and requests in flight, on the `metrics` facade |
 //! | `reqwest` | no | [`OutboundCorrelationLayer`] (and, with `client`, [`RetryLayer`]) as `reqwest-middleware` middleware |
+//! | `openapi` | no | `IdempotencyLayer::document`: a protected operation's key header, problems and response headers in an OpenAPI document (utoipa) |
+//! | `grpc` | no | `idempotency::grpc::GrpcIdempotencyLayer`: unary tonic calls deduplicated, answered as gRPC statuses with `google.rpc` details |
+//! | `amqp` | no | correlation IDs carried in AMQP 0-9-1 (RabbitMQ, lapin) header tables |
+//! | `kafka` | no | correlation IDs, keys and trace context carried in Kafka record headers (rdkafka) |
 //! | `full` | no | all of the above |
 //!
 //! docs.rs builds the documentation with every feature.
