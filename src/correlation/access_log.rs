@@ -47,7 +47,10 @@ pub type AccessLog<S, M = MakeUuidV7, V = DefaultValidator> = Trace<
 /// carries the correlation ID as the plain layer's span does.
 ///
 /// A request whose inner service fails with an error instead of a response (never, on
-/// axum) logs no access line.
+/// axum) logs no access line, nor does one whose client went away before the answer;
+/// if such a request had claimed an idempotency key, its work runs on and the
+/// idempotency layer logs its line, INFO `idempotency.detached`, in this span when the
+/// work settles.
 ///
 /// # Clone
 ///

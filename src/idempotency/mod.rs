@@ -247,7 +247,10 @@
 //!   `idempotency.in_flight`, `idempotency.not_replayable`,
 //!   `idempotency.original_failed`.
 //! - INFO: `idempotency.commit_confirmed` (a commit whose answer was lost was read
-//!   back, and had landed).
+//!   back, and had landed); `idempotency.detached` (the client went away before the
+//!   answer, and the work it claimed ran to its end in a task of its own, with
+//!   `finished_after_ms`: the request's own line, as no access line is written for an
+//!   answer no one took); `idempotency.drained` (a [`Drain`] saw everything settle).
 //! - WARN, once per layer: `idempotency.uncorrelated`, a request ran with no correlation
 //!   ID in scope (see [Layer order](#layer-order)).
 //! - WARN: `idempotency.rejected` (the `400`s and the `401` on the key, the client or
@@ -258,7 +261,9 @@
 //!   `requested_bytes`), `idempotency.response_too_large`, `idempotency.lease_lost`,
 //!   `idempotency.store_failed` (with `phase`: `begin`, `renew`, `complete`,
 //!   `release`, `wait`, and the `error` with its cause), `idempotency.claim_restored`
-//!   (the store had lost a running request's claim), `idempotency.kept_over_budget`,
+//!   (the store had lost a running request's claim), `idempotency.claim_lapsed` (a
+//!   completion met another request's claim; the outcome is kept until it settles),
+//!   `idempotency.drain_unsettled` (with `owed`), `idempotency.kept_over_budget`,
 //!   `idempotency.commit_failed` (the handler's transaction did not commit),
 //!   `idempotency.outcome_unknown` (whether it committed is not known);
 //!   `idempotency.stored` is WARN with `claim=missing` when the store had lost the

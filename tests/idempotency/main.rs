@@ -738,6 +738,11 @@ async fn a_client_that_hangs_up_still_gets_the_replay() {
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
     assert_eq!(app.runs.get(), 1);
+    // The request that did the work has its line, when it settled.
+    let detached = logs.events("idempotency.detached");
+    assert_eq!(detached.len(), 1, "{}", logs.raw());
+    assert_eq!(detached[0]["level"], "INFO");
+    assert_eq!(detached[0]["span"]["idempotency_key"], KEY.1);
 }
 
 /// Every panic message seen by this test binary, with the default hook still printing.

@@ -104,10 +104,18 @@ impl<T: 'static> Drop for Detaching<T> {
         };
         let span = std::mem::replace(&mut self.span, tracing::Span::none());
         let unsettled = settling.enter(Owed::Handler, span.clone());
+        let detached = std::time::Instant::now();
         let rest = tracing::Instrument::instrument(
             async move {
                 let _ = unfinished.await;
                 drop(unsettled);
+                // The request's line: no access line is written for an answer no one
+                // was there to take.
+                tracing::info!(
+                    event = "idempotency.detached",
+                    finished_after_ms = crate::correlation::log_millis(detached.elapsed()),
+                    "the client went away before the answer; the work ran to its end in a task of its own and its outcome is settled"
+                );
             },
             span,
         );
