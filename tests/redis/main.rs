@@ -344,6 +344,75 @@ async fn a_worker_whose_lease_ran_out_cannot_clobber_the_new_record() {
     }
 }
 
+/// A primary without the replica `wait_for_replicas` asks for (it was promoted, or its
+/// replica is resynchronising): each `WAIT` runs out its timeout, and Redis holds every
+/// command sent behind it on its connection until then. Eight duplicates of a stored
+/// record begun at once each get the record after one wait, not behind the others'
+/// (on one shared connection, all but the first reached Redis past their deadline and
+/// failed); a claim is refused, not acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_waiting_for_a_missing_replica_do_not_queue_behind_each_other() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let wait = Duration::from_millis(500);
+    let plain = RedisStore::connect(redis.url()).await.unwrap();
+    let waiting = RedisStore::builder(redis.url())
+        .wait_for_replicas(1, wait)
+        .build()
+        .await
+        .unwrap();
+    let scope = ScopeKey::from_bytes([9; 32]);
+    let fingerprint = Fingerprint::from_bytes([1; 32]);
+    let claim = Claim::new(fingerprint, Duration::from_secs(10), None);
+    let Begin::Claimed { lease } = plain.begin(&scope, claim.clone()).await.unwrap() else {
+        panic!("the first begin claims");
+    };
+    let record = Record::new(
+        fingerprint,
+        SystemTime::now(),
+        None,
+        None,
+        Some(Payload::Http(response("stored"))),
+    );
+    let ttl = Duration::from_secs(60);
+    plain
+        .complete(&scope, &lease, Arc::new(record), ttl)
+        .await
+        .unwrap();
+
+    let started = Instant::now();
+    let begins: Vec<_> = (0..8)
+        .map(|_| {
+            let (waiting, claim) = (waiting.clone(), claim.clone());
+            tokio::spawn(async move { waiting.begin(&scope, claim).await })
+        })
+        .collect();
+    for begin in begins {
+        match begin.await.unwrap() {
+            Ok(Begin::Completed { record, .. }) => {
+                assert_eq!(record.response().unwrap().body, "stored");
+            }
+            Ok(other) => panic!("a duplicate gets the record: {other:?}"),
+            Err(error) => panic!("a duplicate gets the record, not an error: {error}"),
+        }
+    }
+    let took = started.elapsed();
+    assert!(
+        took < wait * 3,
+        "eight replays wait side by side, not in turn: {took:?}"
+    );
+
+    let unacknowledged = waiting
+        .begin(&ScopeKey::from_bytes([10; 32]), claim)
+        .await
+        .expect_err("a claim no replica acknowledged is a store failure");
+    assert!(
+        unacknowledged.to_string().contains("acknowledged by 0"),
+        "{unacknowledged}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_fails_within_the_timeout_and_the_layer_recovers() {
     let Some(mut redis) = RedisServer::start() else {

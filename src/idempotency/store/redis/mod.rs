@@ -334,7 +334,7 @@ impl RedisStore {
             let run = async {
                 match (&self.wait_connections, wait) {
                     // A connection of its own: its `WAIT` holds up no other command.
-                    (Some(connections), Some(_)) if std::env::var_os("NO_POOL").is_none() => {
+                    (Some(connections), Some(_)) => {
                         connections.run(script, call(deadline), wait).await
                     }
                     _ => {
