@@ -10,10 +10,9 @@
 //! (default `postgres://postgres@127.0.0.1:5432/postgres`) and drops it at the end;
 //! without a server the tests print `SKIPPED` and pass, except in CI (`CI` set).
 //!
-//! The tests run the example binary that `cargo test` builds; `cargo test --test
-//! commands_crash` alone does not rebuild it, so run `cargo build --all-features
-//! --examples` first. The figures (kill points per phase, executions per key) are
-//! printed: `cargo test --test commands_crash -- --nocapture`.
+//! The tests build the example binary first (`tests/support/demo.rs`), so `cargo test
+//! --test commands_crash` runs alone. The figures (kill points per phase, executions
+//! per key) are printed: `cargo test --test commands_crash -- --nocapture`.
 
 #[path = "postgres/database.rs"]
 mod database;

@@ -5,8 +5,8 @@
 //!
 //! The Kafka path runs against a real broker (Tansu, `TANSU_BIN`) the test starts.
 //!
-//! The tests run the example binary `cargo test` builds; `cargo test --test partner`
-//! alone does not rebuild it, so run `cargo build --examples` first.
+//! The tests build the example binary first (`tests/support/demo.rs`), so `cargo test
+//! --test partner` runs alone.
 
 #[path = "postgres/database.rs"]
 mod database;

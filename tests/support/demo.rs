@@ -12,14 +12,58 @@ use std::{
 
 use serde_json::Value;
 
-/// The example binary `name` that `cargo test` built next to this test.
+/// The example binary `name`, next to this test; built first, with this test's
+/// features, once per test binary: `cargo test --test NAME` builds no example (`cargo
+/// test` does, and then this finds it up to date).
 fn example_path(name: &str) -> std::path::PathBuf {
+    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if !built.iter().any(|b| b == name) {
+        build_example(name);
+        built.push(name.to_owned());
+    }
+    drop(built);
     let mut path = std::env::current_exe().unwrap();
     path.pop(); // deps/
     path.pop();
     path.push("examples");
     path.push(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     path
+}
+
+/// `cargo build --example name` with exactly the features this test was built with, so
+/// that the library is not built again for another set.
+fn build_example(name: &str) {
+    let features: Vec<&str> = [
+        ("correlation", cfg!(feature = "correlation")),
+        ("idempotency", cfg!(feature = "idempotency")),
+        ("client", cfg!(feature = "client")),
+        ("redis", cfg!(feature = "redis")),
+        ("postgres", cfg!(feature = "postgres")),
+        ("openapi", cfg!(feature = "openapi")),
+        ("grpc", cfg!(feature = "grpc")),
+        ("kafka", cfg!(feature = "kafka")),
+        ("axum", cfg!(feature = "axum")),
+        ("amqp", cfg!(feature = "amqp")),
+        ("access-log", cfg!(feature = "access-log")),
+        ("opentelemetry", cfg!(feature = "opentelemetry")),
+        ("metrics", cfg!(feature = "metrics")),
+        ("reqwest", cfg!(feature = "reqwest")),
+        ("full", cfg!(feature = "full")),
+    ]
+    .into_iter()
+    .filter_map(|(feature, on)| on.then_some(feature))
+    .collect();
+    let mut cargo = Command::new(env!("CARGO"));
+    cargo
+        .args(["build", "--example", name, "--no-default-features"])
+        .args(["--features", &features.join(",")])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    if !cfg!(debug_assertions) {
+        cargo.arg("--release");
+    }
+    let status = cargo.status().expect("cargo runs");
+    assert!(status.success(), "the {name} example builds");
 }
 
 pub struct Demo {
