@@ -300,16 +300,29 @@ impl RedisCluster {
         }
     }
 
-    /// Waits until `slot` is served by a live primary other than `old`; returns it.
-    pub(crate) fn wait_for_failover(&self, slot: u16, old: u16) -> u16 {
+    /// Waits until `slot` is served by a live primary other than `old`, and the cluster
+    /// is ok; returns that primary's port and when it was first seen serving the slot.
+    pub(crate) fn wait_for_failover(&self, slot: u16, old: u16) -> (u16, Instant) {
         let mut new = None;
         wait_until(Duration::from_secs(30), || {
             new = self.primary_of(slot).filter(|port| *port != old);
             new.is_some()
         })
         .expect("a replica is promoted within 30 s");
+        let seen = Instant::now();
         self.wait_until_ok();
-        new.unwrap()
+        (new.unwrap(), seen)
+    }
+
+    /// How many replicas the node on `port` has connected and online, as it says.
+    pub(crate) fn online_replicas(&self, port: u16) -> usize {
+        cli(port, &["INFO", "replication"])
+            .map(|info| {
+                info.lines()
+                    .filter(|line| line.starts_with("slave") && line.contains("state=online"))
+                    .count()
+            })
+            .unwrap_or(0)
     }
 }
 
