@@ -353,6 +353,34 @@ async fn an_error_after_the_side_effect_is_replayed_and_unavailable_releases_the
     );
 }
 
+/// A handler's refusal (`INVALID_ARGUMENT`, `PERMISSION_DENIED`, ...) is not stored, as
+/// the HTTP layer's 4xx: the same call is refused again by the handler, never answered
+/// from a record, and a corrected call under the same key can run.
+#[tokio::test]
+async fn a_handlers_refusal_is_not_stored_and_the_retry_runs_again() {
+    for code in [
+        Code::InvalidArgument,
+        Code::PermissionDenied,
+        Code::NotFound,
+    ] {
+        let refusing = CountingLedger {
+            fail_with: Some(code),
+            ..CountingLedger::default()
+        };
+        let mut client = serve(refusing.clone(), GrpcIdempotencyLayer::new()).await;
+        for _ in 0..2 {
+            let status = client.transfer(transfer(Some("k-r"), 1)).await.unwrap_err();
+            assert_eq!(status.code(), code);
+            assert_eq!(
+                meta(status.metadata(), "idempotent-replayed"),
+                Some("false"),
+                "{code:?}"
+            );
+        }
+        assert_eq!(refusing.runs.load(Ordering::SeqCst), 2, "{code:?}");
+    }
+}
+
 #[tokio::test]
 async fn a_call_whose_client_gave_up_completes_and_its_retry_replays() {
     let ledger = CountingLedger {

@@ -14,15 +14,25 @@ use crate::idempotency::{
 #[cfg(doc)]
 use crate::idempotency::{DEFAULT_LEASE, DEFAULT_RETRY_AFTER, DEFAULT_TTL};
 
-/// Which statuses are stored and replayed, by default: all but `UNAVAILABLE`,
-/// `RESOURCE_EXHAUSTED` and `ABORTED`, the codes gRPC defines as "nothing was done,
-/// retry" (as the HTTP layer releases `503` and `429`). An error the handler answered
-/// after its side effect (`INTERNAL`, say) is stored, so its retry gets the same error
-/// and does not run the call again.
+/// Which statuses are stored and replayed, by default: `OK` and the server errors
+/// (`UNKNOWN`, `DEADLINE_EXCEEDED`, `UNIMPLEMENTED`, `INTERNAL`, `DATA_LOSS`), as the
+/// HTTP layer's [`default_store_if`](crate::idempotency::default_store_if) stores 2xx
+/// and 5xx. An error the handler answered after its side effect (`INTERNAL`, say) is
+/// stored, so its retry gets the same error and does not run the call again. The
+/// handler's refusals (`INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`,
+/// `PERMISSION_DENIED`, `FAILED_PRECONDITION`, `OUT_OF_RANGE`, `UNAUTHENTICATED`,
+/// `CANCELLED`), as the HTTP layer's 4xx, and the codes gRPC defines as "nothing was
+/// done, retry" (`UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `ABORTED`) release the key, so
+/// a corrected call under the same key runs.
 pub fn default_store_code(code: Code) -> bool {
-    !matches!(
+    matches!(
         code,
-        Code::Unavailable | Code::ResourceExhausted | Code::Aborted
+        Code::Ok
+            | Code::Unknown
+            | Code::DeadlineExceeded
+            | Code::Unimplemented
+            | Code::Internal
+            | Code::DataLoss
     )
 }
 

@@ -117,9 +117,10 @@
 //!
 //! # Storage rule
 //!
-//! By [`default_store_code`], every status is stored but `UNAVAILABLE`,
-//! `RESOURCE_EXHAUSTED` and `ABORTED`, which release the key so a retry runs the call
-//! again. Change it with [`store_if`](GrpcIdempotencyLayer::store_if). A handler that
+//! By [`default_store_code`], `OK` and the server errors are stored; the handler's
+//! refusals (`INVALID_ARGUMENT`, `NOT_FOUND`, `PERMISSION_DENIED`, ...) and
+//! `UNAVAILABLE`, `RESOURCE_EXHAUSTED` and `ABORTED` release the key so a retry (or a
+//! corrected call) runs again, as the HTTP layer treats 4xx and `503`. Change it with [`store_if`](GrpcIdempotencyLayer::store_if). A handler that
 //! took the PostgreSQL transaction (see the store's docs) and answered a server error
 //! (`UNKNOWN`, `DEADLINE_EXCEEDED`, `UNIMPLEMENTED`, `INTERNAL`, `UNAVAILABLE`,
 //! `DATA_LOSS`) has its writes rolled back and its key released, as with HTTP `5xx`.
