@@ -142,8 +142,11 @@ impl RedisStoreBuilder {
     /// running; a completion is kept by the layer and stored again until it is
     /// acknowledged, never released. This closes the window in which a primary that
     /// dies right after acknowledging a write loses it to a replica promoted without
-    /// it, at the cost of a replica round trip on every first execution (replays read,
-    /// and wait for nothing). `0` (the default) waits for none.
+    /// it, at the cost of a replica round trip on every first execution, and on every
+    /// duplicate too (the claiming script counts it, a write the `WAIT` behind it covers,
+    /// unless the [`local_cache`](Self::local_cache) holds the record): on a primary that
+    /// has lost its replicas, each of them waits out `timeout`. `0` (the default) waits
+    /// for none.
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = (replicas > 0).then_some(Wait { replicas, timeout });
         self
