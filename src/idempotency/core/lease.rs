@@ -289,44 +289,29 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         .await;
         observe::store_time(self.store_time);
         match completed {
-            Ok(Completion::ClaimedByAnother) => {
-                tracing::warn!(
-                    event = "idempotency.claim_lapsed",
-                    "this request's claim ran out while it ran and another request holds the key now; keeping the outcome and storing it once that claim is settled (dropped only if a record takes the key)"
-                );
-                self.kept.keep(
-                    self.store.clone(),
-                    self.scope,
-                    Outcome {
-                        lease,
-                        claim: self.claim.clone(),
-                        record,
-                        ttl,
-                    },
-                    max_kept_bytes,
-                );
+            Ok(Completion::ClaimedByAnother) => tracing::warn!(
+                event = "idempotency.claim_lapsed",
+                "this request's claim ran out while it ran and another request holds the key now; keeping the outcome and storing it once that claim is settled (dropped only if a record takes the key)"
+            ),
+            Ok(completion) => {
+                report(completion, &record, ttl, 1);
+                return Ok(());
             }
-            Ok(completion) => report(completion, &record, ttl, 1),
-            Err(error) => {
-                tracing::warn!(
-                    event = "idempotency.store_failed",
-                    error = %Chain(&error),
-                    phase = "complete",
-                    "could not store the response; keeping it and storing it in the background (the key stays claimed)"
-                );
-                self.kept.keep(
-                    self.store.clone(),
-                    self.scope,
-                    Outcome {
-                        lease,
-                        claim: self.claim.clone(),
-                        record,
-                        ttl,
-                    },
-                    max_kept_bytes,
-                );
-            }
+            Err(error) => tracing::warn!(
+                event = "idempotency.store_failed",
+                error = %Chain(&error),
+                phase = "complete",
+                "could not store the response; keeping it and storing it in the background (the key stays claimed)"
+            ),
         }
+        let outcome = Outcome {
+            lease,
+            claim: self.claim.clone(),
+            record,
+            ttl,
+        };
+        self.kept
+            .keep(self.store.clone(), self.scope, outcome, max_kept_bytes);
         Ok(())
     }
 
