@@ -470,3 +470,119 @@ async fn shutdown_finishes_requests_in_flight_and_closes_idle_connections() {
     assert!(status.success(), "{status}");
     demo.events("commands.stopped").await;
 }
+
+/// What hyper refuses while it reads a request head, before any layer runs, is not
+/// problem details: hyper answers it itself, with an empty body and `Connection:
+/// close`, and has no hook to answer otherwise (the README says so). A header with a
+/// control byte and a request with two `Content-Length`s are `400`, more than 100
+/// header lines or a head over hyper's read buffer (about 400 KiB) `431`, a path over
+/// 65,534 bytes `414`.
+#[tokio::test]
+async fn hyper_refuses_a_malformed_or_oversized_head_with_an_empty_answer() {
+    let demo = Demo::start(&[]);
+    let lines = |n: usize| (0..n).map(|i| format!("x-h{i}: v\r\n")).collect::<String>();
+    let cases: [(&str, Vec<u8>, u16); 5] = [
+        (
+            "a control byte in a header value",
+            b"GET /commands HTTP/1.1\r\nhost: x\r\nx-a: a\x01b\r\n\r\n".to_vec(),
+            400,
+        ),
+        (
+            "two Content-Length values",
+            b"POST /commands HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}"
+                .to_vec(),
+            400,
+        ),
+        (
+            "105 header lines",
+            format!("GET /commands HTTP/1.1\r\nhost: x\r\n{}\r\n", lines(104)).into_bytes(),
+            431,
+        ),
+        (
+            "a 1 MB header",
+            format!(
+                "GET /commands HTTP/1.1\r\nhost: x\r\nx-big: {}\r\n\r\n",
+                "a".repeat(1 << 20)
+            )
+            .into_bytes(),
+            431,
+        ),
+        (
+            "a 70,000-byte path",
+            format!("GET /{} HTTP/1.1\r\nhost: x\r\n\r\n", "a".repeat(70_000)).into_bytes(),
+            414,
+        ),
+    ];
+    for (what, request, status) in cases {
+        let (mut reader, mut writer) = TcpStream::connect(&demo.addr).await.unwrap().into_split();
+        // hyper answers before it has read all of a 1 MB head: the write may fail then.
+        let writing = tokio::spawn(async move {
+            let _ = writer.write_all(&request).await;
+            writer
+        });
+        let reply = read_response(&mut reader, Duration::from_secs(5)).await;
+        assert_eq!(reply.status, status, "{what}");
+        assert_eq!(reply.header("content-length"), Some("0"), "{what}");
+        assert_eq!(reply.header("content-type"), None, "{what}");
+        assert_eq!(reply.header("connection"), Some("close"), "{what}");
+        assert_eq!(
+            reply.header("x-correlation-id"),
+            None,
+            "{what}: no layer ran"
+        );
+        let (end, _) = closed_within(&mut reader, Duration::from_secs(5)).await;
+        assert!(
+            matches!(end, End::Eof | End::Error(_)),
+            "{what}: the connection is closed: {end:?}"
+        );
+        // What is left of the write is of no interest.
+        writing.abort();
+    }
+
+    // Within those bounds the layers answer: 100 header lines are served.
+    let mut stream = TcpStream::connect(&demo.addr).await.unwrap();
+    let request = format!("GET /commands HTTP/1.1\r\nhost: x\r\n{}\r\n", lines(99));
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let reply = read_response(&mut stream, Duration::from_secs(5)).await;
+    assert_eq!(reply.status, 200);
+    assert!(reply.header("x-correlation-id").is_some());
+}
+
+/// `--max-body-bytes` above axum's own default limit (2 MB) is the limit: a 2.5 MB
+/// command is created (it was `413 body.unreadable`), and as its answer is over the
+/// idempotency layer's 1 MiB, a retry gets `410 idempotency.not_replayable`, not a
+/// second command.
+#[tokio::test]
+async fn a_body_limit_above_two_megabytes_is_the_flags() {
+    let demo = Demo::start(&["--max-body-bytes", "3000000"]);
+    let body = format!(
+        r#"{{"device_id":"d-large","name":"firmware","payload":"{}"}}"#,
+        "a".repeat(2_500_000)
+    );
+    let client = client();
+    let send_it = || {
+        send(
+            &client,
+            "POST",
+            format!("{}/commands", demo.url),
+            &[
+                ("content-type", "application/json"),
+                ("x-api-key", "faults"),
+                ("idempotency-key", "large-1"),
+            ],
+            &body,
+        )
+    };
+    let created = send_it().await;
+    assert_eq!(
+        created.status,
+        StatusCode::CREATED,
+        "{:.300}",
+        created.text()
+    );
+    let retried = send_it().await;
+    assert_eq!(retried.status, StatusCode::GONE, "{}", retried.text());
+    assert_eq!(retried.json()["code"], "idempotency.not_replayable");
+    let listed = send(&client, "GET", format!("{}/commands", demo.url), &[], "").await;
+    assert_eq!(listed.json().as_array().unwrap().len(), 1);
+}

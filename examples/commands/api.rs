@@ -12,6 +12,8 @@ use serde::Serialize;
 use tower_ids::PROBLEM_JSON;
 use uuid::Uuid;
 
+use crate::routes::MAX_PAYLOAD_DEPTH;
+
 /// `Retry-After` on a request shed over `--max-concurrent-requests`, in seconds: the
 /// requests holding the slots take milliseconds, so a second later is likely to succeed.
 /// Also on `503 commands.database_unavailable`: a database that failed a call for a
@@ -37,8 +39,14 @@ pub(crate) enum ApiError {
     BodyTooLarge(usize),
     /// Shed: `--max-concurrent-requests` were being handled.
     Overloaded,
-    /// DB mode: a `device_id` or `name` with U+0000, which PostgreSQL text cannot hold.
+    /// A `device_id` or `name` with U+0000, which PostgreSQL text cannot hold: refused in
+    /// every mode, so that the answer does not depend on the store.
     NulInText,
+    /// The `payload` nests arrays and objects deeper than
+    /// [`MAX_PAYLOAD_DEPTH`](crate::routes::MAX_PAYLOAD_DEPTH).
+    PayloadTooDeep,
+    /// `--fail-after-write-percent`: a `POST` handler failed on purpose after its writes.
+    FailedAfterWrite,
     /// DB mode: the database failed or did not answer in time; nothing was written.
     DatabaseUnavailable,
     Internal,
@@ -46,15 +54,19 @@ pub(crate) enum ApiError {
 
 impl ApiError {
     pub(crate) fn bad_request(rejection: JsonRejection) -> Self {
-        let error = Self::BadRequest(rejection);
-        // The status and the code only: the rejection's text can quote the body.
+        Self::BadRequest(rejection).create_refused()
+    }
+
+    /// This refusal of a create request's body, logged.
+    pub(crate) fn create_refused(self) -> Self {
+        // The status and the code only: a rejection's text can quote the body.
         tracing::warn!(
             event = "commands.bad_request",
-            status = error.status().as_u16(),
-            code = error.code(),
+            status = self.status().as_u16(),
+            code = self.code(),
             "create request refused"
         );
-        error
+        self
     }
 
     /// A database call that failed, logged (the error only: sqlx's messages carry no
@@ -82,11 +94,11 @@ impl ApiError {
             Self::PublisherStopped | Self::Overloaded | Self::DatabaseUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            Self::NulInText => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::NulInText | Self::PayloadTooDeep => StatusCode::UNPROCESSABLE_ENTITY,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::RequestTimeout(_) | Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Internal | Self::FailedAfterWrite => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -98,6 +110,7 @@ impl ApiError {
                 "body.invalid_fields"
             }
             Self::BadRequest(JsonRejection::MissingJsonContentType(_)) => "body.not_json",
+            Self::PayloadTooDeep => "body.too_deep",
             Self::BadRequest(_) => "body.unreadable",
             Self::NotFound => "commands.not_found",
             Self::AlreadySent => "commands.already_sent",
@@ -109,13 +122,16 @@ impl ApiError {
             Self::BodyTooLarge(_) => "request.body_too_large",
             Self::Overloaded => "server.overloaded",
             Self::DatabaseUnavailable => "commands.database_unavailable",
+            Self::FailedAfterWrite => "commands.failed_after_write",
             Self::Internal => "server.internal_error",
         }
     }
 
     fn title(&self) -> &'static str {
         match self {
-            Self::BadRequest(_) | Self::NulInText => "Invalid command request",
+            Self::BadRequest(_) | Self::NulInText | Self::PayloadTooDeep => {
+                "Invalid command request"
+            }
             Self::NotFound => "Command not found",
             Self::AlreadySent => "Command already sent",
             Self::PublisherStopped => "Service shutting down",
@@ -126,6 +142,7 @@ impl ApiError {
             Self::BodyTooLarge(_) => "Request body too large",
             Self::Overloaded => "Service overloaded",
             Self::DatabaseUnavailable => "Database unavailable",
+            Self::FailedAfterWrite => "Failed after writing, on purpose",
             Self::Internal => "Internal error",
         }
     }
@@ -161,6 +178,14 @@ impl ApiError {
             Self::NulInText => {
                 "device_id and name may not contain U+0000 (NUL)".to_owned()
             }
+            Self::PayloadTooDeep => format!(
+                "payload may nest arrays and objects at most {MAX_PAYLOAD_DEPTH} deep"
+            ),
+            Self::FailedAfterWrite => "the handler failed after its writes, as \
+                 --fail-after-write-percent asks: in memory or with Redis the writes stand and \
+                 this answer is replayed to a retry with the same idempotency key; in DB mode \
+                 they were rolled back with the request's transaction, and a retry runs again"
+                .to_owned(),
             Self::DatabaseUnavailable => format!(
                 "the database failed or did not answer in time; nothing was written: retry in \
                  {OVERLOADED_RETRY_AFTER_SECS} s (a create or cancel with the same idempotency key)"

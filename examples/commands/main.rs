@@ -84,6 +84,7 @@
 //! | `--publish-delay-ms` | `200` | time from queueing to publishing, so a client can see `queued` turn into `sent` |
 //! | `--handler-delay-ms` | `0` | time the two `POST` handlers sleep before doing anything, so a retry can overlap the first request (keep `--publish-delay-ms` above it to cancel a command before it is sent) |
 //! | `--commit-delay-ms` | `0` | time the two `POST` handlers wait after their writes, before answering; in DB mode the layer commits once the handler has answered, so this is the time between the writes and the commit (in which a crash leaves nothing) |
+//! | `--fail-after-write-percent` | `0` | the share of the two `POST` handlers that fail with `500` `commands.failed_after_write` after their writes (and `--commit-delay-ms`), each drawn at random; `100` fails every one. In memory or on Redis the writes stand and the `500` is replayed to a retry; in DB mode they are rolled back and the retry runs again (a cancel sent without a key commits its own writes first) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
 //! | `--idempotency-lease-ms` | `10000` | the longest store outage a running request's claim outlives (the library's `DEFAULT_LEASE`); a request that stopped renewing its claim (its process died) keeps its key for at most one and a half leases: retries get `409` until then |
 //! | `--header-read-timeout-ms` | `10000` | how long a connection may take to send a request's head, and may stay idle between requests; then the server closes it |
@@ -149,9 +150,18 @@
 //!   the oldest (`commands.evicted`), which then answers `404`; if it was still queued,
 //!   the publisher skips it. With bodies of at most `--max-body-bytes`, the list holds at
 //!   most `--max-commands` × `--max-body-bytes` of payload (64 MiB with the defaults).
-//! - Every refusal is RFC 9457 problem details (`application/problem+json`) with a stable
-//!   `code`, `404` for an unknown path and `405` (with `Allow`) for a known path with
-//!   another method included.
+//! - A command's `payload` may nest arrays and objects at most
+//!   [`MAX_PAYLOAD_DEPTH`](routes::MAX_PAYLOAD_DEPTH) (32) deep; a deeper one is `422`
+//!   `body.too_deep` in every mode (PostgreSQL's `json` input gives up between 10,000
+//!   and 20,000 levels, which in memory were accepted).
+//! - Every refusal the service makes is RFC 9457 problem details
+//!   (`application/problem+json`) with a stable `code`, `404` for an unknown path and
+//!   `405` (with `Allow`) for a known path with another method included. What hyper
+//!   refuses while it reads a request head, before any layer runs, is not: a malformed
+//!   head (a control byte in a header value, two `Content-Length`s) is `400`, more than
+//!   100 header lines or a head over hyper's read buffer (about 400 KiB) `431`, a path
+//!   over 65,534 bytes `414`, each with an empty body and `Connection: close` (and a
+//!   DEBUG `commands.connection_closed`); hyper has no hook to answer those otherwise.
 //!
 //! # Try it
 //!
@@ -272,11 +282,11 @@
 //!
 //! | Route | Idempotency key | Success | Errors (`application/problem+json`, `code`) |
 //! |---|---|---|---|
-//! | `POST /commands` | required | `201` the new command, `status: "queued"`; a replay of the first answer | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields` (in DB mode also for a `device_id` or `name` with U+0000), `413` `body.unreadable`, `503` `commands.publisher_stopped` (in memory) or `commands.database_unavailable` (DB mode, with `Retry-After: 1`; nothing was written), `503` `idempotency.not_committed` (DB mode: the commit failed; nothing was written); idempotency: `400` `idempotency.key_missing` / `idempotency.key_invalid` / `idempotency.client_invalid`, `401` `idempotency.client_missing`, `409` `idempotency.in_flight` (with `Retry-After`), `422` `idempotency.fingerprint_mismatch` |
+//! | `POST /commands` | required | `201` the new command, `status: "queued"`; a replay of the first answer | `400` `body.invalid_json`, `415` `body.not_json`, `422` `body.invalid_fields` (also for a `device_id` or `name` with U+0000, which PostgreSQL text cannot hold: refused in every mode), `422` `body.too_deep` (a `payload` nested more than 32 deep), `500` `commands.failed_after_write` (only with `--fail-after-write-percent`), `503` `commands.publisher_stopped` (in memory) or `commands.database_unavailable` (DB mode, with `Retry-After: 1`; nothing was written); idempotency (see [`tower_ids::idempotency`]): `400` `idempotency.key_missing` / `idempotency.key_invalid` / `idempotency.key_repeated` / `idempotency.keys_disagree` / `idempotency.attempt_id_invalid` / `idempotency.client_invalid` / `idempotency.body_unreadable`, `401` `idempotency.client_missing`, `409` `idempotency.in_flight` (with `Retry-After`), `410` `idempotency.not_replayable` (an answer over 1 MiB: only with `--max-body-bytes` near that), `422` `idempotency.fingerprint_mismatch`, `503` `idempotency.store_unavailable` (with Redis or in DB mode), `503` `idempotency.not_committed` / `idempotency.outcome_unknown` (DB mode), `503` `idempotency.overloaded` (only when `--max-concurrent-requests` × `--max-body-bytes` is over 64 MiB) |
 //! | `GET /metrics` | none | with `--features metrics`: `200`, every metric in Prometheus text | |
 //! | `GET /commands` | none | `200` every command, oldest first (in DB mode, the newest `--max-commands`, oldest first) | DB mode: `503` `commands.database_unavailable` |
 //! | `GET /commands/{id}` | none | `200` the command | `404` `commands.not_found`; DB mode: `503` `commands.database_unavailable` |
-//! | `POST /commands/{id}/cancel` | optional | `200` the command, `status: "cancelled"`; a replay of the first answer | `404` `commands.not_found`, `409` `commands.already_sent`; DB mode: `503` `commands.database_unavailable` / `idempotency.not_committed`; idempotency: as `POST /commands`, less `key_missing` |
+//! | `POST /commands/{id}/cancel` | optional | `200` the command, `status: "cancelled"`; a replay of the first answer | `404` `commands.not_found`, `409` `commands.already_sent`, `500` `commands.failed_after_write` (only with `--fail-after-write-percent`); DB mode: `503` `commands.database_unavailable`; idempotency: as `POST /commands`, less `key_missing` |
 //! | any other path | | | `404` `route.not_found` |
 //! | any other method on these paths | | | `405` `route.method_not_allowed`, with `Allow` |
 //!
@@ -289,9 +299,13 @@
 //! and a `410` also carry `idempotency-first-seen` and `idempotency-request-count`, and
 //! a replay `original-attempt-id` when the first attempt sent an `attempt-id`. A replay
 //! is the first response byte for byte (status, headers, body) except for the
-//! per-attempt headers (`x-correlation-id`, `attempt-id`, `date`). Only answers below
-//! 500 (and not `408` or `429`) are kept: after a `503` the retry runs again. A cancel
-//! sent without a key runs every time.
+//! per-attempt headers (`x-correlation-id`, `attempt-id`, `date`). Which answers are
+//! kept is the layer's default rule, [`default_store_if`]: successes and server errors
+//! are kept and replayed; a refusal of the handler's own (every `4xx`, such as `422`
+//! `body.invalid_fields`) and a `503` are not, so a corrected command under the same
+//! key runs. In DB mode a `5xx` is rolled back with the request's writes and not kept
+//! either: its retry runs again (`--fail-after-write-percent` shows both). A cancel sent
+//! without a key runs every time.
 //!
 //! A command is `{"id", "device_id", "name", "payload", "status", "created_at"}`: `id` is
 //! the command's own UUID (not the correlation ID, which names one attempt), `status` is
@@ -317,6 +331,8 @@
 //! | `commands.publish_failed` | WARN | DB mode: the publisher could not read or mark the outbox; its rows stay pending and it tries again |
 //! | `commands.correlation_id_invalid` | WARN | DB mode: an outbox row's correlation ID did not parse (not expected); delivered under a new one |
 //! | `commands.transaction_missing`, `commands.transaction_over` | ERROR | DB mode: a create found no request transaction, or one already committed (neither is expected); answered `500` |
+//! | `commands.failing_on_purpose` | WARN | at start, with `--fail-after-write-percent` above 0: `percent` of the `POST` handlers will fail after their writes |
+//! | `commands.failed_after_write` | WARN | `--fail-after-write-percent`: a `POST` handler failed on purpose after its writes, answering `500` |
 //! | `commands.evicted` | INFO | the list was full: its oldest command was dropped |
 //! | `commands.bad_request` | WARN | a create request's body was refused (the body is never logged) |
 //! | `commands.body_refused` | INFO | a request body stalled (`reason` = `timeout`) or grew past the limit (`too_large`) |
@@ -339,6 +355,7 @@
 //! [`CorrelationId::extend_redelivery`]: tower_ids::correlation::CorrelationId::extend_redelivery
 //! [`IdempotencyLayer`]: tower_ids::idempotency::IdempotencyLayer
 //! [`Drain`]: tower_ids::idempotency::Drain
+//! [`default_store_if`]: tower_ids::idempotency::default_store_if
 //! [`CorrelationLayer::access_log`]: tower_ids::correlation::CorrelationLayer::access_log
 //! [`MokaStore`]: tower_ids::idempotency::MokaStore
 //! [`MessageCorrelation::inject_current`]: tower_ids::correlation::MessageCorrelation::inject_current
@@ -436,6 +453,14 @@ struct Args {
     /// has answered: this is the time between the writes and the commit.
     #[arg(long, default_value_t = 0)]
     commit_delay_ms: u64,
+
+    /// Percent of the POST handlers that fail with 500 after their writes (and after
+    /// --commit-delay-ms), to try what the idempotency layer does with a server error:
+    /// in memory the writes stand and the 500 is replayed to a retry; in DB mode they are
+    /// rolled back and a retry runs again. 0 (the default) fails none, 100 every one.
+    #[arg(long, value_name = "PERCENT", default_value_t = 0)]
+    #[arg(value_parser = clap::value_parser!(u8).range(0..=100))]
+    fail_after_write_percent: u8,
 
     /// Seconds an idempotency key's outcome is replayed.
     #[arg(long, default_value_t = 86_400)]
@@ -576,6 +601,13 @@ async fn main() -> std::io::Result<()> {
         open_files_limit = open_files,
         "limits in force"
     );
+    if args.fail_after_write_percent > 0 {
+        tracing::warn!(
+            event = "commands.failing_on_purpose",
+            percent = args.fail_after_write_percent,
+            "--fail-after-write-percent: POST handlers fail with 500 after their writes"
+        );
+    }
 
     let broker = match &args.amqp_url {
         Some(url) => Broker::connect(url, &args.amqp_exchange)
@@ -688,6 +720,7 @@ fn app_state<S: Storage>(storage: S, args: &Args) -> AppState<S> {
         storage,
         handler_delay: Duration::from_millis(args.handler_delay_ms),
         commit_delay: Duration::from_millis(args.commit_delay_ms),
+        fail_after_write_percent: args.fail_after_write_percent,
     }
 }
 

@@ -198,7 +198,24 @@ pub(crate) struct AppState<S> {
     pub(crate) handler_delay: Duration,
     /// How long the `POST` handlers wait after their writes (`--commit-delay-ms`).
     pub(crate) commit_delay: Duration,
+    /// The share of `POST` handlers that fail after their writes, in percent
+    /// (`--fail-after-write-percent`).
+    pub(crate) fail_after_write_percent: u8,
 }
+
+/// How deep a command's `payload` may nest arrays and objects (`{"celsius":21.5}` is 1
+/// deep, `[[1]]` 2); a deeper one is refused with `422 body.too_deep`, in every mode.
+///
+/// Why a limit at all: the payload is kept as the text it was sent in, which serde_json
+/// checks without recursing, so any depth that fits in `--max-body-bytes` would pass in
+/// memory (32,000 in 64 KiB), while PostgreSQL's `json` input recurses and gives up
+/// between 10,000 and 20,000 levels (`stack depth limit exceeded`, with the default
+/// `max_stack_depth` of 2 MB): the same body would be `201` in memory and a `503` in DB
+/// mode. Why 32: a device's settings are a level or two deep, and an event consumer
+/// that parses the payload into a `serde_json::Value` stops at 128 levels (the event
+/// wraps the payload in one more); 32 leaves room for any real command and keeps every
+/// consumer well within its own limit.
+pub(crate) const MAX_PAYLOAD_DEPTH: usize = 32;
 
 /// The body of `POST /commands`.
 #[derive(Debug, Deserialize)]
@@ -245,6 +262,53 @@ impl<S> AppState<S> {
             tokio::time::sleep(self.commit_delay).await;
         }
     }
+
+    /// Fails `--fail-after-write-percent` of the requests with `500` after their
+    /// writes, as a handler that fails after its side effect does: in memory the writes
+    /// stand (and the layer stores the `500`, so a retry replays it); in PostgreSQL the
+    /// layer rolls the request's transaction back and releases the key, so a retry runs
+    /// again.
+    fn fail_after_write(&self) -> Result<(), ApiError> {
+        if self.fail_after_write_percent > 0
+            && rand::random_range(0..100) < self.fail_after_write_percent
+        {
+            tracing::warn!(
+                event = "commands.failed_after_write",
+                "failing on purpose after the writes (--fail-after-write-percent)"
+            );
+            return Err(ApiError::FailedAfterWrite);
+        }
+        Ok(())
+    }
+}
+
+/// How deep `json`, valid JSON text, nests arrays and objects: `1` is 0, `{"a":1}` 1,
+/// `[[1]]` 2. One pass over the bytes, no recursion: brackets inside strings do not
+/// count.
+fn nesting_depth(json: &str) -> usize {
+    let (mut depth, mut deepest) = (0_usize, 0_usize);
+    let (mut in_string, mut escaped) = (false, false);
+    for byte in json.bytes() {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
 }
 
 async fn create_command<S: Storage>(
@@ -256,6 +320,14 @@ async fn create_command<S: Storage>(
 ) -> Result<(StatusCode, Json<Command>), ApiError> {
     state.simulate_work().await;
     let Json(new) = body.map_err(ApiError::bad_request)?;
+    // What DB mode cannot store is refused in every mode: the answer to a client's
+    // mistake does not depend on where the commands are kept.
+    if new.device_id.contains('\0') || new.name.contains('\0') {
+        return Err(ApiError::NulInText.create_refused());
+    }
+    if nesting_depth(new.payload.get()) > MAX_PAYLOAD_DEPTH {
+        return Err(ApiError::PayloadTooDeep.create_refused());
+    }
     // The idempotency layer validated it before the handler ran (the route requires
     // one); the layer keeps it to itself, so it is read again here.
     let idempotency_key = IdempotencyKey::from_carrier(&headers).ok().flatten();
@@ -271,6 +343,7 @@ async fn create_command<S: Storage>(
         "command created"
     );
     state.wait_before_answering().await;
+    state.fail_after_write()?;
     Ok((StatusCode::CREATED, Json(command)))
 }
 
@@ -303,6 +376,7 @@ async fn cancel_command<S: Storage>(
     let id = parse_id(&id)?;
     let command = state.storage.cancel(transaction, id).await?;
     state.wait_before_answering().await;
+    state.fail_after_write()?;
     Ok(Json(command))
 }
 

@@ -12,7 +12,7 @@ use std::{
 use axum::{
     body::{Body, Bytes, HttpBody},
     error_handling::HandleErrorLayer,
-    extract::{Request, State},
+    extract::{DefaultBodyLimit, Request, State},
     http::{header, StatusCode},
     middleware::{self, Next},
     response::{IntoResponse, Response},
@@ -204,6 +204,10 @@ pub(crate) fn with_request_limits(routes: Router, limits: Limits) -> Router {
             ))
             .map_response(move |response| tower_http_refusals(response, limits))
             .layer(RequestBodyLimitLayer::new(limits.max_body_bytes))
+            // `RequestBodyLimitLayer` is the limit: axum's own (2 MB, for its extractors)
+            // off, or a body between 2 MB and a larger `--max-body-bytes` would be
+            // refused by the `Json` extractor (`413 body.unreadable`).
+            .layer(DefaultBodyLimit::disable())
             .layer(TimeoutLayer::with_status_code(
                 StatusCode::REQUEST_TIMEOUT,
                 limits.request_timeout,
