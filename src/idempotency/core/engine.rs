@@ -330,37 +330,49 @@ impl<St: IdempotencyStore> Engine<St> {
         }
     }
 
-    /// Refuses a lease that cannot outlive a store outage as documented: a quarter of
-    /// it must cover the store's [`recovery_time`](IdempotencyStore::recovery_time)
-    /// and the pause before a failed renewal is tried again.
+    /// An engine over `store`, with the default policy; its lease is
+    /// [`DEFAULT_LEASE`](super::DEFAULT_LEASE), or the shortest `store` allows if that
+    /// is longer (see [`set_lease`](Self::set_lease)).
+    pub(crate) fn new(store: Arc<St>) -> Self {
+        observe::register();
+        let mut policy = Policy::default();
+        policy.lease = policy.lease.max(shortest_lease(&*store));
+        Self {
+            store,
+            kept: Arc::default(),
+            policy,
+        }
+    }
+
+    /// Sets the lease, refusing one that cannot outlive a store outage as documented:
+    /// a quarter of it must cover the store's
+    /// [`recovery_time`](IdempotencyStore::recovery_time) and the pause before a failed
+    /// renewal is tried again.
     ///
     /// # Panics
     ///
     /// If it cannot, with a message that says why.
-    pub(crate) fn check_lease(&self) {
-        let needed = self.store.recovery_time() + lease::RENEWAL_RETRY_PAUSE;
-        let lease = self.policy.lease;
+    pub(crate) fn set_lease(&mut self, lease: Duration) {
+        let shortest = shortest_lease(&*self.store);
         assert!(
-            lease / 4 >= needed,
-            "tower-ids: a lease of {lease:?} cannot outlive a store outage: a claim is renewed every quarter lease, and after an outage the store needs up to {needed:?} (its command timeout, the replicas' wait, reconnecting, and the 50 ms before a failed renewal is tried again) before a renewal lands; set a lease of at least {:?}, or shorten the store's timeouts",
-            needed * 4
+            lease >= shortest,
+            "tower-ids: a lease of {lease:?} cannot outlive a store outage: a claim is renewed every quarter lease, and after an outage the store needs up to {:?} (its command timeout, the replicas' wait, reconnecting, and the 50 ms before a failed renewal is tried again) before a renewal lands; set a lease of at least {shortest:?}, or shorten the store's timeouts",
+            shortest / 4
         );
+        self.policy.lease = lease;
     }
+}
+
+/// The shortest lease `store` allows: four times its recovery time and the pause
+/// before a failed renewal is tried again.
+fn shortest_lease<St: IdempotencyStore>(store: &St) -> Duration {
+    (store.recovery_time() + lease::RENEWAL_RETRY_PAUSE) * 4
 }
 
 impl<St> Engine<St> {
     /// A handle that waits, at shutdown, for what this engine still owes its store.
     pub(crate) fn drain(&self) -> Drain {
         Drain::new(self.kept.settling.clone())
-    }
-
-    pub(crate) fn new(store: Arc<St>) -> Self {
-        observe::register();
-        Self {
-            store,
-            kept: Arc::default(),
-            policy: Policy::default(),
-        }
     }
 
     /// Counts one protected request or message in flight until the guard is dropped.

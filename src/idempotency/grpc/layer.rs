@@ -136,19 +136,6 @@ impl<St, C> GrpcIdempotencyLayer<St, C> {
         self
     }
 
-    /// The longest store outage a running call's claim outlives. Default
-    /// [`DEFAULT_LEASE`]; as the HTTP layer's
-    /// [`lease`](crate::idempotency::IdempotencyLayer::lease).
-    ///
-    /// # Panics
-    ///
-    /// When the layer is applied, if the lease is too short for the store, as the HTTP
-    /// layer's [`lease`](crate::idempotency::IdempotencyLayer::lease) says.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.engine.policy.lease = lease;
-        self
-    }
-
     /// A handle to wait, when the service stops, for what this layer (and its clones)
     /// still owes the store: handlers that run on for clients that hung up, outcomes
     /// kept until the store takes them, releases not yet answered. See [`Drain`].
@@ -201,6 +188,21 @@ impl<St, C> GrpcIdempotencyLayer<St, C> {
     }
 }
 
+impl<St: IdempotencyStore, C> GrpcIdempotencyLayer<St, C> {
+    /// The longest store outage a running call's claim outlives. Default
+    /// [`DEFAULT_LEASE`]; as the HTTP layer's
+    /// [`lease`](crate::idempotency::IdempotencyLayer::lease).
+    ///
+    /// # Panics
+    ///
+    /// If the lease is too short for the store, as the HTTP
+    /// layer's [`lease`](crate::idempotency::IdempotencyLayer::lease) says.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.engine.set_lease(lease);
+        self
+    }
+}
+
 impl<St, C: Clone> Clone for GrpcIdempotencyLayer<St, C> {
     fn clone(&self) -> Self {
         Self {
@@ -225,7 +227,6 @@ impl<S, St: IdempotencyStore, C: Clone> Layer<S> for GrpcIdempotencyLayer<St, C>
     type Service = GrpcIdempotency<S, St, C>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        self.engine.check_lease();
         GrpcIdempotency {
             inner,
             engine: self.engine.clone(),

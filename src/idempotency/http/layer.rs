@@ -146,10 +146,12 @@ impl Default for IdempotencyLayer {
     }
 }
 
-impl<St> IdempotencyLayer<St> {
+impl<St: IdempotencyStore> IdempotencyLayer<St> {
     /// A layer over `store`, with the defaults: keys from `Idempotency-Key` (and
     /// `X-Idempotency-Key`) on `POST` and `PATCH`, optional, global (no client), TTL
-    /// 24 h, lease 10 s (renewed while the handler runs), 1 MiB bodies, `409` for requests in flight, fail closed.
+    /// 24 h, lease 10 s (renewed while the handler runs; longer if the store needs it,
+    /// see [`lease`](Self::lease)), 1 MiB bodies, `409` for requests in flight, fail
+    /// closed.
     ///
     /// Share one store between layers (per route) by passing clones of one store, or
     /// an `Arc` of it to [`with_shared_store`](Self::with_shared_store).
@@ -316,25 +318,6 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
-    /// The longest store outage a running request's claim outlives, counted from when
-    /// the outage began. Default [`DEFAULT_LEASE`]. The claim holds the key for the
-    /// lease and half again and is renewed every quarter of the lease while the
-    /// handler runs, so a handler may run longer than its lease, and a crashed worker
-    /// locks its key for at most one and a half leases. A shorter lease frees such keys
-    /// sooner but renews more often.
-    ///
-    /// # Panics
-    ///
-    /// When the layer is applied, if a quarter of the lease does not cover the store's
-    /// [`recovery_time`](IdempotencyStore::recovery_time) (its command timeout, the
-    /// replicas' wait, reconnecting) plus the 50 ms before a failed renewal is tried
-    /// again: such a claim could run out in an outage shorter than the lease. The
-    /// message names the shortest lease that would do.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.engine.policy.lease = lease;
-        self
-    }
-
     /// A handle to wait, when the service stops, for what this layer (and its clones)
     /// still owes the store: handlers that run on for clients that hung up, outcomes
     /// kept until the store takes them, releases not yet answered. See [`Drain`].
@@ -430,6 +413,27 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
     }
 }
 
+impl<St: IdempotencyStore, C, E> IdempotencyLayer<St, C, E> {
+    /// The longest store outage a running request's claim outlives, counted from when
+    /// the outage began. Default [`DEFAULT_LEASE`]. The claim holds the key for the
+    /// lease and half again and is renewed every quarter of the lease while the
+    /// handler runs, so a handler may run longer than its lease, and a crashed worker
+    /// locks its key for at most one and a half leases. A shorter lease frees such keys
+    /// sooner but renews more often.
+    ///
+    /// # Panics
+    ///
+    /// If a quarter of the lease does not cover the store's
+    /// [`recovery_time`](IdempotencyStore::recovery_time) (its command timeout, the
+    /// replicas' wait, reconnecting) plus the 50 ms before a failed renewal is tried
+    /// again: such a claim could run out in an outage shorter than the lease. The
+    /// message names the shortest lease that would do.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.engine.set_lease(lease);
+        self
+    }
+}
+
 impl<St, C: Clone, E: Clone> Clone for IdempotencyLayer<St, C, E> {
     fn clone(&self) -> Self {
         Self {
@@ -460,7 +464,6 @@ impl<S, St: IdempotencyStore, C: Clone, E: Clone> Layer<S> for IdempotencyLayer<
     type Service = Idempotency<S, St, C, E>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        self.engine.check_lease();
         Idempotency {
             inner,
             engine: self.engine.clone(),

@@ -65,7 +65,7 @@ impl<R> Default for MessageIdempotencyLayer<R> {
     }
 }
 
-impl<R, St> MessageIdempotencyLayer<R, NoMessageKey, St> {
+impl<R, St: IdempotencyStore> MessageIdempotencyLayer<R, NoMessageKey, St> {
     /// A layer over `store` with the defaults: no key until [`key`](Self::key) says
     /// where it is, keys optional, TTL 24 h, lease 10 s (renewed while the handler
     /// runs), outcomes up to 1 MiB, duplicates of a message in flight handed back as
@@ -121,22 +121,6 @@ impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
         self
     }
 
-    /// The longest store outage the claim of a message in flight outlives; the claim
-    /// holds the key for the lease and half again, renewed every quarter of it while
-    /// the handler runs, so a lost consumer locks its key for at most one and a half
-    /// leases. Default
-    /// [`DEFAULT_LEASE`] (10 s). A redelivery of the message of a consumer that was
-    /// killed mid-handler waits out the rest of it ([`Handled::InFlight`](super::Handled::InFlight)).
-    ///
-    /// # Panics
-    ///
-    /// When the layer is applied, if the lease is too short for the store, as the HTTP
-    /// layer's [`lease`](crate::idempotency::IdempotencyLayer::lease) says.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.engine.policy.lease = lease;
-        self
-    }
-
     /// A handle to wait, when the service stops, for what this layer (and its clones)
     /// still owes the store: handlers that run on for clients that hung up, outcomes
     /// kept until the store takes them, releases not yet answered. See [`Drain`].
@@ -187,6 +171,24 @@ impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
     }
 }
 
+impl<R, K, St: IdempotencyStore> MessageIdempotencyLayer<R, K, St> {
+    /// The longest store outage the claim of a message in flight outlives; the claim
+    /// holds the key for the lease and half again, renewed every quarter of it while
+    /// the handler runs, so a lost consumer locks its key for at most one and a half
+    /// leases. Default
+    /// [`DEFAULT_LEASE`] (10 s). A redelivery of the message of a consumer that was
+    /// killed mid-handler waits out the rest of it ([`Handled::InFlight`](super::Handled::InFlight)).
+    ///
+    /// # Panics
+    ///
+    /// If the lease is too short for the store, as the HTTP
+    /// layer's [`lease`](crate::idempotency::IdempotencyLayer::lease) says.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.engine.set_lease(lease);
+        self
+    }
+}
+
 impl<R, K, St> Clone for MessageIdempotencyLayer<R, K, St> {
     fn clone(&self) -> Self {
         Self {
@@ -214,7 +216,6 @@ impl<S, R, K, St: IdempotencyStore> Layer<S> for MessageIdempotencyLayer<R, K, S
     type Service = MessageIdempotency<S, K, R, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        self.engine.check_lease();
         MessageIdempotency {
             inner,
             extract: self.extract.clone(),
