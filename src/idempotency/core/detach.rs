@@ -114,7 +114,7 @@ impl<T: 'static> Drop for Detaching<T> {
                 tracing::info!(
                     event = "idempotency.detached",
                     finished_after_ms = crate::correlation::log_millis(detached.elapsed()),
-                    "the client went away before the answer; the work ran to its end in a task of its own and its outcome is settled"
+                    "the client went away before the answer; the work ran to its end in a task of its own (its outcome stored, kept for the store, or its key released, as the events before say)"
                 );
             },
             span,

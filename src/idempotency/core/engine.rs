@@ -311,23 +311,58 @@ impl<St: IdempotencyStore> Engine<St> {
                 request_count,
             }) if record.epoch == epoch => settled(record, fingerprint, request_count),
             Ok(Begin::Completed { record, .. }) => epoch_mismatch(record.epoch, epoch),
-            Ok(Begin::InFlight { request_count, .. }) => {
+            Ok(Begin::InFlight {
+                fingerprint: running,
+                epoch: running_epoch,
+                request_count,
+                ..
+            }) => {
+                if running_epoch != epoch {
+                    return epoch_mismatch(running_epoch, epoch);
+                }
+                if !fingerprint.matches(&running) {
+                    return conflict();
+                }
                 in_flight(waiting.first_seen, Some(request_count), retry_after)
             }
             Ok(Begin::Claimed { lease }) => {
-                let released = observe::store_call("release", self.store.release(&scope, &lease));
-                if let Err(error) = released.await {
-                    tracing::debug!(
-                        event = "idempotency.store_failed",
-                        error = %Chain(&error),
-                        phase = "release",
-                        "could not give back a claim taken for a key whose outcome this layer keeps; it runs out with its lease"
-                    );
-                }
-                in_flight(waiting.first_seen, None, retry_after)
+                // The key was free (this layer's claim had lapsed): give the claim back
+                // from a task of its own, so that no hang-up leaves it behind, then have
+                // the kept outcome stored at once.
+                let (store, settling) = (self.store.clone(), self.kept.settling.clone());
+                let pending = settling.enter(super::drain::Owed::Release, tracing::Span::current());
+                let kept = waiting.clone();
+                let give_back = async move {
+                    lease::release(&store, &scope, &lease, kept.hold, "abandoned", &settling).await;
+                    kept.nudge();
+                    drop(pending);
+                };
+                tokio::spawn(tracing::Instrument::instrument(
+                    give_back,
+                    tracing::Span::current(),
+                ));
+                self.kept_answer(fingerprint, epoch, &waiting, retry_after)
             }
-            Err(_) => in_flight(waiting.first_seen, None, retry_after),
+            Err(_) => self.kept_answer(fingerprint, epoch, &waiting, retry_after),
         }
+    }
+
+    /// What a duplicate of a kept outcome gets when the store cannot say: `409`, or
+    /// the refusal the store would give another payload or epoch.
+    fn kept_answer(
+        &self,
+        fingerprint: &Fingerprints<'_>,
+        epoch: Option<u64>,
+        waiting: &super::lease::Waiting,
+        retry_after: Duration,
+    ) -> Decision<St> {
+        if waiting.epoch != epoch {
+            return epoch_mismatch(waiting.epoch, epoch);
+        }
+        if !fingerprint.matches(&waiting.fingerprint) {
+            return conflict();
+        }
+        in_flight(waiting.first_seen, None, retry_after)
     }
 
     /// An engine over `store`, with the default policy; its lease is

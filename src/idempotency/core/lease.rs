@@ -115,7 +115,8 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         }
     }
 
-    /// When the record [`complete`](Self::complete) made expires (its TTL from then).
+    /// When the record [`complete`](Self::complete) stored expires (its TTL from then);
+    /// `None` if it is not stored (yet).
     pub(crate) fn expires_at(&self) -> Option<SystemTime> {
         self.expires_at
     }
@@ -203,7 +204,6 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
         };
         let (ttl, max_kept_bytes) = (self.ttl, self.max_kept_bytes);
         let expires_at = SystemTime::now() + ttl;
-        self.expires_at = Some(expires_at);
         let record = Record {
             fingerprint: self.claim.fingerprint,
             first_seen: lease.first_seen,
@@ -224,6 +224,9 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
             }
             match settlement {
                 Settlement::Committed(completion) => {
+                    if completion.is_stored() {
+                        self.expires_at = Some(expires_at);
+                    }
                     report(completion, &record, ttl, 1);
                     return Ok(());
                 }
@@ -294,6 +297,9 @@ impl<St: IdempotencyStore> LeaseGuard<St> {
                 "this request's claim ran out while it ran and another request holds the key now; keeping the outcome and storing it once that claim is settled (dropped only if a record takes the key)"
             ),
             Ok(completion) => {
+                if completion.is_stored() {
+                    self.expires_at = Some(expires_at);
+                }
                 report(completion, &record, ttl, 1);
                 return Ok(());
             }
@@ -431,7 +437,7 @@ async fn renew<St: IdempotencyStore>(
 /// `hold`, would have run out anyway: a retry then runs as soon as the store is back,
 /// not a claim's length later. However late, a release is harmless: it is fenced by
 /// the lease's token and refused past its deadline.
-async fn release<St: IdempotencyStore>(
+pub(super) async fn release<St: IdempotencyStore>(
     store: &Arc<St>,
     scope: &ScopeKey,
     lease: &Lease,
@@ -584,6 +590,12 @@ pub(crate) struct KeptOutcomes {
 pub(crate) struct Waiting {
     /// When the original request arrived.
     pub(crate) first_seen: SystemTime,
+    /// The fingerprint and epoch of the request that ran, which a duplicate must match.
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) epoch: Option<u64>,
+    /// How long the claim of the request that ran held its key, for a release of a
+    /// claim a duplicate took meanwhile.
+    pub(crate) hold: Duration,
     /// Wakes the storing task for an attempt now.
     nudge: Notify,
     /// Sends once the outcome is stored (or superseded).
@@ -648,18 +660,31 @@ impl KeptOutcomes {
         let (settled, _) = watch::channel(());
         let waiting = Arc::new(Waiting {
             first_seen: outcome.lease.first_seen,
+            fingerprint: outcome.record.fingerprint,
+            epoch: outcome.record.epoch,
+            hold: outcome.claim.lease,
             nudge: Notify::new(),
             settled,
         });
-        self.lock().insert(scope, waiting.clone());
-        self.count.fetch_add(1, Ordering::Release);
+        if self.lock().insert(scope, waiting.clone()).is_none() {
+            self.count.fetch_add(1, Ordering::Release);
+        }
         let kept = self.clone();
         let pending = self.settling.enter(Owed::Outcome, tracing::Span::current());
         let task = async move {
             let _pending = pending;
             store_until_done(&*store, &scope, &outcome, &waiting).await;
-            kept.lock().remove(&scope);
-            kept.count.fetch_sub(1, Ordering::Release);
+            {
+                // Only this outcome's entry: another kept for the scope since stays.
+                let mut by_scope = kept.lock();
+                if by_scope
+                    .get(&scope)
+                    .is_some_and(|entry| Arc::ptr_eq(entry, &waiting))
+                {
+                    by_scope.remove(&scope);
+                    kept.count.fetch_sub(1, Ordering::Release);
+                }
+            }
             kept.bytes.fetch_sub(weight, Ordering::Relaxed);
             waiting.settled.send_replace(());
         };

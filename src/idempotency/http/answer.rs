@@ -286,7 +286,9 @@ impl Reply<'_> {
         let headers = response.headers_mut();
         replay_headers(headers, record, request_count);
         if let Some(expires_at) = record.expires_at.filter(|_| settings.expiry_header) {
-            headers.insert(IDEMPOTENCY_EXPIRES, http_date(expires_at));
+            headers
+                .entry(IDEMPOTENCY_EXPIRES)
+                .or_insert_with(|| http_date(expires_at));
         }
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         self.echo(headers);

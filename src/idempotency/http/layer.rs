@@ -296,9 +296,12 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
 
     /// Say on every stored answer, first and replayed, when it expires: the header
     /// `idempotency-expires` ([`IDEMPOTENCY_EXPIRES`](crate::idempotency::header::IDEMPOTENCY_EXPIRES)),
-    /// an HTTP-date, the TTL from when the outcome was stored; after it the key runs
-    /// again. Not on answers that were not stored (a handler's 4xx, say), nor on
-    /// refusals. Default off. (No standard names this header yet.)
+    /// an HTTP-date, the TTL from when the layer completed the request; after it the key
+    /// runs again. An outcome the store could only take later (it was down) expires
+    /// that much later than it says: never earlier. Not on answers that were not
+    /// stored (a handler's 4xx, an outcome still waiting for the store), nor on
+    /// refusals, nor over a header the handler set. Default off. (No standard names
+    /// this header yet.)
     pub fn expiry_header(mut self, advertise: bool) -> Self {
         self.settings().expiry_header = advertise;
         self

@@ -563,9 +563,11 @@ where
                     let mut parts = parts;
                     if let Some(expires_at) = guard.expires_at().filter(|_| settings.expiry_header)
                     {
+                        // Never over a header of the handler's own.
                         parts
                             .headers
-                            .insert(IDEMPOTENCY_EXPIRES, http_date(expires_at));
+                            .entry(IDEMPOTENCY_EXPIRES)
+                            .or_insert_with(|| http_date(expires_at));
                     }
                     Response::from_parts(parts, Body::complete(body))
                 }

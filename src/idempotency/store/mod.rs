@@ -306,6 +306,7 @@ pub enum Renewal {
 
 /// The answer of [`IdempotencyStore::complete`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Completion {
     /// The outcome is stored (now, or by an earlier call with the same lease).
     Stored,
