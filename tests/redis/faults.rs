@@ -451,7 +451,8 @@ async fn a_handler_running_three_times_the_lease_is_not_run_again() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let lease = Duration::from_millis(500);
+    // The shortest lease a store with a 250 ms command timeout allows.
+    let lease = Duration::from_millis(1400);
     let ledger = Ledger::default();
     let a = Node::start(&redis.url(), &ledger, Some(lease)).await;
     let b = Node::start(&redis.url(), &ledger, Some(lease)).await;
@@ -479,11 +480,11 @@ async fn a_redis_that_lost_the_claim_is_noticed_and_logged() {
     };
     let (logs, _guard) = Logs::capture();
     let ledger = Ledger::default();
-    let lease = Duration::from_millis(600);
+    let lease = Duration::from_millis(1400);
     let a = Node::start(&redis.url(), &ledger, Some(lease)).await;
     let first = tokio::spawn({
         let a = a.clone();
-        async move { a.post("lost", Some(Duration::from_millis(1500))).await }
+        async move { a.post("lost", Some(Duration::from_millis(2000))).await }
     });
     started(&ledger, "lost").await;
     let (_redis, _) = Fault::Kill(Duration::from_millis(100)).apply(redis).await;
