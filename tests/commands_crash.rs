@@ -688,3 +688,30 @@ async fn an_outbox_row_keeps_the_requests_trace_across_a_crash() {
     drop(second);
     pool.close().await;
 }
+
+/// `--database-url` to a closed port: the demo exits at once, non-zero, naming the host
+/// and port and the cause (`examples/support/database.rs`, shared with `partner`).
+#[tokio::test]
+async fn an_unreachable_database_fails_the_start_within_seconds_naming_it() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://postgres:secret@127.0.0.1:{port}/commands");
+    let (status, took, stderr) = tokio::task::spawn_blocking(move || {
+        let args = ["--addr", "127.0.0.1:0", "--database-url", &url];
+        demo::run_to_exit("commands", &args, Duration::from_secs(10))
+    })
+    .await
+    .unwrap();
+    println!("exited {status} after {took:?}: {stderr}");
+    assert!(!status.success());
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    assert!(stderr.contains(&format!("127.0.0.1:{port}")), "{stderr}");
+    assert!(stderr.contains("Connection refused"), "{stderr}");
+    assert!(
+        !stderr.contains("secret"),
+        "the password stays out: {stderr}"
+    );
+}

@@ -24,7 +24,7 @@ use database::TestDatabase;
 use demo::Demo;
 use http::StatusCode;
 use serde_json::{json, Value};
-use support::{client, send, HttpClient, Reply};
+use support::{client, send, try_send, HttpClient, Reply};
 
 const ACME: &str = "Bearer acme-token";
 const GLOBEX: &str = "Bearer globex-token";
@@ -192,6 +192,137 @@ async fn bad_bodies_get_problems_and_change_nothing() {
     assert_eq!(counts(&http, &planner, ACME).await["movements"], 0);
 }
 
+/// Sends `refused` twice: the same refusal both times (a handler's refusal is not
+/// stored, so the retry runs again and is refused again). Then `corrected`, under the
+/// same `correlation_id`, twice: `201`, then its replay. Returns the `201`'s body.
+async fn refused_then_corrected(
+    http: &HttpClient,
+    url: &str,
+    auth: &str,
+    refused: &Value,
+    (status, code): (StatusCode, &str),
+    corrected: &Value,
+) -> Value {
+    for attempt in 1..=2 {
+        let reply = post(http, url, auth, refused).await;
+        assert_eq!(
+            reply.status,
+            status,
+            "{url}, attempt {attempt}: {}",
+            reply.text()
+        );
+        assert_eq!(reply.json()["code"], code);
+        assert_eq!(reply.header("idempotent-replayed"), Some("false"));
+    }
+    let first = post(http, url, auth, corrected).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{url}: {}", first.text());
+    assert_eq!(first.json()["replay"], false);
+    let replay = post(http, url, auth, corrected).await;
+    assert_eq!(replay.status, StatusCode::OK, "{url}: {}", replay.text());
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    let mut replayed = replay.json();
+    assert_eq!(replayed["replay"], true);
+    replayed["replay"] = json!(false);
+    assert_eq!(
+        replayed,
+        first.json(),
+        "{url}: the replay is the first answer"
+    );
+    first.json()
+}
+
+#[tokio::test]
+async fn a_refused_call_stays_refused_and_the_corrected_one_runs_once() {
+    let database = TestDatabase::create().await;
+    let mut modes = vec![vec![]];
+    if let Some(database) = &database {
+        modes.push(vec!["--database-url", database.url()]);
+    }
+    for args in modes {
+        let planner = planner(&args).await;
+        let executor = executor(&args).await;
+        let http = client();
+
+        let realtime = format!("{}/wes/v1/realtime", planner.url);
+        let call = movement("acme", "c-refused-1", "frn:wh:1");
+        let mut malformed = call.clone();
+        malformed["qty"] = json!("four");
+        let bad_request = (StatusCode::BAD_REQUEST, "partner.body_invalid");
+        refused_then_corrected(&http, &realtime, ACME, &malformed, bad_request, &call).await;
+        // Acme's token with a body that speaks for globex, then acme's own call.
+        let call = movement("acme", "c-refused-2", "frn:wh:1");
+        let forged = movement("globex", "c-refused-2", "frn:wh:1");
+        let forbidden = (StatusCode::FORBIDDEN, "partner.partner_mismatch");
+        refused_then_corrected(&http, &realtime, ACME, &forged, forbidden, &call).await;
+        assert_eq!(
+            counts(&http, &planner, ACME).await["movements"],
+            2,
+            "{args:?}: one movement per corrected call, none per refusal"
+        );
+        assert_eq!(counts(&http, &planner, GLOBEX).await["movements"], 0);
+        let feed = get(
+            &http,
+            &format!("{}/wes/v1/dispatch/pending", planner.url),
+            ACME,
+        )
+        .await;
+        assert_eq!(feed.json()["events"].as_array().unwrap().len(), 2);
+
+        let confirmations = format!("{}/wes/v1/confirmations", planner.url);
+        let confirmation = |correlation_id: &str, window: &str| {
+            json!({
+                "partner_id": "acme",
+                "correlation_id": correlation_id,
+                "window_key": window,
+                "warehouse_frn": "frn:wh:1",
+            })
+        };
+        let corrected = confirmation("c-refused-3", "frn:wh:1/10:00");
+        let mut incomplete = corrected.clone();
+        incomplete.as_object_mut().unwrap().remove("window_key");
+        let field_invalid = (StatusCode::BAD_REQUEST, "partner.field_invalid");
+        refused_then_corrected(
+            &http,
+            &confirmations,
+            ACME,
+            &incomplete,
+            field_invalid,
+            &corrected,
+        )
+        .await;
+        let corrected = confirmation("c-refused-4", "frn:wh:1/11:00");
+        let mut forged = corrected.clone();
+        forged["partner_id"] = json!("globex");
+        refused_then_corrected(&http, &confirmations, ACME, &forged, forbidden, &corrected).await;
+        assert_eq!(
+            counts(&http, &planner, ACME).await["confirmations"],
+            2,
+            "{args:?}: one confirmation per corrected call"
+        );
+
+        let webhooks = format!("{}/wes/v1/webhooks/dispatch", executor.url);
+        let webhook = json!({
+            "planner_id": "planner-1",
+            "correlation_id": "c-refused-5",
+            "warehouse_frn": "frn:wh:1",
+            "movement_id": "mv-1",
+        });
+        let mut incomplete = webhook.clone();
+        incomplete.as_object_mut().unwrap().remove("warehouse_frn");
+        let auth = "Bearer planner-token";
+        let stored =
+            refused_then_corrected(&http, &webhooks, auth, &incomplete, field_invalid, &webhook)
+                .await;
+        assert_eq!(stored["stored"], true);
+        let events = get(&http, &format!("{}/wes/v1/events", executor.url), auth).await;
+        assert_eq!(
+            events.json()["events"].as_array().unwrap().len(),
+            1,
+            "{args:?}: the corrected webhook stored once"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_confirmation_repeated_after_a_restart_replays_and_a_window_is_confirmed_once() {
     let Some(database) = TestDatabase::create().await else {
@@ -243,6 +374,139 @@ async fn a_confirmation_repeated_after_a_restart_replays_and_a_window_is_confirm
     assert_eq!(rows, 1, "one confirmation row");
 }
 
+/// The advisory lock the planner takes to append to its feed (`examples/partner/db.rs`).
+const DISPATCH_LOCK: i64 = 0x0070_6172_746e_6572;
+
+/// A realtime call in flight when the planner is killed keeps its key claimed until the
+/// claim runs out: the lease (10 s) and half again after its last renewal (every
+/// quarter lease), so 12.5 to 15 s after the crash. Until then the retry is `409`; then
+/// it books the movement, once. The window is printed (`-- --nocapture`).
+#[tokio::test]
+async fn a_call_in_flight_when_the_planner_crashes_is_409_until_its_claim_runs_out() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let args = ["--database-url", database.url()];
+    let mut crashing = planner(&args).await;
+    let pool = database.pool(2).await;
+    // Holding the feed's lock keeps the call in its handler, its movement written.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(DISPATCH_LOCK)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let http = client();
+    let call = movement("acme", "c-in-flight-crash", "frn:wh:1");
+    let url = format!("{}/wes/v1/realtime", crashing.url);
+    let in_flight = tokio::spawn({
+        let (http, url, body) = (http.clone(), url.clone(), call.to_string());
+        let headers = [
+            ("content-type", "application/json"),
+            ("authorization", ACME),
+        ];
+        async move { try_send(&http, "POST", url, &headers, &body).await }
+    });
+    // In the handler once the planner waits for the lock; a duplicate is then `409`.
+    let waiting = "SELECT count(*) FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event = 'advisory'";
+    while sqlx::query_scalar::<_, i64>(waiting)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+        == 0
+    {
+        assert!(!in_flight.is_finished(), "the call waits for the lock");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let duplicate = post(&http, &url, ACME, &call).await;
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CONFLICT,
+        "{}",
+        duplicate.text()
+    );
+    tokio::task::spawn_blocking(move || crashing.kill())
+        .await
+        .unwrap();
+    let crashed = std::time::Instant::now();
+    holder.rollback().await.unwrap();
+    assert!(
+        in_flight.await.unwrap().is_err(),
+        "the call in flight got no answer"
+    );
+
+    let planner = planner(&args).await;
+    let url = format!("{}/wes/v1/realtime", planner.url);
+    let mut conflicts = 0;
+    let booked = loop {
+        let reply = post(&http, &url, ACME, &call).await;
+        if reply.status != StatusCode::CONFLICT {
+            break reply;
+        }
+        assert_eq!(reply.json()["code"], "idempotency.in_flight");
+        assert!(reply.header("retry-after").is_some());
+        conflicts += 1;
+        assert!(
+            crashed.elapsed() < Duration::from_secs(20),
+            "still 409 after 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let window = crashed.elapsed();
+    println!("a call in flight at the crash: 409 for {window:?} after it ({conflicts} retries)");
+    assert_eq!(booked.status, StatusCode::CREATED, "{}", booked.text());
+    assert!(
+        window >= Duration::from_secs(12) && window <= Duration::from_secs(16),
+        "409 for {window:?}: the lease and half again after the last renewal"
+    );
+    let replay = post(&http, &url, ACME, &call).await;
+    assert_eq!(replay.status, StatusCode::OK);
+    assert_eq!(replay.json()["movement_id"], booked.json()["movement_id"]);
+    let movements: i64 = sqlx::query_scalar("SELECT count(*) FROM partner_movements")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(movements, 1, "the crashed call's movement rolled back");
+}
+
+/// `--database-url` to a closed port: either role exits at once, non-zero, naming the
+/// host and port (not after sqlx's 30 s acquire timeout with a bare `PoolTimedOut`).
+#[tokio::test]
+async fn an_unreachable_database_fails_the_start_within_seconds_naming_it() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://postgres:secret@127.0.0.1:{port}/partner");
+    for role in [&[][..], &["executor"][..]] {
+        let mut args = vec!["--addr", "127.0.0.1:0"];
+        args.extend(role);
+        args.extend(["--database-url", &url]);
+        let (status, took, stderr) = tokio::task::spawn_blocking({
+            let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+            move || {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                demo::run_to_exit("partner", &args, Duration::from_secs(10))
+            }
+        })
+        .await
+        .unwrap();
+        println!("{role:?}: exited {status} after {took:?}: {stderr}");
+        assert!(!status.success(), "{role:?}");
+        assert!(took < Duration::from_secs(5), "{role:?}: {took:?}");
+        assert!(
+            stderr.contains(&format!("127.0.0.1:{port}")),
+            "{role:?}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("secret"),
+            "the password stays out: {stderr}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_webhook_is_replayed_within_its_window_and_runs_again_after_it() {
     let executor = executor(&["--webhook-retention-secs", "1"]).await;
@@ -282,7 +546,14 @@ fn cursor(owner: &str, seq: i64) -> String {
 
 #[tokio::test]
 async fn acks_out_of_order_never_move_the_cursor_back() {
-    let planner = planner(&[]).await;
+    acks_and_pages(&[]).await;
+    if let Some(database) = TestDatabase::create().await {
+        acks_and_pages(&["--database-url", database.url()]).await;
+    }
+}
+
+async fn acks_and_pages(args: &[&str]) {
+    let planner = planner(args).await;
     let http = client();
     for n in 1..=3 {
         let call = movement("acme", &format!("c-ack-{n}"), "frn:wh:1");
@@ -340,20 +611,47 @@ async fn acks_out_of_order_never_move_the_cursor_back() {
     .await;
     assert_eq!(next.json()["events"].as_array().unwrap().len(), 1);
 
+    // A cursor the feed never gave is refused alike by the ack and by the feed.
     for (cursor, status, code) in [
+        (cursor("acme", 4), 422, "dispatch.cursor_ahead"),
         (cursor("acme", 99), 422, "dispatch.cursor_ahead"),
         (cursor("globex", 1), 403, "dispatch.cursor_foreign"),
         (cursor("acme", 0), 400, "dispatch.cursor_invalid"),
         ("not-a-cursor".to_owned(), 400, "dispatch.cursor_invalid"),
     ] {
-        let refused = ack(cursor).await;
-        assert_eq!(refused.status.as_u16(), status, "{}", refused.text());
+        let refused = ack(cursor.clone()).await;
+        assert_eq!(
+            refused.status.as_u16(),
+            status,
+            "{args:?}: {}",
+            refused.text()
+        );
         assert_eq!(refused.json()["code"], code);
+        let page = get(
+            &http,
+            &format!("{}/wes/v1/dispatch/pending?since={cursor}", planner.url),
+            ACME,
+        )
+        .await;
+        assert_eq!(page.status.as_u16(), status, "{args:?}: {}", page.text());
+        assert_eq!(page.json()["code"], code);
     }
     assert_eq!(
         counts(&http, &planner, ACME).await["acked"],
         cursors[2].as_str()
     );
+    // The last cursor is the end of the feed, not past it: an empty page.
+    let end = get(
+        &http,
+        &format!(
+            "{}/wes/v1/dispatch/pending?since={}",
+            planner.url, cursors[2]
+        ),
+        ACME,
+    )
+    .await;
+    assert_eq!(end.status, StatusCode::OK, "{}", end.text());
+    assert_eq!(end.json(), json!({"events": [], "next_cursor": cursors[2]}));
 }
 
 #[tokio::test]
@@ -488,8 +786,44 @@ async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_ch
         assert_eq!(order(&feed).len(), 2);
     }
 
+    // Each first handling's line names its key and its delivery's correlation ID.
+    let handled = executor.logged("partner.kafka_handled");
+    for line in &handled {
+        assert_eq!(line["span"]["idempotency_outcome"], "executed", "{line}");
+        assert!(line["span"]["idempotency_key"].is_string(), "{line}");
+        assert!(line["fields"]["correlation_id"].is_string(), "{line}");
+    }
+
     // A publisher that re-emits from a stale position sends a record again: the
-    // executor's idempotency layer replays it, and nothing is stored twice.
+    // executor's idempotency layer replays it, nothing is stored twice, and the replay
+    // has its line too, with the key and this delivery's correlation ID.
+    let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &broker.addr)
+        .create()
+        .unwrap();
+    let produce = |key: &str, warehouse: &str, payload: &Value| {
+        let mut headers = rdkafka::message::OwnedHeaders::new();
+        tower_ids::idempotency::IdempotencyKey::new(key)
+            .unwrap()
+            .inject(&mut headers);
+        let (producer, topic, warehouse, payload) = (
+            producer.clone(),
+            topic.clone(),
+            warehouse.to_owned(),
+            payload.to_string(),
+        );
+        async move {
+            let record = rdkafka::producer::FutureRecord::to(&topic)
+                .key(&warehouse)
+                .payload(&payload)
+                .headers(headers);
+            producer
+                .send(record, Duration::from_secs(10))
+                .await
+                .map_err(|(error, _)| error)
+                .unwrap();
+        }
+    };
     let again = &feed[0];
     let payload = json!({
         "executor_id": "acme",
@@ -497,33 +831,42 @@ async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_ch
         "correlation_id": again["correlation_id"],
         "warehouse_frn": again["warehouse_frn"],
         "movement_id": again["movement_id"],
-    })
-    .to_string();
-    let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &broker.addr)
-        .create()
-        .unwrap();
-    let mut headers = rdkafka::message::OwnedHeaders::new();
-    tower_ids::idempotency::IdempotencyKey::new(again["correlation_id"].as_str().unwrap())
-        .unwrap()
-        .inject(&mut headers);
-    let record = rdkafka::producer::FutureRecord::to(&topic)
-        .key(again["warehouse_frn"].as_str().unwrap())
-        .payload(&payload)
-        .headers(headers);
-    producer
-        .send(record, Duration::from_secs(10))
-        .await
-        .map_err(|(error, _)| error)
-        .unwrap();
+    });
+    let key = again["correlation_id"].as_str().unwrap();
+    produce(key, again["warehouse_frn"].as_str().unwrap(), &payload).await;
     let duplicate = executor.events("partner.kafka_duplicate").await;
     assert_eq!(duplicate.len(), 1);
-    assert_eq!(
-        executor.logged("partner.kafka_handled").len(),
-        6,
-        "handled once each"
-    );
+    assert_eq!(duplicate[0]["fields"]["idempotency_key"], key);
+    assert_eq!(duplicate[0]["fields"]["idempotency_outcome"], "replayed");
+    assert_eq!(duplicate[0]["fields"]["idempotency_request_count"], 2);
+    assert!(duplicate[0]["span"]["correlation_id"].is_string());
+    assert_eq!(handled.len(), 6, "handled once each");
+    assert_eq!(executor.logged("partner.kafka_handled").len(), 6);
     assert_eq!(events_once(&http, &executor, 6).await.len(), 6);
+
+    // A record refused for its payload is not stored: the corrected record under the
+    // same key is handled (one partition: same record key, so in this order).
+    let corrected = json!({
+        "executor_id": "acme",
+        "planner_id": "planner-1",
+        "correlation_id": "c-kafka-corrected",
+        "warehouse_frn": "frn:wh:9",
+        "movement_id": "mv-9",
+    });
+    let mut malformed = corrected.clone();
+    malformed.as_object_mut().unwrap().remove("warehouse_frn");
+    produce("c-kafka-corrected", "frn:wh:9", &malformed).await;
+    produce("c-kafka-corrected", "frn:wh:9", &corrected).await;
+    let received = events_once(&http, &executor, 7).await;
+    assert_eq!(received[6]["correlation_id"], "c-kafka-corrected");
+    let handled = executor.logged("partner.kafka_handled");
+    assert_eq!(
+        handled.len(),
+        8,
+        "the refused record, then the corrected one"
+    );
+    assert_eq!(handled[6]["fields"]["stored"], "None");
+    assert!(executor.logged("partner.kafka_refused").is_empty());
 }
 
 /// A stand-in for an executor's webhook: records each attempt's `correlation_id` per

@@ -47,6 +47,10 @@ use crate::{
     routes::{Command, NewCommand, Status, Storage},
 };
 
+// Here rather than in `main.rs`: only DB mode connects to a database.
+#[path = "../support/database.rs"]
+mod database;
+
 /// The demo's tables, created at start by every replica (`IF NOT EXISTS`).
 ///
 /// - `commands`: one row per command. `payload` is `json`, which keeps the text as it was
@@ -130,11 +134,13 @@ impl Database {
         url: &str,
         list_limit: NonZeroUsize,
     ) -> Result<(Self, PostgresStore), Box<dyn Error + Send + Sync>> {
-        let pool = PgPoolOptions::new()
-            .max_connections(DATABASE_MAX_CONNECTIONS)
-            .acquire_timeout(DEFAULT_POSTGRES_COMMAND_TIMEOUT)
-            .connect(url)
-            .await?;
+        let pool = database::connect(
+            PgPoolOptions::new()
+                .max_connections(DATABASE_MAX_CONNECTIONS)
+                .acquire_timeout(DEFAULT_POSTGRES_COMMAND_TIMEOUT),
+            url,
+        )
+        .await?;
         let store = PostgresStore::builder(pool.clone()).build()?;
 
         // On a connection of its own, so that closing it releases the lock whatever

@@ -66,15 +66,12 @@ CREATE TABLE IF NOT EXISTS executor_cursor (
 /// never see `n - 1` appear afterwards.
 const DISPATCH_LOCK: i64 = 0x0070_6172_746e_6572;
 
-/// Connects, creates the tables (the example's and the idempotency store's) and returns
-/// the pool and the store on it.
+/// Connects (or fails within seconds, naming the host and port), creates the tables (the
+/// example's and the idempotency store's) and returns the pool and the store on it.
 pub(crate) async fn connect(
     url: &str,
 ) -> Result<(PgPool, PostgresStore), Box<dyn std::error::Error + Send + Sync>> {
-    let pool = PgPoolOptions::new()
-        .max_connections(16)
-        .connect(url)
-        .await?;
+    let pool = crate::database::connect(PgPoolOptions::new().max_connections(16), url).await?;
     sqlx::raw_sql(SCHEMA).execute(&pool).await?;
     let store = PostgresStore::builder(pool.clone()).build()?;
     store.migrate().await?;

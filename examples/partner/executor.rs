@@ -31,7 +31,8 @@ use crate::{
 
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct Options {
-    /// This executor's partner ID at the planner.
+    /// This executor's partner ID at the planner: the partner `--token` names (it picks
+    /// this executor's Kafka records and names its saved cursor).
     #[arg(long, default_value = "acme")]
     pub(crate) executor_id: String,
     /// The planner's base URL (`http://127.0.0.1:3000`); without it, no polling.
@@ -50,7 +51,7 @@ pub(crate) struct Options {
     /// Pause between polls when the feed had nothing new.
     #[arg(long, default_value_t = 200)]
     poll_interval_ms: u64,
-    /// Events asked for per page.
+    /// Events asked for per page (the planner lowers it to its `--max-page`).
     #[arg(long, default_value_t = 100)]
     page_size: u32,
     /// Exit (status 3) right after storing the first page, before acking it: the

@@ -194,15 +194,19 @@ fn start<St: IdempotencyStore>(
             };
             tracing::info!(
                 event = "partner.kafka_handled",
+                correlation_id = CorrelationId::current().as_ref().map(CorrelationId::as_str),
                 ?stored,
                 "dispatch record handled"
             );
             Ok::<_, String>(json!({ "stored": stored }))
         }
     });
+    // A record refused for its payload (`"stored": null`) is not stored, as the
+    // webhook's `400` is not: a corrected record under the same key is handled.
     let layer = MessageIdempotencyLayer::with_store(store)
         .key(delivery_key)
         .require_key(true)
+        .store_if(|outcome: &Value| !outcome["stored"].is_null())
         .ttl(retention);
     let drain = layer.drain();
     let service = ServiceBuilder::new().layer(layer).service(handler);
@@ -247,6 +251,11 @@ async fn consume<S>(
             continue;
         }
         let id = correlation.for_delivery(&headers);
+        // For the replay's line; the layer reads and checks the key itself.
+        let key = IdempotencyKey::from_carrier(&headers)
+            .ok()
+            .flatten()
+            .map(|key| key.as_str().to_owned());
         // A record is committed once it is handled or can never be: a claim held
         // elsewhere, or a store that cannot answer, is waited out here, as Kafka
         // redelivers nothing that was read.
@@ -262,18 +271,25 @@ async fn consume<S>(
             };
             let handled = correlation
                 .scope(id.clone(), &headers, async {
-                    service.ready().await?.call(delivery).await
+                    let handled = service.ready().await?.call(delivery).await;
+                    // A first handling has its line from the handler, in the record's
+                    // spans; a replay has this one, in its delivery's span, with the key.
+                    if let Ok(Handled::Replayed { replay, .. }) = &handled {
+                        tracing::info!(
+                            event = "partner.kafka_duplicate",
+                            idempotency_key = key.as_deref(),
+                            idempotency_outcome = "replayed",
+                            idempotency_request_count = replay.request_count(),
+                            original_correlation_id =
+                                replay.original_attempt().map(|attempt| attempt.as_str()),
+                            "duplicate record: stored outcome replayed, not handled again"
+                        );
+                    }
+                    handled
                 })
                 .await;
             match handled {
-                Ok(Handled::Ran(_)) => break true,
-                Ok(Handled::Replayed { .. }) => {
-                    tracing::info!(
-                        event = "partner.kafka_duplicate",
-                        "duplicate record: stored outcome replayed, not handled again"
-                    );
-                    break true;
-                }
+                Ok(Handled::Ran(_) | Handled::Replayed { .. }) => break true,
                 Ok(Handled::InFlight { retry_after }) => tokio::time::sleep(retry_after).await,
                 Ok(Handled::Refused(refusal)) if refusal.retryable() => {
                     tracing::warn!(

@@ -14,6 +14,8 @@
 //! `--database-url` in PostgreSQL (tables created at start). Ctrl-C or SIGTERM stops
 //! either gracefully (see [`serve`]).
 
+#[path = "../support/database.rs"]
+mod database;
 mod db;
 mod executor;
 #[cfg(feature = "kafka")]

@@ -359,6 +359,16 @@ fn decode_cursor(executor: &str, cursor: &str) -> Result<i64, Problem> {
     Ok(seq)
 }
 
+/// A cursor past the end of the partner's feed: never one this planner gave, or one
+/// from a feed it has lost (a planner in memory restarted).
+fn cursor_ahead() -> Problem {
+    Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "dispatch.cursor_ahead",
+        "this cursor is past the end of your feed: use only cursors the feed gave you",
+    )
+}
+
 #[derive(Deserialize)]
 struct PendingQuery {
     since: Option<String>,
@@ -366,6 +376,7 @@ struct PendingQuery {
 }
 
 /// `GET /dispatch/pending?since=CURSOR&limit=N`: the next page of the partner's feed.
+/// A cursor is refused as an ack refuses it: one past the feed's end is `422`.
 async fn pending(
     State(planner): State<Planner>,
     Extension(partner): Extension<Partner>,
@@ -380,6 +391,9 @@ async fn pending(
         .unwrap_or(planner.max_page)
         .clamp(1, planner.max_page);
     let events = planner.db.pending(&partner.0, since, limit).await?;
+    if events.is_empty() && since > planner.db.newest(&partner.0).await? {
+        return Err(cursor_ahead());
+    }
     let next = events.last().map_or(since, |event| event.seq);
     let events: Vec<Value> = events
         .iter()
@@ -416,11 +430,7 @@ async fn ack(
     })?;
     let seq = decode_cursor(&partner.0, &body.cursor)?;
     if seq > planner.db.newest(&partner.0).await? {
-        return Err(Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "dispatch.cursor_ahead",
-            "this cursor is past the end of your feed: ack only cursors the feed gave you",
-        ));
+        return Err(cursor_ahead());
     }
     let acked = planner.db.ack(&partner.0, seq).await?;
     tracing::info!(

@@ -66,6 +66,41 @@ fn build_example(name: &str) {
     assert!(status.success(), "the {name} example builds");
 }
 
+/// Runs the example `name` (built first, as [`Demo::example`] does) with `args` until it
+/// exits: its status, how long it ran (the build not counted) and what it wrote to
+/// stderr. Panics, after killing it, if it still runs after `limit`.
+pub fn run_to_exit(name: &str, args: &[&str], limit: Duration) -> (ExitStatus, Duration, String) {
+    use std::io::Read;
+    let path = example_path(name);
+    let started = Instant::now();
+    let mut child = Command::new(path)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("the {name} example runs: {e}"));
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the {name} example still ran after {limit:?}: {args:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let took = started.elapsed();
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    (status, took, stderr)
+}
+
 pub struct Demo {
     child: Child,
     /// `http://127.0.0.1:PORT`
