@@ -86,6 +86,7 @@
 //! | `--commit-delay-ms` | `0` | time the two `POST` handlers wait after their writes, before answering; in DB mode the layer commits once the handler has answered, so this is the time between the writes and the commit (in which a crash leaves nothing) |
 //! | `--fail-after-write-percent` | `0` | the share of the two `POST` handlers that fail with `500` `commands.failed_after_write` after their writes (and `--commit-delay-ms`), each drawn at random; `100` fails every one. In memory or on Redis the writes stand and the `500` is replayed to a retry; in DB mode they are rolled back and the retry runs again (a cancel sent without a key commits its own writes first) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
+//! | `--store-timeout-ms` | the store's (250 ms Redis, 1 s PostgreSQL) | the longest one idempotency store call may take; a quarter of the lease must cover it and about 100 ms more, or the demo refuses to start |
 //! | `--idempotency-lease-ms` | `10000` | the longest store outage a running request's claim outlives (the library's `DEFAULT_LEASE`); a request that stopped renewing its claim (its process died) keeps its key for at most one and a half leases: retries get `409` until then |
 //! | `--header-read-timeout-ms` | `10000` | how long a connection may take to send a request's head, and may stay idle between requests; then the server closes it |
 //! | `--body-timeout-ms` | `10000` | how long a request body may go without sending a byte; then `408` and the connection is closed |
@@ -471,6 +472,13 @@ struct Args {
     #[arg(long, default_value_t = IDEMPOTENCY_LEASE_MS)]
     idempotency_lease_ms: NonZeroU64,
 
+    /// Milliseconds one call to the idempotency store (Redis or PostgreSQL) may take;
+    /// default the store's own (250 ms for Redis, 1 s for PostgreSQL). A quarter of
+    /// `--idempotency-lease-ms` must cover it and about 100 ms more: a shorter lease is
+    /// refused at start.
+    #[arg(long)]
+    store_timeout_ms: Option<NonZeroU64>,
+
     /// Milliseconds a connection may take to send a request's head, and may stay idle
     /// between requests, before the server closes it.
     #[arg(long, default_value_t = HEADER_READ_TIMEOUT_MS)]
@@ -632,6 +640,10 @@ async fn main() -> std::io::Result<()> {
             }
             None => None,
         };
+        let builder = builder.map(|builder| match args.store_timeout_ms {
+            Some(ms) => builder.command_timeout(Duration::from_millis(ms.get())),
+            None => builder,
+        });
         match builder {
             Some(builder) => Some(
                 builder
@@ -684,7 +696,10 @@ async fn run_on_database(
 ) -> std::io::Result<()> {
     // Connect first: a replica that cannot reach its database should not start
     // listening.
-    let (database, store) = postgres::Database::connect(url, args.max_commands)
+    let store_timeout = args
+        .store_timeout_ms
+        .map(|ms| Duration::from_millis(ms.get()));
+    let (database, store) = postgres::Database::connect(url, args.max_commands, store_timeout)
         .await
         .map_err(std::io::Error::other)?;
     let (stop, stop_requested) = tokio::sync::oneshot::channel();

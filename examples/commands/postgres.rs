@@ -133,6 +133,7 @@ impl Database {
     pub(crate) async fn connect(
         url: &str,
         list_limit: NonZeroUsize,
+        store_timeout: Option<Duration>,
     ) -> Result<(Self, PostgresStore), Box<dyn Error + Send + Sync>> {
         let pool = database::connect(
             PgPoolOptions::new()
@@ -141,7 +142,11 @@ impl Database {
             url,
         )
         .await?;
-        let store = PostgresStore::builder(pool.clone()).build()?;
+        let mut store = PostgresStore::builder(pool.clone());
+        if let Some(timeout) = store_timeout {
+            store = store.command_timeout(timeout);
+        }
+        let store = store.build()?;
 
         // On a connection of its own, so that closing it releases the lock whatever
         // happened in between.
