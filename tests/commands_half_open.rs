@@ -36,7 +36,10 @@ const RESERVE: u64 = 100;
 /// The demo's header-read timeout in this test: long enough to open every connection
 /// and send the normal requests while all of them are still open, short enough to wait
 /// for it.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(20);
+/// On a 2-core VM the kernel's accept queue overflows now and then under the bursts
+/// (`TcpExtListenOverflows`), and each overflowed connection waits out a SYN retry: the
+/// last thousands can take 20 s or more to be accepted.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(45);
 
 /// How late after its header-read timeout a connection may be closed: generous, for
 /// a debug build closing thousands at once on two cores.
@@ -174,10 +177,11 @@ async fn the_demo_survives_20000_half_open_connections() {
     assert_eq!(listed.status, StatusCode::OK);
 }
 
-/// Waits until process `pid` holds `count` file descriptors, for at most 10 s.
+/// Waits until process `pid` holds `count` file descriptors, for at most 30 s (SYN
+/// retries after an accept-queue overflow wait 1, 3, 7 s...).
 async fn wait_for_descriptors(pid: u32, count: usize) {
     // Not too often: listing 20,000 descriptors costs the kernel milliseconds.
-    for _ in 0..400 {
+    for _ in 0..1200 {
         if open_descriptors(pid) >= count {
             return;
         }
