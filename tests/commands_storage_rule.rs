@@ -1,7 +1,7 @@
 //! Which answers of the demo its idempotency layer keeps, tried through the `commands`
 //! process as a client would (issue 35, item 6), in memory, on Redis and in DB mode:
 //!
-//! - a refusal of the handler's own is not stored (the layer's `default_store_if`): after
+//! - a refusal of the handler's own is not stored (the layer's `StorageRule::Default`): after
 //!   `422 body.invalid_fields` or `422 body.too_deep`, the corrected command under the
 //!   same key runs, once, and its retry is a replay;
 //! - a `500` after the handler's writes (`--fail-after-write-percent 100`) is stored in

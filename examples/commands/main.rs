@@ -301,7 +301,7 @@
 //! a replay `original-attempt-id` when the first attempt sent an `attempt-id`. A replay
 //! is the first response byte for byte (status, headers, body) except for the
 //! per-attempt headers (`x-correlation-id`, `attempt-id`, `date`). Which answers are
-//! kept is the layer's default rule, [`default_store_if`]: successes and server errors
+//! kept is the layer's default rule, [`StorageRule::Default`]: successes and server errors
 //! are kept and replayed; a refusal of the handler's own (every `4xx`, such as `422`
 //! `body.invalid_fields`) and a `503` are not, so a corrected command under the same
 //! key runs. In DB mode a `5xx` is rolled back with the request's writes and not kept
@@ -356,7 +356,7 @@
 //! [`CorrelationId::extend_redelivery`]: tower_ids::correlation::CorrelationId::extend_redelivery
 //! [`IdempotencyLayer`]: tower_ids::idempotency::IdempotencyLayer
 //! [`Drain`]: tower_ids::idempotency::Drain
-//! [`default_store_if`]: tower_ids::idempotency::default_store_if
+//! [`StorageRule::Default`]: tower_ids::idempotency::StorageRule::Default
 //! [`CorrelationLayer::access_log`]: tower_ids::correlation::CorrelationLayer::access_log
 //! [`MokaStore`]: tower_ids::idempotency::MokaStore
 //! [`MessageCorrelation::inject_current`]: tower_ids::correlation::MessageCorrelation::inject_current

@@ -1,6 +1,7 @@
 //! The service's routes and their handlers, and the layers around them.
 
 use std::{future::Future, time::Duration};
+use tower_ids::idempotency::Policy;
 
 use axum::{
     extract::{rejection::JsonRejection, FromRequestParts, Path, Request, State},
@@ -60,8 +61,7 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
     let idempotent = IdempotencyLayer::with_store(store)
         .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
         .require_client(true)
-        .ttl(idempotency_ttl)
-        .lease(idempotency_lease)
+        .policy(Policy::new().ttl(idempotency_ttl).lease(idempotency_lease))
         .max_request_bytes(limits.max_body_bytes);
     let drain = idempotent.drain();
 

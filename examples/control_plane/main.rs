@@ -67,6 +67,7 @@ use std::{
     sync::{Arc, Mutex},
     time::{Duration, SystemTime},
 };
+use tower_ids::idempotency::Policy;
 
 #[path = "../support/shutdown.rs"]
 mod shutdown;
@@ -430,9 +431,12 @@ async fn consume<St: IdempotencyStore>(
     let idempotency = MessageIdempotencyLayer::with_store(store)
         .key(signal_key as fn(&Signal) -> _)
         .require_key(true)
-        .in_flight(in_flight)
-        .lease(Duration::from_millis(args.lease_ms))
-        .ttl(Duration::from_secs(args.retention_secs));
+        .policy(
+            Policy::new()
+                .in_flight(in_flight)
+                .lease(Duration::from_millis(args.lease_ms))
+                .ttl(Duration::from_secs(args.retention_secs)),
+        );
     let drain = idempotency.drain();
     let service = ServiceBuilder::new().layer(idempotency).service(execute);
     let context = Arc::new(Context {

@@ -4,6 +4,7 @@
 //! path stores an event once, by (planner, correlation ID), whatever arrives twice.
 
 use std::{sync::Arc, time::Duration};
+use tower_ids::idempotency::Policy;
 
 use axum::{
     extract::{Request, State},
@@ -124,7 +125,7 @@ fn routes<St: IdempotencyStore>(db: ExecutorDb, store: St, options: &Options) ->
         .key(KeyFromJson::new("/correlation_id").client("/planner_id"))
         .require_key(true)
         .on_replay(JsonReplayMarker::new("replay").status(StatusCode::OK))
-        .ttl(options.webhook_retention);
+        .policy(Policy::new().ttl(options.webhook_retention));
     let drain = webhook.drain();
     let token: Arc<str> = options.webhook_token.as_str().into();
     let routes = Router::new()

@@ -7,6 +7,7 @@
 //! uncommitted for the group) and the consumer returns.
 
 use std::time::Duration;
+use tower_ids::idempotency::Policy;
 
 use rdkafka::{
     admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
@@ -207,7 +208,7 @@ fn start<St: IdempotencyStore>(
         .key(delivery_key)
         .require_key(true)
         .store_if(|outcome: &Value| !outcome["stored"].is_null())
-        .ttl(retention);
+        .policy(Policy::new().ttl(retention));
     let drain = layer.drain();
     let service = ServiceBuilder::new().layer(layer).service(handler);
     let consumer = tokio::spawn(consume(consumer, service, executor_id, stopping));

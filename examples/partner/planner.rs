@@ -3,6 +3,7 @@
 //! retention on one store; and the dispatch feed partners poll and ack.
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
+use tower_ids::idempotency::Policy;
 
 use axum::{
     extract::{Query, Request, State},
@@ -167,11 +168,16 @@ fn routes<St: IdempotencyStore>(db: PlannerDb, store: St, options: &Options) -> 
     let routes = Router::new()
         .route(
             "/wes/v1/realtime",
-            post(realtime).layer(keyed.clone().ttl(options.realtime_retention)),
+            post(realtime).layer(
+                keyed
+                    .clone()
+                    .policy(Policy::new().ttl(options.realtime_retention)),
+            ),
         )
         .route(
             "/wes/v1/confirmations",
-            post(confirmation).layer(keyed.ttl(options.confirmation_retention)),
+            post(confirmation)
+                .layer(keyed.policy(Policy::new().ttl(options.confirmation_retention))),
         )
         .route("/wes/v1/dispatch/pending", get(pending))
         .route("/wes/v1/dispatch/ack", post(ack))

@@ -80,9 +80,8 @@
 //!   Server errors are stored too, as the draft's section 2.6 asks, so a handler that
 //!   failed after its side effect never runs again; a handler's own refusal (a 4xx)
 //!   and `503` release the key, so a corrected request under the same key runs
-//!   ([`default_store_if`] says why; [`store_if`](IdempotencyLayer::store_if) with the
-//!   presets [`store_successes_only`] or [`store_all_but_retryable`] changes it per
-//!   route). A refusal the layer makes itself is never stored. A response over the limit is streamed
+//!   ([`StorageRule`] says why; the [`Policy`]'s other rules, or a rule of the route's
+//!   own with [`store_if`](IdempotencyLayer::store_if), change it per route). A refusal the layer makes itself is never stored. A response over the limit is streamed
 //!   to this client and not stored; the request is recorded as run, and later
 //!   duplicates get `410 Gone` (`idempotency.not_replayable`) rather than a truncated
 //!   replay or a second run.
@@ -204,7 +203,7 @@
 //! | 2.1, RFC 8941 4.2 | one field per request; a field that is not an Item is not used | a key header on two lines is `400 idempotency.key_repeated`, even with one key (`rfc8941_4_2_a_key_header_sent_twice_is_refused_even_with_one_key`) | none |
 //! | 2.3 | keys expire after a published time | 24 hours, then the key runs again (`draft_2_3_a_key_runs_again_after_it_expires`) | [`ttl`](IdempotencyLayer::ttl) |
 //! | 2.4 | a fingerprint may tell a reused key from a retry | method, path, `Content-Type` and body (see [`Fingerprint::new`]) | [`scope_query`](IdempotencyLayer::scope_query) adds the query |
-//! | 2.6 | a retry after completion gets the previous result, success or error | successes and server errors are stored and replayed (`draft_2_6_a_retry_after_an_error_gets_the_error_and_nothing_runs_again`); **departure**: a handler's 4xx and `503` are not stored, so a corrected request under the same key runs ([`default_store_if`] says why; `draft_2_6_departure_a_refusal_is_not_stored_and_the_corrected_request_runs`) | [`store_if`](IdempotencyLayer::store_if)`(`[`store_all_but_retryable`]`)` stores 4xx too (all but `408`, `429`, `503`); `store_if(`[`store_successes_only`]`)` releases 5xx too, for handlers whose errors never follow a side effect; a handler that took the PostgreSQL store's `Transaction` (feature `postgres`) has its 5xx rolled back and released whatever the rule |
+//! | 2.6 | a retry after completion gets the previous result, success or error | successes and server errors are stored and replayed (`draft_2_6_a_retry_after_an_error_gets_the_error_and_nothing_runs_again`); **departure**: a handler's 4xx and `503` are not stored, so a corrected request under the same key runs ([`StorageRule`] says why; `draft_2_6_departure_a_refusal_is_not_stored_and_the_corrected_request_runs`) | [`Policy::storage`]`(StorageRule::AllButRetryable)` stores 4xx too (all but `408`, `429`, `503`); `StorageRule::SuccessesOnly` releases 5xx too, for handlers whose errors never follow a side effect; a handler that took the PostgreSQL store's `Transaction` (feature `postgres`) has its 5xx rolled back and released whatever the rule |
 //! | 2.6 | a duplicate while the first runs gets `409` | `409 idempotency.in_flight` with `Retry-After` (`draft_2_6_a_duplicate_while_the_first_runs_gets_409_with_retry_after`) | [`in_flight`](IdempotencyLayer::in_flight)`(InFlight::Wait { .. })` waits and replays instead |
 //! | 2.6, 2.7 | a key reused with another payload gets `422` | `422 idempotency.fingerprint_mismatch` (`draft_2_6_a_key_reused_with_another_payload_gets_422`) | none |
 //! | 2.6, 2.7 | a missing key where one is required gets `400` | `400 idempotency.key_missing` with [`require_key`](IdempotencyLayer::require_key); without it the request passes through (`draft_2_7_a_missing_key_where_required_gets_400_with_a_link`) | `require_key(false)`, the default |
@@ -368,15 +367,14 @@ pub use self::key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey};
 #[cfg(feature = "idempotency")]
 pub use self::{
     core::{
-        Drain, Drained, InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES,
-        DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+        Drain, Drained, InFlight, Policy, StorageRule, StoreFailure, DEFAULT_LEASE,
+        DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     http::{
-        default_store_if, store_all_but_retryable, store_successes_only, ClientFromAuthorization,
-        ClientFromExtension, ClientFromHeader, EpochFromExtension, EpochFromHeader, Idempotency,
-        IdempotencyLayer, JsonReplayMarker, KeyFromHeader, KeyFromJson, OnReplay, ReplayInfo,
-        ResponseFuture, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,
-        DEFAULT_MAX_RESPONSE_BYTES,
+        ClientFromAuthorization, ClientFromExtension, ClientFromHeader, EpochFromExtension,
+        EpochFromHeader, Idempotency, IdempotencyLayer, JsonReplayMarker, KeyFromHeader,
+        KeyFromJson, OnReplay, ReplayInfo, ResponseFuture, DEFAULT_MAX_BUFFERED_BYTES,
+        DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     },
     message::MessageIdempotencyLayer,
     scope::ClientId,

@@ -7,7 +7,7 @@ use std::{sync::Arc, time::Duration};
 
 use http::StatusCode;
 use tower_ids::idempotency::{
-    store::ManualClock, store_all_but_retryable, store_successes_only, IdempotencyLayer, MokaStore,
+    store::ManualClock, IdempotencyLayer, MokaStore, Policy, StorageRule,
 };
 
 use super::{start, support::Logs, until_runs, BODY, KEY};
@@ -65,7 +65,9 @@ async fn draft_2_6_departure_a_refusal_is_not_stored_and_the_corrected_request_r
 /// The preset that stores refusals too: the refusal replays, and the handler runs once.
 #[tokio::test]
 async fn store_all_but_retryable_replays_a_refusal() {
-    let app = start(IdempotencyLayer::new().store_if(store_all_but_retryable)).await;
+    let app =
+        start(IdempotencyLayer::new().policy(Policy::new().storage(StorageRule::AllButRetryable)))
+            .await;
 
     let refused = app
         .post("/commands", &[KEY, ("x-status", "403")], BODY)
@@ -82,7 +84,9 @@ async fn store_all_but_retryable_replays_a_refusal() {
 /// runs again.
 #[tokio::test]
 async fn draft_2_6_departure_store_successes_only_runs_the_retry_again() {
-    let app = start(IdempotencyLayer::new().store_if(store_successes_only)).await;
+    let app =
+        start(IdempotencyLayer::new().policy(Policy::new().storage(StorageRule::SuccessesOnly)))
+            .await;
 
     app.post("/commands", &[KEY, ("x-status", "500")], BODY)
         .await;
@@ -199,7 +203,10 @@ async fn draft_2_6_408_429_and_503_release_the_key() {
 async fn draft_2_3_a_key_runs_again_after_it_expires() {
     let clock = ManualClock::new();
     let store = MokaStore::builder().clock(clock.clone()).build();
-    let app = start(IdempotencyLayer::with_store(store).ttl(Duration::from_secs(3600))).await;
+    let app = start(
+        IdempotencyLayer::with_store(store).policy(Policy::new().ttl(Duration::from_secs(3600))),
+    )
+    .await;
 
     app.post("/commands", &[KEY], BODY).await;
     clock.advance(Duration::from_secs(3599));
@@ -280,7 +287,7 @@ async fn rfc8941_4_2_a_key_header_sent_twice_is_refused_even_with_one_key() {
 async fn a_replay_hook_never_turns_a_refusal_or_a_failure_into_a_success() {
     let app = start(
         IdempotencyLayer::new()
-            .store_if(store_all_but_retryable)
+            .policy(Policy::new().storage(StorageRule::AllButRetryable))
             .on_replay(
                 tower_ids::idempotency::JsonReplayMarker::new("replay").status(StatusCode::OK),
             ),

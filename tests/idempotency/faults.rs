@@ -11,6 +11,7 @@ use std::{
     },
     time::{Duration, Instant},
 };
+use tower_ids::idempotency::Policy;
 
 use http::StatusCode;
 use tower_ids::idempotency::{
@@ -164,9 +165,11 @@ async fn an_outcome_the_store_cannot_take_is_kept_and_stored_later_never_release
 #[tokio::test]
 async fn a_waiting_duplicate_gets_the_kept_outcome_once_stored() {
     let store = Flaky::default();
-    let layer = IdempotencyLayer::with_store(store.clone()).in_flight(InFlight::Wait {
-        timeout: Duration::from_secs(5),
-    });
+    let layer = IdempotencyLayer::with_store(store.clone()).policy(Policy::new().in_flight(
+        InFlight::Wait {
+            timeout: Duration::from_secs(5),
+        },
+    ));
     let app = Arc::new(start(layer).await);
 
     store.set_down(true);
@@ -190,7 +193,9 @@ async fn a_waiting_duplicate_gets_the_kept_outcome_once_stored() {
 async fn kept_outcomes_past_their_budget_keep_the_key_without_the_response() {
     let (logs, _guard) = Logs::capture();
     let store = Flaky::default();
-    let app = start(IdempotencyLayer::with_store(store.clone()).max_kept_bytes(16)).await;
+    let app =
+        start(IdempotencyLayer::with_store(store.clone()).policy(Policy::new().max_kept_bytes(16)))
+            .await;
 
     store.set_down(true);
     let first = app.post("/commands", &[KEY], BODY).await;
@@ -214,7 +219,7 @@ async fn kept_outcomes_past_their_budget_keep_the_key_without_the_response() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_running_three_times_the_lease_is_not_run_again() {
     let lease = Duration::from_millis(300);
-    let app = Arc::new(start(IdempotencyLayer::new().lease(lease)).await);
+    let app = Arc::new(start(IdempotencyLayer::new().policy(Policy::new().lease(lease))).await);
     let delay = (lease * 3).as_millis().to_string();
 
     let first = tokio::spawn({
@@ -325,7 +330,8 @@ fn a_lease_too_short_for_the_store_is_refused() {
         ..Flaky::default()
     };
     let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        IdempotencyLayer::with_store(store.clone()).lease(Duration::from_secs(2))
+        IdempotencyLayer::with_store(store.clone())
+            .policy(Policy::new().lease(Duration::from_secs(2)))
     }));
     let message = refused.expect_err("refused");
     let message = message
@@ -337,7 +343,8 @@ fn a_lease_too_short_for_the_store_is_refused() {
         "{message}"
     );
     // A lease whose quarter covers 700 ms and 50 ms is accepted, as is the default.
-    let accepted = IdempotencyLayer::with_store(store.clone()).lease(Duration::from_secs(3));
+    let accepted = IdempotencyLayer::with_store(store.clone())
+        .policy(Policy::new().lease(Duration::from_secs(3)));
     assert!(format!("{accepted:?}").contains("lease: 3s"));
     assert!(format!("{:?}", IdempotencyLayer::with_store(store)).contains("lease: 10s"));
 

@@ -25,6 +25,7 @@ use std::{
     },
     time::Duration,
 };
+use tower_ids::idempotency::Policy;
 
 use axum::{
     extract::State,
@@ -563,7 +564,7 @@ async fn over_the_byte_budget_is_503_and_touches_neither_handler_nor_store() {
     let (logs, _guard) = Logs::capture();
     // Every store call fails and is logged; failing open, the request still runs.
     let layer = IdempotencyLayer::with_store(BrokenStore)
-        .on_store_failure(StoreFailure::FailOpen)
+        .policy(Policy::new().store_failure(StoreFailure::FailOpen))
         .max_buffered_bytes(1000);
     let app = Arc::new(start(layer).await);
     let body = "x".repeat(600);
@@ -627,9 +628,9 @@ async fn until_runs(runs: &Runs, n: usize) {
 
 #[tokio::test]
 async fn waiting_mode_replays_the_first_outcome() {
-    let layer = IdempotencyLayer::new().in_flight(InFlight::Wait {
+    let layer = IdempotencyLayer::new().policy(Policy::new().in_flight(InFlight::Wait {
         timeout: Duration::from_secs(5),
-    });
+    }));
     let app = Arc::new(start(layer).await);
 
     let first = tokio::spawn({
@@ -651,9 +652,9 @@ async fn waiting_mode_replays_the_first_outcome() {
 
 #[tokio::test]
 async fn waiting_mode_times_out_into_409() {
-    let layer = IdempotencyLayer::new().in_flight(InFlight::Wait {
+    let layer = IdempotencyLayer::new().policy(Policy::new().in_flight(InFlight::Wait {
         timeout: Duration::from_millis(50),
-    });
+    }));
     let app = Arc::new(start(layer).await);
 
     let first = tokio::spawn({
@@ -689,7 +690,8 @@ async fn a_client_error_is_not_stored_and_the_retry_runs_again() {
 async fn a_lost_lease_frees_the_key_and_the_late_outcome_is_not_stored() {
     let clock = ManualClock::new();
     let store = MokaStore::builder().clock(clock.clone()).build();
-    let layer = IdempotencyLayer::with_store(store).lease(Duration::from_secs(60));
+    let layer =
+        IdempotencyLayer::with_store(store).policy(Policy::new().lease(Duration::from_secs(60)));
     let app = Arc::new(start(layer).await);
 
     let slow = tokio::spawn({
@@ -765,9 +767,9 @@ fn panic_messages() -> &'static std::sync::Mutex<Vec<String>> {
 async fn a_panicking_handler_releases_the_key() {
     let panics = panic_messages();
     let (logs, _guard) = Logs::capture();
-    let layer = IdempotencyLayer::new().in_flight(InFlight::Wait {
+    let layer = IdempotencyLayer::new().policy(Policy::new().in_flight(InFlight::Wait {
         timeout: Duration::from_secs(5),
-    });
+    }));
     let app = Arc::new(start(layer).await);
 
     let panicking = tokio::spawn({
@@ -877,7 +879,8 @@ async fn a_failing_store_fails_closed_by_default() {
 #[tokio::test]
 async fn a_failing_store_can_fail_open() {
     let (logs, _guard) = Logs::capture();
-    let layer = IdempotencyLayer::with_store(BrokenStore).on_store_failure(StoreFailure::FailOpen);
+    let layer = IdempotencyLayer::with_store(BrokenStore)
+        .policy(Policy::new().store_failure(StoreFailure::FailOpen));
     let app = start(layer).await;
 
     let reply = app.post("/commands", &[KEY], BODY).await;
@@ -1081,7 +1084,7 @@ async fn the_expiry_header_says_when_the_stored_answer_expires() {
     };
     let app = start(
         IdempotencyLayer::new()
-            .ttl(ttl)
+            .policy(Policy::new().ttl(ttl))
             .expiry_header(true)
             .on_replay(hook),
     )

@@ -10,6 +10,7 @@ use std::{
     },
     time::Duration,
 };
+use tower_ids::idempotency::Policy;
 
 use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::post, Router};
 use bytes::Bytes;
@@ -64,12 +65,12 @@ impl Partner {
             .key(KeyFromJson::new("/correlation_id").client("/partner_id"))
             .require_key(true)
             .on_replay(replay.clone())
-            .ttl(30 * DAY);
+            .policy(Policy::new().ttl(30 * DAY));
         let webhook = IdempotencyLayer::with_store(store)
             .key(KeyFromJson::new("/correlation_id").client("/planner_id"))
             .require_key(true)
             .on_replay(replay)
-            .ttl(DAY);
+            .policy(Policy::new().ttl(DAY));
         let planner = Planner::default();
         let app = Router::new()
             .route("/wes/v1/realtime", post(book).layer(realtime))

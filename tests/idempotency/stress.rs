@@ -1,6 +1,7 @@
 //! 1,000 concurrent requests over 100 keys from 10 clients.
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
+use tower_ids::idempotency::Policy;
 
 use http::HeaderName;
 use tower_ids::idempotency::{ClientFromHeader, IdempotencyLayer, InFlight};
@@ -11,9 +12,9 @@ use crate::{start, BODY};
 async fn each_client_and_key_runs_exactly_once_under_a_burst() {
     let layer = IdempotencyLayer::new()
         .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
-        .in_flight(InFlight::Wait {
+        .policy(Policy::new().in_flight(InFlight::Wait {
             timeout: Duration::from_secs(30),
-        });
+        }));
     let app = Arc::new(start(layer).await);
 
     let mut tasks = Vec::new();

@@ -11,6 +11,7 @@ use std::{
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
+use tower_ids::idempotency::Policy;
 
 use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
 use http::StatusCode;
@@ -314,7 +315,7 @@ async fn replica(
         .command_timeout(timeout)
         .build()
         .unwrap();
-    let layer = IdempotencyLayer::with_store(store).lease(LEASE);
+    let layer = IdempotencyLayer::with_store(store).policy(Policy::new().lease(LEASE));
     let route = match mode {
         Mode::Durable => post(durable).layer(layer),
         Mode::Transactional => post(transactional).layer(layer),

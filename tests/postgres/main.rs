@@ -23,6 +23,7 @@ use std::{
     sync::{Arc, Mutex},
     time::Duration,
 };
+use tower_ids::idempotency::Policy;
 
 use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
 use database::TestDatabase;
@@ -289,7 +290,7 @@ async fn the_expiry_header_is_the_rows_expiry_in_postgres() {
     };
     let ttl = Duration::from_secs(7200);
     let layer = IdempotencyLayer::with_store(store(&database).await)
-        .ttl(ttl)
+        .policy(Policy::new().ttl(ttl))
         .expiry_header(true);
     let router = Router::new()
         .route("/commands", post(counted).layer(layer))

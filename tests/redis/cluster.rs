@@ -34,6 +34,7 @@ use std::{
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
+use tower_ids::idempotency::Policy;
 
 use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
 use http::StatusCode;
@@ -97,7 +98,7 @@ impl Node {
     async fn start_with_lease(store: RedisStore, ledger: &Ledger, lease: Option<Duration>) -> Self {
         let mut layer = IdempotencyLayer::with_store(store);
         if let Some(lease) = lease {
-            layer = layer.lease(lease);
+            layer = layer.policy(Policy::new().lease(lease));
         }
         let router = Router::new()
             .route("/commands", post(counted).layer(layer))

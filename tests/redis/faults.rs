@@ -16,6 +16,7 @@ use std::{
     sync::Mutex,
     time::{Duration, Instant},
 };
+use tower_ids::idempotency::Policy;
 
 use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
 use bytes::Bytes;
@@ -93,7 +94,7 @@ impl Node {
             .expect("Redis is up");
         let mut layer = IdempotencyLayer::with_store(store);
         if let Some(lease) = lease {
-            layer = layer.lease(lease);
+            layer = layer.policy(Policy::new().lease(lease));
         }
         let router = Router::new()
             .route("/commands", post(counted).layer(layer))

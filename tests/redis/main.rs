@@ -33,6 +33,7 @@ use std::{
     },
     time::{Duration, Instant, SystemTime},
 };
+use tower_ids::idempotency::Policy;
 
 use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
 use bytes::Bytes;
@@ -115,7 +116,8 @@ impl Replica {
             .route("/commands", post(handler).layer(layer.clone()))
             .route(
                 "/open",
-                post(handler).layer(layer.on_store_failure(StoreFailure::FailOpen)),
+                post(handler)
+                    .layer(layer.policy(Policy::new().store_failure(StoreFailure::FailOpen))),
             )
             .with_state((runs.clone(), name))
             .layer(CorrelationLayer::new());
@@ -213,9 +215,9 @@ async fn concurrent_duplicates_over_both_replicas_run_once() {
     };
     let runs = Runs::default();
     let wait = |layer: IdempotencyLayer<RedisStore>| {
-        layer.in_flight(InFlight::Wait {
+        layer.policy(Policy::new().in_flight(InFlight::Wait {
             timeout: Duration::from_secs(10),
-        })
+        }))
     };
     let replicas = Arc::new([
         Replica::start(&redis.url(), &runs, "a", wait).await,
@@ -492,7 +494,7 @@ async fn a_record_expires_in_redis_after_the_ttl() {
     };
     let runs = Runs::default();
     let replica = Replica::start(&redis.url(), &runs, "a", |layer| {
-        layer.ttl(Duration::from_secs(1))
+        layer.policy(Policy::new().ttl(Duration::from_secs(1)))
     })
     .await;
 
@@ -579,7 +581,7 @@ async fn the_expiry_header_is_the_records_ttl_in_redis() {
     let runs = Runs::default();
     let ttl = Duration::from_secs(7200);
     let replica = Replica::start(&redis.url(), &runs, "a", |layer| {
-        layer.ttl(ttl).expiry_header(true)
+        layer.policy(Policy::new().ttl(ttl)).expiry_header(true)
     })
     .await;
 

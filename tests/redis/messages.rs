@@ -14,6 +14,7 @@ use std::{
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
+use tower_ids::idempotency::Policy;
 
 use serde::{Deserialize, Serialize};
 use tower::{service_fn, util::BoxCloneSyncService, Layer, ServiceExt};
@@ -87,7 +88,7 @@ type Handler = BoxCloneSyncService<Delivery, Outcome, Infallible>;
 /// A consumer: its own `RedisStore` and layer over a counting handler.
 #[derive(Clone)]
 struct Consumer {
-    service: MessageIdempotency<Handler, KeyOf, Outcome, RedisStore>,
+    service: MessageIdempotency<Handler, Outcome, KeyOf, RedisStore>,
 }
 
 impl Consumer {
@@ -104,7 +105,7 @@ impl Consumer {
             .expect("Redis is up");
         let mut layer = MessageIdempotencyLayer::with_store(store).key(key_of as KeyOf);
         if let Some(lease) = lease {
-            layer = layer.lease(lease);
+            layer = layer.policy(Policy::new().lease(lease));
         }
         let ledger = ledger.clone();
         let handler = service_fn(move |delivery: Delivery| {

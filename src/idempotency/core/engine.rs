@@ -27,7 +27,7 @@ const AFTER_WAIT: Duration = Duration::from_secs(1);
 pub(crate) struct Engine<St> {
     store: Arc<St>,
     kept: Arc<KeptOutcomes>,
-    pub(crate) policy: Policy,
+    policy: Policy,
 }
 
 impl<St> Clone for Engine<St> {
@@ -171,7 +171,7 @@ impl<St: IdempotencyStore> Engine<St> {
         spent: &mut Duration,
     ) -> Decision<St> {
         let policy = &self.policy;
-        let claim = lease::claim(fingerprint.current, policy.lease, epoch);
+        let claim = lease::claim(fingerprint.current, policy.get_lease(), epoch);
         if let Some(waiting) = self.kept.get(&scope) {
             // This layer ran the work and holds its outcome until the store takes
             // it: never run it again, whatever the store says.
@@ -365,36 +365,42 @@ impl<St: IdempotencyStore> Engine<St> {
         in_flight(waiting.first_seen, None, retry_after)
     }
 
-    /// An engine over `store`, with the default policy; its lease is
-    /// [`DEFAULT_LEASE`](super::DEFAULT_LEASE), or the shortest `store` allows if that
-    /// is longer (see [`set_lease`](Self::set_lease)).
+    /// An engine over `store`, with the default policy.
     pub(crate) fn new(store: Arc<St>) -> Self {
         observe::register();
-        let mut policy = Policy::default();
-        policy.lease = policy.lease.max(shortest_lease(&*store));
-        Self {
+        let mut engine = Self {
             store,
             kept: Arc::default(),
-            policy,
-        }
+            policy: Policy::new(),
+        };
+        engine.set_policy(Policy::new());
+        engine
     }
 
-    /// Sets the lease, refusing one that cannot outlive a store outage as documented:
-    /// a quarter of it must cover the store's
+    /// Sets the policy. Its lease, if unset, is [`DEFAULT_LEASE`](super::DEFAULT_LEASE)
+    /// or the shortest the store allows if that is longer; if set, it must be at least
+    /// that shortest: a quarter of it must cover the store's
     /// [`recovery_time`](IdempotencyStore::recovery_time) and the pause before a failed
     /// renewal is tried again.
     ///
     /// # Panics
     ///
-    /// If it cannot, with a message that says why.
-    pub(crate) fn set_lease(&mut self, lease: Duration) {
+    /// If the lease set is shorter, with a message that says why.
+    pub(crate) fn set_policy(&mut self, mut policy: Policy) {
         let shortest = shortest_lease(&*self.store);
-        assert!(
-            lease >= shortest,
-            "tower-ids: a lease of {lease:?} cannot outlive a store outage: a claim is renewed every quarter lease, and after an outage the store needs up to {:?} (its command timeout, the replicas' wait, reconnecting, and the 50 ms before a failed renewal is tried again) before a renewal lands; set a lease of at least {shortest:?}, or shorten the store's timeouts",
-            shortest / 4
-        );
-        self.policy.lease = lease;
+        let lease = match policy.lease {
+            Some(lease) => {
+                assert!(
+                    lease >= shortest,
+                    "tower-ids: a lease of {lease:?} cannot outlive a store outage: a claim is renewed every quarter lease, and after an outage the store needs up to {:?} (its command timeout, the replicas' wait, reconnecting, and the 50 ms before a failed renewal is tried again) before a renewal lands; set a lease of at least {shortest:?}, or shorten the store's timeouts",
+                    shortest / 4
+                );
+                lease
+            }
+            None => super::DEFAULT_LEASE.max(shortest),
+        };
+        policy.lease = Some(lease);
+        self.policy = policy;
     }
 }
 
@@ -405,6 +411,11 @@ fn shortest_lease<St: IdempotencyStore>(store: &St) -> Duration {
 }
 
 impl<St> Engine<St> {
+    /// The policy, its lease resolved.
+    pub(crate) fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
     /// A handle that waits, at shutdown, for what this engine still owes its store.
     pub(crate) fn drain(&self) -> Drain {
         Drain::new(self.kept.settling.clone())

@@ -16,7 +16,8 @@ mod settings;
 
 pub use self::drain::{Drain, Drained};
 pub use self::settings::{
-    InFlight, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+    InFlight, Policy, StorageRule, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES,
+    DEFAULT_RETRY_AFTER, DEFAULT_TTL,
 };
 pub(crate) use self::{
     detach::{ClaimFlag, Detaching},

@@ -50,26 +50,210 @@ pub enum StoreFailure {
     FailOpen,
 }
 
-/// The settings every transport shares, with their defaults.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Policy {
+/// Which outcomes of the handler are stored and replayed; the others release the key,
+/// so a retry runs again. Each layer reads the rule in its transport's terms; a layer's
+/// own `store_if` closure overrides it.
+///
+/// | Rule | HTTP | gRPC | Messages |
+/// |---|---|---|---|
+/// | [`Default`](Self::Default) | all but a 4xx and `503` | `OK` and the server errors (`UNKNOWN`, `DEADLINE_EXCEEDED`, `UNIMPLEMENTED`, `INTERNAL`, `DATA_LOSS`) | every outcome |
+/// | [`SuccessesOnly`](Self::SuccessesOnly) | 1xx to 3xx | `OK` | every outcome |
+/// | [`AllButRetryable`](Self::AllButRetryable) | all but `408`, `429` and `503` | all but `UNAVAILABLE`, `RESOURCE_EXHAUSTED` and `ABORTED` | every outcome |
+///
+/// A refusal the layer makes itself (a bad key or client, a body over the limit) is
+/// never stored, whatever the rule: nothing ran. A handler that took the PostgreSQL
+/// store's `Transaction` has its server errors rolled back and released, whatever the
+/// rule: nothing it wrote stands.
+///
+/// Why the default stores server errors and not a handler's refusals: a refusal (a
+/// 4xx, `INVALID_ARGUMENT`) says the request was wrong or not allowed, and a handler
+/// refuses before it acts. The client is meant to correct the request and send it
+/// again, under the same key when the key names the user's action (a partner
+/// contract's `correlation_id`): a stored refusal would answer that corrected request
+/// `422 idempotency.fingerprint_mismatch` for the whole TTL, and a retry of the same
+/// request gets the same refusal from the handler anyway. Stripe saves no result for a
+/// request that failed validation, axum-idempotent caches no 4xx, Powertools stores
+/// successes only. A server error is stored because a handler can fail after its side
+/// effect (the row written, then a `500`), and then must not run again; this is what
+/// the IETF draft's section 2.6 asks ("success or an error"). `503` (`UNAVAILABLE`)
+/// says the request was not processed.
+///
+/// [`SuccessesOnly`](Self::SuccessesOnly) suits handlers whose errors never follow a
+/// side effect (one that answers `500` only after its transaction rolled back);
+/// [`AllButRetryable`](Self::AllButRetryable) suits handlers whose refusals can follow
+/// a side effect (a `402` after a partial charge), whose refusals must replay.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StorageRule {
+    /// Successes and server errors; not a handler's refusals nor "not processed".
+    #[default]
+    Default,
+    /// Successes only: every error releases the key.
+    SuccessesOnly,
+    /// Everything but the answers that say the request was not processed.
+    AllButRetryable,
+}
+
+/// The settings every idempotency layer shares, whatever its transport: how long an
+/// outcome is replayed, the claim's lease, the bytes kept for a store that is down,
+/// what a duplicate of work in flight gets, what a store failure does, and which
+/// outcomes are stored.
+///
+/// Build one with [`Policy::new`] and its setters, hand it to a layer with
+/// `.policy(p)` ([`IdempotencyLayer::policy`](crate::idempotency::IdempotencyLayer::policy),
+/// [`MessageIdempotencyLayer::policy`](crate::idempotency::message::MessageIdempotencyLayer::policy),
+/// and the gRPC layer's), and read a layer's back with its `policy()`. One policy can
+/// go to several layers. Settings of one transport (body limits, header names, key
+/// extractors) stay on its layer.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_ids::idempotency::{IdempotencyLayer, InFlight, Policy, StorageRule};
+///
+/// let policy = Policy::new()
+///     .ttl(Duration::from_secs(3600))
+///     .in_flight(InFlight::Wait { timeout: Duration::from_secs(5) })
+///     .storage(StorageRule::SuccessesOnly);
+/// let layer = IdempotencyLayer::new().policy(policy);
+/// assert_eq!(layer.get_policy().get_ttl(), Duration::from_secs(3600));
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Policy {
     pub(crate) ttl: Duration,
-    pub(crate) lease: Duration,
+    /// `None`: [`DEFAULT_LEASE`], or the shortest the store allows if that is longer.
+    pub(crate) lease: Option<Duration>,
     pub(crate) max_kept_bytes: usize,
     pub(crate) in_flight: InFlight,
     pub(crate) store_failure: StoreFailure,
+    pub(crate) storage: StorageRule,
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy")
+            .field("ttl", &self.ttl)
+            .field("lease", &self.get_lease())
+            .field("max_kept_bytes", &self.max_kept_bytes)
+            .field("in_flight", &self.in_flight)
+            .field("store_failure", &self.store_failure)
+            .field("storage", &self.storage)
+            .finish()
+    }
 }
 
 impl Default for Policy {
     fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Policy {
+    /// The defaults: [`DEFAULT_TTL`], [`DEFAULT_LEASE`] (or the shortest the store
+    /// allows, if longer), [`DEFAULT_MAX_KEPT_BYTES`], [`InFlight::Reject`] with
+    /// [`DEFAULT_RETRY_AFTER`], [`StoreFailure::FailClosed`], [`StorageRule::Default`].
+    pub const fn new() -> Self {
         Self {
             ttl: DEFAULT_TTL,
-            lease: DEFAULT_LEASE,
+            lease: None,
             max_kept_bytes: DEFAULT_MAX_KEPT_BYTES,
             in_flight: InFlight::Reject {
                 retry_after: DEFAULT_RETRY_AFTER,
             },
             store_failure: StoreFailure::FailClosed,
+            storage: StorageRule::Default,
         }
+    }
+
+    /// How long an outcome is replayed: at least the longest retry (or redelivery)
+    /// window. Default [`DEFAULT_TTL`].
+    #[must_use]
+    pub const fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The longest store outage a running request's claim outlives, counted from when
+    /// the outage began. Default [`DEFAULT_LEASE`], or the shortest the store allows if
+    /// that is longer. The claim holds the key for the lease and half again and is
+    /// renewed every quarter of the lease while the handler runs, so a handler may run
+    /// longer than its lease, and a crashed worker locks its key for at most one and a
+    /// half leases. A shorter lease frees such keys sooner but renews more often.
+    ///
+    /// A layer given this policy panics if a quarter of the lease does not cover its
+    /// store's [`recovery_time`](crate::idempotency::store::IdempotencyStore::recovery_time)
+    /// (its command timeout, the replicas' wait, reconnecting) plus the 50 ms before a
+    /// failed renewal is tried again: such a claim could run out in an outage shorter
+    /// than the lease. The message names the shortest lease that would do.
+    #[must_use]
+    pub const fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// The most response bytes a layer keeps for outcomes the store could not take
+    /// when their request ended (they are stored from a task of their own as soon as it
+    /// can). Default [`DEFAULT_MAX_KEPT_BYTES`]; past it, an outcome is kept without its
+    /// response, and its duplicates are refused as not replayable (`410` over HTTP),
+    /// never run again.
+    #[must_use]
+    pub const fn max_kept_bytes(mut self, max: usize) -> Self {
+        self.max_kept_bytes = max;
+        self
+    }
+
+    /// What a duplicate does while the first is running. Default [`InFlight::Reject`]
+    /// with [`DEFAULT_RETRY_AFTER`].
+    #[must_use]
+    pub const fn in_flight(mut self, in_flight: InFlight) -> Self {
+        self.in_flight = in_flight;
+        self
+    }
+
+    /// What to do when the store fails. Default [`StoreFailure::FailClosed`].
+    #[must_use]
+    pub const fn store_failure(mut self, failure: StoreFailure) -> Self {
+        self.store_failure = failure;
+        self
+    }
+
+    /// Which outcomes are stored. Default [`StorageRule::Default`].
+    #[must_use]
+    pub const fn storage(mut self, rule: StorageRule) -> Self {
+        self.storage = rule;
+        self
+    }
+
+    /// How long an outcome is replayed.
+    pub const fn get_ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The lease: as set, or, read from a layer, the one it uses.
+    pub const fn get_lease(&self) -> Duration {
+        match self.lease {
+            Some(lease) => lease,
+            None => DEFAULT_LEASE,
+        }
+    }
+
+    /// The most response bytes kept for the store.
+    pub const fn get_max_kept_bytes(&self) -> usize {
+        self.max_kept_bytes
+    }
+
+    /// What a duplicate of work in flight gets.
+    pub const fn get_in_flight(&self) -> InFlight {
+        self.in_flight
+    }
+
+    /// What a store failure does.
+    pub const fn get_store_failure(&self) -> StoreFailure {
+        self.store_failure
+    }
+
+    /// Which outcomes are stored.
+    pub const fn get_storage(&self) -> StorageRule {
+        self.storage
     }
 }

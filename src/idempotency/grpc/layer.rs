@@ -1,4 +1,4 @@
-use std::{fmt, sync::Arc, time::Duration};
+use std::{fmt, sync::Arc};
 
 use http::HeaderName;
 use tonic::Code;
@@ -6,34 +6,31 @@ use tower_layer::Layer;
 
 use super::GrpcIdempotency;
 use crate::idempotency::{
-    core::{observe::LayerOrder, Drain, Engine, InFlight, StoreFailure},
+    core::{observe::LayerOrder, Drain, Engine, Policy, StorageRule},
     http::{per_attempt_headers, Budget, NoClient},
     store::{IdempotencyStore, MokaStore},
     DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
 };
-#[cfg(doc)]
-use crate::idempotency::{DEFAULT_LEASE, DEFAULT_RETRY_AFTER, DEFAULT_TTL};
 
-/// Which statuses are stored and replayed, by default: `OK` and the server errors
-/// (`UNKNOWN`, `DEADLINE_EXCEEDED`, `UNIMPLEMENTED`, `INTERNAL`, `DATA_LOSS`), as the
-/// HTTP layer's [`default_store_if`](crate::idempotency::default_store_if) stores 2xx
-/// and 5xx. An error the handler answered after its side effect (`INTERNAL`, say) is
-/// stored, so its retry gets the same error and does not run the call again. The
-/// handler's refusals (`INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`,
-/// `PERMISSION_DENIED`, `FAILED_PRECONDITION`, `OUT_OF_RANGE`, `UNAUTHENTICATED`,
-/// `CANCELLED`), as the HTTP layer's 4xx, and the codes gRPC defines as "nothing was
-/// done, retry" (`UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `ABORTED`) release the key, so
-/// a corrected call under the same key runs.
-pub fn default_store_code(code: Code) -> bool {
-    matches!(
-        code,
-        Code::Ok
-            | Code::Unknown
-            | Code::DeadlineExceeded
-            | Code::Unimplemented
-            | Code::Internal
-            | Code::DataLoss
-    )
+/// Whether `rule` stores a call that ended with `code` (see [`StorageRule`]).
+pub(super) fn stores(rule: StorageRule, code: Code) -> bool {
+    match rule {
+        StorageRule::SuccessesOnly => code == Code::Ok,
+        StorageRule::AllButRetryable => !matches!(
+            code,
+            Code::Unavailable | Code::ResourceExhausted | Code::Aborted
+        ),
+        // `StorageRule::Default` and any rule added later.
+        _ => matches!(
+            code,
+            Code::Ok
+                | Code::Unknown
+                | Code::DeadlineExceeded
+                | Code::Unimplemented
+                | Code::Internal
+                | Code::DataLoss
+        ),
+    }
 }
 
 type StorePredicate = Arc<dyn Fn(Code) -> bool + Send + Sync>;
@@ -46,7 +43,8 @@ pub(super) struct Settings {
     pub(super) max_response_bytes: usize,
     pub(super) budget: Arc<Budget>,
     pub(super) per_attempt: Vec<HeaderName>,
-    pub(super) store_if: StorePredicate,
+    /// Overrides the policy's [`StorageRule`] when set.
+    pub(super) store_if: Option<StorePredicate>,
     /// Warns once, for this layer and its clones, of a call without a correlation ID.
     pub(super) layer_order: Arc<LayerOrder>,
 }
@@ -54,6 +52,7 @@ pub(super) struct Settings {
 /// Runs each unary gRPC call once per `idempotency-key` and replays its response to
 /// every retry: a layer for `tonic::transport::Server::builder().layer(..)`. See the
 /// [module docs](super).
+#[must_use]
 pub struct GrpcIdempotencyLayer<St = MokaStore, C = NoClient> {
     pub(super) engine: Engine<St>,
     pub(super) identify: C,
@@ -92,7 +91,7 @@ impl<St: IdempotencyStore> GrpcIdempotencyLayer<St> {
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 budget: Budget::new(DEFAULT_MAX_BUFFERED_BYTES),
                 per_attempt: per_attempt_headers(),
-                store_if: Arc::new(default_store_code),
+                store_if: None,
                 layer_order: Arc::default(),
             }),
         }
@@ -130,12 +129,6 @@ impl<St, C> GrpcIdempotencyLayer<St, C> {
         self
     }
 
-    /// How long an outcome is replayed. Default [`DEFAULT_TTL`].
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.engine.policy.ttl = ttl;
-        self
-    }
-
     /// A handle to wait, when the service stops, for what this layer (and its clones)
     /// still owes the store: handlers that run on for clients that hung up, outcomes
     /// kept until the store takes them, releases not yet answered. See [`Drain`].
@@ -166,39 +159,29 @@ impl<St, C> GrpcIdempotencyLayer<St, C> {
         self
     }
 
-    /// What a duplicate does while the first runs. Default [`InFlight::Reject`] with
-    /// [`DEFAULT_RETRY_AFTER`]: `ABORTED` with that delay in `RetryInfo`.
-    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
-        self.engine.policy.in_flight = in_flight;
-        self
-    }
-
-    /// What to do when the store fails. Default [`StoreFailure::FailClosed`]:
-    /// `UNAVAILABLE`, and nothing runs.
-    pub fn on_store_failure(mut self, failure: StoreFailure) -> Self {
-        self.engine.policy.store_failure = failure;
-        self
-    }
-
-    /// Which statuses are stored; the others release the key, so a retry runs again.
-    /// Default [`default_store_code`].
+    /// Which calls are stored, when the policy's [`StorageRule`] is not the rule this
+    /// service needs: `predicate` is given each call's code and overrides the rule.
     pub fn store_if(mut self, predicate: impl Fn(Code) -> bool + Send + Sync + 'static) -> Self {
-        self.settings().store_if = Arc::new(predicate);
+        self.settings().store_if = Some(Arc::new(predicate));
         self
+    }
+
+    /// The settings every idempotency layer shares, as this layer uses them.
+    pub fn get_policy(&self) -> &Policy {
+        self.engine.policy()
     }
 }
 
 impl<St: IdempotencyStore, C> GrpcIdempotencyLayer<St, C> {
-    /// The longest store outage a running call's claim outlives. Default
-    /// [`DEFAULT_LEASE`]; as the HTTP layer's
-    /// [`lease`](crate::idempotency::IdempotencyLayer::lease).
+    /// Sets the settings every idempotency layer shares: see [`Policy`]. A duplicate
+    /// of a call in flight is `ABORTED` with the in-flight policy's `retry_after` in
+    /// `RetryInfo`; a store failure that fails closed is `UNAVAILABLE`.
     ///
     /// # Panics
     ///
-    /// If the lease is too short for the store, as the HTTP
-    /// layer's [`lease`](crate::idempotency::IdempotencyLayer::lease) says.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.engine.set_lease(lease);
+    /// If the policy's lease is too short for the store (see [`Policy::lease`]).
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.engine.set_policy(policy);
         self
     }
 }
@@ -218,7 +201,7 @@ impl<St, C> fmt::Debug for GrpcIdempotencyLayer<St, C> {
         f.debug_struct("GrpcIdempotencyLayer")
             .field("require_key", &self.settings.require_key)
             .field("require_client", &self.settings.require_client)
-            .field("ttl", &self.engine.policy.ttl)
+            .field("policy", self.engine.policy())
             .finish_non_exhaustive()
     }
 }

@@ -117,10 +117,12 @@
 //!
 //! # Storage rule
 //!
-//! By [`default_store_code`], `OK` and the server errors are stored; the handler's
-//! refusals (`INVALID_ARGUMENT`, `NOT_FOUND`, `PERMISSION_DENIED`, ...) and
-//! `UNAVAILABLE`, `RESOURCE_EXHAUSTED` and `ABORTED` release the key so a retry (or a
-//! corrected call) runs again, as the HTTP layer treats 4xx and `503`. Change it with [`store_if`](GrpcIdempotencyLayer::store_if). A handler that
+//! By [`StorageRule::Default`](crate::idempotency::StorageRule), `OK` and the server
+//! errors are stored; the handler's refusals (`INVALID_ARGUMENT`, `NOT_FOUND`,
+//! `PERMISSION_DENIED`, ...) and `UNAVAILABLE`, `RESOURCE_EXHAUSTED` and `ABORTED`
+//! release the key so a retry (or a corrected call) runs again, as the HTTP layer
+//! treats 4xx and `503`. Choose another rule with the [`Policy`](crate::idempotency::Policy),
+//! or a rule of your own with [`store_if`](GrpcIdempotencyLayer::store_if). A handler that
 //! took the PostgreSQL transaction (see the store's docs) and answered a server error
 //! (`UNKNOWN`, `DEADLINE_EXCEEDED`, `UNIMPLEMENTED`, `INTERNAL`, `UNAVAILABLE`,
 //! `DATA_LOSS`) has its writes rolled back and its key released, as with HTTP `5xx`.
@@ -147,11 +149,7 @@ mod call;
 mod layer;
 mod service;
 
-pub use self::{
-    answer::ERROR_DOMAIN,
-    layer::{default_store_code, GrpcIdempotencyLayer},
-    service::GrpcIdempotency,
-};
+pub use self::{answer::ERROR_DOMAIN, layer::GrpcIdempotencyLayer, service::GrpcIdempotency};
 /// Response future of [`GrpcIdempotency`]: the HTTP layer's. Dropped once its call has
 /// claimed its key (the client went away, or its deadline passed), it hands the rest of
 /// the work to a task of its own: the call runs to completion and its response is

@@ -15,7 +15,9 @@ use super::{
 use crate::body::Body;
 use crate::correlation::CorrelationId;
 use crate::idempotency::{
-    core::{observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard},
+    core::{
+        observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard, StorageRule,
+    },
     http::{
         key_refusal,
         read::{collect_up_to, read_within, Collected, Read},
@@ -40,7 +42,20 @@ pub struct GrpcIdempotency<S, St = MokaStore, C = NoClient> {
     pub(super) settings: Arc<Settings>,
 }
 
+impl GrpcIdempotency<()> {
+    /// The layer, to configure and apply with `Server::builder().layer(..)`:
+    /// `GrpcIdempotency::layer().require_key(true)`.
+    pub fn layer() -> super::GrpcIdempotencyLayer {
+        super::GrpcIdempotencyLayer::new()
+    }
+}
+
 impl<S, St, C> GrpcIdempotency<S, St, C> {
+    /// The settings every idempotency layer shares, as this one uses them.
+    pub fn policy(&self) -> &crate::idempotency::Policy {
+        self.engine.policy()
+    }
+
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -301,7 +316,10 @@ where
         .await;
     let request = Request::from_parts(parts, Body::complete(message));
     match decision {
-        Decision::Run(guard) => Box::pin(execute(inner, &settings, request, guard, reply)).await,
+        Decision::Run(guard) => {
+            let rule = engine.policy().storage;
+            Box::pin(execute(inner, &settings, rule, request, guard, reply)).await
+        }
         Decision::FailOpen => {
             let response = Box::pin(inner.call(request)).await?;
             Ok(reply.finish(response.map(Body::inner)))
@@ -329,6 +347,7 @@ fn is_server_error(code: Code) -> bool {
 async fn execute<S, St, ReqBody, ResBody>(
     mut inner: S,
     settings: &Settings,
+    rule: StorageRule,
     mut request: Request<Body<ReqBody>>,
     mut guard: LeaseGuard<St>,
     reply: Reply<'_>,
@@ -366,8 +385,11 @@ where
             trailers,
         } => {
             let code = status_code(&parts.headers, trailers.as_deref());
-            let storable =
-                (settings.store_if)(code) && !(is_server_error(code) && guard.transaction_taken());
+            let stores = match &settings.store_if {
+                Some(predicate) => predicate(code),
+                None => super::layer::stores(rule, code),
+            };
+            let storable = stores && !(is_server_error(code) && guard.transaction_taken());
             if storable {
                 let call = StoredCall::encode(
                     &parts.headers,

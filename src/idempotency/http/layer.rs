@@ -1,4 +1,4 @@
-use std::{fmt, sync::Arc, time::Duration};
+use std::{fmt, sync::Arc};
 
 use http::{header, HeaderName, Method, StatusCode};
 use tower_layer::Layer;
@@ -11,13 +11,11 @@ use super::{
 };
 use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
 use crate::idempotency::{
-    core::{observe::LayerOrder, Drain, Engine, InFlight, StoreFailure},
+    core::{observe::LayerOrder, Drain, Engine, Policy, StorageRule},
     store::{IdempotencyStore, MokaStore},
     ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
     ORIGINAL_ATTEMPT_ID,
 };
-#[cfg(doc)]
-use crate::idempotency::{DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL};
 
 /// The largest request body read to fingerprint: 1 MiB; larger is `413`.
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
@@ -66,53 +64,27 @@ pub(super) struct Settings {
     pub(super) budget: Arc<Budget>,
     pub(super) not_replayed: Vec<HeaderName>,
     pub(super) per_attempt: Vec<HeaderName>,
-    pub(super) store_if: StorePredicate,
+    /// Overrides the policy's [`StorageRule`] when set.
+    pub(super) store_if: Option<StorePredicate>,
     /// Warns once, for this layer and its clones, of a request without a correlation ID.
     pub(super) layer_order: Arc<LayerOrder>,
     /// The base of problem types, when not [`IDEMPOTENCY_PROBLEM_DOCS`](crate::IDEMPOTENCY_PROBLEM_DOCS).
     pub(super) problem_docs: Option<Arc<str>>,
 }
 
-/// The default storage rule: successes (and redirects) and server errors are stored;
-/// a handler's own refusal (every 4xx) and `503` release the key, so a retry runs
-/// again.
-///
-/// Why: a 4xx says the request was wrong or not allowed, and a handler refuses before
-/// it acts. The client is meant to correct the request and send it again, under the
-/// same key when the key names the user's action (a partner contract's
-/// `correlation_id`): a stored refusal would answer that corrected request `422
-/// idempotency.fingerprint_mismatch` for the whole TTL, and a retry of the same
-/// request gets the same refusal from the handler anyway. Stripe saves no result for a
-/// request that failed validation, axum-idempotent caches no 4xx, Powertools stores
-/// successes only. A 5xx is stored because a handler can fail after its side effect
-/// (the row written, then a `500`), and then must not run again; this is what the
-/// draft's section 2.6 asks ("success or an error"). `503` says the request was not
-/// processed. The other presets: [`store_successes_only`] and
-/// [`store_all_but_retryable`]; a handler that took the PostgreSQL store's
-/// `Transaction` has its 5xx rolled back and released whatever the rule.
-pub fn default_store_if(status: StatusCode) -> bool {
-    !status.is_client_error() && status != StatusCode::SERVICE_UNAVAILABLE
-}
-
-/// The storage rule that stores successes (and redirects) only: every 4xx and 5xx
-/// releases the key, so a retry runs the handler again. For handlers whose errors never
-/// follow a side effect, such as one that answers `500` only after its transaction
-/// rolled back. Pass it to [`store_if`](IdempotencyLayer::store_if).
-pub fn store_successes_only(status: StatusCode) -> bool {
-    !(status.is_client_error() || status.is_server_error())
-}
-
-/// The storage rule that stores every answer but `408`, `429` and `503`, which say the
-/// request was not processed: for handlers whose refusals can follow a side effect (a
-/// `402` after a partial charge), whose 4xx must replay, not run again. Pass it to
-/// [`store_if`](IdempotencyLayer::store_if).
-pub fn store_all_but_retryable(status: StatusCode) -> bool {
-    !matches!(
-        status,
-        StatusCode::REQUEST_TIMEOUT
-            | StatusCode::TOO_MANY_REQUESTS
-            | StatusCode::SERVICE_UNAVAILABLE
-    )
+/// Whether `rule` stores an answer with `status` (see [`StorageRule`]).
+pub(super) fn stores(rule: StorageRule, status: StatusCode) -> bool {
+    match rule {
+        StorageRule::SuccessesOnly => !(status.is_client_error() || status.is_server_error()),
+        StorageRule::AllButRetryable => !matches!(
+            status,
+            StatusCode::REQUEST_TIMEOUT
+                | StatusCode::TOO_MANY_REQUESTS
+                | StatusCode::SERVICE_UNAVAILABLE
+        ),
+        // `StorageRule::Default` and any rule added later.
+        _ => !status.is_client_error() && status != StatusCode::SERVICE_UNAVAILABLE,
+    }
 }
 
 /// Applies [`Idempotency`] to a service: one execution per key, full-response replay.
@@ -178,7 +150,7 @@ impl<St: IdempotencyStore> IdempotencyLayer<St> {
                 budget: Budget::new(DEFAULT_MAX_BUFFERED_BYTES),
                 not_replayed: vec![header::SET_COOKIE],
                 per_attempt: per_attempt_headers(),
-                store_if: Arc::new(default_store_if),
+                store_if: None,
                 layer_order: Arc::default(),
                 problem_docs: None,
             }),
@@ -315,26 +287,11 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
-    /// How long an outcome is replayed. Default [`DEFAULT_TTL`].
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.engine.policy.ttl = ttl;
-        self
-    }
-
     /// A handle to wait, when the service stops, for what this layer (and its clones)
     /// still owes the store: handlers that run on for clients that hung up, outcomes
     /// kept until the store takes them, releases not yet answered. See [`Drain`].
     pub fn drain(&self) -> Drain {
         self.engine.drain()
-    }
-
-    /// The most response bytes this layer keeps for outcomes the store could not take
-    /// when their request ended (they are stored from a task of their own as soon as
-    /// it can). Default [`DEFAULT_MAX_KEPT_BYTES`]; past it, an outcome is kept without
-    /// its response, and its duplicates get `410 idempotency.not_replayable`.
-    pub fn max_kept_bytes(mut self, max: usize) -> Self {
-        self.engine.policy.max_kept_bytes = max;
-        self
     }
 
     /// The largest request body read. Default [`DEFAULT_MAX_REQUEST_BYTES`].
@@ -370,19 +327,6 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
-    /// What a duplicate does while the first is running. Default
-    /// [`InFlight::Reject`] with [`DEFAULT_RETRY_AFTER`].
-    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
-        self.engine.policy.in_flight = in_flight;
-        self
-    }
-
-    /// What to do when the store fails. Default [`StoreFailure::FailClosed`].
-    pub fn on_store_failure(mut self, failure: StoreFailure) -> Self {
-        self.engine.policy.store_failure = failure;
-        self
-    }
-
     /// Keep `name` out of replays (it is still stored). Default: `Set-Cookie` only.
     pub fn not_replayed(mut self, name: HeaderName) -> Self {
         self.settings().not_replayed.push(name);
@@ -402,37 +346,34 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self
     }
 
-    /// Which responses are stored; the others release the key so a retry runs again.
-    /// Default [`default_store_if`]: successes and server errors, not a handler's 4xx
-    /// nor `503` (why, there); the presets [`store_successes_only`] and
-    /// [`store_all_but_retryable`] are the other choices. A refusal the layer makes
-    /// itself (a bad key or client, a body over the limit) is never stored: nothing ran.
+    /// Which responses are stored, when the policy's [`StorageRule`] is not the rule
+    /// this route needs: `predicate` is given each status and overrides the rule. A
+    /// refusal the layer makes itself (a bad key or client, a body over the limit) is
+    /// never stored: nothing ran.
     pub fn store_if(
         mut self,
         predicate: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
     ) -> Self {
-        self.settings().store_if = Arc::new(predicate);
+        self.settings().store_if = Some(Arc::new(predicate));
         self
+    }
+
+    /// The settings every idempotency layer shares (ttl, lease, kept bytes, in-flight
+    /// duplicates, store failure, storage rule), as this layer uses them.
+    pub fn get_policy(&self) -> &Policy {
+        self.engine.policy()
     }
 }
 
 impl<St: IdempotencyStore, C, E> IdempotencyLayer<St, C, E> {
-    /// The longest store outage a running request's claim outlives, counted from when
-    /// the outage began. Default [`DEFAULT_LEASE`]. The claim holds the key for the
-    /// lease and half again and is renewed every quarter of the lease while the
-    /// handler runs, so a handler may run longer than its lease, and a crashed worker
-    /// locks its key for at most one and a half leases. A shorter lease frees such keys
-    /// sooner but renews more often.
+    /// Sets the settings every idempotency layer shares: see [`Policy`].
     ///
     /// # Panics
     ///
-    /// If a quarter of the lease does not cover the store's
-    /// [`recovery_time`](IdempotencyStore::recovery_time) (its command timeout, the
-    /// replicas' wait, reconnecting) plus the 50 ms before a failed renewal is tried
-    /// again: such a claim could run out in an outage shorter than the lease. The
+    /// If the policy's lease is too short for the store (see [`Policy::lease`]): the
     /// message names the shortest lease that would do.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.engine.set_lease(lease);
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.engine.set_policy(policy);
         self
     }
 }
@@ -454,10 +395,7 @@ impl<St, C, E> fmt::Debug for IdempotencyLayer<St, C, E> {
             .field("methods", &self.settings.methods)
             .field("require_key", &self.settings.require_key)
             .field("require_client", &self.settings.require_client)
-            .field("ttl", &self.engine.policy.ttl)
-            .field("lease", &self.engine.policy.lease)
-            .field("in_flight", &self.engine.policy.in_flight)
-            .field("store_failure", &self.engine.policy.store_failure)
+            .field("policy", self.engine.policy())
             .field("max_buffered_bytes", &self.settings.budget.capacity())
             .finish_non_exhaustive()
     }

@@ -37,8 +37,8 @@ pub use self::{
         ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeader, KeyFromJson, KeyRejection,
     },
     layer::{
-        default_store_if, store_all_but_retryable, store_successes_only, IdempotencyLayer,
-        DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
+        IdempotencyLayer, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_MAX_RESPONSE_BYTES,
     },
     replay::{JsonReplayMarker, OnReplay, ReplayInfo},
     service::{Idempotency, ResponseFuture},

@@ -18,7 +18,9 @@ use super::{
 };
 use crate::body::Body;
 use crate::idempotency::{
-    core::{observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard},
+    core::{
+        observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard, StorageRule,
+    },
     store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
     AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_EXPIRES,
 };
@@ -89,6 +91,11 @@ impl Idempotency<()> {
 }
 
 impl<S, St, C, E> Idempotency<S, St, C, E> {
+    /// The settings every idempotency layer shares, as this one uses them.
+    pub fn policy(&self) -> &crate::idempotency::Policy {
+        self.engine.policy()
+    }
+
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -498,7 +505,8 @@ where
         match decision {
             // Boxed, so the replay path's future stays small.
             Decision::Run(guard) => {
-                Box::pin(execute(inner, &settings, request, guard, reply)).await
+                let rule = engine.policy().storage;
+                Box::pin(execute(inner, &settings, rule, request, guard, reply)).await
             }
             Decision::FailOpen => {
                 let response = Box::pin(inner.call(request)).await?;
@@ -514,6 +522,7 @@ where
 async fn execute<S, St, ReqBody, ResBody>(
     mut inner: S,
     settings: &Settings,
+    rule: StorageRule,
     mut request: Request<Body<ReqBody>>,
     mut guard: LeaseGuard<St>,
     reply: Reply<'_>,
@@ -542,8 +551,11 @@ where
     };
     // A server error in a transaction is rolled back, not stored: nothing it wrote
     // remains, so its retry may run again.
-    let storable = (settings.store_if)(parts.status)
-        && !(parts.status.is_server_error() && guard.transaction_taken());
+    let stores = match &settings.store_if {
+        Some(predicate) => predicate(parts.status),
+        None => super::layer::stores(rule, parts.status),
+    };
+    let storable = stores && !(parts.status.is_server_error() && guard.transaction_taken());
     let attempt = reply.attempt.cloned();
     let response = match body {
         Collected::Complete { body, .. } if storable => {

@@ -1,15 +1,13 @@
-use std::{fmt, marker::PhantomData, sync::Arc, time::Duration};
+use std::{fmt, marker::PhantomData, sync::Arc};
 
 use tower_layer::Layer;
 
 use super::{MessageIdempotency, NoMessageKey};
 use crate::idempotency::{
-    core::{Drain, Engine},
+    core::{Drain, Engine, Policy},
     store::{IdempotencyStore, MokaStore},
-    InFlight, StoreFailure, DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_MAX_RESPONSE_BYTES,
 };
-#[cfg(doc)]
-use crate::idempotency::{DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_TTL};
 
 pub(super) type OutcomePredicate<R> = Arc<dyn Fn(&R) -> bool + Send + Sync>;
 
@@ -114,13 +112,6 @@ impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
         self
     }
 
-    /// How long an outcome is kept for duplicates: at least the longest redelivery or
-    /// retry window. Default [`DEFAULT_TTL`] (24 h).
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.engine.policy.ttl = ttl;
-        self
-    }
-
     /// A handle to wait, when the service stops, for what this layer (and its clones)
     /// still owes the store: handlers that run on for clients that hung up, outcomes
     /// kept until the store takes them, releases not yet answered. See [`Drain`].
@@ -137,31 +128,6 @@ impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
         self
     }
 
-    /// The most outcome bytes kept for outcomes the store could not take when their
-    /// handler ended (stored from a task of their own meanwhile). Default
-    /// [`DEFAULT_MAX_KEPT_BYTES`] (64 MiB).
-    pub fn max_kept_bytes(mut self, max: usize) -> Self {
-        self.engine.policy.max_kept_bytes = max;
-        self
-    }
-
-    /// What a duplicate of a message still being handled gets:
-    /// [`InFlight::Reject`] (the default) hands back
-    /// [`Handled::InFlight`](super::Handled::InFlight) at once, for the consumer to
-    /// requeue it; [`InFlight::Wait`] waits up to its timeout for the outcome.
-    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
-        self.engine.policy.in_flight = in_flight;
-        self
-    }
-
-    /// What to do when the store fails. Default [`StoreFailure::FailClosed`]: the
-    /// message is refused as retryable (`idempotency.store_unavailable`) and nothing
-    /// runs.
-    pub fn on_store_failure(mut self, failure: StoreFailure) -> Self {
-        self.engine.policy.store_failure = failure;
-        self
-    }
-
     /// Which outcomes are stored; for the others the key is released, so a redelivery
     /// runs again (an outcome that says "try later", say). Default: every `Ok`
     /// outcome; a handler's `Err` is never stored.
@@ -169,22 +135,28 @@ impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
         self.settings().store_if = Some(Arc::new(predicate));
         self
     }
+
+    /// The settings every idempotency layer shares, as this layer uses them.
+    pub fn get_policy(&self) -> &Policy {
+        self.engine.policy()
+    }
 }
 
 impl<R, K, St: IdempotencyStore> MessageIdempotencyLayer<R, K, St> {
-    /// The longest store outage the claim of a message in flight outlives; the claim
-    /// holds the key for the lease and half again, renewed every quarter of it while
-    /// the handler runs, so a lost consumer locks its key for at most one and a half
-    /// leases. Default
-    /// [`DEFAULT_LEASE`] (10 s). A redelivery of the message of a consumer that was
-    /// killed mid-handler waits out the rest of it ([`Handled::InFlight`](super::Handled::InFlight)).
+    /// Sets the settings every idempotency layer shares: see [`Policy`]. For
+    /// messages, the ttl is at least the longest redelivery window; a duplicate of a
+    /// message in flight is handed back as [`Handled::InFlight`](super::Handled::InFlight)
+    /// (to requeue) under [`InFlight::Reject`](crate::idempotency::InFlight::Reject);
+    /// a store failure that fails closed refuses the message as retryable
+    /// (`idempotency.store_unavailable`). Every storage rule stores every outcome
+    /// here (a handler's `Err` is never stored); choose with
+    /// [`store_if`](Self::store_if).
     ///
     /// # Panics
     ///
-    /// If the lease is too short for the store, as the HTTP
-    /// layer's [`lease`](crate::idempotency::IdempotencyLayer::lease) says.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.engine.set_lease(lease);
+    /// If the policy's lease is too short for the store (see [`Policy::lease`]).
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.engine.set_policy(policy);
         self
     }
 }
@@ -204,16 +176,13 @@ impl<R, K, St> fmt::Debug for MessageIdempotencyLayer<R, K, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MessageIdempotencyLayer")
             .field("require_key", &self.settings.require_key)
-            .field("ttl", &self.engine.policy.ttl)
-            .field("lease", &self.engine.policy.lease)
-            .field("in_flight", &self.engine.policy.in_flight)
-            .field("store_failure", &self.engine.policy.store_failure)
+            .field("policy", self.engine.policy())
             .finish_non_exhaustive()
     }
 }
 
 impl<S, R, K, St: IdempotencyStore> Layer<S> for MessageIdempotencyLayer<R, K, St> {
-    type Service = MessageIdempotency<S, K, R, St>;
+    type Service = MessageIdempotency<S, R, K, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
         MessageIdempotency {

@@ -126,7 +126,7 @@ mod tests {
     use tower::{service_fn, Service, ServiceExt};
 
     use super::*;
-    use crate::idempotency::{IdempotencyKey, InFlight, KeyRejection, MokaStore};
+    use crate::idempotency::{IdempotencyKey, InFlight, KeyRejection, MokaStore, Policy};
 
     #[derive(Clone)]
     struct Signal {
@@ -345,9 +345,9 @@ mod tests {
         let wait = slow(
             MessageIdempotencyLayer::with_store(store)
                 .key(key_of as KeyOf)
-                .in_flight(InFlight::Wait {
+                .policy(Policy::new().in_flight(InFlight::Wait {
                     timeout: Duration::from_secs(5),
-                }),
+                })),
         );
         let first = tokio::spawn(reject.clone().oneshot(signal("swarm-start", "k")));
         tokio::time::sleep(Duration::from_millis(50)).await;

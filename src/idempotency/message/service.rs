@@ -28,14 +28,14 @@ use crate::{
 /// Middleware that handles each message key once and hands its stored outcome to every
 /// duplicate. Made by [`MessageIdempotencyLayer`](super::MessageIdempotencyLayer); see
 /// the [module docs](crate::idempotency::message).
-pub struct MessageIdempotency<S, K, R, St> {
+pub struct MessageIdempotency<S, R, K, St> {
     pub(super) inner: S,
     pub(super) extract: Arc<K>,
     pub(super) engine: Engine<St>,
     pub(super) settings: Arc<MessageSettings<R>>,
 }
 
-impl<R> MessageIdempotency<(), super::NoMessageKey, R, MokaStore> {
+impl<R> MessageIdempotency<(), R, super::NoMessageKey, MokaStore> {
     /// The layer, over a store of its own ([`MokaStore::new`]), to configure (its
     /// [`key`](super::MessageIdempotencyLayer::key) first) and apply with
     /// `ServiceBuilder`: `MessageIdempotency::layer().key(extract)`.
@@ -44,7 +44,12 @@ impl<R> MessageIdempotency<(), super::NoMessageKey, R, MokaStore> {
     }
 }
 
-impl<S, K, R, St> MessageIdempotency<S, K, R, St> {
+impl<S, R, K, St> MessageIdempotency<S, R, K, St> {
+    /// The settings every idempotency layer shares, as this one uses them.
+    pub fn policy(&self) -> &crate::idempotency::Policy {
+        self.engine.policy()
+    }
+
     /// The wrapped handler.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -61,7 +66,7 @@ impl<S, K, R, St> MessageIdempotency<S, K, R, St> {
     }
 }
 
-impl<S: Clone, K, R, St> Clone for MessageIdempotency<S, K, R, St> {
+impl<S: Clone, R, K, St> Clone for MessageIdempotency<S, R, K, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -72,7 +77,7 @@ impl<S: Clone, K, R, St> Clone for MessageIdempotency<S, K, R, St> {
     }
 }
 
-impl<S: fmt::Debug, K, R, St> fmt::Debug for MessageIdempotency<S, K, R, St> {
+impl<S: fmt::Debug, R, K, St> fmt::Debug for MessageIdempotency<S, R, K, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MessageIdempotency")
             .field("inner", &self.inner)
@@ -212,7 +217,7 @@ impl<R: 'static, E: 'static> fmt::Debug for ResponseFuture<R, E> {
     }
 }
 
-impl<S, K, R, St, M> Service<M> for MessageIdempotency<S, K, R, St>
+impl<S, R, K, St, M> Service<M> for MessageIdempotency<S, R, K, St>
 where
     S: Service<M, Response = R> + Clone + Send + 'static,
     S::Future: Send + 'static,
