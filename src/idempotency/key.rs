@@ -264,6 +264,23 @@ impl InvalidIdempotencyKey {
             KeyError::AttemptId => "invalid_attempt_id",
         }
     }
+
+    /// The problem code and title every transport refuses this key (or attempt ID)
+    /// with.
+    pub(crate) fn refusal(&self) -> (&'static str, &'static str) {
+        match self.0 {
+            KeyError::AttemptId => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
+            KeyError::Repeated { .. } => (
+                "idempotency.key_repeated",
+                "Idempotency key header repeated",
+            ),
+            KeyError::Conflicting { .. } => (
+                "idempotency.keys_disagree",
+                "Two different idempotency keys",
+            ),
+            _ => ("idempotency.key_invalid", "Invalid idempotency key"),
+        }
+    }
 }
 
 impl fmt::Display for InvalidIdempotencyKey {

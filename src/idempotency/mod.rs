@@ -346,6 +346,14 @@
 
 // With the `client` feature alone, only the key, its header names and the attempt ID
 // are compiled: what the retry layer sends. Everything else is the layers'.
+//
+// The imports run one way: the adapters (`http`, `grpc`, `message`) side by side, then
+// what two of them share (`client`, `collect`, `rejection`, `response`), then `core`,
+// then `store`, then `key`, `scope` and `header`.
+#[cfg(feature = "idempotency")]
+mod client;
+#[cfg(feature = "idempotency")]
+mod collect;
 #[cfg(feature = "idempotency")]
 mod core;
 #[cfg(feature = "grpc")]
@@ -357,6 +365,10 @@ mod key;
 #[cfg(feature = "idempotency")]
 pub mod message;
 #[cfg(feature = "idempotency")]
+mod rejection;
+#[cfg(feature = "idempotency")]
+mod response;
+#[cfg(feature = "idempotency")]
 mod scope;
 #[cfg(feature = "idempotency")]
 pub mod store;
@@ -366,17 +378,18 @@ pub use self::core::observe::field;
 pub use self::key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey};
 #[cfg(feature = "idempotency")]
 pub use self::{
+    client::{ClientFromAuthorization, ClientFromExtension, ClientFromHeader},
     core::{
-        Drain, Drained, InFlight, Policy, StorageRule, StoreFailure, DEFAULT_LEASE,
+        Drain, Drained, InFlight, Policy, ReplayInfo, StorageRule, StoreFailure, DEFAULT_LEASE,
         DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     http::{
-        ClientFromAuthorization, ClientFromExtension, ClientFromHeader, EpochFromExtension,
-        EpochFromHeader, Idempotency, IdempotencyLayer, JsonReplayMarker, KeyFromHeader,
-        KeyFromJson, OnReplay, ReplayInfo, ResponseFuture, DEFAULT_MAX_BUFFERED_BYTES,
+        EpochFromExtension, EpochFromHeader, Idempotency, IdempotencyLayer, JsonReplayMarker,
+        KeyFromHeader, KeyFromJson, OnReplay, DEFAULT_MAX_BUFFERED_BYTES,
         DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     },
     message::MessageIdempotencyLayer,
+    response::ResponseFuture,
     scope::ClientId,
     store::{IdempotencyStore, MokaStore},
 };
@@ -388,7 +401,7 @@ pub(crate) use self::{
         ATTEMPT_ID, IDEMPOTENCY_EXPIRES, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY,
         IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID, X_IDEMPOTENCY_KEY,
     },
-    http::KeyRejection,
+    rejection::KeyRejection,
     scope::{Fingerprint, ScopeKey},
 };
 
@@ -403,9 +416,10 @@ pub mod extract {
     //! [`KeyFromJson`]: crate::idempotency::KeyFromJson
     //! [`ClientFromHeader`]: crate::idempotency::ClientFromHeader
 
-    pub use super::http::{
-        ExtractEpoch, ExtractKey, ExtractedKey, IdentifyClient, IntoClientIdentity,
-        IntoExtractedKey, InvalidClient, InvalidEpoch, KeyRejection, NoClient, NoEpoch,
+    pub use super::{
+        client::{IdentifyClient, IntoClientIdentity, InvalidClient, NoClient},
+        http::{ExtractEpoch, ExtractKey, ExtractedKey, IntoExtractedKey, InvalidEpoch, NoEpoch},
+        rejection::KeyRejection,
     };
 }
 

@@ -8,9 +8,11 @@ use std::{
 };
 
 use super::{
+    claimed::Claimed,
     detach::ClaimFlag,
     drain::Drain,
-    lease::{self, KeptOutcomes, LeaseGuard},
+    kept::{KeptOutcomes, Waiting},
+    lease::{self, Release},
     observe,
     settings::{InFlight, Policy, StoreFailure},
 };
@@ -43,7 +45,7 @@ impl<St> Clone for Engine<St> {
 /// What to do with one protected request or message.
 pub(crate) enum Decision<St: IdempotencyStore> {
     /// This request holds the key: run the handler, then complete or release it.
-    Run(LeaseGuard<St>),
+    Run(Claimed<St>),
     /// The store cannot answer: run without deduplication (fail open).
     FailOpen,
     /// Do not run the handler: answer this.
@@ -80,9 +82,7 @@ impl<St: IdempotencyStore> Decision<St> {
 
 /// What to answer instead of running the handler.
 pub(crate) enum Verdict {
-    /// A duplicate of work that completed: answer with its stored outcome. Not yet
-    /// logged or counted: the adapter calls [`replayed`] once it has the answer, or
-    /// [`not_replayable`] if its transport cannot replay this payload.
+    /// A duplicate of work that completed: answer with its stored outcome.
     Replay {
         record: Arc<Record>,
         request_count: u64,
@@ -153,11 +153,16 @@ impl<St: IdempotencyStore> Engine<St> {
             _ => (!spent.is_zero()).then_some(spent),
         };
         let outcome = decision.outcome();
-        // A replay is counted by its adapter, once it has the answer (see `Verdict`).
-        if !matches!(decision, Decision::Answer(Verdict::Replay { .. })) {
-            observe::count(outcome);
-        }
+        observe::count(outcome);
         observe::record_decision(outcome, decision.request_count(), store_time);
+        // After the span has the outcome, which the event carries.
+        if let Decision::Answer(Verdict::Replay {
+            record,
+            request_count,
+        }) = &decision
+        {
+            replayed(record, *request_count);
+        }
         decision
     }
 
@@ -220,7 +225,7 @@ impl<St: IdempotencyStore> Engine<St> {
                     event = "idempotency.accepted",
                     "idempotency key accepted; running the handler"
                 );
-                Decision::Run(LeaseGuard::new(
+                Decision::Run(Claimed::new(
                     self.store.clone(),
                     scope,
                     claim,
@@ -297,7 +302,7 @@ impl<St: IdempotencyStore> Engine<St> {
         claim: super::super::store::Claim,
         fingerprint: &Fingerprints<'_>,
         epoch: Option<u64>,
-        waiting: Arc<super::lease::Waiting>,
+        waiting: Arc<Waiting>,
         spent: &mut Duration,
     ) -> Decision<St> {
         let retry_after = match self.policy.in_flight {
@@ -333,7 +338,8 @@ impl<St: IdempotencyStore> Engine<St> {
                 let pending = settling.enter(super::drain::Owed::Release, tracing::Span::current());
                 let kept = waiting.clone();
                 let give_back = async move {
-                    lease::release(&store, &scope, &lease, kept.hold, "abandoned", &settling).await;
+                    let reason = Release::Abandoned;
+                    lease::release(&store, &scope, &lease, kept.hold, reason, &settling).await;
                     kept.nudge();
                     drop(pending);
                 };
@@ -353,7 +359,7 @@ impl<St: IdempotencyStore> Engine<St> {
         &self,
         fingerprint: &Fingerprints<'_>,
         epoch: Option<u64>,
-        waiting: &super::lease::Waiting,
+        waiting: &Waiting,
         retry_after: Duration,
     ) -> Decision<St> {
         if waiting.epoch != epoch {
@@ -512,9 +518,8 @@ fn settled<St: IdempotencyStore>(
     })
 }
 
-/// A duplicate answered with the stored outcome: its event and its count.
-pub(crate) fn replayed(record: &Record, request_count: u64) {
-    observe::count("replayed");
+/// A duplicate answered with the stored outcome: its event.
+fn replayed(record: &Record, request_count: u64) {
     tracing::debug!(
         event = "idempotency.replayed",
         request_count,
@@ -524,10 +529,10 @@ pub(crate) fn replayed(record: &Record, request_count: u64) {
     );
 }
 
-/// A duplicate the engine decided to replay whose outcome this transport cannot hand
-/// back after all: [`not_replayable`], and the outcome recorded again.
+/// A duplicate the engine decided to replay whose stored outcome this transport cannot
+/// decode after all (an outcome type that changed since): its event, and the outcome
+/// on the span. The decision was counted as a replay where it was made.
 pub(crate) fn replay_failed(request_count: u64) {
-    observe::count("not_replayable");
     observe::record(observe::field::OUTCOME, "not_replayable");
     not_replayable(request_count);
 }

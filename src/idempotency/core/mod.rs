@@ -4,23 +4,28 @@
 //! fingerprint and an optional epoch, asks [`Engine::decide`] what to do, and
 //! translates the [`Decision`] into its transport's answer; nothing else. The engine
 //! owns the store, the outcomes kept for it, the lease and its renewal, the one
-//! completion path ([`LeaseGuard`]), and every event and metric of the decision, so a
+//! completion path ([`Claimed`]), and every event and metric of the decision, so a
 //! fix or a metric lands once for every transport.
 
+mod claimed;
 mod detach;
 mod drain;
 mod engine;
+mod kept;
 mod lease;
 pub(crate) mod observe;
+mod replay;
 mod settings;
 
 pub use self::drain::{Drain, Drained};
+pub use self::replay::ReplayInfo;
 pub use self::settings::{
     InFlight, Policy, StorageRule, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES,
     DEFAULT_RETRY_AFTER, DEFAULT_TTL,
 };
 pub(crate) use self::{
+    claimed::{Claimed, Classified, Classifying, Finished, Unsettled},
     detach::{ClaimFlag, Detaching},
-    engine::{rejected, replay_failed, replayed, Decision, Engine, Fingerprints, Verdict},
-    lease::{LeaseGuard, Unsettled},
+    engine::{rejected, replay_failed, Decision, Engine, Fingerprints, Verdict},
+    lease::Release,
 };

@@ -80,17 +80,6 @@ const OUTCOMES: [&str; 9] = [
 ];
 #[cfg(feature = "metrics")]
 const OPERATIONS: [&str; 5] = ["begin", "renew", "complete", "release", "wait"];
-#[cfg(feature = "metrics")]
-const RELEASE_REASONS: [&str; 8] = [
-    "handler_error",
-    "not_stored",
-    "response_failed",
-    "handler_panicked",
-    "abandoned",
-    "rolled_back",
-    "commit_failed",
-    "outcome_unknown",
-];
 
 /// Registers every counter series with a known label, and the in-flight gauge, at 0
 /// (on the recorder installed now; a recorder installed later sees them from their
@@ -104,8 +93,8 @@ pub(crate) fn register() {
         for operation in OPERATIONS {
             metrics::counter!(STORE_FAILURES, "operation" => operation).increment(0);
         }
-        for reason in RELEASE_REASONS {
-            metrics::counter!(RELEASED, "reason" => reason).increment(0);
+        for reason in super::lease::Release::ALL {
+            metrics::counter!(RELEASED, "reason" => reason.as_str()).increment(0);
         }
         metrics::gauge!(REQUESTS_IN_FLIGHT).increment(0.0);
     }

@@ -13,7 +13,7 @@ use super::call::StoredCall;
 use crate::body::Body;
 use crate::idempotency::{
     core::{self, Unsettled, Verdict},
-    http::replay_headers,
+    response::replay_headers,
     store::Record,
     AttemptId, IdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
 };
@@ -185,7 +185,6 @@ impl Reply<'_> {
             replay_headers(response.headers_mut(), record, request_count);
             return response;
         };
-        core::replayed(record, request_count);
         let mut response = Response::new(Body::with_trailers(data, trailers.map(Box::new)));
         *response.headers_mut() = headers;
         let headers = response.headers_mut();

@@ -6,8 +6,10 @@ use tower_layer::Layer;
 
 use super::GrpcIdempotency;
 use crate::idempotency::{
+    client::NoClient,
+    collect::Budget,
     core::{observe::LayerOrder, Drain, Engine, Policy, StorageRule},
-    http::{per_attempt_headers, Budget, NoClient},
+    response::per_attempt_headers,
     store::{IdempotencyStore, MokaStore},
     DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
 };

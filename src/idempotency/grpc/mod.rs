@@ -154,4 +154,4 @@ pub use self::{answer::ERROR_DOMAIN, layer::GrpcIdempotencyLayer, service::GrpcI
 /// claimed its key (the client went away, or its deadline passed), it hands the rest of
 /// the work to a task of its own: the call runs to completion and its response is
 /// stored for the retry.
-pub use crate::idempotency::ResponseFuture;
+pub use crate::idempotency::response::ResponseFuture;

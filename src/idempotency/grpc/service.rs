@@ -15,14 +15,13 @@ use super::{
 use crate::body::Body;
 use crate::correlation::CorrelationId;
 use crate::idempotency::{
+    client::{IdentifyClient, NoClient},
+    collect::{collect_up_to, read_within, BoxError, Collected, Read},
     core::{
-        observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard, StorageRule,
+        observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
+        Fingerprints, Finished, Release,
     },
-    http::{
-        key_refusal,
-        read::{collect_up_to, read_within, Collected, Read},
-        unclaimed, BoxError, IdentifyClient, NoClient, ResponseFuture,
-    },
+    response::{offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore, Payload},
     AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_KEY,
 };
@@ -173,7 +172,7 @@ fn protect<B, C: IdentifyClient<B>, R>(
     let attempt = match AttemptId::from_headers(headers) {
         Ok(attempt) => attempt,
         Err(error) => {
-            let (code, _) = key_refusal(&error);
+            let (code, _) = error.refusal();
             let refusal = Refusal::new(Code::InvalidArgument, code, error.to_string());
             return Decided::Refused(Reply::default().refuse(refusal));
         }
@@ -193,7 +192,7 @@ fn protect<B, C: IdentifyClient<B>, R>(
         }
         Ok(None) => return Decided::PassThrough(attempt),
         Err(error) => {
-            let (code, _) = key_refusal(&error);
+            let (code, _) = error.refusal();
             return Decided::Refused(keyless.refuse(Refusal::new(
                 Code::InvalidArgument,
                 code,
@@ -316,9 +315,8 @@ where
         .await;
     let request = Request::from_parts(parts, Body::complete(message));
     match decision {
-        Decision::Run(guard) => {
-            let rule = engine.policy().storage;
-            Box::pin(execute(inner, &settings, rule, request, guard, reply)).await
+        Decision::Run(claimed) => {
+            Box::pin(execute(inner, &settings, request, claimed, reply)).await
         }
         Decision::FailOpen => {
             let response = Box::pin(inner.call(request)).await?;
@@ -342,14 +340,13 @@ fn is_server_error(code: Code) -> bool {
     )
 }
 
-/// Runs the claimed call, renewing its claim while it runs, reads its response whole
-/// and stores it (or releases the key).
+/// Runs the claimed call: the engine renews its claim while it runs, this adapter says
+/// what of its response is kept, and the engine stores it or gives the key back.
 async fn execute<S, St, ReqBody, ResBody>(
     mut inner: S,
     settings: &Settings,
-    rule: StorageRule,
     mut request: Request<Body<ReqBody>>,
-    mut guard: LeaseGuard<St>,
+    claimed: Claimed<St>,
     reply: Reply<'_>,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
@@ -357,80 +354,81 @@ where
     St: IdempotencyStore,
     ResBody: http_body::Body<Data = bytes::Bytes, Error: Into<BoxError>> + Unpin,
 {
-    guard.offer_transaction(request.extensions_mut());
-    let produced = guard
-        .renewing(async {
-            let (parts, body) = inner.call(request).await?.into_parts();
-            Ok((
-                parts,
-                collect_up_to(body, settings.max_response_bytes).await,
-            ))
-        })
-        .await;
-    let (parts, produced) = match produced {
-        Ok(produced) => produced,
-        Err(error) => {
-            guard.release("handler_error").await;
-            return Err(error);
-        }
+    if let Some(offer) = claimed.transaction_offer() {
+        offer_transaction(offer, request.extensions_mut());
+    }
+    let work = async {
+        let (parts, body) = inner.call(request).await?.into_parts();
+        Ok((
+            parts,
+            collect_up_to(body, settings.max_response_bytes).await,
+        ))
+    };
+    let classify = |(parts, body): &(http::response::Parts, Collected<ResBody>),
+                    context: Classifying| {
+        classify(settings, parts, body, context)
     };
     // The call that ran, named by its attempt ID, else its correlation ID: replays
     // log it.
     let attempt = reply.attempt.cloned().or_else(|| {
         CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()))
     });
-    let response = match produced {
-        Collected::Complete {
-            body: data,
-            trailers,
-        } => {
-            let code = status_code(&parts.headers, trailers.as_deref());
-            let stores = match &settings.store_if {
-                Some(predicate) => predicate(code),
-                None => super::layer::stores(rule, code),
-            };
-            let storable = stores && !(is_server_error(code) && guard.transaction_taken());
-            if storable {
-                let call = StoredCall::encode(
-                    &parts.headers,
-                    &settings.per_attempt,
-                    &data,
-                    trailers.as_deref(),
-                );
-                if let Err(unsettled) = guard.complete(attempt, call.map(Payload::Message)).await {
-                    return Ok(reply.status(Refusal::unsettled(&unsettled)));
-                }
-            } else {
-                guard.release("not_stored").await;
-            }
-            Response::from_parts(parts, Body::with_trailers(data, trailers))
+    let ((parts, produced), finished) = claimed.run(work, classify, attempt).await?;
+    let response = match (produced, finished) {
+        (_, Finished::Unsettled(unsettled)) => {
+            return Ok(reply.status(Refusal::unsettled(&unsettled)))
         }
-        Collected::TooLarge { prefix, rest } => {
-            // Its status comes after the limit: keep the key whatever it is, as the
-            // call ran.
-            tracing::warn!(
-                event = "idempotency.response_too_large",
-                max_bytes = settings.max_response_bytes,
-                "response over the idempotency limit: streamed, not stored; retries get FAILED_PRECONDITION"
-            );
-            if let Err(unsettled) = guard.complete(attempt, None).await {
-                return Ok(reply.status(Refusal::unsettled(&unsettled)));
-            }
-            Response::from_parts(parts, Body::prefixed(prefix, rest))
-        }
-        Collected::Failed(error) => {
-            tracing::warn!(
-                event = "idempotency.response_failed",
-                error = %error,
-                "the response body failed while being read"
-            );
-            guard.release("response_failed").await;
+        (_, Finished::Failed) | (Collected::Failed(_), _) => {
             return Ok(reply.status(Refusal::new(
                 Code::Internal,
                 "idempotency.response_failed",
                 "the response could not be produced; nothing was stored, so a retry runs again",
-            )));
+            )))
+        }
+        (Collected::Complete { body, trailers }, _) => {
+            Response::from_parts(parts, Body::with_trailers(body, trailers))
+        }
+        (Collected::TooLarge { prefix, rest }, _) => {
+            Response::from_parts(parts, Body::prefixed(prefix, rest))
         }
     };
     Ok(reply.finish(response))
+}
+
+/// What of a call's response is kept: the whole call if the storage rule keeps its
+/// code (a server error in a transaction the handler took is rolled back and
+/// released). A response over the limit is recorded as run whatever its code: its
+/// status comes after the limit, past the point where the key must be settled.
+fn classify<B>(
+    settings: &Settings,
+    parts: &http::response::Parts,
+    produced: &Collected<B>,
+    context: Classifying,
+) -> Classified {
+    match produced {
+        Collected::Failed(error) => Classified::Failed(error.to_string()),
+        Collected::TooLarge { .. } => Classified::TooLarge {
+            max_bytes: settings.max_response_bytes,
+            bytes: None,
+        },
+        Collected::Complete { body, trailers } => {
+            let code = status_code(&parts.headers, trailers.as_deref());
+            let stores = match &settings.store_if {
+                Some(predicate) => predicate(code),
+                None => super::layer::stores(context.rule, code),
+            };
+            if !stores || (is_server_error(code) && context.transaction_taken) {
+                return Classified::Release(Release::NotStored);
+            }
+            match StoredCall::encode(
+                &parts.headers,
+                &settings.per_attempt,
+                body,
+                trailers.as_deref(),
+            ) {
+                Some(call) => Classified::Store(Payload::Message(call)),
+                None => Classified::Unencodable("the call's metadata could not be encoded".into()),
+            }
+        }
+    }
 }

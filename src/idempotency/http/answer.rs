@@ -7,17 +7,14 @@ use std::time::{Duration, SystemTime};
 
 use http::{header, header::Entry, HeaderMap, HeaderValue, Response, StatusCode};
 
-use super::{
-    layer::Settings,
-    replay::{self, ReplayInfo},
-    InvalidClient,
-};
+use super::{layer::Settings, replay};
 use crate::idempotency::{
-    core::{self, Unsettled, Verdict},
+    client::InvalidClient,
+    core::{self, ReplayInfo, Unsettled, Verdict},
+    response::{http_date, replay_headers},
     store::Record,
     AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_EXPIRES,
     IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
-    ORIGINAL_ATTEMPT_ID,
 };
 use crate::{body::Body, problem::Problem};
 
@@ -85,7 +82,7 @@ impl Reply<'_> {
 
     /// The `400` for an idempotency key or attempt ID the layer cannot accept.
     pub(super) fn reject_key<B>(self, error: &InvalidIdempotencyKey) -> Response<Body<B>> {
-        let (code, title) = key_refusal(error);
+        let (code, title) = error.refusal();
         let status = StatusCode::BAD_REQUEST;
         self.refuse(status, error.code(), code, title, error.to_string())
     }
@@ -262,7 +259,6 @@ impl Reply<'_> {
             core::replay_failed(request_count);
             return self.not_replayable(record, request_count);
         };
-        core::replayed(record, request_count);
         let mut response = Response::new(stored.body.clone());
         *response.status_mut() = stored.status;
         let headers = response.headers_mut();
@@ -274,12 +270,7 @@ impl Reply<'_> {
         }
         // The route's hook adjusts this copy; the stored record stays as it is.
         if let Some(hook) = &settings.on_replay {
-            let info = ReplayInfo {
-                request_count,
-                first_seen: record.first_seen,
-                original_attempt: record.original_attempt.clone(),
-                expires_at: record.expires_at,
-            };
+            let info = ReplayInfo::of(record, request_count);
             response = replay::apply(&**hook, response, &info);
         }
         let mut response = response.map(Body::complete);
@@ -337,50 +328,4 @@ fn with_retry_after<B>(mut response: Response<B>, retry_after: Duration) -> Resp
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
     response
-}
-
-/// What a duplicate learns of the original: when it came, how many came, which attempt.
-pub(crate) fn replay_headers(headers: &mut HeaderMap, record: &Record, request_count: u64) {
-    headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(record.first_seen));
-    headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
-    if let Some(original) = &record.original_attempt {
-        headers.insert(ORIGINAL_ATTEMPT_ID, original.to_header_value());
-    }
-}
-
-/// `time` as an HTTP-date; the last one formatted on this thread is reused, as replays
-/// of one record ask for the same date again and again.
-pub(super) fn http_date(time: SystemTime) -> HeaderValue {
-    thread_local! {
-        static LAST: std::cell::RefCell<Option<(SystemTime, HeaderValue)>> =
-            const { std::cell::RefCell::new(None) };
-    }
-    LAST.with(|last| {
-        let mut last = last.borrow_mut();
-        if let Some((cached, value)) = last.as_ref() {
-            if *cached == time {
-                return value.clone();
-            }
-        }
-        let value = HeaderValue::from_str(&httpdate::fmt_http_date(time))
-            .unwrap_or_else(|_| HeaderValue::from_static("Thu, 01 Jan 1970 00:00:00 GMT"));
-        *last = Some((time, value.clone()));
-        value
-    })
-}
-
-/// The code and title of a refused key (or attempt ID), for every transport.
-pub(crate) fn key_refusal(error: &InvalidIdempotencyKey) -> (&'static str, &'static str) {
-    match error.code() {
-        "invalid_attempt_id" => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
-        "repeated" => (
-            "idempotency.key_repeated",
-            "Idempotency key header repeated",
-        ),
-        "conflicting" => (
-            "idempotency.keys_disagree",
-            "Two different idempotency keys",
-        ),
-        _ => ("idempotency.key_invalid", "Invalid idempotency key"),
-    }
 }

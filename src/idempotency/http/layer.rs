@@ -4,17 +4,16 @@ use http::{header, HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::{
-    budget::Budget,
     extract::{ExtractKey, KeyFromHeader},
     replay::OnReplay,
-    Idempotency, NoClient, NoEpoch,
+    Idempotency, NoEpoch,
 };
-use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
 use crate::idempotency::{
+    client::NoClient,
+    collect::Budget,
     core::{observe::LayerOrder, Drain, Engine, Policy, StorageRule},
+    response::per_attempt_headers,
     store::{IdempotencyStore, MokaStore},
-    ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
-    ORIGINAL_ATTEMPT_ID,
 };
 
 /// The largest request body read to fingerprint: 1 MiB; larger is `413`.
@@ -33,20 +32,6 @@ pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
 
 /// The largest response kept for replay: 1 MiB; larger is streamed on, never stored.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
-
-/// The headers that belong to one attempt, not to its outcome: never stored, so a
-/// replay carries its own.
-pub(crate) fn per_attempt_headers() -> Vec<HeaderName> {
-    vec![
-        X_CORRELATION_ID,
-        ATTEMPT_ID,
-        header::DATE,
-        ORIGINAL_ATTEMPT_ID,
-        IDEMPOTENT_REPLAYED,
-        IDEMPOTENCY_FIRST_SEEN,
-        IDEMPOTENCY_REQUEST_COUNT,
-    ]
-}
 
 pub(super) type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 

@@ -1,12 +1,12 @@
 //! What a duplicate gets: the stored response, adjusted per route by a replay hook.
 
-use std::{borrow::Cow, time::SystemTime};
+use std::borrow::Cow;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::Value;
 
-use crate::idempotency::AttemptId;
+use crate::idempotency::ReplayInfo;
 
 /// Adjusts what a duplicate gets, from the stored response: its status, its headers,
 /// its body. Set per route with
@@ -61,40 +61,6 @@ where
 {
     fn on_replay(&self, response: &mut Response<Bytes>, replay: &ReplayInfo) {
         self(response, replay);
-    }
-}
-
-/// What a duplicate learns of the request that ran, for an [`OnReplay`] hook (and the
-/// message layer's replays).
-#[derive(Debug, Clone)]
-pub struct ReplayInfo {
-    pub(crate) request_count: u64,
-    pub(crate) first_seen: SystemTime,
-    pub(crate) original_attempt: Option<AttemptId>,
-    pub(crate) expires_at: Option<SystemTime>,
-}
-
-impl ReplayInfo {
-    /// Requests (or deliveries) seen with this key, this one included.
-    pub fn request_count(&self) -> u64 {
-        self.request_count
-    }
-
-    /// When the request that ran arrived.
-    pub fn first_seen(&self) -> SystemTime {
-        self.first_seen
-    }
-
-    /// The attempt ID of the request that ran, if it sent one (for messages, the
-    /// correlation ID of the delivery that ran).
-    pub fn original_attempt(&self) -> Option<&AttemptId> {
-        self.original_attempt.as_ref()
-    }
-
-    /// When the store lets the record go (and the key runs again): its TTL from when it
-    /// was stored. `None` for a record that does not say.
-    pub fn expires_at(&self) -> Option<SystemTime> {
-        self.expires_at
     }
 }
 
@@ -164,6 +130,7 @@ pub(super) fn apply(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::SystemTime;
 
     fn info() -> ReplayInfo {
         ReplayInfo {

@@ -1,6 +1,5 @@
 use std::{
     future::Future,
-    pin::Pin,
     sync::Arc,
     task::{Context, Poll},
 };
@@ -10,22 +9,24 @@ use http::{Request, Response, StatusCode};
 use tower_service::Service;
 
 use super::{
-    answer::{http_date, Reply},
-    extract::{ExtractedKey, KeyRejection},
+    answer::Reply,
+    extract::ExtractedKey,
     layer::Settings,
-    read::{buffered, collect_up_to, fingerprint, read_body, Collected, FingerprintVersion},
-    ExtractEpoch, IdentifyClient, InvalidClient, InvalidEpoch, NoClient, NoEpoch,
+    read::{buffered, fingerprint, read_body, FingerprintVersion},
+    ExtractEpoch, InvalidEpoch, NoEpoch,
 };
 use crate::body::Body;
 use crate::idempotency::{
+    client::{IdentifyClient, InvalidClient, NoClient},
+    collect::{collect_up_to, BoxError, Collected},
     core::{
-        observe, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard, StorageRule,
+        observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
+        Fingerprints, Finished, Release,
     },
+    response::{http_date, offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
-    AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_EXPIRES,
+    AttemptId, ClientId, Fingerprint, IdempotencyKey, KeyRejection, ScopeKey, IDEMPOTENCY_EXPIRES,
 };
-
-pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The service a protected route wraps, as the layer needs it: it takes the request
 /// with its body buffered (or streamed on), and it and its future move across tasks.
@@ -129,31 +130,6 @@ impl<S: std::fmt::Debug, St, C, E> std::fmt::Debug for Idempotency<S, St, C, E> 
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
             .finish_non_exhaustive()
-    }
-}
-
-/// Response future of [`Idempotency`].
-///
-/// Dropped before it finishes (the client went away) once its request has claimed its
-/// key, it hands the rest of its work to a task of its own, in the same span and with
-/// the same correlation ID: a handler that started runs to completion and its outcome
-/// is stored for the client's retry. Dropped before the claim, it is cancelled, as any
-/// future: nothing ran, and the request body stops being read.
-pub struct ResponseFuture<B: 'static, E: 'static> {
-    pub(crate) work: Detaching<Result<Response<Body<B>>, E>>,
-}
-
-impl<B, E> Future for ResponseFuture<B, E> {
-    type Output = Result<Response<Body<B>>, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.work).poll(cx)
-    }
-}
-
-impl<B: 'static, E: 'static> std::fmt::Debug for ResponseFuture<B, E> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
     }
 }
 
@@ -343,15 +319,6 @@ fn protect<B>(
     })
 }
 
-/// The future of a request that claims no key: refused, or passed through.
-pub(crate) fn unclaimed<B, E>(
-    future: impl Future<Output = Result<Response<Body<B>>, E>> + Send + 'static,
-) -> ResponseFuture<B, E> {
-    ResponseFuture {
-        work: Detaching::new(future),
-    }
-}
-
 fn ready<B, E>(response: Response<Body<B>>) -> impl Future<Output = Result<Response<Body<B>>, E>> {
     std::future::ready(Ok(response))
 }
@@ -504,9 +471,8 @@ where
         let reply = protected.reply(&settings);
         match decision {
             // Boxed, so the replay path's future stays small.
-            Decision::Run(guard) => {
-                let rule = engine.policy().storage;
-                Box::pin(execute(inner, &settings, rule, request, guard, reply)).await
+            Decision::Run(claimed) => {
+                Box::pin(execute(inner, &settings, request, claimed, reply)).await
             }
             Decision::FailOpen => {
                 let response = Box::pin(inner.call(request)).await?;
@@ -517,14 +483,14 @@ where
     }
 }
 
-/// Runs the claimed request, renewing its claim while the handler and its response
-/// body run, then stores the outcome or releases the key.
+/// Runs the claimed request: the engine renews its claim while the handler and its
+/// response body run, this adapter says what of the response is kept, and the engine
+/// stores it or gives the key back.
 async fn execute<S, St, ReqBody, ResBody>(
     mut inner: S,
     settings: &Settings,
-    rule: StorageRule,
     mut request: Request<Body<ReqBody>>,
-    mut guard: LeaseGuard<St>,
+    claimed: Claimed<St>,
     reply: Reply<'_>,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
@@ -532,89 +498,78 @@ where
     St: IdempotencyStore,
     ResBody: ReadableBody,
 {
-    guard.offer_transaction(request.extensions_mut());
+    if let Some(offer) = claimed.transaction_offer() {
+        offer_transaction(offer, request.extensions_mut());
+    }
     // Runs in the caller's task; if the caller goes away, the response future's drop moves
     // this work to a task of its own, so it still completes and is stored.
-    let produced = guard
-        .renewing(async {
-            let (parts, body) = inner.call(request).await?.into_parts();
-            let body = collect_up_to(body, settings.max_response_bytes).await;
-            Ok((parts, body))
-        })
-        .await;
-    let (parts, body) = match produced {
-        Ok(produced) => produced,
-        Err(error) => {
-            guard.release("handler_error").await;
-            return Err(error);
+    let work = async {
+        let (parts, body) = inner.call(request).await?.into_parts();
+        let body = collect_up_to(body, settings.max_response_bytes).await;
+        Ok((parts, body))
+    };
+    let classify = |(parts, body): &(http::response::Parts, Collected<ResBody>),
+                    context: Classifying| {
+        classify(settings, parts, body, context)
+    };
+    let attempt = reply.attempt.cloned();
+    let ((mut parts, body), finished) = claimed.run(work, classify, attempt).await?;
+    let response = match (body, finished) {
+        (_, Finished::Unsettled(unsettled)) => return Ok(reply.unsettled(&unsettled)),
+        (_, Finished::Failed) | (Collected::Failed(_), _) => return Ok(reply.response_failed()),
+        (Collected::Complete { body, .. }, Finished::Kept { expires_at }) => {
+            if let Some(expires_at) = expires_at.filter(|_| settings.expiry_header) {
+                // Never over a header of the handler's own.
+                parts
+                    .headers
+                    .entry(IDEMPOTENCY_EXPIRES)
+                    .or_insert_with(|| http_date(expires_at));
+            }
+            Response::from_parts(parts, Body::complete(body))
+        }
+        (Collected::Complete { body, .. }, _) => Response::from_parts(parts, Body::complete(body)),
+        (Collected::TooLarge { prefix, rest }, _) => {
+            Response::from_parts(parts, Body::prefixed(prefix, rest))
         }
     };
-    // A server error in a transaction is rolled back, not stored: nothing it wrote
-    // remains, so its retry may run again.
+    Ok(reply.finish(response))
+}
+
+/// What of a response is kept: the whole of it if the storage rule keeps its status (a
+/// server error in a transaction the handler took is rolled back, not stored: nothing
+/// it wrote remains, so its retry may run again); a response over the limit is
+/// recorded as run without it; the rest give the key back.
+fn classify<B>(
+    settings: &Settings,
+    parts: &http::response::Parts,
+    body: &Collected<B>,
+    context: Classifying,
+) -> Classified {
+    let status = parts.status;
     let stores = match &settings.store_if {
-        Some(predicate) => predicate(parts.status),
-        None => super::layer::stores(rule, parts.status),
+        Some(predicate) => predicate(status),
+        None => super::layer::stores(context.rule, status),
     };
-    let storable = stores && !(parts.status.is_server_error() && guard.transaction_taken());
-    let attempt = reply.attempt.cloned();
-    let response = match body {
-        Collected::Complete { body, .. } if storable => {
+    let storable = stores && !(status.is_server_error() && context.transaction_taken);
+    match body {
+        Collected::Failed(error) => Classified::Failed(error.to_string()),
+        _ if !storable => Classified::Release(Release::NotStored),
+        Collected::TooLarge { .. } => Classified::TooLarge {
+            max_bytes: settings.max_response_bytes,
+            bytes: None,
+        },
+        Collected::Complete { body, .. } => {
             let headers = parts
                 .headers
                 .iter()
                 .filter(|(name, _)| !settings.per_attempt.contains(name))
                 .map(|(name, value)| (name.clone(), value.clone()))
                 .collect();
-            let response = StoredResponse {
-                status: parts.status,
+            Classified::Store(Payload::Http(StoredResponse {
+                status,
                 headers,
                 body: body.clone(),
-            };
-            match guard.complete(attempt, Some(Payload::Http(response))).await {
-                Ok(()) => {
-                    let mut parts = parts;
-                    if let Some(expires_at) = guard.expires_at().filter(|_| settings.expiry_header)
-                    {
-                        // Never over a header of the handler's own.
-                        parts
-                            .headers
-                            .entry(IDEMPOTENCY_EXPIRES)
-                            .or_insert_with(|| http_date(expires_at));
-                    }
-                    Response::from_parts(parts, Body::complete(body))
-                }
-                Err(unsettled) => return Ok(reply.unsettled(&unsettled)),
-            }
+            }))
         }
-        Collected::Complete { body, .. } => {
-            guard.release("not_stored").await;
-            Response::from_parts(parts, Body::complete(body))
-        }
-        Collected::TooLarge { prefix, rest } => {
-            if storable {
-                tracing::warn!(
-                    event = "idempotency.response_too_large",
-                    max_bytes = settings.max_response_bytes,
-                    "response over the idempotency limit: streamed, not stored; duplicates get 410"
-                );
-                if let Err(unsettled) = guard.complete(attempt, None).await {
-                    return Ok(reply.unsettled(&unsettled));
-                }
-            } else {
-                guard.release("not_stored").await;
-            }
-            Response::from_parts(parts, Body::prefixed(prefix, rest))
-        }
-        Collected::Failed(error) => {
-            tracing::warn!(
-                event = "idempotency.response_failed",
-                error = %error,
-                status = 500,
-                "the response body failed while being read"
-            );
-            guard.release("response_failed").await;
-            return Ok(reply.response_failed());
-        }
-    };
-    Ok(reply.finish(response))
+    }
 }

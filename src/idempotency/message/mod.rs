@@ -192,48 +192,6 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_outcome_kept_as_an_http_payload_by_earlier_versions_still_replays() {
-        use crate::idempotency::store::{
-            Begin, Claim, IdempotencyStore, Payload, Record, StoredResponse,
-        };
-        let store = Arc::new(MokaStore::new());
-        let signal = signal("swarm-start", "k");
-        let key = key_of(&signal).unwrap().unwrap();
-        let (scope, fingerprint) = (key.scope_key(), key.fingerprint_digest());
-        let claim = Claim::new(fingerprint, Duration::from_secs(10), None);
-        let Begin::Claimed { lease } = store.begin(&scope, claim).await.unwrap() else {
-            panic!("a fresh key is claimed");
-        };
-        // What a message outcome was stored as before `Payload::Message`.
-        let older = StoredResponse::new(
-            http::StatusCode::OK,
-            vec![(
-                http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static("application/json"),
-            )],
-            bytes::Bytes::from_static(br#"{"run":7,"kind":"swarm-start"}"#),
-        );
-        let record = Record::new(
-            fingerprint,
-            lease.first_seen,
-            None,
-            None,
-            Some(Payload::Http(older)),
-        );
-        store
-            .complete(&scope, &lease, Arc::new(record), Duration::from_secs(60))
-            .await
-            .unwrap();
-
-        let runs = Arc::new(AtomicUsize::new(0));
-        let layer = MessageIdempotencyLayer::with_shared_store(store).key(key_of as KeyOf);
-        let replayed = consumer(layer, runs.clone()).oneshot(signal).await.unwrap();
-        assert!(replayed.is_replay(), "{replayed:?}");
-        assert_eq!(replayed.outcome().unwrap().run, 7);
-        assert_eq!(runs.load(Ordering::SeqCst), 0);
-    }
-
-    #[tokio::test]
     async fn a_duplicate_gets_the_stored_outcome_and_another_signal_runs() {
         let runs = Arc::new(AtomicUsize::new(0));
         let service = consumer(layer(), runs.clone());

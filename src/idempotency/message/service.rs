@@ -17,11 +17,11 @@ use crate::{
     correlation::CorrelationId,
     idempotency::{
         core::{
-            self, ClaimFlag, Decision, Detaching, Engine, Fingerprints, LeaseGuard, Unsettled,
-            Verdict,
+            self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
+            Fingerprints, Finished, Release, ReplayInfo, Unsettled, Verdict,
         },
         store::{IdempotencyStore, MokaStore, Payload, Record},
-        AttemptId, ReplayInfo,
+        AttemptId,
     },
 };
 
@@ -323,7 +323,7 @@ where
         )
         .await;
     match decision {
-        Decision::Run(guard) => Box::pin(execute(inner, &settings, message, guard)).await,
+        Decision::Run(claimed) => Box::pin(execute(inner, &settings, message, claimed)).await,
         Decision::FailOpen => inner.call(message).await.map(Handled::Ran),
         Decision::Answer(verdict) => Ok(decided(verdict)),
     }
@@ -367,25 +367,15 @@ fn not_replayable<R>() -> Handled<R> {
 
 /// The stored outcome, decoded, for a duplicate of a message that was handled.
 fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R> {
-    // An HTTP payload is how outcomes were kept before `Payload::Message`: its body is
-    // the outcome's JSON, so records written then still replay.
-    let Some(stored) = &record.payload else {
+    let Some(Payload::Message(stored)) = &record.payload else {
         core::replay_failed(request_count);
         return not_replayable();
     };
-    match serde_json::from_slice(stored.body()) {
-        Ok(outcome) => {
-            core::replayed(record, request_count);
-            Handled::Replayed {
-                outcome,
-                replay: ReplayInfo {
-                    request_count,
-                    first_seen: record.first_seen,
-                    original_attempt: record.original_attempt.clone(),
-                    expires_at: record.expires_at,
-                },
-            }
-        }
+    match serde_json::from_slice(stored) {
+        Ok(outcome) => Handled::Replayed {
+            outcome,
+            replay: ReplayInfo::of(record, request_count),
+        },
         Err(error) => {
             core::replay_failed(request_count);
             tracing::warn!(
@@ -403,13 +393,14 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
     }
 }
 
-/// Runs the claimed message, renewing its claim while the handler runs, then stores
-/// its outcome or releases the key.
+/// Runs the claimed message: the engine renews its claim while the handler runs, this
+/// adapter says what of the outcome is kept, and the engine stores it or gives the key
+/// back.
 async fn execute<S, R, St, M>(
     mut inner: S,
     settings: &MessageSettings<R>,
     message: M,
-    mut guard: LeaseGuard<St>,
+    claimed: Claimed<St>,
 ) -> Result<Handled<R>, S::Error>
 where
     S: Service<M, Response = R> + Send + 'static,
@@ -417,55 +408,46 @@ where
     R: Serialize + Send + 'static,
     St: IdempotencyStore,
 {
-    let outcome = match guard.renewing(inner.call(message)).await {
-        Ok(outcome) => outcome,
-        Err(error) => {
-            guard.release("handler_error").await;
-            return Err(error);
-        }
-    };
-    if let Some(store_if) = &settings.store_if {
-        if !store_if(&outcome) {
-            guard.release("not_stored").await;
-            return Ok(Handled::Ran(outcome));
-        }
-    }
-    let payload = match serde_json::to_vec(&outcome) {
-        Ok(json) if json.len() <= settings.max_response_bytes => {
-            Some(Payload::Message(Bytes::from(json)))
-        }
-        Ok(json) => {
-            tracing::warn!(
-                event = "idempotency.response_too_large",
-                bytes = json.len(),
-                max_bytes = settings.max_response_bytes,
-                "outcome over the idempotency limit: not kept; duplicates are refused, never run"
-            );
-            None
-        }
-        Err(error) => {
-            tracing::warn!(
-                event = "idempotency.outcome_unserialisable",
-                error = %error,
-                "the outcome does not serialise: not kept; duplicates are refused, never run"
-            );
-            None
-        }
-    };
+    let classify = |outcome: &R, _: Classifying| classify(settings, outcome);
     // The delivery that ran, named by its correlation ID: replays log it.
     let original_attempt =
         CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()));
-    match guard.complete(original_attempt, payload).await {
-        Ok(()) => Ok(Handled::Ran(outcome)),
-        Err(Unsettled::NotCommitted(error)) => Ok(Handled::Refused(Refusal::new(
+    let (outcome, finished) = claimed
+        .run(inner.call(message), classify, original_attempt)
+        .await?;
+    Ok(match finished {
+        Finished::Unsettled(Unsettled::NotCommitted(error)) => Handled::Refused(Refusal::new(
             "idempotency.not_committed",
             format!("the outcome's transaction did not commit ({error}); requeue"),
             true,
-        ))),
-        Err(Unsettled::Unknown(error)) => Ok(Handled::Refused(Refusal::new(
+        )),
+        Finished::Unsettled(Unsettled::Unknown(error)) => Handled::Refused(Refusal::new(
             "idempotency.outcome_unknown",
             format!("whether the outcome's transaction committed is not known ({error}); requeue: the redelivery replays it if it committed"),
             true,
-        ))),
+        )),
+        Finished::Kept { .. } | Finished::NotKept | Finished::Released | Finished::Failed => {
+            Handled::Ran(outcome)
+        }
+    })
+}
+
+/// What of an outcome is kept: its JSON, unless the layer's `store_if` refuses it; one
+/// over the limit, or that does not serialise, is recorded as run without it.
+fn classify<R: Serialize>(settings: &MessageSettings<R>, outcome: &R) -> Classified {
+    if let Some(store_if) = &settings.store_if {
+        if !store_if(outcome) {
+            return Classified::Release(Release::NotStored);
+        }
+    }
+    match serde_json::to_vec(outcome) {
+        Ok(json) if json.len() <= settings.max_response_bytes => {
+            Classified::Store(Payload::Message(Bytes::from(json)))
+        }
+        Ok(json) => Classified::TooLarge {
+            max_bytes: settings.max_response_bytes,
+            bytes: Some(json.len()),
+        },
+        Err(error) => Classified::Unencodable(error.to_string()),
     }
 }

@@ -185,7 +185,7 @@ mod tests {
     }
 
     #[test]
-    fn message_payloads_round_trip_and_older_message_records_still_decode() {
+    fn message_payloads_round_trip() {
         let fingerprint = Fingerprint::from_bytes([7; 32]);
         let outcome = Bytes::from_static(b"{\"status\":\"done\"}");
         let record = Record::new(
@@ -198,24 +198,5 @@ mod tests {
         let decoded = decode_record(&encode_record(&record).unwrap()).unwrap();
         assert!(matches!(&decoded.payload, Some(Payload::Message(body)) if *body == outcome));
         assert!(decoded.response().is_none());
-
-        // How a message outcome was written before `Payload::Message`: an HTTP 200
-        // with a JSON content type. It still decodes, with the outcome as its body.
-        let older = Record::new(
-            fingerprint,
-            from_millis(1_795_000_000_123),
-            None,
-            None,
-            Some(Payload::Http(StoredResponse::new(
-                StatusCode::OK,
-                vec![(
-                    http::header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                )],
-                outcome.clone(),
-            ))),
-        );
-        let decoded = decode_record(&encode_record(&older).unwrap()).unwrap();
-        assert_eq!(decoded.payload.unwrap().body(), &outcome);
     }
 }

@@ -194,8 +194,10 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 /// [`IdempotencyStore::handler_transaction`]: offered to the handler in the request's
 /// extensions; if the handler takes it, the layer stores the outcome in it and commits.
 pub trait HandlerTransaction: Send + Sync + 'static {
-    /// Puts what the handler takes the transaction from into the request's extensions.
-    fn offer(&self, extensions: &mut http::Extensions);
+    /// What the handler takes the transaction from. The HTTP and gRPC layers put it in
+    /// the request's extensions (and the PostgreSQL store's `Transaction` in it, as
+    /// itself).
+    fn offer(&self) -> TransactionOffer;
 
     /// Whether the handler has begun the transaction (and it is not settled yet). A
     /// server error of a handler that did is rolled back and its key released, whatever
@@ -214,6 +216,29 @@ pub trait HandlerTransaction: Send + Sync + 'static {
         lease: Lease,
         outcome: Option<(Arc<Record>, Duration)>,
     ) -> std::pin::Pin<Box<dyn Future<Output = Settlement> + Send>>;
+}
+
+/// What a store's [`HandlerTransaction`] offers the handler to run its writes in: the
+/// store's own handle, opaque to the layers, read back by its type.
+#[derive(Clone)]
+pub struct TransactionOffer(Arc<dyn std::any::Any + Send + Sync>);
+
+impl TransactionOffer {
+    /// Offers `handle`.
+    pub fn new<T: std::any::Any + Send + Sync>(handle: T) -> Self {
+        Self(Arc::new(handle))
+    }
+
+    /// The handle, if it is a `T`.
+    pub fn get<T: std::any::Any>(&self) -> Option<&T> {
+        self.0.downcast_ref()
+    }
+}
+
+impl std::fmt::Debug for TransactionOffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransactionOffer").finish_non_exhaustive()
+    }
 }
 
 /// How a [`HandlerTransaction`] ended.

@@ -1,27 +1,30 @@
+//! The embedded store, [`MokaStore`]: its public type, its builder and its
+//! [`IdempotencyStore`] implementation; the map it keeps is in `shard`.
+
 use std::{
-    collections::{hash_map::Entry, HashMap},
-    hash::{BuildHasherDefault, Hasher},
+    collections::hash_map::Entry,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, Mutex, MutexGuard, PoisonError, Weak,
+        Arc, Mutex, MutexGuard, PoisonError,
     },
-    time::{Duration, SystemTime},
+    time::Duration,
 };
 
 #[cfg(not(tower_ids_fifo_index))]
 use moka::{policy::EvictionPolicy, sync::Cache, Expiry};
 #[cfg(not(tower_ids_fifo_index))]
 use std::time::Instant;
-use tokio::sync::watch;
 
+use self::shard::{BuildScopeHasher, InFlight, Scope, Shard, Stored};
 use super::{
     Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
     SystemClock,
 };
-use crate::idempotency::{Fingerprint, ScopeKey};
+use crate::idempotency::ScopeKey;
 
 #[cfg(tower_ids_fifo_index)]
 mod fifo;
+mod shard;
 
 /// Default bound on what the store holds: 64 MiB of weighed entries.
 ///
@@ -43,9 +46,6 @@ pub const MOKA_ENTRY_OVERHEAD_BYTES: usize = 832;
 /// Shards of the map of scopes: enough that two workers rarely wait on one lock, few
 /// enough to cost nothing idle.
 const SHARDS: usize = 64;
-
-/// The fewest scopes a shard sweeps at (see `Shard::sweep_if_due`).
-const SWEEP_SCOPES_AT: usize = 64;
 
 /// The stored records, bounded in bytes and expired at their TTL.
 #[cfg(not(tower_ids_fifo_index))]
@@ -197,159 +197,6 @@ impl MokaStore {
 impl Default for MokaStore {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-/// Hashes a [`ScopeKey`] by taking 8 of its bytes: it is already a SHA-256 digest,
-/// so running SipHash over it again would buy nothing.
-#[derive(Default)]
-struct ScopeHasher(u64);
-
-impl Hasher for ScopeHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only reached by a key type other than `ScopeKey`; FNV-1a keeps it correct.
-        for &byte in bytes {
-            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-type BuildScopeHasher = BuildHasherDefault<ScopeHasher>;
-
-/// One shard of the store's scopes.
-#[derive(Default)]
-struct Shard {
-    scopes: HashMap<ScopeKey, Scope, BuildScopeHasher>,
-    /// Scopes at which to sweep next; 0 until the first sweep.
-    sweep_at: usize,
-}
-
-/// What the store knows of a scope.
-enum Scope {
-    /// Boxed: claims are few, records many, and the map's slots are as large as the
-    /// larger variant.
-    InFlight(Box<InFlight>),
-    /// The record, which the cache owns: dead once the cache has evicted or expired it.
-    Stored(Weak<Stored>),
-}
-
-impl Scope {
-    /// Whether the scope still means something at `now`: a claim that holds, or a
-    /// record the cache keeps and its TTL has not ended.
-    fn is_live(&self, now: SystemTime) -> bool {
-        match self {
-            Self::InFlight(claim) => claim.holds(now),
-            Self::Stored(record) => record.upgrade().is_some_and(|r| r.expires_at > now),
-        }
-    }
-}
-
-impl Shard {
-    /// Sweeps out the scopes that mean nothing any more (lost claims, and records the
-    /// cache dropped) once the shard holds half as many again as were live after the
-    /// last sweep: dead slots stay below half the live ones (plus
-    /// [`SWEEP_SCOPES_AT`] a shard), which the entry overhead charged covers. A swept
-    /// claim drops its sender, which wakes its waiters.
-    fn sweep_if_due(&mut self, now: SystemTime) {
-        if self.scopes.len() < self.sweep_at.max(SWEEP_SCOPES_AT) {
-            return;
-        }
-        self.scopes.retain(|_, scope| scope.is_live(now));
-        self.sweep_at = self.scopes.len() + self.scopes.len() / 2;
-    }
-
-    /// The record stored for `scope`, unless the cache dropped it or its TTL ended.
-    fn record(&self, scope: &ScopeKey, now: SystemTime) -> Option<Arc<Stored>> {
-        match self.scopes.get(scope)? {
-            Scope::Stored(record) => record.upgrade().filter(|r| r.expires_at > now),
-            Scope::InFlight(_) => None,
-        }
-    }
-}
-
-/// A request in flight.
-struct InFlight {
-    token: u64,
-    fingerprint: Fingerprint,
-    first_seen: SystemTime,
-    epoch: Option<u64>,
-    expires_at: SystemTime,
-    /// Requests for the scope so far, carried to the record.
-    request_count: u64,
-    /// Sends once when the request settles; made by the first waiter, as most requests
-    /// have none (a channel is an allocation and a free on every first execution).
-    settled: Option<watch::Sender<()>>,
-}
-
-impl InFlight {
-    /// The claim `lease` held, put back after it was lost.
-    fn restored(lease: &Lease, claim: &Claim, now: SystemTime) -> Self {
-        Self {
-            token: u64::try_from(lease.token).unwrap_or(0),
-            fingerprint: claim.fingerprint,
-            first_seen: lease.first_seen,
-            epoch: claim.epoch,
-            expires_at: now + claim.lease,
-            request_count: 1,
-            settled: None,
-        }
-    }
-
-    fn holds(&self, now: SystemTime) -> bool {
-        self.expires_at > now
-    }
-
-    /// A receiver that wakes when this request settles (or its claim is dropped).
-    fn subscribe(&mut self) -> watch::Receiver<()> {
-        self.settled
-            .get_or_insert_with(|| watch::channel(()).0)
-            .subscribe()
-    }
-
-    fn wake_waiters(&self) {
-        if let Some(settled) = &self.settled {
-            settled.send_replace(());
-        }
-    }
-
-    fn count_and_describe(&mut self) -> Begin {
-        self.request_count += 1;
-        Begin::InFlight {
-            fingerprint: self.fingerprint,
-            first_seen: self.first_seen,
-            epoch: self.epoch,
-            request_count: self.request_count,
-        }
-    }
-}
-
-/// A stored record, as the cache owns it.
-struct Stored {
-    record: Arc<Record>,
-    expires_at: SystemTime,
-    /// The token of the claim that stored it: completing that claim again is a no-op.
-    token: u64,
-    request_count: AtomicU64,
-    /// What the cache charges for it.
-    weight: u32,
-    #[cfg_attr(tower_ids_fifo_index, allow(dead_code))]
-    ttl: Duration,
-}
-
-impl Stored {
-    fn count_and_describe(&self) -> Begin {
-        Begin::Completed {
-            record: self.record.clone(),
-            request_count: self.request_count.fetch_add(1, Ordering::Relaxed) + 1,
-        }
     }
 }
 
@@ -552,230 +399,4 @@ impl IdempotencyStore for MokaStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use http::Method;
-
-    use super::*;
-    use crate::idempotency::IdempotencyKey;
-
-    fn scope(key: &str) -> ScopeKey {
-        let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
-        ScopeKey::new(None, &Method::POST, "/", None, &key)
-    }
-
-    fn claim() -> Claim {
-        Claim {
-            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
-            lease: Duration::from_secs(60),
-            epoch: None,
-        }
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn of_concurrent_begins_exactly_one_claims() {
-        let store = MokaStore::new();
-        let begins: Vec<_> = (0..64)
-            .map(|_| {
-                let store = store.clone();
-                tokio::spawn(async move { store.begin(&scope("k"), claim()).await.unwrap() })
-            })
-            .collect();
-        let mut claimed = 0;
-        let mut counts = Vec::new();
-        for begin in begins {
-            match begin.await.unwrap() {
-                Begin::Claimed { .. } => claimed += 1,
-                Begin::InFlight { request_count, .. } => counts.push(request_count),
-                Begin::Completed { .. } => panic!("nothing was completed"),
-            }
-        }
-        assert_eq!(claimed, 1);
-        counts.sort_unstable();
-        assert_eq!(
-            counts,
-            (2..=64).collect::<Vec<u64>>(),
-            "every request counted once"
-        );
-    }
-
-    #[tokio::test]
-    async fn only_the_lease_holder_settles() {
-        let store = MokaStore::new();
-        let Begin::Claimed { lease } = store.begin(&scope("k"), claim()).await.unwrap() else {
-            panic!("claimed");
-        };
-        let stranger = Lease {
-            token: lease.token + 1000,
-            first_seen: lease.first_seen,
-        };
-        let record = Arc::new(Record {
-            fingerprint: claim().fingerprint,
-            first_seen: lease.first_seen,
-            original_attempt: None,
-            epoch: None,
-            payload: None,
-            expires_at: None,
-        });
-        let ttl = Duration::from_secs(60);
-        assert!(!store.release(&scope("k"), &stranger).await.unwrap());
-        assert_eq!(
-            store
-                .complete(&scope("k"), &stranger, record.clone(), ttl)
-                .await
-                .unwrap(),
-            Completion::ClaimedByAnother
-        );
-        assert_eq!(
-            store.renew(&scope("k"), &stranger, &claim()).await.unwrap(),
-            Renewal::Lost
-        );
-        assert!(store.release(&scope("k"), &lease).await.unwrap());
-        // Released and not taken: a late outcome is still stored, so its key never
-        // runs again.
-        assert_eq!(
-            store
-                .complete(&scope("k"), &lease, record.clone(), ttl)
-                .await
-                .unwrap(),
-            Completion::StoredWithoutClaim
-        );
-        assert_eq!(
-            store
-                .complete(&scope("k"), &lease, record, ttl)
-                .await
-                .unwrap(),
-            Completion::Stored,
-            "completing again is completing once"
-        );
-        assert!(matches!(
-            store.begin(&scope("k"), claim()).await.unwrap(),
-            Begin::Completed { .. }
-        ));
-    }
-}
-
-#[cfg(test)]
-mod eviction_tests {
-    use http::Method;
-
-    use super::*;
-    use crate::idempotency::IdempotencyKey;
-
-    fn scope(key: &str) -> ScopeKey {
-        let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
-        ScopeKey::new(None, &Method::POST, "/", None, &key)
-    }
-
-    async fn store_one(store: &MokaStore, key: &str) {
-        let claim = Claim {
-            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
-            lease: Duration::from_secs(60),
-            epoch: None,
-        };
-        let Begin::Claimed { lease } = store.begin(&scope(key), claim.clone()).await.unwrap()
-        else {
-            panic!("{key} is new");
-        };
-        let record = Record {
-            fingerprint: claim.fingerprint,
-            first_seen: lease.first_seen,
-            original_attempt: None,
-            epoch: None,
-            payload: None,
-            expires_at: None,
-        };
-        let ttl = Duration::from_secs(3600);
-        assert!(store
-            .complete(&scope(key), &lease, Arc::new(record), ttl)
-            .await
-            .unwrap()
-            .is_stored());
-    }
-
-    fn slots(store: &MokaStore) -> usize {
-        store
-            .shards
-            .iter()
-            .map(|shard| shard.lock().unwrap().scopes.len())
-            .sum()
-    }
-
-    /// A store with room for about `room` records, after `stored` were stored.
-    async fn overfilled(room: usize, stored: usize) -> MokaStore {
-        let store = MokaStore::builder()
-            .max_bytes(room * MOKA_ENTRY_OVERHEAD_BYTES)
-            .build();
-        for i in 0..stored {
-            store_one(&store, &format!("key-{i}")).await;
-        }
-        store.run_pending_tasks().await;
-        store
-    }
-
-    #[tokio::test]
-    async fn an_evicted_record_is_gone_and_its_key_runs_again() {
-        let store = overfilled(100, 300).await;
-
-        assert!(store.entry_count() <= 100, "{}", store.entry_count());
-        let claim = Claim {
-            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
-            lease: Duration::from_secs(60),
-            epoch: None,
-        };
-        assert!(matches!(
-            store.begin(&scope("key-0"), claim).await.unwrap(),
-            Begin::Claimed { .. }
-        ));
-    }
-
-    #[tokio::test]
-    async fn the_slots_of_evicted_records_are_swept() {
-        let store = overfilled(1_000, 20_000).await;
-        let live = usize::try_from(store.entry_count()).unwrap();
-        assert!(live <= 1_000, "{live}");
-        let slots = slots(&store);
-        assert!(
-            slots <= live + live / 2 + SHARDS * SWEEP_SCOPES_AT,
-            "{slots} slots for {live} records"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_full_store_keeps_the_newest_record_for_its_retry() {
-        // Room for about 100 records.
-        let store = MokaStore::builder()
-            .max_bytes(100 * MOKA_ENTRY_OVERHEAD_BYTES)
-            .build();
-        for i in 0..100 {
-            store_one(&store, &format!("old-{i}")).await;
-        }
-        // The old records are popular: each retried twice.
-        for _ in 0..2 {
-            for i in 0..100 {
-                let claim = Claim {
-                    fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
-                    lease: Duration::from_secs(60),
-                    epoch: None,
-                };
-                store
-                    .begin(&scope(&format!("old-{i}")), claim)
-                    .await
-                    .unwrap();
-            }
-        }
-        store_one(&store, "new").await;
-        store.run_pending_tasks().await;
-
-        let claim = Claim {
-            fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
-            lease: Duration::from_secs(60),
-            epoch: None,
-        };
-        let retry = store.begin(&scope("new"), claim).await.unwrap();
-        assert!(
-            matches!(retry, Begin::Completed { .. }),
-            "the newest record was evicted before its retry: {retry:?}"
-        );
-        assert!(store.weighted_bytes() <= 100 * MOKA_ENTRY_OVERHEAD_BYTES);
-    }
-}
+mod tests;

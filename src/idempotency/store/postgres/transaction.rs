@@ -7,12 +7,14 @@ use sqlx::{PgConnection, Postgres};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
 use super::{
-    bounded, bounded_until, epoch_i64, first_seen_ms, millis_i64, status_i16, token_bytes, Shared,
+    bounded, bounded_until,
+    commands::{epoch_i64, first_seen_ms, millis_i64, status_i16, token_bytes},
+    Shared,
 };
 use crate::idempotency::{
     store::{
         codec::encode_record, Chain, Completion, HandlerTransaction, Lease, Record, Settlement,
-        StoreError,
+        StoreError, TransactionOffer,
     },
     ScopeKey,
 };
@@ -154,8 +156,8 @@ impl Offered {
 }
 
 impl HandlerTransaction for Offered {
-    fn offer(&self, extensions: &mut http::Extensions) {
-        extensions.insert(self.0.clone());
+    fn offer(&self) -> TransactionOffer {
+        TransactionOffer::new(self.0.clone())
     }
 
     fn taken(&self) -> bool {

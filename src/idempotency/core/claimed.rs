@@ -1,0 +1,439 @@
+//! The life of a request that holds its key, from the decision to run it to its
+//! record: the claim renewed while the handler runs, the outcome classified by the
+//! adapter, then stored (in the handler's transaction if it took one) or the key given
+//! back, and every event and metric of it recorded here, once, whatever the transport.
+
+use std::{
+    future::Future,
+    sync::Arc,
+    task::Poll,
+    time::{Duration, SystemTime},
+};
+
+use tracing::Instrument as _;
+
+use super::{
+    drain::Owed,
+    kept::{report, KeptOutcomes, Outcome},
+    lease::{self, Release, Renewed, RENEWAL_RETRY_PAUSE},
+    observe,
+    settings::{Policy, StorageRule},
+};
+use crate::idempotency::{
+    store::{
+        Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Payload, Record,
+        Settlement, StoreError, TransactionOffer,
+    },
+    AttemptId, ScopeKey,
+};
+
+/// What the adapter makes of the work that ran, for the engine to settle.
+pub(crate) enum Classified {
+    /// Store this payload; duplicates replay it.
+    Store(Payload),
+    /// The work ran, but its outcome is over the limit of what is kept: it is recorded
+    /// as run without it, and duplicates are refused as not replayable, never run.
+    TooLarge {
+        /// The limit.
+        max_bytes: usize,
+        /// The outcome's size, when it is known.
+        bytes: Option<usize>,
+    },
+    /// The work ran, but its outcome cannot be encoded to be kept: recorded as run
+    /// without it, as [`TooLarge`](Self::TooLarge).
+    Unencodable(String),
+    /// The response failed while it was read: nothing to keep, the key is given back.
+    Failed(String),
+    /// Nothing to keep: the key is given back, so a retry runs again.
+    Release(Release),
+}
+
+/// What the adapter is told when it classifies an outcome.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Classifying {
+    /// The policy's storage rule, for the adapter to read in its transport's terms.
+    pub(crate) rule: StorageRule,
+    /// Whether the handler began the store's transaction: a server error of such a
+    /// handler is rolled back, so it must be released, whatever the rule.
+    pub(crate) transaction_taken: bool,
+}
+
+/// How an adapter classifies what its handler produced: the transport's half of the
+/// completion, in the spirit of tower-http's response classifiers.
+pub(crate) trait Classify<T> {
+    /// What becomes of `produced`.
+    fn classify(self, produced: &T, context: Classifying) -> Classified;
+}
+
+impl<T, F: FnOnce(&T, Classifying) -> Classified> Classify<T> for F {
+    fn classify(self, produced: &T, context: Classifying) -> Classified {
+        self(produced, context)
+    }
+}
+
+/// How the work that ran was settled, for the adapter's answer.
+#[derive(Debug)]
+pub(crate) enum Finished {
+    /// The outcome is stored, or kept until the store takes it; `expires_at` when it
+    /// is stored now.
+    Kept { expires_at: Option<SystemTime> },
+    /// The work ran, but its outcome is recorded without its payload.
+    NotKept,
+    /// The key was given back: a retry runs again.
+    Released,
+    /// The response failed while it was read; the key was given back.
+    Failed,
+    /// The outcome does not stand, or whether it does is not known.
+    Unsettled(Unsettled),
+}
+
+/// Why a claimed request's outcome does not stand, as far as the layer knows.
+#[derive(Debug)]
+pub(crate) enum Unsettled {
+    /// Nothing the handler wrote in its transaction stands, and the key is released.
+    NotCommitted(StoreError),
+    /// The commit's answer was lost, and whether it landed is not known; the key is
+    /// released in the background, which removes nothing if the commit landed.
+    Unknown(StoreError),
+}
+
+/// A request that holds its key. Given back on drop unless settled, so a handler that
+/// panics or a task that is cancelled before the handler produced anything never leaves
+/// its key locked until the lease runs out.
+pub(crate) struct Claimed<St: IdempotencyStore> {
+    store: Arc<St>,
+    scope: ScopeKey,
+    claim: Claim,
+    lease: Option<Lease>,
+    kept: Arc<KeptOutcomes>,
+    /// How long the outcome is kept, how many bytes kept outcomes may hold, and the
+    /// storage rule.
+    ttl: Duration,
+    max_kept_bytes: usize,
+    rule: StorageRule,
+    /// The transaction the store offers the handler, if it can commit the record in it.
+    transaction: Option<Box<dyn HandlerTransaction>>,
+    /// Time spent in store calls on the request's path so far.
+    pub(super) store_time: Duration,
+}
+
+impl<St: IdempotencyStore> Claimed<St> {
+    pub(super) fn new(
+        store: Arc<St>,
+        scope: ScopeKey,
+        claim: Claim,
+        lease: Lease,
+        kept: Arc<KeptOutcomes>,
+        policy: &Policy,
+    ) -> Self {
+        let transaction = store.handler_transaction();
+        Self {
+            store,
+            scope,
+            claim,
+            lease: Some(lease),
+            kept,
+            ttl: policy.ttl,
+            max_kept_bytes: policy.max_kept_bytes,
+            rule: policy.storage,
+            transaction,
+            store_time: Duration::ZERO,
+        }
+    }
+
+    /// What the store offers the handler to run its writes in, if anything: the adapter
+    /// hands it on where its handler finds it.
+    pub(crate) fn transaction_offer(&self) -> Option<TransactionOffer> {
+        self.transaction
+            .as_ref()
+            .map(|transaction| transaction.offer())
+    }
+
+    /// Runs `work`, renewing the claim while it runs; then has `classify` say what
+    /// becomes of its output, and stores it or gives the key back. A `work` that fails
+    /// gives the key back (`handler_error`) and returns its error. `original_attempt`
+    /// names the attempt that ran, for replays to log.
+    pub(crate) async fn run<T, E>(
+        mut self,
+        work: impl Future<Output = Result<T, E>>,
+        classify: impl Classify<T>,
+        original_attempt: Option<AttemptId>,
+    ) -> Result<(T, Finished), E> {
+        let produced = match self.renewing(work).await {
+            Ok(produced) => produced,
+            Err(error) => {
+                self.release(Release::HandlerError).await;
+                return Err(error);
+            }
+        };
+        let context = Classifying {
+            rule: self.rule,
+            transaction_taken: self.transaction_taken(),
+        };
+        let finished = match classify.classify(&produced, context) {
+            Classified::Store(payload) => self.complete(original_attempt, Some(payload)).await,
+            Classified::TooLarge { max_bytes, bytes } => {
+                tracing::warn!(
+                    event = "idempotency.response_too_large",
+                    max_bytes,
+                    bytes,
+                    "outcome over the idempotency limit: handed to this caller, not kept; duplicates are refused as not replayable, never run again"
+                );
+                self.not_kept(original_attempt).await
+            }
+            Classified::Unencodable(error) => {
+                tracing::warn!(
+                    event = "idempotency.outcome_unserialisable",
+                    error = %error,
+                    "the outcome does not encode: not kept; duplicates are refused as not replayable, never run again"
+                );
+                self.not_kept(original_attempt).await
+            }
+            Classified::Failed(error) => {
+                tracing::warn!(
+                    event = "idempotency.response_failed",
+                    error = %error,
+                    "the response failed while being read; nothing is stored, so a retry runs again"
+                );
+                self.release(Release::ResponseFailed).await;
+                Finished::Failed
+            }
+            Classified::Release(reason) => {
+                self.release(reason).await;
+                Finished::Released
+            }
+        };
+        Ok((produced, finished))
+    }
+
+    /// Records the work as run without its outcome.
+    async fn not_kept(&mut self, original_attempt: Option<AttemptId>) -> Finished {
+        match self.complete(original_attempt, None).await {
+            Finished::Kept { .. } => Finished::NotKept,
+            other => other,
+        }
+    }
+
+    /// Whether the handler began the store's transaction ([`HandlerTransaction::taken`]).
+    fn transaction_taken(&self) -> bool {
+        self.transaction
+            .as_ref()
+            .is_some_and(|transaction| transaction.taken())
+    }
+
+    /// Runs `work`, renewing the claim every quarter of the lease (a sixth of the
+    /// claim's hold, see [`lease::claim`]) until it ends, so a handler longer than the
+    /// lease keeps its key while its worker lives.
+    async fn renewing<F: Future>(&self, work: F) -> F::Output {
+        let Some(lease) = &self.lease else {
+            return work.await;
+        };
+        let period = (self.claim.lease / 6).max(Duration::from_millis(1));
+        let mut pause = period;
+        // Renewals failed in a row: the first is a WARN, the rest, 50 ms apart, DEBUG.
+        let mut failed = 0;
+        tokio::pin!(work);
+        // A handler that is ready at once never makes a timer.
+        let first = std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await;
+        if let Poll::Ready(output) = first {
+            return output;
+        }
+        loop {
+            // `work` first: once it is done, no renewal starts.
+            tokio::select! {
+                biased;
+                output = &mut work => return output,
+                () = tokio::time::sleep(pause) => {}
+            }
+            let renewal = lease::renew(&*self.store, &self.scope, lease, &self.claim, failed);
+            tokio::pin!(renewal);
+            let renewed = tokio::select! {
+                biased;
+                output = &mut work => {
+                    // A renewal already sent finishes (it is bounded) before the key is
+                    // completed or released: on a store with more than one connection,
+                    // a late renewal could otherwise put the claim back after a release.
+                    let _ = renewal.await;
+                    return output;
+                }
+                renewed = &mut renewal => renewed,
+            };
+            pause = match renewed {
+                Renewed::Held => {
+                    failed = 0;
+                    period
+                }
+                // Until one lands: the claim outlives an outage only if a renewal lands
+                // soon after the store is back.
+                Renewed::Failed => {
+                    failed += 1;
+                    RENEWAL_RETRY_PAUSE.min(period)
+                }
+                Renewed::Lost => return work.await,
+            };
+        }
+    }
+
+    /// Stores the outcome (the payload, `None` when it is not kept, and the attempt
+    /// that ran): in the handler's transaction if it took one (committing its writes
+    /// with it), else in the store; if the store fails, keeps it and stores it from a
+    /// task of its own (see [`KeptOutcomes`]). Never releases the key, but for a
+    /// handler's transaction that did not commit: then nothing the handler wrote in it
+    /// stands, and the key is released.
+    async fn complete(
+        &mut self,
+        original_attempt: Option<AttemptId>,
+        payload: Option<Payload>,
+    ) -> Finished {
+        let Some(lease) = self.lease.take() else {
+            return Finished::Kept { expires_at: None };
+        };
+        let ttl = self.ttl;
+        let expires_at = SystemTime::now() + ttl;
+        let record = Arc::new(Record {
+            fingerprint: self.claim.fingerprint,
+            first_seen: lease.first_seen,
+            original_attempt,
+            epoch: self.claim.epoch,
+            payload,
+            expires_at: Some(expires_at),
+        });
+        let stored = |completion: Completion| Finished::Kept {
+            expires_at: completion.is_stored().then_some(expires_at),
+        };
+        if let Some(transaction) = self.transaction.take() {
+            let outcome = Some((record.clone(), ttl));
+            let started = std::time::Instant::now();
+            let settlement = transaction.settle(self.scope, lease.clone(), outcome).await;
+            self.store_time += started.elapsed();
+            // Recorded once: below, or by the store call when the transaction was not
+            // taken.
+            if !matches!(settlement, Settlement::NotTaken) {
+                observe::store_time(self.store_time);
+            }
+            match settlement {
+                Settlement::Committed(completion) => {
+                    report(completion, &record, ttl, 1);
+                    return stored(completion);
+                }
+                Settlement::NotTaken => {}
+                Settlement::RolledBack => {
+                    let error = StoreError::new("the request's transaction was rolled back");
+                    self.give_back(&lease, Release::RolledBack).await;
+                    return Finished::Unsettled(Unsettled::NotCommitted(error));
+                }
+                Settlement::Failed(error) => {
+                    tracing::warn!(
+                        event = "idempotency.commit_failed",
+                        error = %Chain(&error),
+                        "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
+                    );
+                    self.give_back(&lease, Release::CommitFailed).await;
+                    return Finished::Unsettled(Unsettled::NotCommitted(error));
+                }
+                Settlement::Unknown(error) => {
+                    tracing::warn!(
+                        event = "idempotency.outcome_unknown",
+                        error = %Chain(&error),
+                        "the commit's answer was lost and the store could not tell whether it landed; a retry with this key replays the outcome if it did, and runs again once the store confirms it did not"
+                    );
+                    // A release never removes a stored outcome (the store's contract),
+                    // and the commit, until it ends, holds what the release would
+                    // change: so releasing is right whichever way the commit went,
+                    // and frees the key as soon as the store can tell.
+                    let (store, scope, hold) = (self.store.clone(), self.scope, self.claim.lease);
+                    let settling = self.kept.settling.clone();
+                    let pending = settling.enter(Owed::Release, tracing::Span::current());
+                    let release = async move {
+                        let reason = Release::OutcomeUnknown;
+                        lease::release(&store, &scope, &lease, hold, reason, &settling).await;
+                        drop(pending);
+                    };
+                    tokio::spawn(release.instrument(tracing::Span::current()));
+                    return Finished::Unsettled(Unsettled::Unknown(error));
+                }
+            }
+        }
+        let completed = observe::timed_store_call(
+            "complete",
+            &mut self.store_time,
+            self.store
+                .complete(&self.scope, &lease, record.clone(), ttl),
+        )
+        .await;
+        observe::store_time(self.store_time);
+        match completed {
+            Ok(Completion::ClaimedByAnother) => tracing::warn!(
+                event = "idempotency.claim_lapsed",
+                "this request's claim ran out while it ran and another request holds the key now; keeping the outcome and storing it once that claim is settled (dropped only if a record takes the key)"
+            ),
+            Ok(completion) => {
+                report(completion, &record, ttl, 1);
+                return stored(completion);
+            }
+            Err(error) => tracing::warn!(
+                event = "idempotency.store_failed",
+                error = %Chain(&error),
+                phase = "complete",
+                "could not store the response; keeping it and storing it in the background (the key stays claimed)"
+            ),
+        }
+        let outcome = Outcome {
+            lease,
+            claim: self.claim.clone(),
+            record,
+            ttl,
+        };
+        self.kept
+            .keep(self.store.clone(), self.scope, outcome, self.max_kept_bytes);
+        Finished::Kept { expires_at: None }
+    }
+
+    /// Gives the key up so a retry runs again: for a request that produced nothing to
+    /// keep (the handler failed, or its response is not stored).
+    async fn release(&mut self, reason: Release) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let started = std::time::Instant::now();
+        if let Some(transaction) = self.transaction.take() {
+            // Nothing to store: whatever the handler wrote in it is rolled back.
+            transaction.settle(self.scope, lease.clone(), None).await;
+        }
+        self.give_back(&lease, reason).await;
+        observe::store_time(self.store_time + started.elapsed());
+    }
+
+    async fn give_back(&self, lease: &Lease, reason: Release) {
+        let (hold, settling) = (self.claim.lease, &self.kept.settling);
+        lease::release(&self.store, &self.scope, lease, hold, reason, settling).await;
+    }
+}
+
+impl<St: IdempotencyStore> Drop for Claimed<St> {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.store.clone();
+        let scope = self.scope;
+        let hold = self.claim.lease;
+        let reason = if std::thread::panicking() {
+            Release::HandlerPanicked
+        } else {
+            Release::Abandoned
+        };
+        let settling = self.kept.settling.clone();
+        let pending = settling.enter(Owed::Release, tracing::Span::current());
+        runtime.spawn(
+            async move {
+                lease::release(&store, &scope, &lease, hold, reason, &settling).await;
+                drop(pending);
+            }
+            .instrument(tracing::Span::current()),
+        );
+    }
+}

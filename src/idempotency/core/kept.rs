@@ -1,0 +1,257 @@
+//! Outcomes the store could not take when their request ended: kept by the layer,
+//! stored from a task of their own as soon as the store answers, and never given up
+//! for a retry to run again.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex, PoisonError,
+    },
+    time::{Duration, SystemTime},
+};
+
+use tokio::sync::{watch, Notify};
+use tracing::Instrument as _;
+
+use super::{
+    drain::{Owed, Settling},
+    observe,
+};
+use crate::idempotency::{
+    store::{Chain, Claim, Completion, IdempotencyStore, Lease, Record, Renewal},
+    Fingerprint, ScopeKey,
+};
+
+/// The first pause before storing a kept outcome again; it doubles up to
+/// [`MAX_STORE_RETRY_PAUSE`].
+pub(super) const FIRST_STORE_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// The longest pause between two attempts to store a kept outcome: short, because a
+/// retry of the request gets `409` until the outcome is stored, and a store that is
+/// down answers an attempt at once.
+pub(super) const MAX_STORE_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// The event for a completion the store answered.
+pub(super) fn report(completion: Completion, record: &Record, ttl: Duration, attempts: u32) {
+    let status = record.response().map(|r| r.status.as_u16());
+    let bytes = record.weight();
+    match completion {
+        Completion::Stored => tracing::debug!(
+            event = "idempotency.stored",
+            status,
+            bytes,
+            ttl_secs = ttl.as_secs(),
+            attempts,
+            "stored the response for replay"
+        ),
+        Completion::StoredWithoutClaim => tracing::warn!(
+            event = "idempotency.stored",
+            status,
+            bytes,
+            ttl_secs = ttl.as_secs(),
+            attempts,
+            claim = "missing",
+            "stored the response, but the store had lost this request's claim (restarted without persistence, or the lease ran out): a duplicate may have run meanwhile"
+        ),
+        Completion::Superseded => tracing::warn!(
+            event = "idempotency.lease_lost",
+            status,
+            attempts,
+            "another request stored its outcome for this key: this request's claim ran out while it was running, and its outcome was not stored"
+        ),
+        // Kept and tried again by the caller, never reported as settled.
+        Completion::ClaimedByAnother => {}
+    }
+}
+
+/// An outcome the store could not take yet.
+pub(super) struct Outcome {
+    pub(super) lease: Lease,
+    pub(super) claim: Claim,
+    pub(super) record: Arc<Record>,
+    pub(super) ttl: Duration,
+}
+
+/// Outcomes waiting to be stored, one task each, shared by the clones of one layer.
+///
+/// A task tries again with backoff ([`FIRST_STORE_RETRY_PAUSE`] doubling to
+/// [`MAX_STORE_RETRY_PAUSE`]) and renews the claim between attempts, until the outcome
+/// is stored or the process ends. Duplicates that reach this layer meanwhile get
+/// `409` (or wait, with `InFlight::Wait`) and nudge it to try at once; duplicates on
+/// other replicas find the claim and get `409` too.
+#[derive(Default)]
+pub(crate) struct KeptOutcomes {
+    /// The layer's register of unsettled work, which [`Drain`](super::Drain) reads.
+    pub(crate) settling: Arc<Settling>,
+    by_scope: Mutex<HashMap<ScopeKey, Arc<Waiting>>>,
+    /// Entries in `by_scope`, read without the lock on every request.
+    count: AtomicUsize,
+    /// Response bytes held by the kept outcomes.
+    bytes: AtomicUsize,
+}
+
+/// What a duplicate needs of a kept outcome.
+pub(crate) struct Waiting {
+    /// When the original request arrived.
+    pub(crate) first_seen: SystemTime,
+    /// The fingerprint and epoch of the request that ran, which a duplicate must match.
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) epoch: Option<u64>,
+    /// How long the claim of the request that ran held its key, for a release of a
+    /// claim a duplicate took meanwhile.
+    pub(crate) hold: Duration,
+    /// Wakes the storing task for an attempt now.
+    nudge: Notify,
+    /// Sends once the outcome is stored (or superseded).
+    settled: watch::Sender<()>,
+}
+
+impl Waiting {
+    /// Asks for an attempt to store the outcome now.
+    pub(crate) fn nudge(&self) {
+        self.nudge.notify_one();
+    }
+
+    /// Waits until the outcome is settled in the store, or `timeout`; `false` on the
+    /// timeout.
+    pub(crate) async fn settled(&self, timeout: Duration) -> bool {
+        let mut settled = self.settled.subscribe();
+        tokio::time::timeout(timeout, settled.changed())
+            .await
+            .is_ok()
+    }
+}
+
+impl KeptOutcomes {
+    /// The kept outcome of `scope`, if this layer holds one.
+    pub(crate) fn get(&self, scope: &ScopeKey) -> Option<Arc<Waiting>> {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        self.lock().get(scope).cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ScopeKey, Arc<Waiting>>> {
+        self.by_scope.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `outcome` and stores it from a task of its own. Past `max_bytes` of held
+    /// responses, it is kept without its response: the request is recorded as run, and
+    /// duplicates get `410` rather than a replay or a second run.
+    pub(super) fn keep<St: IdempotencyStore>(
+        self: &Arc<Self>,
+        store: Arc<St>,
+        scope: ScopeKey,
+        mut outcome: Outcome,
+        max_bytes: usize,
+    ) {
+        let mut weight = outcome.record.weight();
+        let held = self.bytes.fetch_add(weight, Ordering::Relaxed) + weight;
+        if held > max_bytes {
+            self.bytes.fetch_sub(weight, Ordering::Relaxed);
+            tracing::warn!(
+                event = "idempotency.kept_over_budget",
+                bytes = weight,
+                max_bytes,
+                "outcomes waiting for the store hold too many bytes: this one is kept without its response, so duplicates get 410, never a second run"
+            );
+            outcome.record = Arc::new(Record {
+                payload: None,
+                ..Record::clone(&outcome.record)
+            });
+            weight = 0;
+        }
+        let (settled, _) = watch::channel(());
+        let waiting = Arc::new(Waiting {
+            first_seen: outcome.lease.first_seen,
+            fingerprint: outcome.record.fingerprint,
+            epoch: outcome.record.epoch,
+            hold: outcome.claim.lease,
+            nudge: Notify::new(),
+            settled,
+        });
+        if self.lock().insert(scope, waiting.clone()).is_none() {
+            self.count.fetch_add(1, Ordering::Release);
+        }
+        let kept = self.clone();
+        let pending = self.settling.enter(Owed::Outcome, tracing::Span::current());
+        let task = async move {
+            let _pending = pending;
+            store_until_done(&*store, &scope, &outcome, &waiting).await;
+            {
+                // Only this outcome's entry: another kept for the scope since stays.
+                let mut by_scope = kept.lock();
+                if by_scope
+                    .get(&scope)
+                    .is_some_and(|entry| Arc::ptr_eq(entry, &waiting))
+                {
+                    by_scope.remove(&scope);
+                    kept.count.fetch_sub(1, Ordering::Release);
+                }
+            }
+            kept.bytes.fetch_sub(weight, Ordering::Relaxed);
+            waiting.settled.send_replace(());
+        };
+        // The same span as the request: its correlation ID and key are on every event.
+        tokio::spawn(task.instrument(tracing::Span::current()));
+    }
+}
+
+/// Tries to store `outcome` until the store takes it or a record holds the key,
+/// renewing the claim between attempts so that no retry can take the key meanwhile. If
+/// another request's claim holds the key (this one's ran out), waits for that claim to
+/// be settled: it may be released without running (its own store call failed), and
+/// then this outcome is what keeps the handler from running again.
+async fn store_until_done<St: IdempotencyStore>(
+    store: &St,
+    scope: &ScopeKey,
+    outcome: &Outcome,
+    waiting: &Waiting,
+) {
+    let mut pause = FIRST_STORE_RETRY_PAUSE;
+    let mut attempts = 1;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = waiting.nudge.notified() => {}
+        }
+        attempts += 1;
+        let completed = observe::store_call(
+            "complete",
+            store.complete(scope, &outcome.lease, outcome.record.clone(), outcome.ttl),
+        );
+        match completed.await {
+            Ok(Completion::ClaimedByAnother) => {
+                tracing::debug!(
+                    event = "idempotency.claim_lapsed",
+                    attempts,
+                    "another request's claim holds the key; trying again once it is settled"
+                );
+            }
+            Ok(completion) => return report(completion, &outcome.record, outcome.ttl, attempts),
+            Err(error) => {
+                tracing::debug!(
+                    event = "idempotency.store_failed",
+                    error = %Chain(&error),
+                    phase = "complete",
+                    attempts,
+                    "still cannot store the response; trying again"
+                );
+                // Keep the key claimed meanwhile; the next attempt to store decides the
+                // rest, so only a lost claim is worth an event here.
+                let renewed = observe::store_call(
+                    "renew",
+                    store.renew(scope, &outcome.lease, &outcome.claim),
+                );
+                if let Ok(Renewal::Restored) = renewed.await {
+                    tracing::warn!(
+                        event = "idempotency.claim_restored",
+                        "the store had lost this request's claim (restarted without persistence?); it is back, but a duplicate may have run meanwhile"
+                    );
+                }
+            }
+        }
+        pause = (pause * 2).min(MAX_STORE_RETRY_PAUSE);
+    }
+}

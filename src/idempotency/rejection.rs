@@ -1,0 +1,153 @@
+//! Why a key extractor refused a request or a message: the HTTP layer's and the
+//! message layer's extractors say it the same way.
+
+use std::{borrow::Cow, fmt};
+
+use crate::idempotency::InvalidIdempotencyKey;
+
+/// Why a request's key could not be read; the layer answers `400` (see
+/// [`code`](Self::code)) and logs a WARN `idempotency.rejected`.
+///
+/// Its text names where the key was looked for (a header or a field the server
+/// configured) and what was wrong, never the request's own text.
+#[derive(Debug, Clone)]
+pub struct KeyRejection {
+    kind: Kind,
+}
+
+#[derive(Debug, Clone)]
+enum Kind {
+    Key(InvalidIdempotencyKey),
+    NotJson,
+    FieldNotString {
+        pointer: Cow<'static, str>,
+    },
+    FieldInvalid {
+        pointer: Cow<'static, str>,
+        error: InvalidIdempotencyKey,
+    },
+    ClientField {
+        pointer: Cow<'static, str>,
+        missing: bool,
+    },
+    Refused(&'static str),
+}
+
+impl KeyRejection {
+    /// Refuses the request's key with `message`, which the client reads:
+    /// `400 idempotency.key_invalid`.
+    pub fn new(message: &'static str) -> Self {
+        Self {
+            kind: Kind::Refused(message),
+        }
+    }
+
+    /// The problem's stable `code`: `idempotency.key_invalid`,
+    /// `idempotency.key_repeated`, `idempotency.keys_disagree`,
+    /// `idempotency.body_not_json` or `idempotency.client_invalid`.
+    pub fn code(&self) -> &'static str {
+        match &self.kind {
+            Kind::Key(error) => match error.code() {
+                "repeated" => "idempotency.key_repeated",
+                "conflicting" => "idempotency.keys_disagree",
+                _ => "idempotency.key_invalid",
+            },
+            Kind::NotJson => "idempotency.body_not_json",
+            Kind::ClientField { .. } => "idempotency.client_invalid",
+            Kind::FieldNotString { .. } | Kind::FieldInvalid { .. } | Kind::Refused(_) => {
+                "idempotency.key_invalid"
+            }
+        }
+    }
+
+    /// A short stable reason for the log line: the header parser's code
+    /// ([`InvalidIdempotencyKey::code`]), `body_not_json`, `field_not_string`,
+    /// `field_invalid`, `client_field_missing`, `client_field_invalid` or `refused`.
+    pub fn reason(&self) -> &'static str {
+        match &self.kind {
+            Kind::Key(error) => error.code(),
+            Kind::NotJson => "body_not_json",
+            Kind::FieldNotString { .. } => "field_not_string",
+            Kind::FieldInvalid { .. } => "field_invalid",
+            Kind::ClientField { missing: true, .. } => "client_field_missing",
+            Kind::ClientField { missing: false, .. } => "client_field_invalid",
+            Kind::Refused(_) => "refused",
+        }
+    }
+
+    /// The problem's `title`.
+    pub(crate) fn title(&self) -> &'static str {
+        match self.code() {
+            "idempotency.key_repeated" => "Idempotency key header repeated",
+            "idempotency.keys_disagree" => "Two different idempotency keys",
+            "idempotency.body_not_json" => "Body is not JSON",
+            "idempotency.client_invalid" => "Invalid client identity",
+            _ => "Invalid idempotency key",
+        }
+    }
+}
+
+impl KeyRejection {
+    pub(crate) fn not_json() -> Self {
+        Self {
+            kind: Kind::NotJson,
+        }
+    }
+
+    pub(crate) fn field_invalid(pointer: Cow<'static, str>, error: InvalidIdempotencyKey) -> Self {
+        Self {
+            kind: Kind::FieldInvalid { pointer, error },
+        }
+    }
+
+    pub(crate) fn field_not_string(pointer: Cow<'static, str>) -> Self {
+        Self {
+            kind: Kind::FieldNotString { pointer },
+        }
+    }
+
+    pub(crate) fn client_field(pointer: Cow<'static, str>, missing: bool) -> Self {
+        Self {
+            kind: Kind::ClientField { pointer, missing },
+        }
+    }
+}
+
+impl From<InvalidIdempotencyKey> for KeyRejection {
+    fn from(error: InvalidIdempotencyKey) -> Self {
+        Self {
+            kind: Kind::Key(error),
+        }
+    }
+}
+
+impl fmt::Display for KeyRejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            Kind::Key(error) => error.fmt(f),
+            Kind::NotJson => f.write_str(
+                "this route reads the idempotency key from the JSON body, and the body is not JSON",
+            ),
+            Kind::FieldNotString { pointer } => {
+                write!(f, "the {pointer} field of the body, the idempotency key, must be a string")
+            }
+            Kind::FieldInvalid { pointer, error } => {
+                write!(f, "the {pointer} field of the body: {error}")
+            }
+            Kind::ClientField {
+                pointer,
+                missing: true,
+            } => write!(f, "the {pointer} field of the body, which names the client, is missing"),
+            Kind::ClientField {
+                pointer,
+                missing: false,
+            } => write!(
+                f,
+                "the {pointer} field of the body, which names the client, must be a non-empty string or an integer"
+            ),
+            Kind::Refused(message) => f.write_str(message),
+        }
+    }
+}
+
+impl std::error::Error for KeyRejection {}
