@@ -123,6 +123,14 @@ impl InvalidClient {
             ClientError::Refused(_) => "refused",
         }
     }
+
+    /// The `reason` of the `idempotency.rejected` event, for every transport.
+    pub(crate) fn reason(&self) -> &'static str {
+        match self.0 {
+            ClientError::Repeated(_) => "client_repeated",
+            ClientError::Refused(_) => "client_refused",
+        }
+    }
 }
 
 impl fmt::Display for InvalidClient {

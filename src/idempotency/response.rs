@@ -9,13 +9,14 @@ use std::{
     time::SystemTime,
 };
 
-use http::{header, Extensions, HeaderMap, HeaderName, HeaderValue, Response};
+use http::{header, header::Entry, Extensions, HeaderMap, HeaderName, HeaderValue, Response};
 
 use crate::body::Body;
 use crate::correlation::DEFAULT_HEADER as X_CORRELATION_ID;
 use crate::idempotency::{
-    core::Detaching, store::Record, store::TransactionOffer, ATTEMPT_ID, IDEMPOTENCY_FIRST_SEEN,
-    IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
+    core::Detaching, store::Record, store::TransactionOffer, AttemptId, IdempotencyKey, ATTEMPT_ID,
+    IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
+    ORIGINAL_ATTEMPT_ID,
 };
 
 /// Response future of [`Idempotency`](crate::idempotency::Idempotency) and
@@ -105,4 +106,25 @@ pub(crate) fn offer_transaction(offer: TransactionOffer, extensions: &mut Extens
         extensions.insert(transaction.clone());
     }
     extensions.insert(offer);
+}
+
+/// What every answer of a protected route carries: whether it was replayed, the
+/// attempt ID echoed, and the key echoed unless the handler set `idempotency-key`
+/// itself.
+pub(crate) fn echo(
+    headers: &mut HeaderMap,
+    replayed: bool,
+    key: Option<&IdempotencyKey>,
+    attempt: Option<&AttemptId>,
+) {
+    let replayed = if replayed { "true" } else { "false" };
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static(replayed));
+    if let Some(attempt) = attempt {
+        headers.insert(ATTEMPT_ID, attempt.to_header_value());
+    }
+    if let Some(key) = key {
+        if let Entry::Vacant(entry) = headers.entry(IDEMPOTENCY_KEY) {
+            entry.insert(key.to_header_value());
+        }
+    }
 }

@@ -433,27 +433,6 @@ impl<St> Engine<St> {
     }
 }
 
-/// A refusal before the engine is asked (no key, an invalid key or client): its WARN
-/// event and its count. `detail` is the layer's own text, never the request's.
-///
-/// `status` is the HTTP status of the refusal, for the HTTP layer.
-pub(crate) fn rejected(
-    reason: &'static str,
-    code: &'static str,
-    detail: &str,
-    status: Option<u16>,
-) {
-    observe::outcome("rejected");
-    tracing::warn!(
-        event = "idempotency.rejected",
-        reason,
-        code,
-        detail,
-        status,
-        "refused before deduplication: {code}"
-    );
-}
-
 fn in_flight<St: IdempotencyStore>(
     first_seen: SystemTime,
     request_count: Option<u64>,

@@ -14,6 +14,7 @@ mod engine;
 mod kept;
 mod lease;
 pub(crate) mod observe;
+pub(crate) mod refusal;
 mod replay;
 mod settings;
 
@@ -26,6 +27,6 @@ pub use self::settings::{
 pub(crate) use self::{
     claimed::{Claimed, Classified, Classifying, Finished, Unsettled},
     detach::{ClaimFlag, Detaching},
-    engine::{rejected, replay_failed, Decision, Engine, Fingerprints, Verdict},
+    engine::{replay_failed, Decision, Engine, Fingerprints, Verdict},
     lease::Release,
 };

@@ -5,7 +5,7 @@
 use std::{collections::HashMap, time::Duration};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Response};
+use http::{HeaderMap, Response};
 use tonic::Code;
 use tonic_types::{ErrorDetails, StatusExt as _};
 
@@ -13,9 +13,9 @@ use super::call::StoredCall;
 use crate::body::Body;
 use crate::idempotency::{
     core::{self, Unsettled, Verdict},
-    response::replay_headers,
+    response::{echo, replay_headers},
     store::Record,
-    AttemptId, IdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
+    AttemptId, IdempotencyKey,
 };
 
 /// The `domain` of every `google.rpc.ErrorInfo` the layer answers; its `reason` is the
@@ -129,22 +129,18 @@ impl Reply<'_> {
     }
 
     fn mark(self, headers: &mut HeaderMap, replayed: bool) {
-        headers.insert(
-            IDEMPOTENT_REPLAYED,
-            HeaderValue::from_static(bool_str(replayed)),
-        );
-        if let Some(attempt) = self.attempt {
-            headers.insert(ATTEMPT_ID, attempt.to_header_value());
-        }
-        if let Some(key) = self.key {
-            headers.insert(IDEMPOTENCY_KEY, key.to_header_value());
-        }
+        echo(headers, replayed, self.key, self.attempt);
     }
 
     /// A refusal before the engine is asked, with its WARN event; the message is the
     /// layer's own text, never the request's.
-    pub(super) fn refuse<B>(self, refusal: Refusal) -> Response<Body<B>> {
-        core::rejected(refusal.reason, refusal.reason, &refusal.message, None);
+    pub(super) fn refuse<B>(self, reason: &'static str, refusal: Refusal) -> Response<Body<B>> {
+        core::refusal::rejected(
+            reason,
+            refusal.reason,
+            &refusal.message,
+            Some(http_status(refusal.code)),
+        );
         self.status(refusal)
     }
 
@@ -194,10 +190,20 @@ impl Reply<'_> {
     }
 }
 
-fn bool_str(value: bool) -> &'static str {
-    if value {
-        "true"
-    } else {
-        "false"
+/// The HTTP status the gRPC status `code` maps to, as gRPC's HTTP mapping says it.
+fn http_status(code: Code) -> u16 {
+    match code {
+        Code::Ok => 200,
+        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => 400,
+        Code::Unauthenticated => 401,
+        Code::PermissionDenied => 403,
+        Code::NotFound => 404,
+        Code::AlreadyExists | Code::Aborted => 409,
+        Code::ResourceExhausted => 429,
+        Code::Cancelled => 499,
+        Code::Unimplemented => 501,
+        Code::Unavailable => 503,
+        Code::DeadlineExceeded => 504,
+        Code::Unknown | Code::Internal | Code::DataLoss => 500,
     }
 }

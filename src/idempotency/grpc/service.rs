@@ -18,7 +18,7 @@ use crate::idempotency::{
     client::{IdentifyClient, NoClient},
     collect::{collect_up_to, read_within, BoxError, Collected, Read},
     core::{
-        observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
+        observe, refusal, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
         Fingerprints, Finished, Release,
     },
     response::{offer_transaction, unclaimed, ResponseFuture},
@@ -174,7 +174,7 @@ fn protect<B, C: IdentifyClient<B>, R>(
         Err(error) => {
             let (code, _) = error.refusal();
             let refusal = Refusal::new(Code::InvalidArgument, code, error.to_string());
-            return Decided::Refused(Reply::default().refuse(refusal));
+            return Decided::Refused(Reply::default().refuse(error.code(), refusal));
         }
     };
     let keyless = Reply {
@@ -184,20 +184,20 @@ fn protect<B, C: IdentifyClient<B>, R>(
     let key = match IdempotencyKey::from_headers(headers, &[IDEMPOTENCY_KEY]) {
         Ok(Some(key)) => key,
         Ok(None) if settings.require_key => {
-            return Decided::Refused(keyless.refuse(Refusal::new(
-                Code::InvalidArgument,
-                "idempotency.key_missing",
-                "this method requires `idempotency-key` metadata on every call",
-            )));
+            return Decided::Refused(keyless.refuse(
+                "missing",
+                Refusal::new(
+                    Code::InvalidArgument,
+                    "idempotency.key_missing",
+                    "this method requires `idempotency-key` metadata on every call",
+                ),
+            ));
         }
         Ok(None) => return Decided::PassThrough(attempt),
         Err(error) => {
             let (code, _) = error.refusal();
-            return Decided::Refused(keyless.refuse(Refusal::new(
-                Code::InvalidArgument,
-                code,
-                error.to_string(),
-            )));
+            let refusal = Refusal::new(Code::InvalidArgument, code, error.to_string());
+            return Decided::Refused(keyless.refuse(error.code(), refusal));
         }
     };
     let reply = Reply {
@@ -207,20 +207,22 @@ fn protect<B, C: IdentifyClient<B>, R>(
     let client = match identify.identify_client(request) {
         Ok(client) => client,
         Err(error) => {
-            return Decided::Refused(reply.refuse(Refusal::new(
+            // Fixed text or a configured header name, never what the call sent.
+            let refusal = Refusal::new(
                 Code::InvalidArgument,
                 "idempotency.client_invalid",
-                // Fixed text or a configured header name, never what the call sent.
                 error.to_string(),
-            )));
+            );
+            return Decided::Refused(reply.refuse(error.reason(), refusal));
         }
     };
     if client.is_none() && settings.require_client {
-        return Decided::Refused(reply.refuse(Refusal::new(
+        let refusal = Refusal::new(
             Code::Unauthenticated,
             "idempotency.client_missing",
             "this method keeps idempotency keys per client, and this call names none; send your credentials",
-        )));
+        );
+        return Decided::Refused(reply.refuse("client_missing", refusal));
     }
     let scope = ScopeKey::new(client.as_ref(), &GRPC, request.uri().path(), None, &key);
     Decided::Protected(Protected {
@@ -258,14 +260,16 @@ where
     let message = match read_within(body, max, None, &mut reservation).await {
         Read::Complete(message) => message,
         Read::TooLarge => {
-            return Ok(reply.refuse(Refusal::new(
+            refusal::body_too_large(max);
+            return Ok(reply.status(Refusal::new(
                 Code::ResourceExhausted,
                 "idempotency.body_too_large",
                 format!("the call's messages are over the idempotency limit of {max} bytes; nothing ran"),
             )));
         }
-        Read::Overloaded { .. } => {
-            return Ok(reply.refuse(
+        Read::Overloaded { requested } => {
+            refusal::overloaded(settings.budget.capacity(), requested);
+            return Ok(reply.status(
                 Refusal::new(
                     Code::Unavailable,
                     "idempotency.overloaded",
@@ -274,8 +278,9 @@ where
                 .retry_after(std::time::Duration::from_secs(1)),
             ));
         }
-        Read::Failed(_) => {
-            return Ok(reply.refuse(Refusal::new(
+        Read::Failed(error) => {
+            refusal::body_unreadable(&error);
+            return Ok(reply.status(Refusal::new(
                 Code::InvalidArgument,
                 "idempotency.body_unreadable",
                 "the call's messages could not be read to the end",
@@ -285,18 +290,21 @@ where
     match message_count(&message) {
         Some(1) => {}
         Some(_) => {
-            return Ok(reply.refuse(Refusal::new(
+            return Ok(reply.refuse("streaming_unsupported", Refusal::new(
                 Code::Unimplemented,
                 "idempotency.streaming_unsupported",
                 "a call with an idempotency key must send exactly one message; streaming calls are not deduplicated, send them without the key",
             )));
         }
         None => {
-            return Ok(reply.refuse(Refusal::new(
-                Code::InvalidArgument,
-                "idempotency.message_invalid",
-                "the call's body is not a sequence of length-prefixed gRPC messages",
-            )));
+            return Ok(reply.refuse(
+                "message_invalid",
+                Refusal::new(
+                    Code::InvalidArgument,
+                    "idempotency.message_invalid",
+                    "the call's body is not a sequence of length-prefixed gRPC messages",
+                ),
+            ));
         }
     }
     // As the HTTP layer: the fast version 2 where the scope is one client's, SHA-256

@@ -5,16 +5,16 @@
 
 use std::time::{Duration, SystemTime};
 
-use http::{header, header::Entry, HeaderMap, HeaderValue, Response, StatusCode};
+use http::{header, HeaderValue, Response, StatusCode};
 
 use super::{layer::Settings, replay};
 use crate::idempotency::{
     client::InvalidClient,
     core::{self, ReplayInfo, Unsettled, Verdict},
-    response::{http_date, replay_headers},
+    response::{echo, http_date, replay_headers},
     store::Record,
-    AttemptId, IdempotencyKey, InvalidIdempotencyKey, ATTEMPT_ID, IDEMPOTENCY_EXPIRES,
-    IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY, IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED,
+    AttemptId, IdempotencyKey, InvalidIdempotencyKey, IDEMPOTENCY_EXPIRES, IDEMPOTENCY_FIRST_SEEN,
+    IDEMPOTENCY_REQUEST_COUNT,
 };
 use crate::{body::Body, problem::Problem};
 
@@ -50,21 +50,8 @@ impl Reply<'_> {
     /// replay: `idempotent-replayed: false`, the attempt ID, and the key, unless the
     /// handler set that header itself.
     pub(super) fn finish<B>(self, mut response: Response<B>) -> Response<B> {
-        let headers = response.headers_mut();
-        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("false"));
-        self.echo(headers);
+        echo(response.headers_mut(), false, self.key, self.attempt);
         response
-    }
-
-    fn echo(self, headers: &mut HeaderMap) {
-        if let Some(attempt) = self.attempt {
-            headers.insert(ATTEMPT_ID, attempt.to_header_value());
-        }
-        if let Some(key) = self.key {
-            if let Entry::Vacant(entry) = headers.entry(IDEMPOTENCY_KEY) {
-                entry.insert(key.to_header_value());
-            }
-        }
     }
 
     /// `problem` as the response, naming the key.
@@ -89,13 +76,9 @@ impl Reply<'_> {
 
     /// The `400` for a request whose client cannot be told (two different API keys).
     pub(super) fn reject_client<B>(self, error: &InvalidClient) -> Response<Body<B>> {
-        let reason = match error.code() {
-            "repeated" => "client_repeated",
-            _ => "client_refused",
-        };
         self.refuse(
             StatusCode::BAD_REQUEST,
-            reason,
+            error.reason(),
             "idempotency.client_invalid",
             "Invalid client identity",
             // Fixed text or a configured header name, never what the request sent.
@@ -113,7 +96,7 @@ impl Reply<'_> {
         title: &'static str,
         detail: String,
     ) -> Response<Body<B>> {
-        core::rejected(reason, code, &detail, Some(status.as_u16()));
+        core::refusal::rejected(reason, code, &detail, Some(status.as_u16()));
         self.finish(self.problem(Problem::new(status, code, title, detail)))
     }
 
@@ -281,8 +264,7 @@ impl Reply<'_> {
                 .entry(IDEMPOTENCY_EXPIRES)
                 .or_insert_with(|| http_date(expires_at));
         }
-        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-        self.echo(headers);
+        echo(headers, true, self.key, self.attempt);
         response
     }
 

@@ -8,7 +8,7 @@ use super::{answer::Reply, layer::Settings};
 use crate::body::Body;
 use crate::idempotency::{
     collect::{read_within, BoxError, Read, Reservation},
-    core::observe,
+    core::refusal,
     Fingerprint,
 };
 
@@ -30,13 +30,7 @@ where
     // A body larger than the whole budget could never be read: too large, not busy.
     let max = settings.max_request_bytes.min(budget.capacity());
     let too_large = || {
-        observe::outcome("rejected");
-        tracing::warn!(
-            event = "idempotency.body_too_large",
-            max_bytes = max,
-            status = 413,
-            "request body over the idempotency limit"
-        );
+        refusal::body_too_large(max);
         reply.body_too_large(max)
     };
     let declared = request
@@ -58,24 +52,11 @@ where
         )),
         Read::TooLarge => Err(too_large()),
         Read::Overloaded { requested } => {
-            observe::outcome("rejected");
-            tracing::warn!(
-                event = "idempotency.overloaded",
-                budget_bytes = budget.capacity(),
-                requested_bytes = requested,
-                status = 503,
-                "request bodies in flight fill the idempotency byte budget; request refused"
-            );
+            refusal::overloaded(budget.capacity(), requested);
             Err(reply.overloaded())
         }
         Read::Failed(error) => {
-            observe::outcome("rejected");
-            tracing::warn!(
-                event = "idempotency.body_unreadable",
-                error = %error,
-                status = 400,
-                "request body could not be read"
-            );
+            refusal::body_unreadable(&error);
             Err(reply.body_unreadable())
         }
     }

@@ -290,7 +290,7 @@ fn ready<R: Send + 'static, E: Send + 'static>(handled: Handled<R>) -> ResponseF
 
 /// A refusal of a message the layer cannot key.
 fn refuse<R>(code: &'static str, reason: &'static str, detail: String) -> Handled<R> {
-    core::rejected(reason, code, &detail, None);
+    core::refusal::rejected(reason, code, &detail, None);
     Handled::Refused(Refusal::new(code, detail, false))
 }
 

@@ -1,0 +1,59 @@
+//! Refusals made before the engine is asked: no key, a key, client or epoch that cannot
+//! be read, a body over the limit or the budget, or one that cannot be read. Each is
+//! counted (`rejected`) and logged here, the same whatever the transport: its answer is
+//! the adapter's.
+
+use super::observe;
+
+/// A refusal of the key, the client or the request's framing: WARN
+/// `idempotency.rejected` with `reason` (short and stable), `code` (the problem code)
+/// and `detail` (the layer's own text, never the request's); `status` is the answer's
+/// HTTP status, where the transport has one (gRPC's codes as the HTTP mapping of gRPC
+/// statuses says them).
+pub(crate) fn rejected(
+    reason: &'static str,
+    code: &'static str,
+    detail: &str,
+    status: Option<u16>,
+) {
+    observe::outcome("rejected");
+    tracing::warn!(
+        event = "idempotency.rejected",
+        reason,
+        code,
+        detail,
+        status,
+        "refused before deduplication: {code}"
+    );
+}
+
+/// A body over `max_bytes`: WARN `idempotency.body_too_large`.
+pub(crate) fn body_too_large(max_bytes: usize) {
+    observe::outcome("rejected");
+    tracing::warn!(
+        event = "idempotency.body_too_large",
+        max_bytes,
+        "request body over the idempotency limit"
+    );
+}
+
+/// A body the byte budget cannot take now: WARN `idempotency.overloaded`.
+pub(crate) fn overloaded(budget_bytes: usize, requested_bytes: usize) {
+    observe::outcome("rejected");
+    tracing::warn!(
+        event = "idempotency.overloaded",
+        budget_bytes,
+        requested_bytes,
+        "request bodies in flight fill the idempotency byte budget; request refused"
+    );
+}
+
+/// A body that failed mid-read: WARN `idempotency.body_unreadable`.
+pub(crate) fn body_unreadable(error: &str) {
+    observe::outcome("rejected");
+    tracing::warn!(
+        event = "idempotency.body_unreadable",
+        error,
+        "request body could not be read"
+    );
+}
