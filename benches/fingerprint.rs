@@ -13,7 +13,6 @@
 #![allow(missing_docs)]
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use http::Method;
 use tower_ids::idempotency::store::Fingerprint;
 
 const SIZES: [(&str, usize); 3] = [("64B", 64), ("1KiB", 1024), ("64KiB", 64 * 1024)];
@@ -27,7 +26,7 @@ fn fingerprint(c: &mut Criterion) {
         group.bench_function(format!("sha256/{label}"), |b| {
             b.iter(|| {
                 black_box(Fingerprint::new_v1(
-                    &Method::POST,
+                    "POST",
                     PATH,
                     None,
                     Some(CONTENT_TYPE),
@@ -38,7 +37,7 @@ fn fingerprint(c: &mut Criterion) {
         group.bench_function(format!("xxh3_128/{label}"), |b| {
             b.iter(|| {
                 black_box(Fingerprint::new(
-                    &Method::POST,
+                    "POST",
                     PATH,
                     None,
                     Some(CONTENT_TYPE),

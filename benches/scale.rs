@@ -59,7 +59,7 @@ use std::{
 use axum::{body::Body, response::Response, routing::post, Router};
 use bytes::Bytes;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkGroup, Criterion};
-use http::{header, HeaderMap, HeaderValue, Method, Request, StatusCode};
+use http::{header, HeaderMap, HeaderValue, Request, StatusCode};
 use http_body_util::BodyExt;
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use tower::ServiceExt;
@@ -140,11 +140,11 @@ const FIRST_ROOM: u64 = 8_000_000;
 /// Stores `n` completed records under the scopes and fingerprint the layer computes
 /// for [`request`], each with its own copy of `body`, then runs moka's maintenance.
 async fn fill(store: &MokaStore, n: u64, body: &[u8]) {
-    let method = Method::POST;
+    let method = "POST";
     // Version 1 (SHA-256), as the layer computes it for a scope every caller shares
     // (`NoClient`, below).
     let fingerprint = Fingerprint::new_v1(
-        &method,
+        method,
         PATH,
         None,
         Some(CONTENT_TYPE.as_bytes()),
@@ -153,7 +153,7 @@ async fn fill(store: &MokaStore, n: u64, body: &[u8]) {
     for i in 0..n {
         let key = IdempotencyKey::parse(key_text(i).as_bytes()).expect("valid key");
         // `NoClient`, and the query left out, as the layer's defaults do.
-        let scope = ScopeKey::new(None, &method, PATH, None, &key);
+        let scope = ScopeKey::new("http", &[method, PATH], None, &key);
         let claim = Claim::new(fingerprint, DEFAULT_LEASE, None);
         let Begin::Claimed { lease } = store.begin(&scope, claim).await.expect("begin") else {
             panic!("a fresh key is claimed");

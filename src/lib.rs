@@ -115,7 +115,7 @@
 //! | `correlation` | yes | [`correlation`]: the server and outbound layers, [`CorrelationId`] |
 //! | `idempotency` | yes | [`idempotency`]: the HTTP and message layers and the in-memory [`MokaStore`] |
 //! | `client` | yes | [`client`]: [`RetryLayer`] and `derive_key` (without the idempotency layer or moka) |
-//! | `axum` | yes | [`CorrelationId`] as an axum extractor |
+//! | `axum` | yes | [`CorrelationId`] as an axum extractor (and, with `postgres`, the handler's `Transaction`) |
 //! | `redis` | no | `RedisStore`, one record per key for every replica, on one Redis or on Redis Cluster |
 //! | `postgres` | no | `PostgresStore`, durable records, and the handler's writes committed with the record |
 //! | `access-log` | no | [`CorrelationLayer::access_log`]: one access line per request inside its span, on tower-http's `TraceLayer` |
@@ -124,8 +124,8 @@
 //! | `reqwest` | no | [`OutboundCorrelationLayer`] (and, with `client`, [`RetryLayer`]) as `reqwest-middleware` middleware |
 //! | `openapi` | no | `IdempotencyLayer::document`: a protected operation's key header, problems and response headers in an OpenAPI document (utoipa) |
 //! | `grpc` | no | `idempotency::grpc::GrpcIdempotencyLayer`: unary tonic calls deduplicated, answered as gRPC statuses with `google.rpc` details |
-//! | `amqp` | no | correlation IDs carried in AMQP 0-9-1 (RabbitMQ, lapin) header tables |
-//! | `kafka` | no | correlation IDs, keys and trace context carried in Kafka record headers (rdkafka) |
+//! | `amqp` | no | AMQP 0-9-1 (RabbitMQ, lapin) header tables as a [`Carrier`](correlation::Carrier): a message's correlation ID, idempotency key (with `idempotency`) and trace context (with `opentelemetry`) |
+//! | `kafka` | no | Kafka record headers (rdkafka) as a [`Carrier`](correlation::Carrier): a record's correlation ID, idempotency key (with `idempotency`) and trace context (with `opentelemetry`) |
 //! | `full` | no | all of the above |
 //!
 //! docs.rs builds the documentation with every feature.

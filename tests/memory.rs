@@ -8,7 +8,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Method, StatusCode};
+use http::{HeaderName, HeaderValue, StatusCode};
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use tower_ids::idempotency::{
     store::Fingerprint,
@@ -39,11 +39,11 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
     ];
     let response_bytes =
         StoredResponse::new(StatusCode::CREATED, headers.clone(), body.clone()).weight();
-    let fingerprint = Fingerprint::new(&Method::POST, "/commands", None, None, b"");
+    let fingerprint = Fingerprint::new("POST", "/commands", None, None, b"");
     let region = Region::new(GLOBAL);
     for i in 0..ENTRIES {
         let key = IdempotencyKey::parse(format!("key-{i}").as_bytes()).unwrap();
-        let scope = ScopeKey::new(None, &Method::POST, "/commands", None, &key);
+        let scope = ScopeKey::new("http", &["POST", "/commands"], None, &key);
         let claim = Claim::new(fingerprint, Duration::from_secs(60), None);
         let Begin::Claimed { lease } = store.begin(&scope, claim).await.unwrap() else {
             panic!("a fresh key is claimed");
@@ -86,12 +86,12 @@ async fn what_stored_records_and_requests_in_flight_cost() {
 
 async fn a_request_in_flight_costs_under_a_kibibyte() {
     let store = MokaStore::new();
-    let fingerprint = Fingerprint::new(&Method::POST, "/commands", None, None, b"");
+    let fingerprint = Fingerprint::new("POST", "/commands", None, None, b"");
     let mut leases = Vec::with_capacity(ENTRIES);
     let region = Region::new(GLOBAL);
     for i in 0..ENTRIES {
         let key = IdempotencyKey::parse(format!("flight-{i}").as_bytes()).unwrap();
-        let scope = ScopeKey::new(None, &Method::POST, "/commands", None, &key);
+        let scope = ScopeKey::new("http", &["POST", "/commands"], None, &key);
         let claim = Claim::new(fingerprint, Duration::from_secs(60), None);
         leases.push(store.begin(&scope, claim).await.unwrap());
     }

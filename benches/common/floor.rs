@@ -94,14 +94,23 @@ where
                 .expect("the benches send a valid key");
             let (parts, body) = request.into_parts();
             let query = parts.uri.query();
-            let scope = ScopeKey::new(None, &parts.method, parts.uri.path(), query, &key);
+            let (method, path) = (parts.method.as_str(), parts.uri.path());
+            let scope = match query {
+                Some(query) => ScopeKey::new("http", &[method, path, query], None, &key),
+                None => ScopeKey::new("http", &[method, path], None, &key),
+            };
             let body = body.collect().await.expect("a body").to_bytes();
             let content_type = parts
                 .headers
                 .get(header::CONTENT_TYPE)
                 .map(HeaderValue::as_bytes);
-            let fingerprint =
-                Fingerprint::new_v1(&parts.method, parts.uri.path(), query, content_type, &body);
+            let fingerprint = Fingerprint::new_v1(
+                parts.method.as_str(),
+                parts.uri.path(),
+                query,
+                content_type,
+                &body,
+            );
             let found = index.lock().unwrap().get(scope.as_bytes()).cloned();
             if let Some(stored) = found {
                 assert!(stored.fingerprint == fingerprint, "the same request");

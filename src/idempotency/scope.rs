@@ -3,7 +3,6 @@
 
 use std::{borrow::Cow, fmt};
 
-use http::Method;
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::Xxh3;
 
@@ -62,8 +61,9 @@ impl fmt::Debug for ClientId {
     }
 }
 
-/// The digest that names one idempotent request: client, method, path, optionally the
-/// query, and the key. Stores index records by it; it holds nothing raw.
+/// The digest that names one idempotent request: its transport, its operation (for HTTP
+/// the method, path and, if the layer scopes by it, the query; for gRPC the method's
+/// path), its client and its key. Stores index records by it; it holds nothing raw.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct ScopeKey([u8; 32]);
 
@@ -77,22 +77,24 @@ impl std::hash::Hash for ScopeKey {
 }
 
 impl ScopeKey {
-    /// The scope of a request: SHA-256 over the client's hash, method, path, query
-    /// (pass `None` unless the layer scopes by query) and key, each length-prefixed so
-    /// no two different requests share one.
+    /// The scope of a request: SHA-256 over the transport (`"http"`, `"grpc"`), the
+    /// parts of the operation (`["POST", "/commands"]`), the client's hash and the key,
+    /// each length-prefixed and the parts counted, so no two different requests share
+    /// one and no transport's scope is another's.
     pub fn new(
+        transport: &str,
+        operation: &[&str],
         client: Option<&ClientId>,
-        method: &Method,
-        path: &str,
-        query: Option<&str>,
         key: &IdempotencyKey,
     ) -> Self {
         let mut digest = Sha256::new();
-        digest.update(b"tower-ids.scope.v1\0");
+        digest.update(b"tower-ids.scope.v2\0");
+        field(&mut digest, transport.as_bytes());
+        field(&mut digest, &(operation.len() as u64).to_be_bytes());
+        for part in operation {
+            field(&mut digest, part.as_bytes());
+        }
         field(&mut digest, client.map_or(&[][..], |c| &c.0[..]));
-        field(&mut digest, method.as_str().as_bytes());
-        field(&mut digest, path.as_bytes());
-        field(&mut digest, query.unwrap_or("").as_bytes());
         field(&mut digest, key.as_str().as_bytes());
         Self(digest.finalize().into())
     }
@@ -142,9 +144,6 @@ impl fmt::Debug for ScopeKey {
 ///   otherwise send a different body that collides with it first; XXH3 is not made to
 ///   resist that, SHA-256 is.
 ///
-/// Records written with version 1 where version 2 is computed now (before version 2
-/// existed) still match their requests: the layer computes a request's version 1 only
-/// when it finds such a record.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
@@ -163,7 +162,7 @@ impl Fingerprint {
     /// `Application/JSON` and `application/json` are one fingerprint;
     /// `application/json` and `text/plain` are two.
     pub fn new(
-        method: &Method,
+        method: &str,
         path: &str,
         query: Option<&str>,
         content_type: Option<&[u8]>,
@@ -173,7 +172,7 @@ impl Fingerprint {
         digest.update(b"tower-ids.fingerprint.v2\0");
         let media_type = media_type(content_type.unwrap_or(b""));
         for bytes in [
-            method.as_str().as_bytes(),
+            method.as_bytes(),
             path.as_bytes(),
             query.unwrap_or("").as_bytes(),
             &media_type,
@@ -188,10 +187,10 @@ impl Fingerprint {
         Self(fingerprint)
     }
 
-    /// The version 1 fingerprint of a request: SHA-256 over the same fields, as
-    /// records written before version 2 hold it.
+    /// The version 1 fingerprint of a request: SHA-256 over the same fields, for a
+    /// scope every caller shares.
     pub fn new_v1(
-        method: &Method,
+        method: &str,
         path: &str,
         query: Option<&str>,
         content_type: Option<&[u8]>,
@@ -199,7 +198,7 @@ impl Fingerprint {
     ) -> Self {
         let mut digest = Sha256::new();
         digest.update(b"tower-ids.fingerprint.v1\0");
-        field(&mut digest, method.as_str().as_bytes());
+        field(&mut digest, method.as_bytes());
         field(&mut digest, path.as_bytes());
         field(&mut digest, query.unwrap_or("").as_bytes());
         field(&mut digest, &media_type(content_type.unwrap_or(b"")));
@@ -361,7 +360,7 @@ mod tests {
     #[test]
     fn version_1_is_the_sha256_records_hold_and_version_2_is_tagged() {
         let args = (
-            &Method::POST,
+            "POST",
             "/commands",
             Some("a=1"),
             Some(&b"application/json"[..]),
@@ -399,13 +398,16 @@ mod tests {
         key: &str,
     ) -> ScopeKey {
         let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
-        ScopeKey::new(
-            client.map(ClientId::new).as_ref(),
-            method,
-            path,
-            query,
-            &key,
-        )
+        let client = client.map(ClientId::new);
+        match query {
+            Some(query) => ScopeKey::new(
+                "http",
+                &[method.as_str(), path, query],
+                client.as_ref(),
+                &key,
+            ),
+            None => ScopeKey::new("http", &[method.as_str(), path], client.as_ref(), &key),
+        }
     }
 
     fn method() -> impl Strategy<Value = Method> {
@@ -500,13 +502,7 @@ mod tests {
     #[test]
     fn the_fingerprint_ignores_media_type_case_but_not_values() {
         let print = |content_type: &str| {
-            Fingerprint::new(
-                &Method::POST,
-                "/a",
-                None,
-                Some(content_type.as_bytes()),
-                b"{}",
-            )
+            Fingerprint::new("POST", "/a", None, Some(content_type.as_bytes()), b"{}")
         };
         assert_eq!(print("application/json"), print("Application/JSON"));
         assert_eq!(

@@ -112,30 +112,13 @@ pub(crate) enum Verdict {
     StoreUnavailable,
 }
 
-/// A request's fingerprint, and its version 1 for a record written before version 2
-/// (see [`Fingerprint`]), computed only if such a record is found.
-pub(crate) struct Fingerprints<'a> {
-    pub(crate) current: Fingerprint,
-    pub(crate) v1: Option<&'a (dyn Fn() -> Fingerprint + Sync)>,
-}
-
-impl Fingerprints<'_> {
-    /// Whether `stored` is this request's fingerprint, in either version.
-    fn matches(&self, stored: &Fingerprint) -> bool {
-        *stored == self.current
-            || (self.current.is_v2()
-                && !stored.is_v2()
-                && self.v1.is_some_and(|v1| v1() == *stored))
-    }
-}
-
 impl<St: IdempotencyStore> Engine<St> {
     /// Decides what becomes of the work scoped by `scope`; `claimed` is set when it
     /// claims the key, so that its response future finishes it if dropped.
     pub(crate) async fn decide(
         &self,
         scope: ScopeKey,
-        fingerprint: &Fingerprints<'_>,
+        fingerprint: Fingerprint,
         epoch: Option<u64>,
         claimed: &ClaimFlag,
     ) -> Decision<St> {
@@ -170,13 +153,13 @@ impl<St: IdempotencyStore> Engine<St> {
     async fn decide_timed(
         &self,
         scope: ScopeKey,
-        fingerprint: &Fingerprints<'_>,
+        fingerprint: Fingerprint,
         epoch: Option<u64>,
         claimed: &ClaimFlag,
         spent: &mut Duration,
     ) -> Decision<St> {
         let policy = &self.policy;
-        let claim = lease::claim(fingerprint.current, policy.get_lease(), epoch);
+        let claim = lease::claim(fingerprint, policy.get_lease(), epoch);
         if let Some(waiting) = self.kept.get(&scope) {
             // This layer ran the work and holds its outcome until the store takes
             // it: never run it again, whatever the store says.
@@ -252,7 +235,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 if running_epoch != epoch {
                     return epoch_mismatch(running_epoch, epoch);
                 }
-                if !fingerprint.matches(&running) {
+                if running != fingerprint {
                     return conflict();
                 }
                 let timeout = match policy.in_flight {
@@ -300,7 +283,7 @@ impl<St: IdempotencyStore> Engine<St> {
         &self,
         scope: ScopeKey,
         claim: super::super::store::Claim,
-        fingerprint: &Fingerprints<'_>,
+        fingerprint: Fingerprint,
         epoch: Option<u64>,
         waiting: Arc<Waiting>,
         spent: &mut Duration,
@@ -325,7 +308,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 if running_epoch != epoch {
                     return epoch_mismatch(running_epoch, epoch);
                 }
-                if !fingerprint.matches(&running) {
+                if running != fingerprint {
                     return conflict();
                 }
                 in_flight(waiting.first_seen, Some(request_count), retry_after)
@@ -357,7 +340,7 @@ impl<St: IdempotencyStore> Engine<St> {
     /// the refusal the store would give another payload or epoch.
     fn kept_answer(
         &self,
-        fingerprint: &Fingerprints<'_>,
+        fingerprint: Fingerprint,
         epoch: Option<u64>,
         waiting: &Waiting,
         retry_after: Duration,
@@ -365,7 +348,7 @@ impl<St: IdempotencyStore> Engine<St> {
         if waiting.epoch != epoch {
             return epoch_mismatch(waiting.epoch, epoch);
         }
-        if !fingerprint.matches(&waiting.fingerprint) {
+        if waiting.fingerprint != fingerprint {
             return conflict();
         }
         in_flight(waiting.first_seen, None, retry_after)
@@ -478,10 +461,10 @@ fn epoch_mismatch<St: IdempotencyStore>(
 /// The decision for a duplicate of work that completed.
 fn settled<St: IdempotencyStore>(
     record: Arc<Record>,
-    fingerprint: &Fingerprints<'_>,
+    fingerprint: Fingerprint,
     request_count: u64,
 ) -> Decision<St> {
-    if !fingerprint.matches(&record.fingerprint) {
+    if record.fingerprint != fingerprint {
         return conflict();
     }
     if record.payload.is_none() {

@@ -27,6 +27,6 @@ pub use self::settings::{
 pub(crate) use self::{
     claimed::{Claimed, Classified, Classifying, Finished, Unsettled},
     detach::{ClaimFlag, Detaching},
-    engine::{replay_failed, Decision, Engine, Fingerprints, Verdict},
+    engine::{replay_failed, Decision, Engine, Verdict},
     lease::Release,
 };

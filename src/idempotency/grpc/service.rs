@@ -1,9 +1,9 @@
 use std::{
-    sync::{Arc, LazyLock},
+    sync::Arc,
     task::{Context, Poll},
 };
 
-use http::{Method, Request, Response};
+use http::{Request, Response};
 use tonic::Code;
 use tower_service::Service;
 
@@ -19,17 +19,12 @@ use crate::idempotency::{
     collect::{collect_up_to, read_within, BoxError, Collected, Read},
     core::{
         observe, refusal, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
-        Fingerprints, Finished, Release,
+        Finished, Release,
     },
     response::{offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore, Payload},
     AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_KEY,
 };
-
-/// The method gRPC calls are scoped and fingerprinted under: not an HTTP method, so a
-/// call never shares a scope with an HTTP request on the same path and store.
-static GRPC: LazyLock<Method> =
-    LazyLock::new(|| Method::from_bytes(b"GRPC").expect("a valid method token"));
 
 /// Middleware that runs each keyed unary gRPC call once and replays its response.
 /// Made by [`GrpcIdempotencyLayer`](super::GrpcIdempotencyLayer); see the
@@ -224,7 +219,7 @@ fn protect<B, C: IdentifyClient<B>, R>(
         );
         return Decided::Refused(reply.refuse("client_missing", refusal));
     }
-    let scope = ScopeKey::new(client.as_ref(), &GRPC, request.uri().path(), None, &key);
+    let scope = ScopeKey::new("grpc", &[request.uri().path()], client.as_ref(), &key);
     Decided::Protected(Protected {
         key,
         client,
@@ -311,15 +306,11 @@ where
     // where every caller shares it.
     let path = parts.uri.path();
     let fingerprint = match protected.client {
-        Some(_) => Fingerprint::new(&GRPC, path, None, None, &message),
-        None => Fingerprint::new_v1(&GRPC, path, None, None, &message),
-    };
-    let fingerprints = Fingerprints {
-        current: fingerprint,
-        v1: None,
+        Some(_) => Fingerprint::new("grpc", path, None, None, &message),
+        None => Fingerprint::new_v1("grpc", path, None, None, &message),
     };
     let decision = engine
-        .decide(protected.scope, &fingerprints, None, &claimed)
+        .decide(protected.scope, fingerprint, None, &claimed)
         .await;
     let request = Request::from_parts(parts, Body::complete(message));
     match decision {

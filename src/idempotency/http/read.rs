@@ -64,7 +64,7 @@ where
 
 /// A fingerprint's version: [`Fingerprint::new`] or [`Fingerprint::new_v1`].
 pub(super) type FingerprintVersion =
-    fn(&http::Method, &str, Option<&str>, Option<&[u8]>, &[u8]) -> Fingerprint;
+    fn(&str, &str, Option<&str>, Option<&[u8]>, &[u8]) -> Fingerprint;
 
 /// The fingerprint of a request whose body is `body`, in `version`.
 pub(super) fn fingerprint(
@@ -73,7 +73,7 @@ pub(super) fn fingerprint(
     body: &[u8],
 ) -> Fingerprint {
     version(
-        &parts.method,
+        parts.method.as_str(),
         parts.uri.path(),
         parts.uri.query(),
         parts

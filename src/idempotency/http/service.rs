@@ -21,7 +21,7 @@ use crate::idempotency::{
     collect::{collect_up_to, BoxError, Collected},
     core::{
         observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
-        Fingerprints, Finished, Release,
+        Finished, Release,
     },
     response::{http_date, offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
@@ -298,18 +298,11 @@ fn protect<B>(
             "this route keeps idempotency keys per client, and this request names none; send your credentials".into(),
         ));
     }
-    let query = if settings.include_query {
-        parts.uri.query()
-    } else {
-        None
+    let (method, path) = (parts.method.as_str(), parts.uri.path());
+    let scope = match parts.uri.query().filter(|_| settings.include_query) {
+        Some(query) => ScopeKey::new("http", &[method, path, query], client.as_ref(), &key),
+        None => ScopeKey::new("http", &[method, path], client.as_ref(), &key),
     };
-    let scope = ScopeKey::new(
-        client.as_ref(),
-        &parts.method,
-        parts.uri.path(),
-        query,
-        &key,
-    );
     Decided::Protected(Protected {
         key,
         client,
@@ -454,18 +447,14 @@ where
         let bytes = buffered(&body);
         // The fast version 2 where the scope is one client's; a scope every caller
         // shares keeps SHA-256, which no caller can collide on purpose (see
-        // `Fingerprint`). Version 1 too for a record written before version 2.
+        // `Fingerprint`).
         let version: FingerprintVersion = match protected.client {
             Some(_) => Fingerprint::new,
             None => Fingerprint::new_v1,
         };
-        let v1 = || fingerprint(Fingerprint::new_v1, &parts, &bytes);
-        let fingerprints = Fingerprints {
-            current: fingerprint(version, &parts, &bytes),
-            v1: Some(&v1),
-        };
+        let fingerprint = fingerprint(version, &parts, &bytes);
         let decision = engine
-            .decide(protected.scope, &fingerprints, protected.epoch, &claimed)
+            .decide(protected.scope, fingerprint, protected.epoch, &claimed)
             .await;
         let request = Request::from_parts(parts, body);
         let reply = protected.reply(&settings);

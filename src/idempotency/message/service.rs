@@ -18,7 +18,7 @@ use crate::{
     idempotency::{
         core::{
             self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
-            Fingerprints, Finished, Release, ReplayInfo, Unsettled, Verdict,
+            Finished, Release, ReplayInfo, Unsettled, Verdict,
         },
         store::{IdempotencyStore, MokaStore, Payload, Record},
         AttemptId,
@@ -312,15 +312,7 @@ where
 {
     let _in_flight = engine.track();
     let decision = engine
-        .decide(
-            key.scope_key(),
-            &Fingerprints {
-                current: key.fingerprint_digest(),
-                v1: None,
-            },
-            None,
-            &claimed,
-        )
+        .decide(key.scope_key(), key.fingerprint_digest(), None, &claimed)
         .await;
     match decision {
         Decision::Run(claimed) => Box::pin(execute(inner, &settings, message, claimed)).await,

@@ -133,14 +133,13 @@ pub(super) fn from_millis(ms: u64) -> SystemTime {
 
 #[cfg(test)]
 mod tests {
-    use http::Method;
 
     use super::*;
 
     #[test]
     fn records_round_trip_through_the_encoding() {
         let record = Record {
-            fingerprint: Fingerprint::new(&Method::POST, "/a", Some("q=1"), None, b"body"),
+            fingerprint: Fingerprint::new("POST", "/a", Some("q=1"), None, b"body"),
             first_seen: from_millis(1_795_000_000_123),
             original_attempt: Some(AttemptId::from_header_value(HeaderValue::from_static("2"))),
             epoch: Some(7),

@@ -1,19 +1,17 @@
 //! The store's unit tests: claims under contention, fencing by the lease's token,
 //! and eviction (what a full store drops, keeps and sweeps).
 
-use http::Method;
-
 use super::{shard::SWEEP_SCOPES_AT, *};
 use crate::idempotency::{Fingerprint, IdempotencyKey};
 
 fn scope(key: &str) -> ScopeKey {
     let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
-    ScopeKey::new(None, &Method::POST, "/", None, &key)
+    ScopeKey::new("http", &["POST", "/"], None, &key)
 }
 
 fn claim() -> Claim {
     Claim {
-        fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+        fingerprint: Fingerprint::new("POST", "/", None, None, b""),
         lease: Duration::from_secs(60),
         epoch: None,
     }
@@ -105,7 +103,7 @@ async fn only_the_lease_holder_settles() {
 
 async fn store_one(store: &MokaStore, key: &str) {
     let claim = Claim {
-        fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+        fingerprint: Fingerprint::new("POST", "/", None, None, b""),
         lease: Duration::from_secs(60),
         epoch: None,
     };
@@ -154,7 +152,7 @@ async fn an_evicted_record_is_gone_and_its_key_runs_again() {
 
     assert!(store.entry_count() <= 100, "{}", store.entry_count());
     let claim = Claim {
-        fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+        fingerprint: Fingerprint::new("POST", "/", None, None, b""),
         lease: Duration::from_secs(60),
         epoch: None,
     };
@@ -189,7 +187,7 @@ async fn a_full_store_keeps_the_newest_record_for_its_retry() {
     for _ in 0..2 {
         for i in 0..100 {
             let claim = Claim {
-                fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+                fingerprint: Fingerprint::new("POST", "/", None, None, b""),
                 lease: Duration::from_secs(60),
                 epoch: None,
             };
@@ -203,7 +201,7 @@ async fn a_full_store_keeps_the_newest_record_for_its_retry() {
     store.run_pending_tasks().await;
 
     let claim = Claim {
-        fingerprint: Fingerprint::new(&Method::POST, "/", None, None, b""),
+        fingerprint: Fingerprint::new("POST", "/", None, None, b""),
         lease: Duration::from_secs(60),
         epoch: None,
     };
