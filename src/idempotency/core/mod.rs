@@ -17,6 +17,8 @@ pub(crate) mod observe;
 pub(crate) mod refusal;
 mod replay;
 mod settings;
+#[cfg(test)]
+mod tests;
 
 pub use self::drain::{Drain, Drained};
 pub use self::replay::ReplayInfo;
