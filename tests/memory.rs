@@ -8,13 +8,12 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, StatusCode};
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use tower_ids::idempotency::{
     store::Fingerprint,
     store::ScopeKey,
     store::{
-        Begin, Claim, IdempotencyStore, Payload, Record, StoredResponse, MOKA_ENTRY_OVERHEAD_BYTES,
+        Begin, Claim, IdempotencyStore, Payload, PayloadFormat, Record, MOKA_ENTRY_OVERHEAD_BYTES,
     },
     IdempotencyKey, MokaStore,
 };
@@ -27,18 +26,12 @@ const ENTRIES: usize = 5_000;
 /// Stores `ENTRIES` completed records whose responses hold `body` and two headers, and
 /// returns the live bytes per entry beyond the response's weight, and that weight.
 async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
-    let headers = vec![
-        (
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        ),
-        (
-            HeaderName::from_static("x-run"),
-            HeaderValue::from_static("1"),
-        ),
-    ];
-    let response_bytes =
-        StoredResponse::new(StatusCode::CREATED, headers.clone(), body.clone()).weight();
+    // Two headers as the HTTP layer encodes them (`content-type: application/json`,
+    // `x-run: 1`); each record its own copy, as each response's would be.
+    let head: &[u8] = b"\x02\x0ccontent-type\x10application/json\x05x-run\x011";
+    let payload =
+        |body: Bytes| Payload::new(PayloadFormat::HTTP, 201, Bytes::copy_from_slice(head), body);
+    let response_bytes = payload(body.clone()).weight();
     let fingerprint = Fingerprint::new("POST", "/commands", None, None, b"");
     let region = Region::new(GLOBAL);
     for i in 0..ENTRIES {
@@ -49,17 +42,12 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
             panic!("a fresh key is claimed");
         };
         // Each record its own copy of the body, as each response would be.
-        let response = StoredResponse::new(
-            StatusCode::CREATED,
-            headers.clone(),
-            Bytes::copy_from_slice(body),
-        );
         let record = Record::new(
             fingerprint,
             SystemTime::now(),
             None,
             None,
-            Some(Payload::Http(response)),
+            Some(payload(Bytes::copy_from_slice(body))),
         );
         assert!(store
             .complete(&scope, &lease, Arc::new(record), Duration::from_secs(3600))

@@ -10,13 +10,12 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, StatusCode};
 use tower_ids::idempotency::{
     store::Fingerprint,
     store::ScopeKey,
     store::{
-        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, Record, Renewal, Settled,
-        StoredResponse,
+        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, PayloadFormat, Record, Renewal,
+        Settled,
     },
 };
 
@@ -48,14 +47,12 @@ fn record(lease: &Lease, body: &'static str) -> Arc<Record> {
         lease.first_seen,
         None,
         None,
-        Some(Payload::Http(StoredResponse::new(
-            StatusCode::CREATED,
-            vec![(
-                HeaderName::from_static("x-run"),
-                HeaderValue::from_static("1"),
-            )],
+        Some(Payload::new(
+            PayloadFormat::HTTP,
+            201,
+            Bytes::from_static(HEAD),
             Bytes::from_static(body.as_bytes()),
-        ))),
+        )),
     ))
 }
 
@@ -69,11 +66,24 @@ async fn claimed<St: IdempotencyStore>(store: &St, scope: &ScopeKey, lease: Dura
     }
 }
 
+/// The head of every payload the contract stores: opaque bytes, given back as they
+/// were.
+const HEAD: &[u8] = b"\x01\x05x-run\x011";
+
+/// The body of a completed record, once its payload's format, status and head are
+/// checked to be given back unchanged.
 fn body_of(begin: &Begin) -> Option<Bytes> {
     match begin {
-        Begin::Completed { record, .. } => record.response().map(|r| r.body.clone()),
+        Begin::Completed { record, .. } => record.payload.as_ref().map(payload_body),
         _ => None,
     }
+}
+
+fn payload_body(payload: &Payload) -> Bytes {
+    assert_eq!(payload.format(), PayloadFormat::HTTP);
+    assert_eq!(payload.status(), 201);
+    assert_eq!(payload.head().as_ref(), HEAD);
+    payload.body().clone()
 }
 
 /// Runs every case against `store`, each on scopes of its own.
@@ -341,7 +351,7 @@ async fn waits_end_in_every_way<St: IdempotencyStore>(store: &Arc<St>) {
         .unwrap();
     match waiter.await.unwrap().unwrap() {
         Settled::Completed { record } => {
-            assert_eq!(record.response().unwrap().body, "waited")
+            assert_eq!(payload_body(record.payload.as_ref().unwrap()), "waited")
         }
         other => panic!("expected the record, got {other:?}"),
     }

@@ -17,12 +17,12 @@ use super::{
     settings::{InFlight, Policy, StoreFailure},
 };
 use crate::idempotency::{
-    store::{Begin, Chain, IdempotencyStore, Record, Settled},
+    store::{Begin, Chain, IdempotencyStore, Payload, Record, Settled},
     AttemptId, Fingerprint, ScopeKey,
 };
 
 /// The retry (or redelivery) delay after a wait for the work in flight timed out.
-const AFTER_WAIT: Duration = Duration::from_secs(1);
+pub(super) const AFTER_WAIT: Duration = Duration::from_secs(1);
 
 /// The deduplication engine of one layer (and its clones): the store, the outcomes
 /// kept for it, and the settings every transport shares.
@@ -247,6 +247,11 @@ impl<St: IdempotencyStore> Engine<St> {
                 let wait =
                     observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
                 match Box::pin(wait).await {
+                    // The key may have been released and run again, in another epoch,
+                    // while this one waited.
+                    Ok(Settled::Completed { record }) if record.epoch != epoch => {
+                        epoch_mismatch(record.epoch, epoch)
+                    }
                     Ok(Settled::Completed { record }) => {
                         settled(record, fingerprint, request_count)
                     }
@@ -485,7 +490,7 @@ fn replayed(record: &Record, request_count: u64) {
     tracing::debug!(
         event = "idempotency.replayed",
         request_count,
-        status = record.response().map(|r| r.status.as_u16()),
+        status = record.payload.as_ref().map(Payload::status),
         original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
         "replayed the stored outcome"
     );

@@ -19,7 +19,7 @@ use super::{
     observe,
 };
 use crate::idempotency::{
-    store::{Chain, Claim, Completion, IdempotencyStore, Lease, Record, Renewal},
+    store::{Chain, Claim, Completion, IdempotencyStore, Lease, Payload, Record, Renewal},
     Fingerprint, ScopeKey,
 };
 
@@ -34,7 +34,7 @@ pub(super) const MAX_STORE_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
 /// The event for a completion the store answered.
 pub(super) fn report(completion: Completion, record: &Record, ttl: Duration, attempts: u32) {
-    let status = record.response().map(|r| r.status.as_u16());
+    let status = record.payload.as_ref().map(Payload::status);
     let bytes = record.weight();
     match completion {
         Completion::Stored => tracing::debug!(

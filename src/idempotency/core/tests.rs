@@ -13,8 +13,8 @@ use bytes::Bytes;
 use tracing_subscriber::layer::SubscriberExt as _;
 
 use super::{
-    ClaimFlag, Claimed, Classified, Decision, Engine, Finished, InFlight, Policy, Release,
-    StoreFailure, Verdict, DEFAULT_RETRY_AFTER,
+    engine::AFTER_WAIT, ClaimFlag, Claimed, Classified, Decision, Engine, Finished, InFlight,
+    Policy, Release, StoreFailure, Verdict, DEFAULT_RETRY_AFTER,
 };
 use crate::idempotency::{
     store::{
@@ -23,10 +23,6 @@ use crate::idempotency::{
     },
     Fingerprint, ScopeKey,
 };
-
-/// The retry delay after a wait timed out: the engine's `AFTER_WAIT`, private to
-/// engine.rs, so repeated here.
-const AFTER_WAIT: Duration = Duration::from_secs(1);
 
 /// The fencing token of the lease the scripted store hands out.
 const TOKEN: u128 = 7;

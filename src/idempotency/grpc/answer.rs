@@ -14,7 +14,7 @@ use crate::body::Body;
 use crate::idempotency::{
     core::{self, Unsettled, Verdict},
     response::{echo, replay_headers},
-    store::Record,
+    store::{PayloadFormat, Record},
     AttemptId, IdempotencyKey,
 };
 
@@ -174,6 +174,7 @@ impl Reply<'_> {
         let Some((headers, data, trailers)) = record
             .payload
             .as_ref()
+            .filter(|payload| payload.format() == PayloadFormat::GRPC)
             .and_then(|payload| StoredCall::decode(payload.body()))
         else {
             core::replay_failed(request_count);

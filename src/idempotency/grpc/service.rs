@@ -3,6 +3,7 @@ use std::{
     task::{Context, Poll},
 };
 
+use bytes::Bytes;
 use http::{Request, Response};
 use tonic::Code;
 use tower_service::Service;
@@ -22,7 +23,7 @@ use crate::idempotency::{
         Finished, Release,
     },
     response::{offer_transaction, unclaimed, ResponseFuture},
-    store::{IdempotencyStore, MokaStore, Payload},
+    store::{IdempotencyStore, MokaStore, Payload, PayloadFormat},
     AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_KEY,
 };
 
@@ -425,7 +426,15 @@ fn classify<B>(
                 body,
                 trailers.as_deref(),
             ) {
-                Some(call) => Classified::Store(Payload::Message(call)),
+                Some(call) => {
+                    let status = u16::try_from(i32::from(code)).unwrap_or(u16::MAX);
+                    Classified::Store(Payload::new(
+                        PayloadFormat::GRPC,
+                        status,
+                        Bytes::new(),
+                        call,
+                    ))
+                }
                 None => Classified::Unencodable("the call's metadata could not be encoded".into()),
             }
         }

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use http::{header, HeaderValue, Response, StatusCode};
 
-use super::{layer::Settings, replay};
+use super::{layer::Settings, replay, stored::StoredResponse};
 use crate::idempotency::{
     client::InvalidClient,
     core::{self, ReplayInfo, Unsettled, Verdict},
@@ -237,18 +237,19 @@ impl Reply<'_> {
         request_count: u64,
         settings: &Settings,
     ) -> Response<Body<B>> {
-        // An outcome of another transport cannot be told here: never run it again.
-        let Some(stored) = record.response() else {
+        // An outcome this layer cannot read: never run it again.
+        let stored = record.payload.as_ref().and_then(StoredResponse::decode);
+        let Some(stored) = stored else {
             core::replay_failed(request_count);
             return self.not_replayable(record, request_count);
         };
-        let mut response = Response::new(stored.body.clone());
+        let mut response = Response::new(stored.body);
         *response.status_mut() = stored.status;
         let headers = response.headers_mut();
         headers.reserve(stored.headers.len() + 5);
-        for (name, value) in &stored.headers {
-            if !settings.not_replayed.contains(name) {
-                headers.append(name.clone(), value.clone());
+        for (name, value) in stored.headers {
+            if !settings.not_replayed.contains(&name) {
+                headers.append(name, value);
             }
         }
         // The route's hook adjusts this copy; the stored record stays as it is.

@@ -17,6 +17,7 @@ pub(crate) mod openapi;
 mod read;
 mod replay;
 mod service;
+mod stored;
 
 pub use self::{
     epoch::{EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch},

@@ -13,6 +13,7 @@ use super::{
     extract::ExtractedKey,
     layer::Settings,
     read::{buffered, fingerprint, read_body, FingerprintVersion},
+    stored::StoredResponse,
     ExtractEpoch, InvalidEpoch, NoEpoch,
 };
 use crate::body::Body;
@@ -24,7 +25,7 @@ use crate::idempotency::{
         Finished, Release,
     },
     response::{http_date, offer_transaction, unclaimed, ResponseFuture},
-    store::{IdempotencyStore, MokaStore, Payload, StoredResponse},
+    store::{IdempotencyStore, MokaStore},
     AttemptId, ClientId, Fingerprint, IdempotencyKey, KeyRejection, ScopeKey, IDEMPOTENCY_EXPIRES,
 };
 
@@ -554,11 +555,12 @@ fn classify<B>(
                 .filter(|(name, _)| !settings.per_attempt.contains(name))
                 .map(|(name, value)| (name.clone(), value.clone()))
                 .collect();
-            Classified::Store(Payload::Http(StoredResponse {
+            let response = StoredResponse {
                 status,
                 headers,
                 body: body.clone(),
-            }))
+            };
+            Classified::Store(response.into_payload())
         }
     }
 }

@@ -20,7 +20,7 @@ use crate::{
             self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
             Finished, Release, ReplayInfo, Unsettled, Verdict,
         },
-        store::{IdempotencyStore, MokaStore, Payload, Record},
+        store::{IdempotencyStore, MokaStore, Payload, PayloadFormat, Record},
         AttemptId,
     },
 };
@@ -359,7 +359,12 @@ fn not_replayable<R>() -> Handled<R> {
 
 /// The stored outcome, decoded, for a duplicate of a message that was handled.
 fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R> {
-    let Some(Payload::Message(stored)) = &record.payload else {
+    let Some(stored) = record
+        .payload
+        .as_ref()
+        .filter(|payload| payload.format() == PayloadFormat::MESSAGE)
+        .map(Payload::body)
+    else {
         core::replay_failed(request_count);
         return not_replayable();
     };
@@ -434,7 +439,8 @@ fn classify<R: Serialize>(settings: &MessageSettings<R>, outcome: &R) -> Classif
     }
     match serde_json::to_vec(outcome) {
         Ok(json) if json.len() <= settings.max_response_bytes => {
-            Classified::Store(Payload::Message(Bytes::from(json)))
+            let json = Bytes::from(json);
+            Classified::Store(Payload::new(PayloadFormat::MESSAGE, 0, Bytes::new(), json))
         }
         Ok(json) => Classified::TooLarge {
             max_bytes: settings.max_response_bytes,

@@ -4,10 +4,10 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, StatusCode};
+use http::HeaderValue;
 use serde::{Deserialize, Serialize};
 
-use super::{Payload, Record, StoreError, StoredResponse};
+use super::{Payload, PayloadFormat, Record, StoreError};
 use crate::idempotency::{AttemptId, Fingerprint};
 
 #[derive(Serialize, Deserialize)]
@@ -16,27 +16,21 @@ struct EncodedRecord {
     first_seen_ms: u64,
     original_attempt: Option<serde_bytes::ByteBuf>,
     epoch: Option<u64>,
-    response: Option<EncodedResponse>,
+    payload: Option<EncodedPayload>,
     expires_at_ms: Option<u64>,
 }
 
-/// Byte fields as byte strings (`serde_bytes`): one copy each, not a sequence of
-/// single bytes.
-///
-/// A [`Payload::Message`] is written with status [`MESSAGE_STATUS`] and no headers:
-/// the layout records have always had, so a store holding records written before
-/// message payloads existed reads them as it did (as HTTP payloads, which the
-/// message layer still decodes).
+/// A [`Payload`] as the store keeps it: its format's tag, its status, and its head and
+/// body as byte strings (`serde_bytes`: one copy each, not a sequence of single bytes).
 #[derive(Serialize, Deserialize)]
-struct EncodedResponse {
+struct EncodedPayload {
+    format: u8,
     status: u16,
-    headers: Vec<(serde_bytes::ByteBuf, serde_bytes::ByteBuf)>,
+    #[serde(with = "serde_bytes")]
+    head: Vec<u8>,
     #[serde(with = "serde_bytes")]
     body: Vec<u8>,
 }
-
-/// The status of an encoded message payload: no HTTP response has it.
-const MESSAGE_STATUS: u16 = 0;
 
 pub(super) fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
     postcard::to_stdvec(value).map_err(|e| StoreError::with_source("could not encode", e))
@@ -57,26 +51,11 @@ pub(super) fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
             .as_ref()
             .map(|a| serde_bytes::ByteBuf::from(a.to_header_value().as_bytes())),
         epoch: record.epoch,
-        response: record.payload.as_ref().map(|payload| match payload {
-            Payload::Http(response) => EncodedResponse {
-                status: response.status.as_u16(),
-                headers: response
-                    .headers
-                    .iter()
-                    .map(|(name, value)| {
-                        (
-                            serde_bytes::ByteBuf::from(name.as_str().as_bytes()),
-                            serde_bytes::ByteBuf::from(value.as_bytes()),
-                        )
-                    })
-                    .collect(),
-                body: response.body.to_vec(),
-            },
-            Payload::Message(outcome) => EncodedResponse {
-                status: MESSAGE_STATUS,
-                headers: Vec::new(),
-                body: outcome.to_vec(),
-            },
+        payload: record.payload.as_ref().map(|payload| EncodedPayload {
+            format: payload.format().tag(),
+            status: payload.status(),
+            head: payload.head().to_vec(),
+            body: payload.body().to_vec(),
         }),
         expires_at_ms: record.expires_at.map(millis),
     })
@@ -86,26 +65,14 @@ pub(super) fn encode_record(record: &Record) -> Result<Vec<u8>, StoreError> {
 pub(super) fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
     let encoded: EncodedRecord = decode(bytes)?;
     let corrupt = |what: &str| StoreError::new(format!("corrupt record in the store: {what}"));
-    let payload = match encoded.response {
-        None => None,
-        Some(response) if response.status == MESSAGE_STATUS => {
-            Some(Payload::Message(Bytes::from(response.body)))
-        }
-        Some(response) => Some(Payload::Http(StoredResponse {
-            status: StatusCode::from_u16(response.status).map_err(|_| corrupt("status"))?,
-            headers: response
-                .headers
-                .into_iter()
-                .map(|(name, value)| {
-                    Ok((
-                        HeaderName::from_bytes(&name).map_err(|_| corrupt("header name"))?,
-                        HeaderValue::from_bytes(&value).map_err(|_| corrupt("header value"))?,
-                    ))
-                })
-                .collect::<Result<_, StoreError>>()?,
-            body: Bytes::from(response.body),
-        })),
-    };
+    let payload = encoded.payload.map(|payload| {
+        Payload::new(
+            PayloadFormat::from_tag(payload.format),
+            payload.status,
+            Bytes::from(payload.head),
+            Bytes::from(payload.body),
+        )
+    });
     let original_attempt = match encoded.original_attempt {
         None => None,
         Some(bytes) => Some(AttemptId::from_header_value(
@@ -133,7 +100,6 @@ pub(super) fn from_millis(ms: u64) -> SystemTime {
 
 #[cfg(test)]
 mod tests {
-
     use super::*;
 
     #[test]
@@ -144,24 +110,12 @@ mod tests {
             original_attempt: Some(AttemptId::from_header_value(HeaderValue::from_static("2"))),
             epoch: Some(7),
             expires_at: Some(from_millis(1_795_086_400_123)),
-            payload: Some(Payload::Http(StoredResponse {
-                status: StatusCode::CREATED,
-                headers: vec![
-                    (
-                        HeaderName::from_static("set-cookie"),
-                        HeaderValue::from_static("a=1"),
-                    ),
-                    (
-                        HeaderName::from_static("x-multi"),
-                        HeaderValue::from_static("one"),
-                    ),
-                    (
-                        HeaderName::from_static("set-cookie"),
-                        HeaderValue::from_static("b=2"),
-                    ),
-                ],
-                body: Bytes::from_static(b"{\"id\":1}"),
-            })),
+            payload: Some(Payload::new(
+                PayloadFormat::HTTP,
+                201,
+                Bytes::from_static(b"head"),
+                Bytes::from_static(b"{\"id\":1}"),
+            )),
         };
         let encoded = encode_record(&record).unwrap();
         let decoded = decode_record(&encoded).unwrap();
@@ -170,13 +124,14 @@ mod tests {
         assert_eq!(decoded.epoch, Some(7));
         assert_eq!(decoded.expires_at, record.expires_at);
         assert_eq!(decoded.original_attempt.as_ref().unwrap().as_str(), "2");
-        let response = decoded.response().unwrap();
-        assert_eq!(response.status, StatusCode::CREATED);
-        assert_eq!(response.headers, record.response().unwrap().headers);
-        assert_eq!(response.body, Bytes::from_static(b"{\"id\":1}"));
+        let payload = decoded.payload.unwrap();
+        assert_eq!(payload.format(), PayloadFormat::HTTP);
+        assert_eq!(payload.status(), 201);
+        assert_eq!(payload.head(), &Bytes::from_static(b"head"));
+        assert_eq!(payload.body(), &Bytes::from_static(b"{\"id\":1}"));
         // Compact: a few bytes of framing around the content.
         assert!(
-            encoded.len() < 32 + 8 + 2 + 1 + 2 + 40 + 8 + 20 + 8,
+            encoded.len() < 32 + 8 + 2 + 1 + 2 + 4 + 8 + 8 + 8,
             "{} bytes",
             encoded.len()
         );
@@ -184,18 +139,15 @@ mod tests {
     }
 
     #[test]
-    fn message_payloads_round_trip() {
-        let fingerprint = Fingerprint::from_bytes([7; 32]);
-        let outcome = Bytes::from_static(b"{\"status\":\"done\"}");
+    fn a_record_without_its_outcome_round_trips() {
         let record = Record::new(
-            fingerprint,
+            Fingerprint::from_bytes([7; 32]),
             from_millis(1_795_000_000_123),
             None,
             None,
-            Some(Payload::Message(outcome.clone())),
+            None,
         );
         let decoded = decode_record(&encode_record(&record).unwrap()).unwrap();
-        assert!(matches!(&decoded.payload, Some(Payload::Message(body)) if *body == outcome));
-        assert!(decoded.response().is_none());
+        assert!(decoded.payload.is_none());
     }
 }

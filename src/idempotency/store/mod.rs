@@ -18,7 +18,6 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, StatusCode};
 #[cfg(any(feature = "redis", feature = "postgres"))]
 use tracing::Instrument as _;
 
@@ -420,86 +419,94 @@ impl Record {
         self
     }
 
-    /// Bytes the record holds for its response (see [`StoredResponse::weight`]).
+    /// Bytes the record holds for its outcome ([`Payload::weight`]).
     pub fn weight(&self) -> usize {
         self.payload.as_ref().map_or(0, Payload::weight)
     }
-
-    /// The stored HTTP response, if the record holds one.
-    pub fn response(&self) -> Option<&StoredResponse> {
-        self.payload.as_ref().and_then(Payload::as_http)
-    }
 }
 
-/// What a record hands back to duplicates: the transport's answer, as it was kept.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub enum Payload {
-    /// An HTTP response: status, every header, body.
-    Http(StoredResponse),
-    /// A message handler's outcome, serialised as JSON.
-    Message(Bytes),
+/// What a record hands back to duplicates: the transport's answer as its layer
+/// encoded it, opaque to the store. The store keeps its [`format`](Self::format) tag,
+/// its [`status`](Self::status), its head and its body, and gives them back as they
+/// were.
+#[derive(Clone)]
+pub struct Payload {
+    format: PayloadFormat,
+    status: u16,
+    head: Bytes,
+    body: Bytes,
+}
+
+/// Which layer encoded a [`Payload`]: a layer replays only its own format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PayloadFormat(u8);
+
+impl PayloadFormat {
+    /// An HTTP response: the head holds its status and headers, the body its body.
+    pub const HTTP: Self = Self(1);
+    /// A gRPC call's response: its metadata, messages and trailers, in the body.
+    pub const GRPC: Self = Self(2);
+    /// A message handler's outcome: its JSON, in the body.
+    pub const MESSAGE: Self = Self(3);
+
+    /// The format tagged `tag`, as a store reads it back.
+    pub const fn from_tag(tag: u8) -> Self {
+        Self(tag)
+    }
+
+    /// The tag a store keeps.
+    pub const fn tag(self) -> u8 {
+        self.0
+    }
 }
 
 impl Payload {
-    /// The bytes handed back: the response's body, or the outcome's JSON.
-    pub fn body(&self) -> &Bytes {
-        match self {
-            Self::Http(response) => &response.body,
-            Self::Message(outcome) => outcome,
-        }
-    }
-
-    /// The HTTP response, for an HTTP payload.
-    pub fn as_http(&self) -> Option<&StoredResponse> {
-        match self {
-            Self::Http(response) => Some(response),
-            Self::Message(_) => None,
-        }
-    }
-
-    /// Bytes held: an HTTP response's [`weight`](StoredResponse::weight), or the
-    /// outcome's length.
-    pub fn weight(&self) -> usize {
-        match self {
-            Self::Http(response) => response.weight(),
-            Self::Message(outcome) => outcome.len(),
-        }
-    }
-}
-
-/// A response kept for replay: status, every header in order (repeats kept), body.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct StoredResponse {
-    /// The status.
-    pub status: StatusCode,
-    /// Every header, in the order the response listed them.
-    pub headers: Vec<(HeaderName, HeaderValue)>,
-    /// The whole body.
-    pub body: Bytes,
-}
-
-impl StoredResponse {
-    /// The response with `status`, `headers` (in order, repeats kept) and `body`.
-    pub fn new(status: StatusCode, headers: Vec<(HeaderName, HeaderValue)>, body: Bytes) -> Self {
+    /// A payload of `format`: its `status` as the transport numbers it (the HTTP
+    /// status, the gRPC code, `0` for a message outcome), for operators and logs; its
+    /// `head` and `body`, opaque.
+    pub fn new(format: PayloadFormat, status: u16, head: Bytes, body: Bytes) -> Self {
         Self {
+            format,
             status,
-            headers,
+            head,
             body,
         }
     }
 
-    /// Bytes held: the body, and per header its slot in the vector plus its name and
-    /// value bytes.
+    /// Which layer encoded it.
+    pub fn format(&self) -> PayloadFormat {
+        self.format
+    }
+
+    /// The answer's status as its transport numbers it.
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    /// What the layer keeps besides the body (an HTTP response's status and headers).
+    pub fn head(&self) -> &Bytes {
+        &self.head
+    }
+
+    /// The answer's body (an HTTP response's body, a message outcome's JSON).
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    /// Bytes held: the head and the body.
     pub fn weight(&self) -> usize {
-        let slot = std::mem::size_of::<(HeaderName, HeaderValue)>();
-        self.body.len()
-            + self
-                .headers
-                .iter()
-                .map(|(name, value)| slot + name.as_str().len() + value.len())
-                .sum::<usize>()
+        self.head.len() + self.body.len()
+    }
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Payload")
+            .field("format", &self.format)
+            .field("status", &self.status)
+            .field("head_bytes", &self.head.len())
+            .field("body_bytes", &self.body.len())
+            .finish()
     }
 }
 

@@ -29,15 +29,12 @@ pub(super) fn epoch_i64(epoch: Option<u64>) -> Option<i64> {
     epoch.map(|e| i64::try_from(e).unwrap_or(i64::MAX))
 }
 
-/// The `status` column, for operators: the HTTP status, `0` for a message outcome
-/// (as the record's encoding writes it), `NULL` for an outcome too large to keep.
+/// The `status` column, for operators: the outcome's [`status`](Payload::status) (the
+/// HTTP status, the gRPC code, `0` for a message outcome), `NULL` for an outcome too
+/// large to keep.
 pub(super) fn status_i16(record: &Record) -> Option<i16> {
-    match record.payload.as_ref()? {
-        Payload::Http(response) => {
-            Some(i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX))
-        }
-        _ => Some(0),
-    }
+    let status = record.payload.as_ref().map(Payload::status)?;
+    Some(i16::try_from(status).unwrap_or(i16::MAX))
 }
 
 pub(super) fn first_seen_ms(lease: &Lease) -> i64 {
