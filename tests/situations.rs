@@ -22,10 +22,7 @@
 //! Each situation starts a fresh layer, prepares what it needs (a first run, or a call
 //! held in its handler), then counts only what the one call it provokes recorded. A
 //! message is delivered inside a correlation scope, as the message module's docs ask.
-//! A row whose transports differ by a library bug is `known`: it runs with
-//! `cargo test --all-features --test situations -- --ignored`, and fails until the bug
-//! is fixed. A difference that is not clearly a bug stays asserted. `-- --nocapture`
-//! prints the whole matrix.
+//! `-- --nocapture` prints the whole matrix.
 #![allow(missing_docs)]
 
 #[allow(clippy::all, clippy::pedantic, missing_docs, unreachable_pub)]
@@ -166,9 +163,6 @@ struct Row {
     provoke: Call,
     /// HTTP, gRPC, messages.
     has: [Has; 3],
-    /// A difference between the adapters that is a library bug: the row runs with
-    /// `--ignored` only, and passes once the library is fixed.
-    known: Option<&'static str>,
 }
 
 const fn row(
@@ -184,16 +178,6 @@ const fn row(
         prepare,
         provoke,
         has,
-        known: None,
-    }
-}
-
-impl Row {
-    const fn known(self, bug: &'static str) -> Row {
-        Row {
-            known: Some(bug),
-            ..self
-        }
     }
 }
 
@@ -214,32 +198,17 @@ const CANNOT_FAIL: [Has; 3] = [
     Yes,
 ];
 
-/// The HTTP layer names the attempt that ran by its `attempt-id` header only; the gRPC
-/// layer falls back to the correlation ID, and the message layer uses it.
-const ORIGINAL_ATTEMPT: &str = concat!(
-    "an HTTP replay of a request sent without `attempt-id` has no `original_attempt` ",
-    "(nor `original-attempt-id` header): http/service.rs `execute` passes `reply.attempt` ",
-    "alone, where grpc/service.rs falls back to `CorrelationId::current()` and ",
-    "message/service.rs uses it"
-);
-/// The message layer refuses a message before it opens its span.
-const REFUSED_UNRECORDED: &str = concat!(
-    "a message refused on its key is counted `rejected`, but that outcome is recorded on ",
-    "no span: message/service.rs `refuse` runs before the layer's `idempotency` span ",
-    "exists, and the delivery's `correlation` span does not declare `idempotency_outcome`"
-);
-
 #[rustfmt::skip]
 const TABLE: &[Row] = &[
     //  situation                       layer                       prepare                       provoke                  HTTP, gRPC, messages
     row("first run",                    &[],                        Nothing,                      call(K1, "ok", 0),       ALL),
-    row("replay",                       &[],                        Sent(call(K1, "ok", 0)),      call(K1, "ok", 0),       ALL).known(ORIGINAL_ATTEMPT),
+    row("replay",                       &[],                        Sent(call(K1, "ok", 0)),      call(K1, "ok", 0),       ALL),
     row("in flight",                    &[],                        Held(call(K1, "block", 0)),   call(K1, "block", 0),    ALL),
     row("conflict",                     &[],                        Sent(call(K1, "ok", 0)),      call(K1, "other", 0),    ALL),
     row("body too large",               &[MaxRequestBytes(64)],     Nothing,                      call(K1, "ok", 128),     NOT_BYTES),
     row("overloaded",                   &[MaxBufferedBytes(1000)],  Held(call(K1, "block", 600)), call(K2, "ok", 600),     NO_BUDGET),
-    row("key missing",                  &[RequireKey],              Nothing,                      call(NO_KEY, "ok", 0),   ALL).known(REFUSED_UNRECORDED),
-    row("key invalid",                  &[],                        Nothing,                      call(LONG, "ok", 0),     ALL).known(REFUSED_UNRECORDED),
+    row("key missing",                  &[RequireKey],              Nothing,                      call(NO_KEY, "ok", 0),   ALL),
+    row("key invalid",                  &[],                        Nothing,                      call(LONG, "ok", 0),     ALL),
     row("store unavailable",            &[StoreDown],               Nothing,                      call(K1, "ok", 0),       ALL),
     row("fail open",                    &[StoreDown, FailOpen],     Nothing,                      call(K1, "ok", 0),       ALL),
     // Differs now, and not clearly a bug, so it stays asserted: the HTTP and gRPC layers
@@ -835,9 +804,6 @@ async fn run(rows: impl Iterator<Item = &Row>) -> (String, String) {
         let nothing = |s: &Seen| s.events.is_empty() || (COUNTED && s.counters.is_empty());
         if rest.iter().any(|(_, s)| !s.reads_like(&first.1)) || seen.iter().any(|(_, s)| nothing(s))
         {
-            if let Some(known) = row.known {
-                writeln!(block, "  known: {known}").unwrap();
-            }
             differences.push_str(&block);
         }
     }
@@ -860,23 +826,10 @@ fn write_seen(out: &mut String, transport: Transport, seen: &Seen) {
 
 #[tokio::test]
 async fn every_situation_reads_the_same_on_every_transport() {
-    let (matrix, differences) = run(TABLE.iter().filter(|row| row.known.is_none())).await;
+    let (matrix, differences) = run(TABLE.iter()).await;
     println!("{matrix}");
     assert!(
         differences.is_empty(),
         "the transports differ (or recorded nothing) in these situations:\n{differences}"
-    );
-}
-
-/// The rows of differences the library has now; they pass once it is fixed, and the
-/// row's `known` can go.
-#[tokio::test]
-#[ignore = "known differences between the adapters: see each row's `known`"]
-async fn known_differences_read_the_same_once_fixed() {
-    let (matrix, differences) = run(TABLE.iter().filter(|row| row.known.is_some())).await;
-    println!("{matrix}");
-    assert!(
-        differences.is_empty(),
-        "the transports still differ in these situations:\n{differences}"
     );
 }

@@ -298,7 +298,8 @@
 //! Every response of a `POST` route carries `idempotent-replayed` (`true` on a replay,
 //! else `false`), and echoes `attempt-id` when the client sent one; a replay, a `409`
 //! and a `410` also carry `idempotency-first-seen` and `idempotency-request-count`, and
-//! a replay `original-attempt-id` when the first attempt sent an `attempt-id`. A replay
+//! a replay `original-attempt-id` (the first attempt's `attempt-id`, else its
+//! correlation ID). A replay
 //! is the first response byte for byte (status, headers, body) except for the
 //! per-attempt headers (`x-correlation-id`, `attempt-id`, `date`). Which answers are
 //! kept is the layer's default rule, [`StorageRule::Default`]: successes and server errors

@@ -30,7 +30,8 @@ pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency
 pub const IDEMPOTENCY_REQUEST_COUNT: HeaderName =
     HeaderName::from_static("idempotency-request-count");
 
-/// `original-attempt-id`: on a replay, the attempt ID of the request that ran.
+/// `original-attempt-id`: on a replay, the attempt ID of the request that ran (else
+/// its correlation ID).
 pub const ORIGINAL_ATTEMPT_ID: HeaderName = HeaderName::from_static("original-attempt-id");
 
 /// `idempotency-epoch`: the default header of

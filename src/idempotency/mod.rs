@@ -139,7 +139,7 @@
 //! | `idempotent-replayed` | every response of the layer | `true` on a replay, else `false` |
 //! | `Idempotency-Key` | every response to a request with a valid key | the key, echoed (under this name whichever header carried it), unless the handler set the header |
 //! | `attempt-id` | response | this request's attempt ID, echoed |
-//! | `original-attempt-id` | replay | the attempt ID of the request that ran |
+//! | `original-attempt-id` | replay | the attempt ID of the request that ran, else its correlation ID |
 //! | `idempotency-first-seen` | replay, `409`, `410` | when the original request arrived (HTTP-date) |
 //! | `idempotency-request-count` | replay, `409`, `410` | requests seen with this key, this one included |
 //! | `Retry-After` | `409`, `503` | seconds to wait before retrying |
@@ -375,6 +375,8 @@ pub mod store;
 
 #[cfg(feature = "idempotency")]
 pub use self::core::observe::field;
+#[cfg(all(feature = "postgres", feature = "axum"))]
+pub use self::http::TransactionMissing;
 pub use self::key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey};
 #[cfg(feature = "idempotency")]
 pub use self::{

@@ -19,6 +19,7 @@ use super::{
     observe,
     settings::{Policy, StorageRule},
 };
+use crate::correlation::CorrelationId;
 use crate::idempotency::{
     store::{
         Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Payload, Record,
@@ -34,10 +35,9 @@ pub(crate) enum Classified {
     /// The work ran, but its outcome is over the limit of what is kept: it is recorded
     /// as run without it, and duplicates are refused as not replayable, never run.
     TooLarge {
-        /// The limit.
+        /// The limit. (Not the outcome's size: a response over it is streamed on, and
+        /// its size is never known.)
         max_bytes: usize,
-        /// The outcome's size, when it is known.
-        bytes: Option<usize>,
     },
     /// The work ran, but its outcome cannot be encoded to be kept: recorded as run
     /// without it, as [`TooLarge`](Self::TooLarge).
@@ -151,14 +151,18 @@ impl<St: IdempotencyStore> Claimed<St> {
 
     /// Runs `work`, renewing the claim while it runs; then has `classify` say what
     /// becomes of its output, and stores it or gives the key back. A `work` that fails
-    /// gives the key back (`handler_error`) and returns its error. `original_attempt`
-    /// names the attempt that ran, for replays to log.
+    /// gives the key back (`handler_error`) and returns its error. The attempt that
+    /// ran, which replays name (`original-attempt-id`), is `attempt` (the attempt ID
+    /// the request sent), else the correlation ID in scope.
     pub(crate) async fn run<T, E>(
         mut self,
         work: impl Future<Output = Result<T, E>>,
         classify: impl Classify<T>,
-        original_attempt: Option<AttemptId>,
+        attempt: Option<AttemptId>,
     ) -> Result<(T, Finished), E> {
+        let original_attempt = attempt.or_else(|| {
+            CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()))
+        });
         let produced = match self.renewing(work).await {
             Ok(produced) => produced,
             Err(error) => {
@@ -172,11 +176,10 @@ impl<St: IdempotencyStore> Claimed<St> {
         };
         let finished = match classify.classify(&produced, context) {
             Classified::Store(payload) => self.complete(original_attempt, Some(payload)).await,
-            Classified::TooLarge { max_bytes, bytes } => {
+            Classified::TooLarge { max_bytes } => {
                 tracing::warn!(
                     event = "idempotency.response_too_large",
                     max_bytes,
-                    bytes,
                     "outcome over the idempotency limit: handed to this caller, not kept; duplicates are refused as not replayable, never run again"
                 );
                 self.not_kept(original_attempt).await

@@ -594,10 +594,7 @@ async fn run_settles_the_outcome_with_the_store() {
         ),
         case(
             "an outcome over the limit is recorded as run, without its payload",
-            Classified::TooLarge {
-                max_bytes: 4,
-                bytes: Some(5),
-            },
+            Classified::TooLarge { max_bytes: 4 },
             vec![],
             Ran::NotKept,
             &[Call::Begin, completes(None)],

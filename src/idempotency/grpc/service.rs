@@ -14,7 +14,6 @@ use super::{
     layer::Settings,
 };
 use crate::body::Body;
-use crate::correlation::CorrelationId;
 use crate::idempotency::{
     client::{IdentifyClient, NoClient},
     collect::{collect_up_to, read_within, BoxError, Collected, Read},
@@ -368,11 +367,7 @@ where
                     context: Classifying| {
         classify(settings, parts, body, context)
     };
-    // The call that ran, named by its attempt ID, else its correlation ID: replays
-    // log it.
-    let attempt = reply.attempt.cloned().or_else(|| {
-        CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()))
-    });
+    let attempt = reply.attempt.cloned();
     let ((parts, produced), finished) = claimed.run(work, classify, attempt).await?;
     let response = match (produced, finished) {
         (_, Finished::Unsettled(unsettled)) => {
@@ -409,7 +404,6 @@ fn classify<B>(
         Collected::Failed(error) => Classified::Failed(error.to_string()),
         Collected::TooLarge { .. } => Classified::TooLarge {
             max_bytes: settings.max_response_bytes,
-            bytes: None,
         },
         Collected::Complete { body, trailers } => {
             let code = status_code(&parts.headers, trailers.as_deref());

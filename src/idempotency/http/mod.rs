@@ -18,7 +18,11 @@ mod read;
 mod replay;
 mod service;
 mod stored;
+#[cfg(all(feature = "postgres", feature = "axum"))]
+mod transaction;
 
+#[cfg(all(feature = "postgres", feature = "axum"))]
+pub use self::transaction::TransactionMissing;
 pub use self::{
     epoch::{EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch},
     extract::{ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeader, KeyFromJson},

@@ -546,7 +546,6 @@ fn classify<B>(
         _ if !storable => Classified::Release(Release::NotStored),
         Collected::TooLarge { .. } => Classified::TooLarge {
             max_bytes: settings.max_response_bytes,
-            bytes: None,
         },
         Collected::Complete { body, .. } => {
             let headers = parts

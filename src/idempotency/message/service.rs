@@ -13,16 +13,12 @@ use tower_service::Service;
 use tracing::Instrument as _;
 
 use super::{layer::MessageSettings, ExtractMessageKey, MessageKey};
-use crate::{
-    correlation::CorrelationId,
-    idempotency::{
-        core::{
-            self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
-            Finished, Release, ReplayInfo, Unsettled, Verdict,
-        },
-        store::{IdempotencyStore, MokaStore, Payload, PayloadFormat, Record},
-        AttemptId,
+use crate::idempotency::{
+    core::{
+        self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine, Finished,
+        Release, ReplayInfo, Unsettled, Verdict,
     },
+    store::{IdempotencyStore, MokaStore, Payload, PayloadFormat, Record},
 };
 
 /// Middleware that handles each message key once and hands its stored outcome to every
@@ -288,9 +284,12 @@ fn ready<R: Send + 'static, E: Send + 'static>(handled: Handled<R>) -> ResponseF
     unclaimed(std::future::ready(Ok(handled)))
 }
 
-/// A refusal of a message the layer cannot key.
+/// A refusal of a message the layer cannot key: in a span of the layer's own, as a
+/// keyed message's events are, which records the outcome as the HTTP layer's request
+/// span does.
 fn refuse<R>(code: &'static str, reason: &'static str, detail: String) -> Handled<R> {
-    core::refusal::rejected(reason, code, &detail, None);
+    let span = tracing::info_span!("idempotency", idempotency_outcome = tracing::field::Empty);
+    span.in_scope(|| core::refusal::rejected(reason, code, &detail, None));
     Handled::Refused(Refusal::new(code, detail, false))
 }
 
@@ -406,12 +405,8 @@ where
     St: IdempotencyStore,
 {
     let classify = |outcome: &R, _: Classifying| classify(settings, outcome);
-    // The delivery that ran, named by its correlation ID: replays log it.
-    let original_attempt =
-        CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()));
-    let (outcome, finished) = claimed
-        .run(inner.call(message), classify, original_attempt)
-        .await?;
+    // The delivery that ran is named by its correlation ID.
+    let (outcome, finished) = claimed.run(inner.call(message), classify, None).await?;
     Ok(match finished {
         Finished::Unsettled(Unsettled::NotCommitted(error)) => Handled::Refused(Refusal::new(
             "idempotency.not_committed",
@@ -442,9 +437,8 @@ fn classify<R: Serialize>(settings: &MessageSettings<R>, outcome: &R) -> Classif
             let json = Bytes::from(json);
             Classified::Store(Payload::new(PayloadFormat::MESSAGE, 0, Bytes::new(), json))
         }
-        Ok(json) => Classified::TooLarge {
+        Ok(_) => Classified::TooLarge {
             max_bytes: settings.max_response_bytes,
-            bytes: Some(json.len()),
         },
         Err(error) => Classified::Unencodable(error.to_string()),
     }

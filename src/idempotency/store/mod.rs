@@ -24,8 +24,6 @@ use tracing::Instrument as _;
 pub use self::moka::{
     MokaStore, MokaStoreBuilder, DEFAULT_MOKA_MAX_BYTES, MOKA_ENTRY_OVERHEAD_BYTES,
 };
-#[cfg(all(feature = "postgres", feature = "axum"))]
-pub use self::postgres::TransactionMissing;
 #[cfg(feature = "postgres")]
 pub use self::postgres::{
     PostgresStore, PostgresStoreBuilder, Transaction, TransactionError, TransactionGuard,

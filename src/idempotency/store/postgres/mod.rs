@@ -19,8 +19,6 @@ mod commands;
 mod statements;
 mod transaction;
 
-#[cfg(feature = "axum")]
-pub use self::transaction::TransactionMissing;
 pub use self::transaction::{Transaction, TransactionError, TransactionGuard};
 
 /// The table the store keeps its records in, unless built with another.
