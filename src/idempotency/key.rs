@@ -1,3 +1,7 @@
+//! The idempotency key and the attempt ID as the wire carries them: parsed from their
+//! headers (a bare token or the draft's quoted string), validated before they reach a
+//! log line.
+
 use std::fmt;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
@@ -267,6 +271,7 @@ impl InvalidIdempotencyKey {
 
     /// The problem code and title every transport refuses this key (or attempt ID)
     /// with.
+    #[cfg(feature = "idempotency")]
     pub(crate) fn refusal(&self) -> (&'static str, &'static str) {
         match self.0 {
             KeyError::AttemptId => ("idempotency.attempt_id_invalid", "Invalid attempt id"),

@@ -111,7 +111,7 @@
 //!   the key when the server comes back.
 //! - **Once the handler has produced an outcome, the key is never released.** If the
 //!   store cannot take the outcome, the client still gets its answer; the layer keeps
-//!   the outcome (up to [`max_kept_bytes`](IdempotencyLayer::max_kept_bytes)) and
+//!   the outcome (up to [`max_kept_bytes`](Policy::max_kept_bytes)) and
 //!   stores it from a task of its own, with backoff, renewing the claim, until it is
 //!   stored; duplicates get `409` (or wait) meanwhile. [The guarantees
 //!   page](crate::guide::guarantees) says what holds under which fault, for each store.
@@ -201,10 +201,10 @@
 //! | 2.1, RFC 8941 3.3.3 | the field is an Item whose value is a String | a quoted key is parsed as an Item (the `sfv` crate); **departure**: a bare token (`abc-123`) is accepted too, as many clients send it, and names the same key as `"abc-123"` | none: a bare key is never ambiguous |
 //! | RFC 8941 3.1.2 | unknown parameters are ignored | `"abc";p=1` is the key `abc` | none |
 //! | 2.1, RFC 8941 4.2 | one field per request; a field that is not an Item is not used | a key header on two lines is `400 idempotency.key_repeated`, even with one key (`rfc8941_4_2_a_key_header_sent_twice_is_refused_even_with_one_key`) | none |
-//! | 2.3 | keys expire after a published time | 24 hours, then the key runs again (`draft_2_3_a_key_runs_again_after_it_expires`) | [`ttl`](IdempotencyLayer::ttl) |
+//! | 2.3 | keys expire after a published time | 24 hours, then the key runs again (`draft_2_3_a_key_runs_again_after_it_expires`) | [`ttl`](Policy::ttl) |
 //! | 2.4 | a fingerprint may tell a reused key from a retry | method, path, `Content-Type` and body (see [`Fingerprint::new`]) | [`scope_query`](IdempotencyLayer::scope_query) adds the query |
 //! | 2.6 | a retry after completion gets the previous result, success or error | successes and server errors are stored and replayed (`draft_2_6_a_retry_after_an_error_gets_the_error_and_nothing_runs_again`); **departure**: a handler's 4xx and `503` are not stored, so a corrected request under the same key runs ([`StorageRule`] says why; `draft_2_6_departure_a_refusal_is_not_stored_and_the_corrected_request_runs`) | [`Policy::storage`]`(StorageRule::AllButRetryable)` stores 4xx too (all but `408`, `429`, `503`); `StorageRule::SuccessesOnly` releases 5xx too, for handlers whose errors never follow a side effect; a handler that took the PostgreSQL store's `Transaction` (feature `postgres`) has its 5xx rolled back and released whatever the rule |
-//! | 2.6 | a duplicate while the first runs gets `409` | `409 idempotency.in_flight` with `Retry-After` (`draft_2_6_a_duplicate_while_the_first_runs_gets_409_with_retry_after`) | [`in_flight`](IdempotencyLayer::in_flight)`(InFlight::Wait { .. })` waits and replays instead |
+//! | 2.6 | a duplicate while the first runs gets `409` | `409 idempotency.in_flight` with `Retry-After` (`draft_2_6_a_duplicate_while_the_first_runs_gets_409_with_retry_after`) | [`in_flight`](Policy::in_flight)`(InFlight::Wait { .. })` waits and replays instead |
 //! | 2.6, 2.7 | a key reused with another payload gets `422` | `422 idempotency.fingerprint_mismatch` (`draft_2_6_a_key_reused_with_another_payload_gets_422`) | none |
 //! | 2.6, 2.7 | a missing key where one is required gets `400` | `400 idempotency.key_missing` with [`require_key`](IdempotencyLayer::require_key); without it the request passes through (`draft_2_7_a_missing_key_where_required_gets_400_with_a_link`) | `require_key(false)`, the default |
 //! | 2.7 | error answers link to documentation | every problem's `type` is the URL of its row below (an anchor per code) and the response has `Link: <type>; rel="describedby"` (`draft_2_7_problems_link_to_their_documentation`) | [`problem_docs`](IdempotencyLayer::problem_docs) points both at your pages |
@@ -293,7 +293,7 @@
 //!   (tower's `ConcurrencyLimitLayer`, or the server's connection limit) when
 //!   responses are large. Replays share the stored bytes; they copy no body.
 //! - **Outcomes waiting for the store** (it failed when their request ended): their
-//!   responses at most [`max_kept_bytes`](IdempotencyLayer::max_kept_bytes) per layer
+//!   responses at most [`max_kept_bytes`](Policy::max_kept_bytes) per layer
 //!   ([`DEFAULT_MAX_KEPT_BYTES`], 64 MiB); past it an outcome is kept without its
 //!   response.
 //! - **Stored records**: the store's bound, [`MokaStore`]'s

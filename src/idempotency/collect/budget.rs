@@ -1,3 +1,6 @@
+//! The byte budget the requests in flight through one layer share while their bodies
+//! are read and their work runs.
+
 use std::{
     fmt,
     sync::{

@@ -62,6 +62,7 @@ pub(crate) enum Release {
 
 impl Release {
     /// Every reason, for the metric series registered at 0.
+    #[cfg(feature = "metrics")]
     pub(crate) const ALL: [Release; 8] = [
         Release::HandlerError,
         Release::NotStored,

@@ -1,3 +1,6 @@
+//! The gRPC layer's settings: what it reads of a call, what it keeps, and the policy
+//! every idempotency layer shares.
+
 use std::{fmt, sync::Arc};
 
 use http::HeaderName;

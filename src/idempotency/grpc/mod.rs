@@ -12,6 +12,14 @@
 //! response is kept (initial metadata, messages, trailers), and every refusal is a
 //! `tonic::Status` with `google.rpc` details.
 //!
+//! It is a layer of its own rather than an `IdempotencyLayer::new_for_grpc`, as
+//! tower-http's `TraceLayer` has: there, only the classifier differs between the two,
+//! and it is a type parameter. Here the settings differ (a storage rule over `Code`,
+//! no key read from the body, no epoch, no replay hooks), so one type would offer
+//! setters that mean nothing on one of the transports. What the two share, they take
+//! the same way: the [`Policy`](crate::idempotency::Policy), the stores, the client
+//! extractors, [`drain`](GrpcIdempotencyLayer::drain).
+//!
 //! # Example
 //!
 //! ```no_run

@@ -1,3 +1,7 @@
+//! A keyed unary call's path through the gRPC layer: its key and client read from its
+//! metadata, its message read within the limits, the engine asked, and its decision
+//! turned into the call's answer.
+
 use std::{
     sync::Arc,
     task::{Context, Poll},

@@ -1,3 +1,6 @@
+//! Where a request's control epoch comes from: an extension your control layer sets,
+//! a header the client declares, or a function of yours.
+
 use std::{fmt, marker::PhantomData};
 
 use http::{HeaderName, Request};

@@ -20,7 +20,7 @@ use crate::idempotency::{
 /// Three answers:
 /// - `Ok(Some(key))`: the request is deduplicated on `key` (and the client
 ///   [`ExtractedKey::client`] names, if any, within the client the layer's
-///   [`IdentifyClient`](super::IdentifyClient) names).
+///   [`IdentifyClient`](crate::idempotency::extract::IdentifyClient) names).
 /// - `Ok(None)`: no key. `400 idempotency.key_missing` with
 ///   [`require_key`](super::IdempotencyLayer::require_key), else the request passes
 ///   through untouched.
@@ -124,13 +124,13 @@ pub struct ExtractedKey {
 
 impl ExtractedKey {
     /// The key alone: the request is scoped by the client the layer's
-    /// [`IdentifyClient`](super::IdentifyClient) names, if any.
+    /// [`IdentifyClient`](crate::idempotency::extract::IdentifyClient) names, if any.
     pub fn new(key: IdempotencyKey) -> Self {
         Self { key, client: None }
     }
 
     /// Scopes the key by `client` too (say, the `partner_id` of the body). When the
-    /// layer's [`IdentifyClient`](super::IdentifyClient) names a client as well, the
+    /// layer's [`IdentifyClient`](crate::idempotency::extract::IdentifyClient) names a client as well, the
     /// scope is both ([`ClientId::and`]): a payload cannot reach another caller's keys.
     pub fn client(mut self, client: ClientId) -> Self {
         self.client = Some(client);

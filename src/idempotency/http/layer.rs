@@ -1,3 +1,7 @@
+//! The HTTP layer's settings: which requests it covers, where their key, client and
+//! epoch come from, its byte limits, its replay hooks, and the policy every idempotency
+//! layer shares.
+
 use std::{fmt, sync::Arc};
 
 use http::{header, HeaderName, Method, StatusCode};
@@ -107,7 +111,7 @@ impl<St: IdempotencyStore> IdempotencyLayer<St> {
     /// A layer over `store`, with the defaults: keys from `Idempotency-Key` (and
     /// `X-Idempotency-Key`) on `POST` and `PATCH`, optional, global (no client), TTL
     /// 24 h, lease 10 s (renewed while the handler runs; longer if the store needs it,
-    /// see [`lease`](Self::lease)), 1 MiB bodies, `409` for requests in flight, fail
+    /// see [`lease`](Policy::lease)), 1 MiB bodies, `409` for requests in flight, fail
     /// closed.
     ///
     /// Share one store between layers (per route) by passing clones of one store, or

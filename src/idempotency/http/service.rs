@@ -1,3 +1,7 @@
+//! A protected request's path through the HTTP layer: its key, client and epoch read,
+//! its body read within the limits, the engine asked, and its decision turned into a
+//! response.
+
 use std::{
     future::Future,
     sync::Arc,

@@ -1,3 +1,6 @@
+//! A message's key, what scopes it and what it must come with, and the extractors
+//! that read them.
+
 use std::fmt;
 
 use sha2::{Digest, Sha256};

@@ -1,3 +1,6 @@
+//! The message layer's settings: where a message's key comes from, which outcomes are
+//! kept, and the policy every idempotency layer shares.
+
 use std::{fmt, marker::PhantomData, sync::Arc};
 
 use tower_layer::Layer;

@@ -1,3 +1,6 @@
+//! A message's path through the message layer: its key read, the engine asked, and
+//! its decision turned into what the consumer does with the delivery (`Handled`).
+
 use std::{
     fmt,
     future::Future,

@@ -1,3 +1,6 @@
+//! The Redis store: records and claims in Redis (one node or a cluster), optionally
+//! acknowledged by replicas, with a local cache of records.
+
 use std::{
     sync::Arc,
     time::{Duration, Instant},
