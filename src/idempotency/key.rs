@@ -168,6 +168,14 @@ impl AttemptId {
         Self(value)
     }
 
+    /// The attempt ID a store kept as `bytes`; `None` for bytes no header carries.
+    #[cfg(feature = "idempotency")]
+    pub(crate) fn from_stored(bytes: &[u8]) -> Option<Self> {
+        HeaderValue::from_bytes(bytes)
+            .ok()
+            .map(Self::from_header_value)
+    }
+
     /// The attempt ID as text.
     pub fn as_str(&self) -> &str {
         self.0.to_str().unwrap_or_default()

@@ -4,7 +4,6 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http::HeaderValue;
 use serde::{Deserialize, Serialize};
 
 use super::{Payload, PayloadFormat, Record, StoreError};
@@ -75,9 +74,7 @@ pub(super) fn decode_record(bytes: &[u8]) -> Result<Record, StoreError> {
     });
     let original_attempt = match encoded.original_attempt {
         None => None,
-        Some(bytes) => Some(AttemptId::from_header_value(
-            HeaderValue::from_bytes(&bytes).map_err(|_| corrupt("attempt id"))?,
-        )),
+        Some(bytes) => Some(AttemptId::from_stored(&bytes).ok_or_else(|| corrupt("attempt id"))?),
     };
     Ok(Record {
         fingerprint: Fingerprint::from_bytes(encoded.fingerprint),
@@ -107,7 +104,7 @@ mod tests {
         let record = Record {
             fingerprint: Fingerprint::new("POST", "/a", Some("q=1"), None, b"body"),
             first_seen: from_millis(1_795_000_000_123),
-            original_attempt: Some(AttemptId::from_header_value(HeaderValue::from_static("2"))),
+            original_attempt: AttemptId::from_stored(b"2"),
             epoch: Some(7),
             expires_at: Some(from_millis(1_795_086_400_123)),
             payload: Some(Payload::new(
