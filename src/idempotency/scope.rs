@@ -79,8 +79,8 @@ impl std::hash::Hash for ScopeKey {
 impl ScopeKey {
     /// The scope of a request: SHA-256 over the transport (`"http"`, `"grpc"`), the
     /// parts of the operation (`["POST", "/commands"]`), the client's hash and the key,
-    /// each length-prefixed and the parts counted, so no two different requests share
-    /// one and no transport's scope is another's.
+    /// each length-prefixed, so no two different lists of fields share one and no
+    /// transport's scope is another's.
     pub fn new(
         transport: &str,
         operation: &[&str],
@@ -90,7 +90,6 @@ impl ScopeKey {
         let mut digest = Sha256::new();
         digest.update(b"tower-ids.scope.v2\0");
         field(&mut digest, transport.as_bytes());
-        field(&mut digest, &(operation.len() as u64).to_be_bytes());
         for part in operation {
             field(&mut digest, part.as_bytes());
         }

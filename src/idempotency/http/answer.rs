@@ -238,18 +238,18 @@ impl Reply<'_> {
         settings: &Settings,
     ) -> Response<Body<B>> {
         // An outcome this layer cannot read: never run it again.
-        let stored = record.payload.as_ref().and_then(StoredResponse::decode);
+        let stored = record.payload.as_ref().and_then(StoredResponse::of);
         let Some(stored) = stored else {
             core::replay_failed(request_count);
             return self.not_replayable(record, request_count);
         };
-        let mut response = Response::new(stored.body);
+        let mut response = Response::new(stored.body.clone());
         *response.status_mut() = stored.status;
         let headers = response.headers_mut();
         headers.reserve(stored.headers.len() + 5);
-        for (name, value) in stored.headers {
-            if !settings.not_replayed.contains(&name) {
-                headers.append(name, value);
+        for (name, value) in &stored.headers {
+            if !settings.not_replayed.contains(name) {
+                headers.append(name.clone(), value.clone());
             }
         }
         // The route's hook adjusts this copy; the stored record stays as it is.

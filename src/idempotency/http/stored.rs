@@ -1,6 +1,8 @@
 //! How the HTTP layer keeps a response in a record: its status as the payload's status,
 //! its headers (in order, repeats kept) as the payload's head, its body as the body.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
@@ -15,7 +17,8 @@ pub(super) struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// The payload a record keeps of this response.
+    /// The payload a record keeps of this response, holding the response itself too
+    /// (weighed with it), so that a replay from a store in this process decodes nothing.
     pub(super) fn into_payload(self) -> Payload {
         let pairs: Vec<(&serde_bytes::Bytes, &serde_bytes::Bytes)> = self
             .headers
@@ -27,16 +30,39 @@ impl StoredResponse {
             .collect();
         // A `Vec` of byte-string pairs always encodes.
         let head = postcard::to_stdvec(&pairs).unwrap_or_default();
-        Payload::new(
+        let payload = Payload::new(
             PayloadFormat::HTTP,
             self.status.as_u16(),
             Bytes::from(head),
-            self.body,
-        )
+            self.body.clone(),
+        );
+        let weight = self.weight();
+        payload.with_decoded(self, weight)
+    }
+
+    /// The bytes it holds beyond the body (which it shares with the payload): itself,
+    /// and per header its slot plus its name and value.
+    fn weight(&self) -> usize {
+        let slot = std::mem::size_of::<(HeaderName, HeaderValue)>();
+        std::mem::size_of::<Self>()
+            + self
+                .headers
+                .iter()
+                .map(|(name, value)| slot + name.as_str().len() + value.len())
+                .sum::<usize>()
+    }
+
+    /// The response `payload` keeps: as the layer kept it with the payload, else
+    /// decoded from its bytes; `None` if it is not an HTTP payload this layer can read.
+    pub(super) fn of(payload: &Payload) -> Option<Cow<'_, Self>> {
+        match payload.decoded::<Self>() {
+            Some(kept) => Some(Cow::Borrowed(kept)),
+            None => Self::decode(payload).map(Cow::Owned),
+        }
     }
 
     /// The response `payload` keeps, if it is an HTTP payload this layer can read.
-    pub(super) fn decode(payload: &Payload) -> Option<Self> {
+    fn decode(payload: &Payload) -> Option<Self> {
         if payload.format() != PayloadFormat::HTTP {
             return None;
         }

@@ -12,6 +12,7 @@ mod postgres;
 mod redis;
 
 use std::{
+    any::Any,
     future::Future,
     sync::{Arc, Mutex, PoisonError},
     time::{Duration, SystemTime},
@@ -433,6 +434,10 @@ pub struct Payload {
     status: u16,
     head: Bytes,
     body: Bytes,
+    /// What the layer that made the payload read it as, and the bytes that takes: kept
+    /// beside it (and weighed with it) so that a replay from a store in this process
+    /// decodes nothing.
+    decoded: Option<(Arc<dyn Any + Send + Sync>, usize)>,
 }
 
 /// Which layer encoded a [`Payload`]: a layer replays only its own format.
@@ -468,6 +473,7 @@ impl Payload {
             status,
             head,
             body,
+            decoded: None,
         }
     }
 
@@ -491,9 +497,23 @@ impl Payload {
         &self.body
     }
 
-    /// Bytes held: the head and the body.
+    /// Bytes held: the head, the body, and what the layer that made it keeps of it
+    /// decoded.
     pub fn weight(&self) -> usize {
-        self.head.len() + self.body.len()
+        self.head.len() + self.body.len() + self.decoded.as_ref().map_or(0, |(_, bytes)| *bytes)
+    }
+
+    /// The payload, holding `value` too: what the layer that made it reads it as,
+    /// weighing `bytes`.
+    pub(crate) fn with_decoded<T: Any + Send + Sync>(mut self, value: T, bytes: usize) -> Self {
+        self.decoded = Some((Arc::new(value), bytes));
+        self
+    }
+
+    /// What the layer that made this payload reads it as, if it is kept with it (in a
+    /// store in this process) and is a `T`.
+    pub(crate) fn decoded<T: Any>(&self) -> Option<&T> {
+        self.decoded.as_ref()?.0.downcast_ref()
     }
 }
 
