@@ -47,7 +47,7 @@
 //! # }
 //! ```
 //!
-//! `tower_ids::client::IdempotentRetryLayer` is HTTP-shaped; with tonic, retry with the
+//! [`client::RetryLayer`](crate::client::RetryLayer) is HTTP-shaped; with tonic, retry with the
 //! same request metadata (tonic's generated clients are `Clone`).
 //!
 //! # What a call gets
