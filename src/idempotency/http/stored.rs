@@ -1,7 +1,7 @@
 //! How the HTTP layer keeps a response in a record: its status as the payload's status,
 //! its headers (in order, repeats kept) as the payload's head, its body as the body.
 
-use std::borrow::Cow;
+use std::{any::Any, borrow::Cow};
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
@@ -17,27 +17,12 @@ pub(super) struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// The payload a record keeps of this response, holding the response itself too
-    /// (weighed with it), so that a replay from a store in this process decodes nothing.
+    /// The payload a record keeps of this response, holding the response itself
+    /// (weighed with it), so that a replay from a store in this process decodes nothing;
+    /// its head is encoded only when a store asks for it.
     pub(super) fn into_payload(self) -> Payload {
-        let pairs: Vec<(&serde_bytes::Bytes, &serde_bytes::Bytes)> = self
-            .headers
-            .iter()
-            .map(|(name, value)| {
-                let name = serde_bytes::Bytes::new(name.as_str().as_bytes());
-                (name, serde_bytes::Bytes::new(value.as_bytes()))
-            })
-            .collect();
-        // A `Vec` of byte-string pairs always encodes.
-        let head = postcard::to_stdvec(&pairs).unwrap_or_default();
-        let payload = Payload::new(
-            PayloadFormat::HTTP,
-            self.status.as_u16(),
-            Bytes::from(head),
-            self.body.clone(),
-        );
-        let weight = self.weight();
-        payload.with_decoded(self, weight)
+        let (status, body, bytes) = (self.status.as_u16(), self.body.clone(), self.weight());
+        Payload::from_decoded(PayloadFormat::HTTP, status, body, self, bytes, encode_head)
     }
 
     /// The bytes it holds beyond the body (which it shares with the payload): itself,
@@ -84,6 +69,23 @@ impl StoredResponse {
             body: payload.body().clone(),
         })
     }
+}
+
+/// The head of an HTTP payload: the response's headers, in order, as byte strings.
+fn encode_head(response: &(dyn Any + Send + Sync)) -> Bytes {
+    let Some(response) = response.downcast_ref::<StoredResponse>() else {
+        return Bytes::new();
+    };
+    let pairs: Vec<(&serde_bytes::Bytes, &serde_bytes::Bytes)> = response
+        .headers
+        .iter()
+        .map(|(name, value)| {
+            let name = serde_bytes::Bytes::new(name.as_str().as_bytes());
+            (name, serde_bytes::Bytes::new(value.as_bytes()))
+        })
+        .collect();
+    // A `Vec` of byte-string pairs always encodes.
+    Bytes::from(postcard::to_stdvec(&pairs).unwrap_or_default())
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ mod redis;
 use std::{
     any::Any,
     future::Future,
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Arc, Mutex, OnceLock, PoisonError},
     time::{Duration, SystemTime},
 };
 
@@ -432,12 +432,20 @@ impl Record {
 pub struct Payload {
     format: PayloadFormat,
     status: u16,
-    head: Bytes,
+    /// Encoded when a store first asks for it, if the payload was made from its decoded
+    /// form: a store in this process never asks.
+    head: OnceLock<Bytes>,
     body: Bytes,
-    /// What the layer that made the payload read it as, and the bytes that takes: kept
-    /// beside it (and weighed with it) so that a replay from a store in this process
-    /// decodes nothing.
-    decoded: Option<(Arc<dyn Any + Send + Sync>, usize)>,
+    decoded: Option<Decoded>,
+}
+
+/// What the layer that made a payload reads it as, kept beside it (and weighed with it)
+/// so that a replay from a store in this process decodes nothing.
+#[derive(Clone)]
+struct Decoded {
+    value: Arc<dyn Any + Send + Sync>,
+    bytes: usize,
+    encode_head: fn(&(dyn Any + Send + Sync)) -> Bytes,
 }
 
 /// Which layer encoded a [`Payload`]: a layer replays only its own format.
@@ -471,9 +479,33 @@ impl Payload {
         Self {
             format,
             status,
-            head,
+            head: OnceLock::from(head),
             body,
             decoded: None,
+        }
+    }
+
+    /// A payload of `format` made from `value`, what its layer reads it as, which
+    /// weighs `bytes` beside `body`; its head is `encode_head(value)`, encoded only when
+    /// a store asks for it.
+    pub(crate) fn from_decoded<T: Any + Send + Sync>(
+        format: PayloadFormat,
+        status: u16,
+        body: Bytes,
+        value: T,
+        bytes: usize,
+        encode_head: fn(&(dyn Any + Send + Sync)) -> Bytes,
+    ) -> Self {
+        Self {
+            format,
+            status,
+            head: OnceLock::new(),
+            body,
+            decoded: Some(Decoded {
+                value: Arc::new(value),
+                bytes,
+                encode_head,
+            }),
         }
     }
 
@@ -489,7 +521,10 @@ impl Payload {
 
     /// What the layer keeps besides the body (an HTTP response's status and headers).
     pub fn head(&self) -> &Bytes {
-        &self.head
+        self.head.get_or_init(|| match &self.decoded {
+            Some(decoded) => (decoded.encode_head)(&*decoded.value),
+            None => Bytes::new(),
+        })
     }
 
     /// The answer's body (an HTTP response's body, a message outcome's JSON).
@@ -500,20 +535,15 @@ impl Payload {
     /// Bytes held: the head, the body, and what the layer that made it keeps of it
     /// decoded.
     pub fn weight(&self) -> usize {
-        self.head.len() + self.body.len() + self.decoded.as_ref().map_or(0, |(_, bytes)| *bytes)
-    }
-
-    /// The payload, holding `value` too: what the layer that made it reads it as,
-    /// weighing `bytes`.
-    pub(crate) fn with_decoded<T: Any + Send + Sync>(mut self, value: T, bytes: usize) -> Self {
-        self.decoded = Some((Arc::new(value), bytes));
-        self
+        self.head.get().map_or(0, Bytes::len)
+            + self.body.len()
+            + self.decoded.as_ref().map_or(0, |decoded| decoded.bytes)
     }
 
     /// What the layer that made this payload reads it as, if it is kept with it (in a
     /// store in this process) and is a `T`.
     pub(crate) fn decoded<T: Any>(&self) -> Option<&T> {
-        self.decoded.as_ref()?.0.downcast_ref()
+        self.decoded.as_ref()?.value.downcast_ref()
     }
 }
 
@@ -522,7 +552,7 @@ impl std::fmt::Debug for Payload {
         f.debug_struct("Payload")
             .field("format", &self.format)
             .field("status", &self.status)
-            .field("head_bytes", &self.head.len())
+            .field("head_bytes", &self.head.get().map(Bytes::len))
             .field("body_bytes", &self.body.len())
             .finish()
     }
