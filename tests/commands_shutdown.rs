@@ -126,7 +126,7 @@ impl Trial {
     fn retries_summary(&self) -> String {
         let mut runs: Vec<(String, usize)> = Vec::new();
         for (_, reply) in &self.retries {
-            let replayed = if replayed(reply) { "r" } else { "" };
+            let replayed = if reply.replayed() { "r" } else { "" };
             let label = format!("{}{replayed}", reply.status.as_u16());
             match runs.last_mut() {
                 Some((last, count)) if *last == label => *count += 1,
@@ -158,7 +158,7 @@ impl Trial {
         let first_replay = self
             .retries
             .iter()
-            .find(|(_, reply)| replayed(reply))
+            .find(|(_, reply)| reply.replayed())
             .map_or("never".to_owned(), |(ms, _)| format!("at {ms} ms"));
         println!(
             "{name}: pause {} ms before the handler's end (measured {:.1} ms); A 201 at {} ms, \
@@ -177,10 +177,6 @@ impl Trial {
             self.executions,
         );
     }
-}
-
-fn replayed(reply: &Reply) -> bool {
-    reply.header("idempotent-replayed") == Some("true")
 }
 
 /// Seconds since midnight (UTC) of a log line's RFC 3339 timestamp.
@@ -246,7 +242,7 @@ async fn retry(url: String, key: String, started: Instant, seed: u64) -> Vec<(u1
         let at = started.elapsed().as_millis();
         let reply = reply.unwrap_or_else(|e| panic!("B at {at} ms: {e}"));
         answers.push((at, reply));
-        let replays = answers.iter().filter(|(_, reply)| replayed(reply)).count();
+        let replays = answers.iter().filter(|(_, reply)| reply.replayed()).count();
         if replays >= 3 || at > 20_000 {
             return answers;
         }
@@ -440,7 +436,7 @@ fn assert_drained(name: &str, trial: &Trial) {
             reply.text()
         );
         assert!(
-            replayed(reply),
+            reply.replayed(),
             "{name}: a replay at {at} ms, not a second run"
         );
         assert_eq!(

@@ -22,7 +22,7 @@ use tower_ids::idempotency::{
     IdempotencyLayer, InFlight, MokaStore,
 };
 
-use super::{start, Logs, Reply, BODY, KEY};
+use super::{start, Logs, BODY, KEY};
 
 /// A moka store that cannot complete or renew while `down` is set, as a remote store
 /// that went away just as the handler returned.
@@ -98,10 +98,6 @@ impl IdempotencyStore for Flaky {
     }
 }
 
-fn replayed(reply: &Reply) -> bool {
-    reply.header("idempotent-replayed") == Some("true")
-}
-
 #[tokio::test]
 async fn an_outcome_the_store_cannot_take_is_kept_and_stored_later_never_released() {
     let (logs, _guard) = Logs::capture();
@@ -131,7 +127,7 @@ async fn an_outcome_the_store_cannot_take_is_kept_and_stored_later_never_release
     let deadline = Instant::now() + Duration::from_secs(3);
     let replay = loop {
         let reply = app.post("/commands", &[KEY], BODY).await;
-        if replayed(&reply) {
+        if reply.replayed() {
             break reply;
         }
         assert_eq!(reply.status, StatusCode::CONFLICT, "{}", reply.text());
@@ -184,7 +180,7 @@ async fn a_waiting_duplicate_gets_the_kept_outcome_once_stored() {
     let duplicate = waiting.await.unwrap();
 
     assert_eq!(duplicate.status, StatusCode::CREATED);
-    assert!(replayed(&duplicate));
+    assert!(duplicate.replayed());
     assert_eq!(duplicate.body, first.body);
     assert_eq!(app.runs.get(), 1);
 }
@@ -233,7 +229,7 @@ async fn a_handler_running_three_times_the_lease_is_not_run_again() {
     let replay = loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let reply = app.post("/commands", &[KEY], BODY).await;
-        if replayed(&reply) {
+        if reply.replayed() {
             break reply;
         }
         seen.push(reply.status.as_u16());
@@ -284,7 +280,7 @@ async fn a_drain_waits_for_kept_outcomes_and_names_the_keys_it_could_not_settle(
     assert!(drained.is_complete());
     assert_eq!(logs.events("idempotency.drained").len(), 1);
     let replay = app.post("/commands", &[KEY], BODY).await;
-    assert!(replayed(&replay));
+    assert!(replay.replayed());
     assert_eq!(replay.body, first.body);
     assert_eq!(app.runs.get(), 1);
 }
@@ -315,7 +311,7 @@ async fn a_drain_waits_for_a_handler_whose_client_hung_up() {
         began.elapsed()
     );
     let replay = app.post("/commands", &[KEY], BODY).await;
-    assert!(replayed(&replay), "stored before the drain returned");
+    assert!(replay.replayed(), "stored before the drain returned");
     assert_eq!(app.runs.get(), 1);
 }
 
@@ -371,7 +367,7 @@ async fn a_replica_keeping_an_outcome_the_store_holds_replays_it() {
 
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(
-        replayed(&duplicate),
+        duplicate.replayed(),
         "{} {}",
         duplicate.status,
         duplicate.text()

@@ -71,6 +71,17 @@ impl Reply {
         apart <= std::time::Duration::from_secs(1)
     }
 
+    /// Whether the answer says it is a replay (`idempotent-replayed: true`).
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// Whether the answer is a replayed `201 Created`: what a retry of a command that
+    /// was created gets once its outcome is stored.
+    pub fn replayed_created(&self) -> bool {
+        self.status == StatusCode::CREATED && self.replayed()
+    }
+
     pub fn text(&self) -> &str {
         std::str::from_utf8(&self.body).unwrap()
     }
