@@ -6,28 +6,22 @@
 //!
 //! Each trial prints one line (`cargo test --test postgres faults -- --nocapture`).
 
-use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 use tower_ids::idempotency::Policy;
 
-use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
+use axum::{extract::State, http::HeaderMap, response::Response, routing::post};
 use http::StatusCode;
 use serde_json::json;
 use sqlx::{postgres::PgPoolOptions, PgPool};
-use tower_ids::{
-    correlation::CorrelationLayer,
-    idempotency::{
-        store::{PostgresStore, Transaction, DEFAULT_POSTGRES_COMMAND_TIMEOUT},
-        IdempotencyLayer,
-    },
+use tower_ids::idempotency::{
+    store::{PostgresStore, Transaction, DEFAULT_POSTGRES_COMMAND_TIMEOUT},
+    IdempotencyLayer,
 };
 
 use super::{
+    replica::{created, Ledger, Replica},
     server::PostgresServer,
-    support::{client, serve, try_send, HttpClient, Reply},
+    support::Reply,
 };
 
 const HANDLER: Duration = Duration::from_secs(1);
@@ -42,16 +36,6 @@ enum Mode {
     Durable,
     /// The handler inserts its command on the request's transaction.
     Transactional,
-}
-
-/// Handler runs per key, in this process.
-#[derive(Clone, Default)]
-struct Ledger(Arc<Mutex<HashMap<String, usize>>>);
-
-impl Ledger {
-    fn runs(&self, key: &str) -> usize {
-        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
-    }
 }
 
 async fn durable(State(ledger): State<Ledger>, headers: HeaderMap) -> Response {
@@ -91,20 +75,8 @@ async fn transactional(
 
 fn count(ledger: &Ledger, headers: &HeaderMap) -> (String, usize) {
     let key = headers["idempotency-key"].to_str().unwrap().to_owned();
-    let mut runs = ledger.0.lock().unwrap();
-    let runs = runs.entry(key.clone()).or_default();
-    *runs += 1;
-    (key, *runs)
-}
-
-fn created(key: &str, run: usize) -> Response {
-    Response::builder()
-        .status(StatusCode::CREATED)
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(
-            json!({ "key": key, "run": run }).to_string(),
-        ))
-        .unwrap()
+    let run = ledger.count(&key);
+    (key, run)
 }
 
 async fn pool(url: &str) -> PgPool {
@@ -114,30 +86,6 @@ async fn pool(url: &str) -> PgPool {
         .connect(url)
         .await
         .expect("the throwaway server accepts connections")
-}
-
-#[derive(Clone)]
-struct Node {
-    url: String,
-    client: HttpClient,
-}
-
-impl Node {
-    async fn post(&self, key: &str) -> Option<Reply> {
-        try_send(
-            &self.client,
-            "POST",
-            self.url.clone(),
-            &[("idempotency-key", key)],
-            "{}",
-        )
-        .await
-        .ok()
-    }
-}
-
-fn replayed(reply: &Reply) -> bool {
-    reply.status == StatusCode::CREATED && reply.header("idempotent-replayed") == Some("true")
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -156,11 +104,7 @@ async fn trial(mode: Mode, fault: Fault, at: Duration) {
         let (a, key) = (a.clone(), key.clone());
         async move { a.post(&key).await }
     });
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while ledger.runs(&key) == 0 {
-        assert!(Instant::now() < deadline, "the handler never started");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    ledger.started(&key).await;
     tokio::time::sleep(at).await;
     let (_server, back) = tokio::task::spawn_blocking(move || {
         let mut server = server;
@@ -187,7 +131,7 @@ async fn trial(mode: Mode, fault: Fault, at: Duration) {
     let replay = loop {
         let node = if seen.len() % 2 == 0 { &b } else { &a };
         match node.post(&key).await {
-            Some(reply) if replayed(&reply) => break reply,
+            Some(reply) if reply.replayed_created() => break reply,
             Some(reply) => seen.push(reply.status.as_u16()),
             None => seen.push(0),
         }
@@ -278,7 +222,7 @@ fn seen(reply: Option<&Reply>) -> String {
     match reply {
         None => "none".to_owned(),
         Some(reply) if reply.status == StatusCode::CREATED => {
-            let how = if replayed(reply) {
+            let how = if reply.replayed_created() {
                 "replayed"
             } else {
                 "executed"
@@ -303,7 +247,7 @@ async fn replica(
     mode: Mode,
     ping: bool,
     timeout: Duration,
-) -> Node {
+) -> Replica {
     let pool = PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(1))
@@ -320,19 +264,15 @@ async fn replica(
         Mode::Durable => post(durable).layer(layer),
         Mode::Transactional => post(transactional).layer(layer),
     };
-    let router = Router::new()
-        .route("/commands", route)
-        .with_state(ledger.clone())
-        .layer(CorrelationLayer::new());
-    Node {
-        url: format!("http://{}/commands", serve(router).await),
-        client: client(),
-    }
+    Replica::serve(route, ledger).await
 }
 
 /// A throwaway server with the `commands` table and the store's table, and two replicas
 /// on it (`mode`, pools that `ping` idle connections or not), sharing one ledger.
-async fn replicas(mode: Mode, ping: bool) -> Option<(PostgresServer, PgPool, Ledger, Node, Node)> {
+async fn replicas(
+    mode: Mode,
+    ping: bool,
+) -> Option<(PostgresServer, PgPool, Ledger, Replica, Replica)> {
     replicas_with_timeout(mode, ping, DEFAULT_POSTGRES_COMMAND_TIMEOUT).await
 }
 
@@ -341,7 +281,7 @@ async fn replicas_with_timeout(
     mode: Mode,
     ping: bool,
     timeout: Duration,
-) -> Option<(PostgresServer, PgPool, Ledger, Node, Node)> {
+) -> Option<(PostgresServer, PgPool, Ledger, Replica, Replica)> {
     let server = PostgresServer::start()?;
     let setup = pool(&server.url()).await;
     sqlx::raw_sql("CREATE TABLE commands (key text NOT NULL, run bigint NOT NULL)")
@@ -406,7 +346,7 @@ const COMMIT_FAULTS: &str = "
 /// replays the committed command. A COMMIT that failed leaves nothing, and the retry
 /// runs again.
 async fn commit_trial(
-    (pool, ledger, a, b): (PgPool, Ledger, Node, Node),
+    (pool, ledger, a, b): (PgPool, Ledger, Replica, Replica),
     fault: CommitFault,
     trial: usize,
 ) -> (Option<String>, Duration) {
@@ -477,7 +417,11 @@ async fn commit_trial(
         } else {
             assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
         }
-        assert!(replayed(&last), "the retry replays: {}", seen(Some(&last)));
+        assert!(
+            last.replayed_created(),
+            "the retry replays: {}",
+            seen(Some(&last))
+        );
         assert_eq!(last.json(), json!({ "key": key, "run": 1 }));
         assert_eq!(rows, [1], "exactly one command");
         assert_eq!(runs, 1, "the handler ran once");

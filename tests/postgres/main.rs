@@ -13,31 +13,26 @@ mod support;
 #[path = "../contract/mod.rs"]
 mod contract;
 
+#[path = "../support/replica.rs"]
+mod replica;
+
 mod database;
 mod faults;
 mod server;
 mod transactional;
 
-use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 use tower_ids::idempotency::Policy;
 
-use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
 use database::TestDatabase;
 use http::StatusCode;
-use serde_json::json;
-use support::{client, send, serve, HttpClient, Reply};
-use tower_ids::{
-    correlation::CorrelationLayer,
-    idempotency::{
-        store::Fingerprint,
-        store::ScopeKey,
-        store::{Begin, Claim, IdempotencyStore, PostgresStore},
-        IdempotencyLayer,
-    },
+use replica::{Ledger, Replica};
+use support::Reply;
+use tower_ids::idempotency::{
+    store::Fingerprint,
+    store::ScopeKey,
+    store::{Begin, Claim, IdempotencyStore, PostgresStore},
+    IdempotencyLayer,
 };
 
 async fn store(database: &TestDatabase) -> PostgresStore {
@@ -56,61 +51,12 @@ async fn the_postgres_store_keeps_the_store_contract() {
     contract::keeps_the_store_contract(Arc::new(store(&database).await)).await;
 }
 
-/// How many times the handler ran, per idempotency key.
-#[derive(Clone, Default)]
-struct Ledger(Arc<Mutex<HashMap<String, usize>>>);
-
-async fn counted(State(ledger): State<Ledger>, headers: HeaderMap) -> Response {
-    let key = headers["idempotency-key"].to_str().unwrap().to_owned();
-    let run = {
-        let mut runs = ledger.0.lock().unwrap();
-        let runs = runs.entry(key.clone()).or_default();
-        *runs += 1;
-        *runs
-    };
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    Response::builder()
-        .status(StatusCode::CREATED)
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(
-            json!({ "key": key, "run": run }).to_string(),
-        ))
-        .unwrap()
-}
+/// How long the replicas' handler takes (`x-delay-ms`).
+const HANDLER: Duration = Duration::from_millis(20);
 
 /// A replica: its own pool and store on the shared database, its own server.
-#[derive(Clone)]
-struct Replica {
-    url: String,
-    client: HttpClient,
-}
-
-impl Replica {
-    async fn start(database: &TestDatabase, ledger: &Ledger) -> Self {
-        let layer = IdempotencyLayer::with_store(store(database).await);
-        let router = Router::new()
-            .route("/commands", post(counted).layer(layer))
-            .with_state(ledger.clone())
-            .layer(CorrelationLayer::new());
-        Self {
-            url: format!("http://{}/commands", serve(router).await),
-            client: client(),
-        }
-    }
-
-    async fn post(&self, key: &str) -> Reply {
-        send(
-            &self.client,
-            "POST",
-            self.url.clone(),
-            &[
-                ("idempotency-key", key),
-                ("content-type", "application/json"),
-            ],
-            "{}",
-        )
-        .await
-    }
+async fn replica(database: &TestDatabase, ledger: &Ledger) -> Replica {
+    Replica::start(IdempotencyLayer::with_store(store(database).await), ledger).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,14 +66,20 @@ async fn two_replicas_on_one_database_run_each_key_once() {
     };
     let ledger = Ledger::default();
     let replicas = [
-        Replica::start(&database, &ledger).await,
-        Replica::start(&database, &ledger).await,
+        replica(&database, &ledger).await,
+        replica(&database, &ledger).await,
     ];
 
     let burst: Vec<_> = (0..1000)
         .map(|i| {
             let replica = replicas[i % 2].clone();
-            tokio::spawn(async move { replica.post(&format!("key-{}", i % 100)).await.status })
+            tokio::spawn(async move {
+                replica
+                    .send(&format!("key-{}", i % 100), Some(HANDLER))
+                    .await
+                    .unwrap()
+                    .status
+            })
         })
         .collect();
     let mut statuses = HashMap::new();
@@ -140,7 +92,10 @@ async fn two_replicas_on_one_database_run_each_key_once() {
         for replica in &replicas {
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
             let reply = loop {
-                let reply = replica.post(&format!("key-{key}")).await;
+                let reply = replica
+                    .send(&format!("key-{key}"), Some(HANDLER))
+                    .await
+                    .unwrap();
                 // 409 while an outcome is still being stored; 503 when the pool of 10
                 // is still busy on a loaded machine: both say "retry", neither ran.
                 let retry = [StatusCode::CONFLICT, StatusCode::SERVICE_UNAVAILABLE];
@@ -154,7 +109,7 @@ async fn two_replicas_on_one_database_run_each_key_once() {
         }
     }
 
-    let runs = ledger.0.lock().unwrap().clone();
+    let runs = ledger.per_key();
     eprintln!("1,000 requests over 100 keys on two replicas: statuses {statuses:?}");
     assert_eq!(runs.len(), 100, "every key ran");
     assert!(
@@ -168,8 +123,8 @@ async fn two_replicas_on_one_database_run_each_key_once() {
         "{statuses:?}"
     );
 
-    let first = replicas[0].post("across").await;
-    let retry = replicas[1].post("across").await;
+    let first = replicas[0].send("across", Some(HANDLER)).await.unwrap();
+    let retry = replicas[1].send("across", Some(HANDLER)).await.unwrap();
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
     assert_eq!(retry.body, first.body, "B replays what A stored");
 }
@@ -292,17 +247,10 @@ async fn the_expiry_header_is_the_rows_expiry_in_postgres() {
     let layer = IdempotencyLayer::with_store(store(&database).await)
         .policy(Policy::new().ttl(ttl))
         .expiry_header(true);
-    let router = Router::new()
-        .route("/commands", post(counted).layer(layer))
-        .with_state(Ledger::default())
-        .layer(CorrelationLayer::new());
-    let replica = Replica {
-        url: format!("http://{}/commands", serve(router).await),
-        client: client(),
-    };
+    let replica = Replica::start(layer, &Ledger::default()).await;
 
-    let first = replica.post("expiring").await;
-    let replay = replica.post("expiring").await;
+    let first = replica.send("expiring", Some(HANDLER)).await.unwrap();
+    let replay = replica.send("expiring", Some(HANDLER)).await.unwrap();
 
     let expires_ms: i64 = sqlx::query_scalar(
         "SELECT (extract(epoch FROM expires_at) * 1000)::bigint FROM tower_ids_idempotency",

@@ -30,96 +30,28 @@
 //! and `--test-threads 1`.
 
 use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::{Duration, Instant},
 };
 use tower_ids::idempotency::Policy;
 
-use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
 use http::StatusCode;
-use serde_json::json;
-use tower_ids::{
-    correlation::CorrelationLayer,
-    idempotency::{store::RedisStore, IdempotencyLayer},
-};
+use tower_ids::idempotency::{store::RedisStore, IdempotencyLayer};
 
 use super::{
     cluster_server::RedisCluster,
     contract,
-    support::{client, serve, try_send, HttpClient, Reply},
+    replica::{Ledger, Replica},
+    support::Reply,
 };
 
-/// How many times the handler ran, per key.
-#[derive(Clone, Default)]
-struct Ledger(Arc<Mutex<HashMap<String, usize>>>);
-
-impl Ledger {
-    fn runs(&self, key: &str) -> usize {
-        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
+/// A replica whose layer has `lease`, or the default.
+async fn replica(store: RedisStore, ledger: &Ledger, lease: Option<Duration>) -> Replica {
+    let mut layer = IdempotencyLayer::with_store(store);
+    if let Some(lease) = lease {
+        layer = layer.policy(Policy::new().lease(lease));
     }
-}
-
-/// Counts its run, sleeps `x-delay-ms`, answers 201 with the key and the run.
-async fn counted(State(ledger): State<Ledger>, headers: HeaderMap) -> Response {
-    let key = headers["idempotency-key"].to_str().unwrap().to_owned();
-    let run = {
-        let mut runs = ledger.0.lock().unwrap();
-        let runs = runs.entry(key.clone()).or_default();
-        *runs += 1;
-        *runs
-    };
-    if let Some(ms) = headers.get("x-delay-ms") {
-        let ms = ms.to_str().unwrap().parse().unwrap();
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
-    Response::builder()
-        .status(StatusCode::CREATED)
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(
-            json!({ "key": key, "run": run }).to_string(),
-        ))
-        .unwrap()
-}
-
-/// A replica of the service: its own `RedisStore` on the cluster, and axum server.
-#[derive(Clone)]
-struct Node {
-    url: String,
-    client: HttpClient,
-}
-
-impl Node {
-    async fn start(store: RedisStore, ledger: &Ledger) -> Self {
-        Self::start_with_lease(store, ledger, None).await
-    }
-
-    /// A replica whose layer has `lease`, or the default.
-    async fn start_with_lease(store: RedisStore, ledger: &Ledger, lease: Option<Duration>) -> Self {
-        let mut layer = IdempotencyLayer::with_store(store);
-        if let Some(lease) = lease {
-            layer = layer.policy(Policy::new().lease(lease));
-        }
-        let router = Router::new()
-            .route("/commands", post(counted).layer(layer))
-            .with_state(ledger.clone())
-            .layer(CorrelationLayer::new());
-        Self {
-            url: format!("http://{}/commands", serve(router).await),
-            client: client(),
-        }
-    }
-
-    async fn post(&self, key: &str, delay: Option<Duration>) -> Option<Reply> {
-        let delay = delay.map(|d| d.as_millis().to_string());
-        let mut headers = vec![("idempotency-key", key)];
-        if let Some(delay) = &delay {
-            headers.push(("x-delay-ms", delay));
-        }
-        try_send(&self.client, "POST", self.url.clone(), &headers, "{}")
-            .await
-            .ok()
-    }
+    Replica::start(layer, ledger).await
 }
 
 /// A store on `cluster` under `prefix`, waiting for `replicas` acknowledgements.
@@ -130,10 +62,6 @@ async fn store(cluster: &RedisCluster, prefix: &str, replicas: u32) -> RedisStor
         .build()
         .await
         .expect("the cluster is up")
-}
-
-fn replayed(reply: &Reply) -> bool {
-    reply.status == StatusCode::CREATED && reply.header("idempotent-replayed") == Some("true")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -151,14 +79,14 @@ async fn two_replicas_on_a_cluster_replay_each_other_and_run_a_burst_once() {
         return;
     };
     let ledger = Ledger::default();
-    let a = Node::start(store(&cluster, "two:", 1).await, &ledger).await;
-    let b = Node::start(store(&cluster, "two:", 1).await, &ledger).await;
+    let a = replica(store(&cluster, "two:", 1).await, &ledger, None).await;
+    let b = replica(store(&cluster, "two:", 1).await, &ledger, None).await;
 
     // Keys land on every primary: each replays across replicas. (A `503` is a claim the
     // replica did not acknowledge in time on a loaded machine: nothing ran; again.)
-    let until_answered = |node: Node, key: String| async move {
+    let until_answered = |node: Replica, key: String| async move {
         for _ in 0..20 {
-            match node.post(&key, None).await {
+            match node.post(&key).await {
                 Some(reply) if reply.status != StatusCode::SERVICE_UNAVAILABLE => return reply,
                 _ => tokio::time::sleep(Duration::from_millis(100)).await,
             }
@@ -170,7 +98,12 @@ async fn two_replicas_on_a_cluster_replay_each_other_and_run_a_burst_once() {
         let first = until_answered(a.clone(), key.clone()).await;
         let again = until_answered(b.clone(), key.clone()).await;
         assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
-        assert!(replayed(&again), "{key}: {} {}", again.status, again.text());
+        assert!(
+            again.replayed_created(),
+            "{key}: {} {}",
+            again.status,
+            again.text()
+        );
         assert_eq!(again.body, first.body);
         assert_eq!(ledger.runs(&key), 1);
     }
@@ -192,7 +125,9 @@ async fn two_replicas_on_a_cluster_replay_each_other_and_run_a_burst_once() {
             .map(|i| {
                 let node = if i % 2 == 0 { a.clone() } else { b.clone() };
                 let key = key.clone();
-                tokio::spawn(async move { node.post(&key, Some(Duration::from_millis(200))).await })
+                tokio::spawn(
+                    async move { node.send(&key, Some(Duration::from_millis(200))).await.ok() },
+                )
             })
             .collect();
         let mut statuses = Vec::new();
@@ -269,8 +204,8 @@ struct Seen {
     /// The answer replayed.
     replay: Reply,
     key: String,
-    a: Node,
-    b: Node,
+    a: Replica,
+    b: Replica,
     _cluster: RedisCluster,
 }
 
@@ -313,14 +248,14 @@ async fn failover_trial(plan: Plan, trial: usize) -> Option<Seen> {
             .await
             .expect("the cluster is up")
     };
-    let a = Node::start_with_lease(make_store().await, &ledger, plan.lease).await;
-    let b = Node::start_with_lease(make_store().await, &ledger, plan.lease).await;
+    let a = replica(make_store().await, &ledger, plan.lease).await;
+    let b = replica(make_store().await, &ledger, plan.lease).await;
     let key = format!("key-{moment:?}-{replicas}-{}-{trial}", plan.lease_name());
     // Each replica's first request: connections open, scripts loaded on every node.
     for (node, warm) in [(&a, "warm-a"), (&b, "warm-b")] {
         let deadline = Instant::now() + Duration::from_secs(10);
         while node
-            .post(warm, None)
+            .post(warm)
             .await
             .is_none_or(|r| r.status != StatusCode::CREATED)
         {
@@ -338,7 +273,7 @@ async fn failover_trial(plan: Plan, trial: usize) -> Option<Seen> {
     let first = loop {
         let first = tokio::spawn({
             let (a, key) = (a.clone(), key.clone());
-            async move { a.post(&key, Some(HANDLER)).await }
+            async move { a.send(&key, Some(HANDLER)).await.ok() }
         });
         while ledger.runs(&key) == 0 && !first.is_finished() {
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -385,7 +320,7 @@ async fn failover_trial(plan: Plan, trial: usize) -> Option<Seen> {
     let mut seen = Vec::new();
     let replay = loop {
         let node = if seen.len() % 2 == 0 { &b } else { &a };
-        let answer = node.post(&key, None).await;
+        let answer = node.post(&key).await;
         tracing::info!(
             replica = if node.url == b.url { "B" } else { "A" },
             status = answer.as_ref().map(|reply| reply.status.as_u16()),
@@ -429,7 +364,7 @@ async fn failover_trial(plan: Plan, trial: usize) -> Option<Seen> {
             "no WAIT".to_owned()
         },
         tally(&seen),
-        if replayed(&replay) { "replayed" } else { "executed" },
+        if replay.replayed_created() { "replayed" } else { "executed" },
         both.as_ref().map_or_else(String::new, |both| format!(
             "both replicas replayed (A {:.2?}, B {:.2?} after the first 201); ",
             both.a, both.b
@@ -442,7 +377,7 @@ async fn failover_trial(plan: Plan, trial: usize) -> Option<Seen> {
             "{plan:?}: before the replay, only 409 or 503: {seen:?}"
         );
         assert!(
-            replayed(&replay),
+            replay.replayed_created(),
             "{plan:?}: the retry replays: {} {}",
             replay.status,
             replay.text()
@@ -487,7 +422,7 @@ struct BothReplayed {
 
 /// Asks A and B for `key` until each has replayed `replay` byte for byte (or
 /// [`BOTH_REPLAY_WITHIN`] and a second have passed).
-async fn both_replay(a: &Node, b: &Node, key: &str, replay: &Reply) -> BothReplayed {
+async fn both_replay(a: &Replica, b: &Replica, key: &str, replay: &Reply) -> BothReplayed {
     let started = Instant::now();
     let (mut a_at, mut b_at) = (None, None);
     let mut a_saw = Vec::new();
@@ -498,8 +433,8 @@ async fn both_replay(a: &Node, b: &Node, key: &str, replay: &Reply) -> BothRepla
             if at.is_some() {
                 continue;
             }
-            match node.post(key, None).await {
-                Some(reply) if replayed(&reply) && reply.body == replay.body => {
+            match node.post(key).await {
+                Some(reply) if reply.replayed_created() && reply.body == replay.body => {
                     *at = Some(started.elapsed());
                 }
                 other => {
@@ -625,11 +560,11 @@ async fn on_a_shard_left_without_a_replica_both_replicas_replay() {
     let mut answers = Vec::new();
     while Instant::now() < until {
         for (name, node) in [("A", &seen.a), ("B", &seen.b)] {
-            let reply = node.post(&seen.key, None).await;
+            let reply = node.post(&seen.key).await;
             let status = reply.as_ref().map_or(0, |reply| reply.status.as_u16());
             answers.push(status);
             assert!(
-                reply.is_some_and(|reply| replayed(&reply) && reply.body == seen.replay.body),
+                reply.is_some_and(|reply| reply.replayed_created() && reply.body == seen.replay.body),
                 "{name} replays the record: {status}"
             );
         }
@@ -672,8 +607,8 @@ async fn keys_run_once_while_their_slots_move_to_another_primary() {
         return;
     };
     let ledger = Ledger::default();
-    let a = Node::start(store(&cluster, "moving:", 0).await, &ledger).await;
-    let b = Node::start(store(&cluster, "moving:", 0).await, &ledger).await;
+    let a = replica(store(&cluster, "moving:", 0).await, &ledger, None).await;
+    let b = replica(store(&cluster, "moving:", 0).await, &ledger, None).await;
     let primaries: Vec<u16> = cluster
         .nodes_info()
         .unwrap()
@@ -699,8 +634,8 @@ async fn keys_run_once_while_their_slots_move_to_another_primary() {
                     // Until the retry on the other replica replays it.
                     for attempt in 0.. {
                         let node = if attempt % 2 == 0 { &a } else { &b };
-                        match node.post(&key, None).await {
-                            Some(reply) if replayed(&reply) => break,
+                        match node.post(&key).await {
+                            Some(reply) if reply.replayed_created() => break,
                             // The first execution: now its retry, on the other replica.
                             Some(reply) if reply.status == StatusCode::CREATED => {}
                             Some(reply) => statuses.push(reply.status.as_u16()),
@@ -754,8 +689,13 @@ async fn keys_run_once_while_their_slots_move_to_another_primary() {
     // After the move, every key replays on both replicas from its new primary.
     for key in &keys {
         for node in [&a, &b] {
-            let reply = node.post(key, None).await.unwrap();
-            assert!(replayed(&reply), "{key}: {} {}", reply.status, reply.text());
+            let reply = node.post(key).await.unwrap();
+            assert!(
+                reply.replayed_created(),
+                "{key}: {} {}",
+                reply.status,
+                reply.text()
+            );
         }
     }
 }

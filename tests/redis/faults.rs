@@ -11,25 +11,16 @@
 //! Each trial prints one line (`cargo test --test redis faults -- --nocapture`): the
 //! fault, its placement, executions, and how long the replay took.
 
-use std::{
-    collections::HashMap,
-    sync::Mutex,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 use tower_ids::idempotency::Policy;
 
-use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
-use bytes::Bytes;
 use http::StatusCode;
-use serde_json::json;
-use tower_ids::{
-    correlation::CorrelationLayer,
-    idempotency::{store::RedisStore, IdempotencyLayer},
-};
+use tower_ids::idempotency::{store::RedisStore, IdempotencyLayer};
 
 use super::{
+    replica::{Ledger, Replica},
     server::RedisServer,
-    support::{client, serve, try_send, HttpClient, Logs, Reply},
+    support::{Logs, Reply},
 };
 
 /// How long the handler of every trial runs.
@@ -38,118 +29,31 @@ const HANDLER: Duration = Duration::from_secs(1);
 /// How soon after Redis returns the retrying client must have its replay.
 const REPLAY_WITHIN: Duration = Duration::from_secs(3);
 
-/// How many times the handler ran, per idempotency key.
-#[derive(Clone, Default)]
-pub(super) struct Ledger(std::sync::Arc<Mutex<HashMap<String, usize>>>);
-
-impl Ledger {
-    pub(super) fn runs(&self, key: &str) -> usize {
-        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
+/// A replica on the Redis at `redis_url` (a command timeout of 250 ms) whose layer has
+/// `lease`, or the default.
+pub(super) async fn replica(redis_url: &str, ledger: &Ledger, lease: Option<Duration>) -> Replica {
+    let store = RedisStore::builder(redis_url)
+        .command_timeout(Duration::from_millis(250))
+        .build()
+        .await
+        .expect("Redis is up");
+    let mut layer = IdempotencyLayer::with_store(store);
+    if let Some(lease) = lease {
+        layer = layer.policy(Policy::new().lease(lease));
     }
-
-    fn keys(&self) -> Vec<(String, usize)> {
-        self.0
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(key, runs)| (key.clone(), *runs))
-            .collect()
-    }
-}
-
-/// Counts its run under the request's key, sleeps `x-delay-ms`, answers 201.
-async fn counted(State(ledger): State<Ledger>, headers: HeaderMap, body: Bytes) -> Response {
-    let key = headers["idempotency-key"].to_str().unwrap().to_owned();
-    let run = {
-        let mut runs = ledger.0.lock().unwrap();
-        let runs = runs.entry(key.clone()).or_default();
-        *runs += 1;
-        *runs
-    };
-    if let Some(ms) = headers.get("x-delay-ms") {
-        let ms = ms.to_str().unwrap().parse().unwrap();
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
-    let body = json!({ "key": key, "run": run, "bytes": body.len() }).to_string();
-    Response::builder()
-        .status(StatusCode::CREATED)
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(body))
-        .unwrap()
-}
-
-/// A replica: its own `RedisStore` and axum server.
-#[derive(Clone)]
-pub(super) struct Node {
-    url: String,
-    client: HttpClient,
-}
-
-impl Node {
-    pub(super) async fn start(redis_url: &str, ledger: &Ledger, lease: Option<Duration>) -> Self {
-        let store = RedisStore::builder(redis_url)
-            .command_timeout(Duration::from_millis(250))
-            .build()
-            .await
-            .expect("Redis is up");
-        let mut layer = IdempotencyLayer::with_store(store);
-        if let Some(lease) = lease {
-            layer = layer.policy(Policy::new().lease(lease));
-        }
-        let router = Router::new()
-            .route("/commands", post(counted).layer(layer))
-            .with_state(ledger.clone())
-            .layer(CorrelationLayer::new());
-        let addr = serve(router).await;
-        Self {
-            url: format!("http://{addr}/commands"),
-            client: client(),
-        }
-    }
-
-    pub(super) async fn post(
-        &self,
-        key: &str,
-        delay: Option<Duration>,
-    ) -> Result<Reply, Box<dyn std::error::Error + Send + Sync>> {
-        let delay = delay.map(|d| d.as_millis().to_string());
-        let mut headers = vec![
-            ("idempotency-key", key),
-            ("content-type", "application/json"),
-        ];
-        if let Some(delay) = &delay {
-            headers.push(("x-delay-ms", delay));
-        }
-        try_send(&self.client, "POST", self.url.clone(), &headers, BODY).await
-    }
-}
-
-const BODY: &str = r#"{"device_id":"d-1","name":"reboot"}"#;
-
-pub(super) fn replayed(reply: &Reply) -> bool {
-    reply.status == StatusCode::CREATED && reply.header("idempotent-replayed") == Some("true")
+    Replica::start(layer, ledger).await
 }
 
 /// Sends `key` to each node in turn every 100 ms until one replays it; returns the
 /// replay, when it came, and every status seen before it (`0` for a failed connection).
-async fn retry_until_replayed(nodes: [Node; 2], key: String) -> (Reply, Instant, Vec<u16>) {
+async fn retry_until_replayed(nodes: [Replica; 2], key: String) -> (Reply, Instant, Vec<u16>) {
     let deadline = Instant::now() + Duration::from_secs(30);
     let every = Duration::from_millis(100);
-    let (replay, seen) = retry_until(&nodes, &key, every, deadline, replayed).await;
+    let (replay, seen) = retry_until(&nodes, &key, every, deadline, Reply::replayed_created).await;
     let Some((replay, at)) = replay else {
         panic!("no replay for {key} within 30 s; saw {seen:?}");
     };
     (replay, at, seen)
-}
-
-/// Polls until `key` has started running.
-pub(super) async fn started(ledger: &Ledger, key: &str) -> Instant {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while ledger.runs(key) == 0 {
-        assert!(Instant::now() < deadline, "the handler never started");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    Instant::now()
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -210,12 +114,12 @@ async fn trial(fault: Fault, at: Duration, warm: bool) {
         return;
     };
     let ledger = Ledger::default();
-    let a = Node::start(&redis.url(), &ledger, None).await;
-    let b = Node::start(&redis.url(), &ledger, None).await;
+    let a = replica(&redis.url(), &ledger, None).await;
+    let b = replica(&redis.url(), &ledger, None).await;
     if warm {
         // Loads every script into Redis, and opens both replicas' connections.
         for (node, key) in [(&a, "warm-a"), (&b, "warm-b")] {
-            let reply = node.post(key, None).await.unwrap();
+            let reply = node.send(key, None).await.unwrap();
             assert_eq!(reply.status, StatusCode::CREATED);
         }
     }
@@ -225,11 +129,11 @@ async fn trial(fault: Fault, at: Duration, warm: bool) {
         let (a, key) = (a.clone(), key.clone());
         async move {
             let sent = Instant::now();
-            let reply = a.post(&key, Some(HANDLER)).await;
+            let reply = a.send(&key, Some(HANDLER)).await;
             (reply, sent.elapsed())
         }
     });
-    let handler_started = started(&ledger, &key).await;
+    let handler_started = ledger.started(&key).await;
     tokio::time::sleep_until((handler_started + at).into()).await;
     let retries = tokio::spawn(retry_until_replayed([b.clone(), a.clone()], key.clone()));
     let (_redis, back) = fault.apply(redis).await;
@@ -324,8 +228,8 @@ async fn under_load_every_key_runs_once_through_a_redis_kill_and_restart() {
     };
     let ledger = Ledger::default();
     let nodes = [
-        Node::start(&redis.url(), &ledger, None).await,
-        Node::start(&redis.url(), &ledger, None).await,
+        replica(&redis.url(), &ledger, None).await,
+        replica(&redis.url(), &ledger, None).await,
     ];
     let begin = Instant::now();
     let stop = begin + Duration::from_secs(9);
@@ -343,7 +247,7 @@ async fn under_load_every_key_runs_once_through_a_redis_kill_and_restart() {
                     let sent = Instant::now();
                     for attempt in 0.. {
                         let node = &nodes[(worker + attempt) % 2];
-                        match node.post(&key, Some(Duration::from_millis(300))).await {
+                        match node.send(&key, Some(Duration::from_millis(300))).await {
                             Ok(reply) if reply.status == StatusCode::CREATED => break,
                             _ => tokio::time::sleep(Duration::from_millis(100)).await,
                         }
@@ -380,7 +284,7 @@ async fn under_load_every_key_runs_once_through_a_redis_kill_and_restart() {
         .filter(|(_, sent, done)| *sent <= killed && *done >= killed)
         .count();
     let twice: Vec<_> = ledger
-        .keys()
+        .per_key()
         .into_iter()
         .filter(|(_, runs)| *runs != 1)
         .collect();
@@ -399,15 +303,20 @@ async fn under_load_every_key_runs_once_through_a_redis_kill_and_restart() {
         "the kill hit keys in flight"
     );
     assert!(twice.is_empty(), "every key ran exactly once: {twice:?}");
-    assert_eq!(ledger.keys().len(), keys.len(), "every key ran");
+    assert_eq!(ledger.per_key().len(), keys.len(), "every key ran");
     // Every key's outcome is in Redis: each replays on both replicas.
     for (key, _, _) in keys
         .iter()
         .filter(|(_, sent, done)| *sent <= killed && *done >= killed)
     {
         for node in &nodes {
-            let reply = node.post(key, None).await.unwrap();
-            assert!(replayed(&reply), "{key}: {} {}", reply.status, reply.text());
+            let reply = node.send(key, None).await.unwrap();
+            assert!(
+                reply.replayed_created(),
+                "{key}: {} {}",
+                reply.status,
+                reply.text()
+            );
         }
     }
     drop(redis);
@@ -420,11 +329,11 @@ async fn the_first_request_on_each_replica_after_a_redis_restart_is_served() {
     };
     let ledger = Ledger::default();
     let nodes = [
-        Node::start(&redis.url(), &ledger, None).await,
-        Node::start(&redis.url(), &ledger, None).await,
+        replica(&redis.url(), &ledger, None).await,
+        replica(&redis.url(), &ledger, None).await,
     ];
     for (i, node) in nodes.iter().enumerate() {
-        let reply = node.post(&format!("before-{i}"), None).await.unwrap();
+        let reply = node.send(&format!("before-{i}"), None).await.unwrap();
         assert_eq!(reply.status, StatusCode::CREATED);
     }
     let _redis = tokio::task::spawn_blocking(move || {
@@ -437,7 +346,7 @@ async fn the_first_request_on_each_replica_after_a_redis_restart_is_served() {
     .await
     .unwrap();
     for (i, node) in nodes.iter().enumerate() {
-        let reply = node.post(&format!("after-{i}"), None).await.unwrap();
+        let reply = node.send(&format!("after-{i}"), None).await.unwrap();
         assert_eq!(
             reply.status,
             StatusCode::CREATED,
@@ -455,13 +364,13 @@ async fn a_handler_running_three_times_the_lease_is_not_run_again() {
     // The shortest lease a store with a 250 ms command timeout allows.
     let lease = Duration::from_millis(1400);
     let ledger = Ledger::default();
-    let a = Node::start(&redis.url(), &ledger, Some(lease)).await;
-    let b = Node::start(&redis.url(), &ledger, Some(lease)).await;
+    let a = replica(&redis.url(), &ledger, Some(lease)).await;
+    let b = replica(&redis.url(), &ledger, Some(lease)).await;
     let first = tokio::spawn({
         let a = a.clone();
-        async move { a.post("long", Some(lease * 3)).await }
+        async move { a.send("long", Some(lease * 3)).await }
     });
-    started(&ledger, "long").await;
+    ledger.started("long").await;
     let (replay, _, seen) = retry_until_replayed([b, a], "long".into()).await;
     let first = first.await.unwrap().unwrap();
 
@@ -482,12 +391,12 @@ async fn a_redis_that_lost_the_claim_is_noticed_and_logged() {
     let (logs, _guard) = Logs::capture();
     let ledger = Ledger::default();
     let lease = Duration::from_millis(1400);
-    let a = Node::start(&redis.url(), &ledger, Some(lease)).await;
+    let a = replica(&redis.url(), &ledger, Some(lease)).await;
     let first = tokio::spawn({
         let a = a.clone();
-        async move { a.post("lost", Some(Duration::from_millis(2000))).await }
+        async move { a.send("lost", Some(Duration::from_millis(2000))).await }
     });
-    started(&ledger, "lost").await;
+    ledger.started("lost").await;
     let (_redis, _) = Fault::Kill(Duration::from_millis(100)).apply(redis).await;
     let first = first.await.unwrap().unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
@@ -497,8 +406,11 @@ async fn a_redis_that_lost_the_claim_is_noticed_and_logged() {
     assert!(!restored.is_empty(), "{}", logs.raw());
     assert_eq!(restored[0]["level"], "WARN");
     assert_eq!(restored[0]["span"]["idempotency_key"], "lost");
-    let replay = a.post("lost", None).await.unwrap();
-    assert!(replayed(&replay), "the outcome was stored after all");
+    let replay = a.send("lost", None).await.unwrap();
+    assert!(
+        replay.replayed_created(),
+        "the outcome was stored after all"
+    );
     assert_eq!(ledger.runs("lost"), 1);
 }
 
@@ -538,7 +450,7 @@ impl Broken {
 /// accepts a reply or `until` has passed; returns that reply and when it came, if one
 /// did, and every status seen before it (`0` for a failed connection).
 pub(super) async fn retry_until(
-    nodes: &[Node],
+    nodes: &[Replica],
     key: &str,
     every: Duration,
     until: Instant,
@@ -546,7 +458,7 @@ pub(super) async fn retry_until(
 ) -> (Option<(Reply, Instant)>, Vec<u16>) {
     let mut seen = Vec::new();
     for turn in 0.. {
-        match nodes[turn % nodes.len()].post(key, None).await {
+        match nodes[turn % nodes.len()].send(key, None).await {
             Ok(reply) if done(&reply) => return (Some((reply, Instant::now())), seen),
             Ok(reply) => seen.push(reply.status.as_u16()),
             Err(_) => seen.push(0),
@@ -606,9 +518,9 @@ fn describe(reply: &Reply) -> String {
 }
 
 /// One request on each replica: every script is loaded and both connections are open.
-pub(super) async fn warm_up(a: &Node, b: &Node) {
+pub(super) async fn warm_up(a: &Replica, b: &Replica) {
     for (node, key) in [(a, "warm-a"), (b, "warm-b")] {
-        let reply = node.post(key, None).await.unwrap();
+        let reply = node.send(key, None).await.unwrap();
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.text());
     }
 }
@@ -639,8 +551,8 @@ async fn stale_claims_trial(trial: usize, outage: Outage, broken: &mut Broken) {
         return;
     };
     let ledger = Ledger::default();
-    let a = Node::start(&redis.url(), &ledger, Some(lease)).await;
-    let b = Node::start(&redis.url(), &ledger, Some(lease)).await;
+    let a = replica(&redis.url(), &ledger, Some(lease)).await;
+    let b = replica(&redis.url(), &ledger, Some(lease)).await;
     warm_up(&a, &b).await;
     let key = format!("stale-claims-{trial}");
 
@@ -648,11 +560,11 @@ async fn stale_claims_trial(trial: usize, outage: Outage, broken: &mut Broken) {
         let (a, key) = (a.clone(), key.clone());
         async move {
             let sent = Instant::now();
-            let reply = a.post(&key, Some(handler)).await;
+            let reply = a.send(&key, Some(handler)).await;
             (reply, sent.elapsed())
         }
     });
-    let handler_started = started(&ledger, &key).await;
+    let handler_started = ledger.started(&key).await;
     tokio::time::sleep_until((handler_started + at).into()).await;
     let (_, back) = fault.begin(redis).await;
     let retries = tokio::spawn({
@@ -703,7 +615,7 @@ async fn stale_claims_trial(trial: usize, outage: Outage, broken: &mut Broken) {
         None => broken.check(&trial, false, "the retrying client never got a 201"),
         Some(reply) => broken.check(
             &trial,
-            replayed(reply) && reply.body == first.body,
+            reply.replayed_created() && reply.body == first.body,
             format!(
                 "the retrying client's 201 is not the replay of the first answer: idempotent-replayed {replayed_header:?}, body {}",
                 reply.text()
@@ -728,14 +640,14 @@ async fn refused_trial(fault: Fault, trial: usize, broken: &mut Broken) {
         return;
     };
     let ledger = Ledger::default();
-    let a = Node::start(&redis.url(), &ledger, None).await;
-    let b = Node::start(&redis.url(), &ledger, None).await;
+    let a = replica(&redis.url(), &ledger, None).await;
+    let b = replica(&redis.url(), &ledger, None).await;
     warm_up(&a, &b).await;
     let key = format!("refused-{fault:?}-{trial}");
 
     let (began, back) = fault.begin(redis).await;
     let sent = Instant::now();
-    let refused = a.post(&key, None).await.expect("A answers");
+    let refused = a.send(&key, None).await.expect("A answers");
     let refused_after = sent.elapsed();
     let nodes = [b.clone(), a.clone()];
     let retries = tokio::spawn({
@@ -758,7 +670,7 @@ async fn refused_trial(fault: Fault, trial: usize, broken: &mut Broken) {
             let nodes = [nodes[(turn + 1) % 2].clone(), nodes[turn % 2].clone()];
             tokio::time::sleep(RETRY_EVERY).await;
             let until = back + REPLAY_WITHIN;
-            Some(retry_until(&nodes, &key, RETRY_EVERY, until, replayed).await)
+            Some(retry_until(&nodes, &key, RETRY_EVERY, until, Reply::replayed_created).await)
         }
         None => None,
     };
@@ -933,11 +845,11 @@ async fn a_claim_whose_client_hung_up_is_given_up() {
             return;
         };
         let ledger = Ledger::default();
-        let a = Node::start(&redis.url(), &ledger, None).await;
+        let a = replica(&redis.url(), &ledger, None).await;
         warm_up(&a, &a).await;
         let key = format!("hung-up-{trial}");
         redis.pause();
-        let hung_up = tokio::time::timeout(Duration::from_millis(100), a.post(&key, None)).await;
+        let hung_up = tokio::time::timeout(Duration::from_millis(100), a.send(&key, None)).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
         redis.resume();
         let back = Instant::now();

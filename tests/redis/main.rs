@@ -19,6 +19,9 @@ mod support;
 #[path = "../contract/mod.rs"]
 mod contract;
 
+#[path = "../support/replica.rs"]
+mod replica;
+
 mod cluster;
 mod cluster_server;
 mod faults;

@@ -9,9 +9,7 @@
 //! fault, its placement, what every delivery got, and executions.
 
 use std::{
-    collections::HashMap,
     convert::Infallible,
-    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 use tower_ids::idempotency::Policy;
@@ -25,7 +23,7 @@ use tower_ids::idempotency::{
     IdempotencyKey,
 };
 
-use super::{faults::Broken, server::RedisServer};
+use super::{faults::Broken, replica::Ledger, server::RedisServer};
 
 /// The message: its key, its data (the fingerprint), and how long handling it takes.
 #[derive(Clone, Debug)]
@@ -51,24 +49,6 @@ struct Outcome {
     key: String,
     consumer: String,
     run: usize,
-}
-
-/// How many times the handler ran, per key, over both consumers.
-#[derive(Clone, Default)]
-struct Ledger(Arc<Mutex<HashMap<String, usize>>>);
-
-impl Ledger {
-    fn runs(&self, key: &str) -> usize {
-        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
-    }
-
-    /// Counts a run of `key`; returns which run it is.
-    fn count(&self, key: &str) -> usize {
-        let mut runs = self.0.lock().unwrap();
-        let runs = runs.entry(key.to_owned()).or_default();
-        *runs += 1;
-        *runs
-    }
 }
 
 type KeyOf = fn(&Delivery) -> Result<Option<MessageKey>, KeyRejection>;
@@ -161,16 +141,6 @@ async fn pause(
         (redis, Instant::now())
     });
     (began, back)
-}
-
-/// Polls until `key` has started running.
-async fn started(ledger: &Ledger, key: &str) -> Instant {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while ledger.runs(key) == 0 {
-        assert!(Instant::now() < deadline, "the handler never started");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    Instant::now()
 }
 
 /// A delivery's answer as a consumer reads it.
@@ -418,7 +388,7 @@ async fn outage_in_handler_trial(trial: usize, broken: &mut Broken) {
             (handled, sent.elapsed())
         }
     });
-    let handler_started = started(&ledger, &key).await;
+    let handler_started = ledger.started(&key).await;
     tokio::time::sleep_until((handler_started + at).into()).await;
     let (_, back) = pause(redis, outage).await;
     let redeliveries = tokio::spawn({

@@ -19,10 +19,10 @@ use http::StatusCode;
 use tower_ids::idempotency::store::{Claim, Fingerprint, IdempotencyStore, RedisStore, ScopeKey};
 
 use super::{
-    faults::{
-        or_never, replayed, retry_until, started, tally, warm_up, Broken, Fault, Ledger, Node,
-    },
+    faults::{or_never, replica, retry_until, tally, warm_up, Broken, Fault},
+    replica::Ledger,
     server::RedisServer,
+    support::Reply,
 };
 
 /// Where in the handler's run Redis goes down.
@@ -114,26 +114,35 @@ async fn trial(n: usize, plan: Plan, broken: &mut Broken) {
         return;
     };
     let ledger = Ledger::default();
-    let a = Node::start(&redis.url(), &ledger, Some(plan.lease)).await;
-    let b = Node::start(&redis.url(), &ledger, Some(plan.lease)).await;
+    let a = replica(&redis.url(), &ledger, Some(plan.lease)).await;
+    let b = replica(&redis.url(), &ledger, Some(plan.lease)).await;
     warm_up(&a, &b).await;
     let key = format!("outage-{n}");
     let first = tokio::spawn({
         let (a, key) = (a.clone(), key.clone());
         async move {
             let sent = Instant::now();
-            let reply = a.post(&key, Some(plan.handler)).await;
+            let reply = a.send(&key, Some(plan.handler)).await;
             (reply, sent.elapsed())
         }
     });
-    let handler_started = started(&ledger, &key).await;
+    let handler_started = ledger.started(&key).await;
     tokio::time::sleep_until((handler_started + plan.at).into()).await;
     let (_, back) = Fault::Kill(plan.outage).begin(redis).await;
     let retries = tokio::spawn({
         let nodes = [b.clone(), a.clone()];
         let key = key.clone();
         let until = Instant::now() + plan.handler + plan.lease * 3 + Duration::from_secs(10);
-        async move { retry_until(&nodes, &key, Duration::from_millis(200), until, replayed).await }
+        async move {
+            retry_until(
+                &nodes,
+                &key,
+                Duration::from_millis(200),
+                until,
+                Reply::replayed_created,
+            )
+            .await
+        }
     });
     let (redis, back) = back.await.unwrap();
     let (first, answered) = first.await.unwrap();
