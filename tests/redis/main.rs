@@ -3,8 +3,10 @@
 //! restarted under a running layer, and records that expire in Redis.
 //!
 //! The fault trials (`faults.rs`) pause Redis, kill and restart it around the moment the
-//! handler returns, and count executions. `cluster.rs` runs the store on a six-node
-//! Redis Cluster made by the test and kills the primary of a key's slot.
+//! handler returns, and count executions; `late_commands.rs` checks that commands whose
+//! caller gave up change nothing when they reach Redis after all. `cluster.rs` runs the
+//! store on a six-node Redis Cluster made by the test and kills the primary of a key's
+//! slot.
 //!
 //! Each test starts its own `redis-server` from `PATH` on a free loopback port in a
 //! temporary directory (without persistence unless a test says so) and kills it when
@@ -25,6 +27,7 @@ mod replica;
 mod cluster;
 mod cluster_server;
 mod faults;
+mod late_commands;
 mod messages;
 mod outages;
 mod server;
