@@ -163,6 +163,9 @@ impl<St: IdempotencyStore> Claimed<St> {
         let original_attempt = attempt.or_else(|| {
             CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()))
         });
+        // Pinned here, once: `renewing` takes a pointer to it, so the work's future
+        // (as large as the handler's) is not moved again.
+        let work = std::pin::pin!(work);
         let produced = match self.renewing(work).await {
             Ok(produced) => produced,
             Err(error) => {

@@ -360,13 +360,14 @@ where
     if let Some(offer) = claimed.transaction_offer() {
         offer_transaction(offer, request.extensions_mut());
     }
-    let work = async {
+    // Pinned here: the engine takes a pointer to it rather than moving it again.
+    let work = std::pin::pin!(async {
         let (parts, body) = inner.call(request).await?.into_parts();
         Ok((
             parts,
             collect_up_to(body, settings.max_response_bytes).await,
         ))
-    };
+    });
     let classify = |(parts, body): &(http::response::Parts, Collected<ResBody>),
                     context: Classifying| {
         classify(settings, parts, body, context)

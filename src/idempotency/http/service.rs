@@ -497,11 +497,12 @@ where
     }
     // Runs in the caller's task; if the caller goes away, the response future's drop moves
     // this work to a task of its own, so it still completes and is stored.
-    let work = async {
+    // Pinned here: the engine takes a pointer to it rather than moving it again.
+    let work = std::pin::pin!(async {
         let (parts, body) = inner.call(request).await?.into_parts();
         let body = collect_up_to(body, settings.max_response_bytes).await;
         Ok((parts, body))
-    };
+    });
     let classify = |(parts, body): &(http::response::Parts, Collected<ResBody>),
                     context: Classifying| {
         classify(settings, parts, body, context)

@@ -409,7 +409,8 @@ where
 {
     let classify = |outcome: &R, _: Classifying| classify(settings, outcome);
     // The delivery that ran is named by its correlation ID.
-    let (outcome, finished) = claimed.run(inner.call(message), classify, None).await?;
+    let work = std::pin::pin!(inner.call(message));
+    let (outcome, finished) = claimed.run(work, classify, None).await?;
     Ok(match finished {
         Finished::Unsettled(Unsettled::NotCommitted(error)) => Handled::Refused(Refusal::new(
             "idempotency.not_committed",
