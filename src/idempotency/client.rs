@@ -16,7 +16,7 @@ use crate::idempotency::ClientId;
 ///   with every other caller without one (see the [module docs](crate::idempotency)),
 ///   unless the layer has [`require_client`](super::IdempotencyLayer::require_client),
 ///   which answers `401`.
-/// - `Err(InvalidClient)`: the request names its client ambiguously or wrongly (say,
+/// - `Err(ClientRejection)`: the request names its client ambiguously or wrongly (say,
 ///   two different API keys); the layer answers `400 idempotency.client_invalid` and
 ///   neither the handler nor the store sees the request.
 ///
@@ -24,13 +24,13 @@ use crate::idempotency::ClientId;
 /// client nor stable across its retries.
 ///
 /// Implemented for closures `Fn(&Request<B>) -> Option<ClientId>` and
-/// `Fn(&Request<B>) -> Result<Option<ClientId>, InvalidClient>` (see
+/// `Fn(&Request<B>) -> Result<Option<ClientId>, ClientRejection>` (see
 /// [`IntoClientIdentity`]):
 ///
 /// ```
 /// use http::Request;
 /// use tower_ids::idempotency::{
-///     extract::{IdentifyClient, InvalidClient},
+///     extract::{IdentifyClient, ClientRejection},
 ///     ClientId, IdempotencyLayer,
 /// };
 ///
@@ -40,7 +40,7 @@ use crate::idempotency::ClientId;
 ///     match (tenants.next(), tenants.next()) {
 ///         (None, _) => Ok(None),
 ///         (Some(tenant), None) if tenant.len() <= 64 => Ok(Some(ClientId::new(tenant))),
-///         _ => Err(InvalidClient::new("send one x-tenant header of at most 64 bytes")),
+///         _ => Err(ClientRejection::new("send one x-tenant header of at most 64 bytes")),
 ///     }
 /// };
 /// let twice = Request::post("/").header("x-tenant", "a").header("x-tenant", "b").body(())?;
@@ -54,7 +54,7 @@ use crate::idempotency::ClientId;
 /// ```
 pub trait IdentifyClient<B> {
     /// The client of `request`, if known, or why the request cannot be accepted.
-    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, InvalidClient>;
+    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, ClientRejection>;
 }
 
 impl<B, F, R> IdentifyClient<B> for F
@@ -62,27 +62,27 @@ where
     F: Fn(&Request<B>) -> R,
     R: IntoClientIdentity,
 {
-    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, InvalidClient> {
+    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, ClientRejection> {
         self(request).into_client_identity()
     }
 }
 
 /// What a closure used as an [`IdentifyClient`] returns: `Option<ClientId>`, for a
-/// client that is known or not, or `Result<Option<ClientId>, InvalidClient>`, to
+/// client that is known or not, or `Result<Option<ClientId>, ClientRejection>`, to
 /// refuse a request too.
 pub trait IntoClientIdentity {
     /// The answer as [`IdentifyClient::identify_client`] gives it.
-    fn into_client_identity(self) -> Result<Option<ClientId>, InvalidClient>;
+    fn into_client_identity(self) -> Result<Option<ClientId>, ClientRejection>;
 }
 
 impl IntoClientIdentity for Option<ClientId> {
-    fn into_client_identity(self) -> Result<Option<ClientId>, InvalidClient> {
+    fn into_client_identity(self) -> Result<Option<ClientId>, ClientRejection> {
         Ok(self)
     }
 }
 
-impl IntoClientIdentity for Result<Option<ClientId>, InvalidClient> {
-    fn into_client_identity(self) -> Result<Option<ClientId>, InvalidClient> {
+impl IntoClientIdentity for Result<Option<ClientId>, ClientRejection> {
+    fn into_client_identity(self) -> Result<Option<ClientId>, ClientRejection> {
         self
     }
 }
@@ -95,7 +95,7 @@ impl IntoClientIdentity for Result<Option<ClientId>, InvalidClient> {
 /// carries the credential or anything else the request sent, so it is safe to send
 /// back and to log.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InvalidClient(ClientError);
+pub struct ClientRejection(ClientError);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum ClientError {
@@ -103,7 +103,7 @@ enum ClientError {
     Refused(&'static str),
 }
 
-impl InvalidClient {
+impl ClientRejection {
     /// Refuses the request with `message`, which the client reads.
     pub fn new(message: &'static str) -> Self {
         Self(ClientError::Refused(message))
@@ -133,7 +133,7 @@ impl InvalidClient {
     }
 }
 
-impl fmt::Display for InvalidClient {
+impl fmt::Display for ClientRejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.0 {
             ClientError::Repeated(name) => write!(
@@ -145,14 +145,14 @@ impl fmt::Display for InvalidClient {
     }
 }
 
-impl std::error::Error for InvalidClient {}
+impl std::error::Error for ClientRejection {}
 
 /// No client identity: keys are global to the route.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoClient;
 
 impl<B> IdentifyClient<B> for NoClient {
-    fn identify_client(&self, _request: &Request<B>) -> Result<Option<ClientId>, InvalidClient> {
+    fn identify_client(&self, _request: &Request<B>) -> Result<Option<ClientId>, ClientRejection> {
         Ok(None)
     }
 }
@@ -163,13 +163,13 @@ impl<B> IdentifyClient<B> for NoClient {
 fn single_value<'r>(
     headers: &'r HeaderMap,
     name: &HeaderName,
-) -> Result<Option<&'r HeaderValue>, InvalidClient> {
+) -> Result<Option<&'r HeaderValue>, ClientRejection> {
     let mut values = headers.get_all(name).iter();
     let Some(first) = values.next() else {
         return Ok(None);
     };
     if values.any(|value| value != first) {
-        return Err(InvalidClient::repeated(name.clone()));
+        return Err(ClientRejection::repeated(name.clone()));
     }
     Ok((!first.is_empty()).then_some(first))
 }
@@ -177,7 +177,7 @@ fn single_value<'r>(
 /// The client is the value of a header, such as an API key in `x-api-key`.
 ///
 /// Absent or empty: no client. Sent twice with different values: refused
-/// ([`InvalidClient::repeated`]), never the first one silently.
+/// ([`ClientRejection::repeated`]), never the first one silently.
 #[derive(Debug, Clone)]
 pub struct ClientFromHeader(HeaderName);
 
@@ -189,7 +189,7 @@ impl ClientFromHeader {
 }
 
 impl<B> IdentifyClient<B> for ClientFromHeader {
-    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, InvalidClient> {
+    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, ClientRejection> {
         let value = single_value(request.headers(), &self.0)?;
         Ok(value.map(|value| ClientId::new(value.as_bytes())))
     }
@@ -204,7 +204,7 @@ impl<B> IdentifyClient<B> for ClientFromHeader {
 pub struct ClientFromAuthorization;
 
 impl<B> IdentifyClient<B> for ClientFromAuthorization {
-    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, InvalidClient> {
+    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, ClientRejection> {
         let value = single_value(request.headers(), &header::AUTHORIZATION)?;
         Ok(value.map(|value| ClientId::new(value.as_bytes())))
     }
@@ -243,7 +243,7 @@ impl<B, T> IdentifyClient<B> for ClientFromExtension<T>
 where
     T: AsRef<[u8]> + Send + Sync + 'static,
 {
-    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, InvalidClient> {
+    fn identify_client(&self, request: &Request<B>) -> Result<Option<ClientId>, ClientRejection> {
         Ok(request.extensions().get::<T>().map(ClientId::new))
     }
 }
@@ -308,13 +308,13 @@ mod tests {
 
     #[test]
     fn closures_identify_with_an_option_or_a_result() {
-        fn check<C: IdentifyClient<()>>(identify: C) -> Result<Option<ClientId>, InvalidClient> {
+        fn check<C: IdentifyClient<()>>(identify: C) -> Result<Option<ClientId>, ClientRejection> {
             identify.identify_client(&request(&[("x-user", "u1")]))
         }
         let user = |request: &Request<()>| request.headers().get("x-user").map(ClientId::new);
         assert_eq!(check(user), Ok(Some(ClientId::new("u1"))));
-        let refuse = |_: &Request<()>| -> Result<Option<ClientId>, InvalidClient> {
-            Err(InvalidClient::new("no users today"))
+        let refuse = |_: &Request<()>| -> Result<Option<ClientId>, ClientRejection> {
+            Err(ClientRejection::new("no users today"))
         };
         let refused = check(refuse).unwrap_err();
         assert_eq!(refused.code(), "refused");

@@ -166,7 +166,7 @@
 //! | `400` | <a id="idempotency.keys_disagree"></a>`idempotency.keys_disagree` | `Idempotency-Key` and `X-Idempotency-Key` differ |
 //! | `400` | <a id="idempotency.key_repeated"></a>`idempotency.key_repeated` | one key header sent twice with different values |
 //! | `400` | <a id="idempotency.attempt_id_invalid"></a>`idempotency.attempt_id_invalid` | `attempt-id` repeated or not 1 to 128 visible ASCII |
-//! | `400` | <a id="idempotency.client_invalid"></a>`idempotency.client_invalid` | the [`IdentifyClient`](extract::IdentifyClient) refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`InvalidClient`](extract::InvalidClient)) |
+//! | `400` | <a id="idempotency.client_invalid"></a>`idempotency.client_invalid` | the [`IdentifyClient`](extract::IdentifyClient) refused the request: a client header (`x-api-key`, `Authorization`) sent twice with different values, or its own reason ([`ClientRejection`](extract::ClientRejection)) |
 //! | `400` | <a id="idempotency.body_unreadable"></a>`idempotency.body_unreadable` | the request body failed mid-read |
 //! | `400` | <a id="idempotency.body_not_json"></a>`idempotency.body_not_json` | the key is read from the JSON body ([`KeyFromJson`]) and the body is not JSON |
 //! | `401` | <a id="idempotency.client_missing"></a>`idempotency.client_missing` | with [`require_client`](IdempotencyLayer::require_client): a key but no client; no `WWW-Authenticate` (the authentication in front knows the scheme, this layer does not) |
@@ -419,8 +419,8 @@ pub mod extract {
     //! [`ClientFromHeader`]: crate::idempotency::ClientFromHeader
 
     pub use super::{
-        client::{IdentifyClient, IntoClientIdentity, InvalidClient, NoClient},
-        http::{ExtractEpoch, ExtractKey, ExtractedKey, IntoExtractedKey, InvalidEpoch, NoEpoch},
+        client::{ClientRejection, IdentifyClient, IntoClientIdentity, NoClient},
+        http::{EpochRejection, ExtractEpoch, ExtractKey, ExtractedKey, IntoExtractedKey, NoEpoch},
         rejection::KeyRejection,
     };
 }

@@ -9,7 +9,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 
 use super::{layer::Settings, replay, stored::StoredResponse};
 use crate::idempotency::{
-    client::InvalidClient,
+    client::ClientRejection,
     core::{self, ReplayInfo, Unsettled, Verdict},
     response::{echo, http_date, replay_headers},
     store::Record,
@@ -75,7 +75,7 @@ impl Reply<'_> {
     }
 
     /// The `400` for a request whose client cannot be told (two different API keys).
-    pub(super) fn reject_client<B>(self, error: &InvalidClient) -> Response<Body<B>> {
+    pub(super) fn reject_client<B>(self, error: &ClientRejection) -> Response<Body<B>> {
         self.refuse(
             StatusCode::BAD_REQUEST,
             error.reason(),

@@ -17,17 +17,17 @@ use crate::idempotency::header::IDEMPOTENCY_EPOCH;
 /// ([`EpochFromHeader`]) when clients derive their keys per epoch.
 ///
 /// `Ok(None)` leaves the request unbound. Implemented for closures
-/// `Fn(&Request<B>) -> Result<Option<u64>, InvalidEpoch>`.
+/// `Fn(&Request<B>) -> Result<Option<u64>, EpochRejection>`.
 pub trait ExtractEpoch<B> {
     /// The epoch of `request`.
-    fn extract_epoch(&self, request: &Request<B>) -> Result<Option<u64>, InvalidEpoch>;
+    fn extract_epoch(&self, request: &Request<B>) -> Result<Option<u64>, EpochRejection>;
 }
 
 impl<B, F> ExtractEpoch<B> for F
 where
-    F: Fn(&Request<B>) -> Result<Option<u64>, InvalidEpoch>,
+    F: Fn(&Request<B>) -> Result<Option<u64>, EpochRejection>,
 {
-    fn extract_epoch(&self, request: &Request<B>) -> Result<Option<u64>, InvalidEpoch> {
+    fn extract_epoch(&self, request: &Request<B>) -> Result<Option<u64>, EpochRejection> {
         self(request)
     }
 }
@@ -37,7 +37,7 @@ where
 pub struct NoEpoch;
 
 impl<B> ExtractEpoch<B> for NoEpoch {
-    fn extract_epoch(&self, _request: &Request<B>) -> Result<Option<u64>, InvalidEpoch> {
+    fn extract_epoch(&self, _request: &Request<B>) -> Result<Option<u64>, EpochRejection> {
         Ok(None)
     }
 }
@@ -61,19 +61,19 @@ impl Default for EpochFromHeader {
 }
 
 impl<B> ExtractEpoch<B> for EpochFromHeader {
-    fn extract_epoch(&self, request: &Request<B>) -> Result<Option<u64>, InvalidEpoch> {
+    fn extract_epoch(&self, request: &Request<B>) -> Result<Option<u64>, EpochRejection> {
         let mut values = request.headers().get_all(&self.0).iter();
         let Some(value) = values.next() else {
             return Ok(None);
         };
         if values.next().is_some() {
-            return Err(InvalidEpoch);
+            return Err(EpochRejection);
         }
-        let text = value.to_str().map_err(|_| InvalidEpoch)?;
+        let text = value.to_str().map_err(|_| EpochRejection)?;
         if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(InvalidEpoch);
+            return Err(EpochRejection);
         }
-        text.parse().map(Some).map_err(|_| InvalidEpoch)
+        text.parse().map(Some).map_err(|_| EpochRejection)
     }
 }
 
@@ -110,7 +110,7 @@ impl<B, T> ExtractEpoch<B> for EpochFromExtension<T>
 where
     T: Copy + Into<u64> + Send + Sync + 'static,
 {
-    fn extract_epoch(&self, request: &Request<B>) -> Result<Option<u64>, InvalidEpoch> {
+    fn extract_epoch(&self, request: &Request<B>) -> Result<Option<u64>, EpochRejection> {
         Ok(request.extensions().get::<T>().map(|epoch| (*epoch).into()))
     }
 }
@@ -118,12 +118,12 @@ where
 /// The request's epoch could not be read; the layer answers
 /// `400 idempotency.epoch_invalid`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct InvalidEpoch;
+pub struct EpochRejection;
 
-impl fmt::Display for InvalidEpoch {
+impl fmt::Display for EpochRejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("the epoch must be one decimal number")
     }
 }
 
-impl std::error::Error for InvalidEpoch {}
+impl std::error::Error for EpochRejection {}

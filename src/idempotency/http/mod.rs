@@ -24,7 +24,7 @@ mod transaction;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub use self::transaction::TransactionMissing;
 pub use self::{
-    epoch::{EpochFromExtension, EpochFromHeader, ExtractEpoch, InvalidEpoch, NoEpoch},
+    epoch::{EpochFromExtension, EpochFromHeader, EpochRejection, ExtractEpoch, NoEpoch},
     extract::{ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeader, KeyFromJson},
     layer::{
         IdempotencyLayer, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,

@@ -18,11 +18,11 @@ use super::{
     layer::Settings,
     read::{buffered, fingerprint, read_body, FingerprintVersion},
     stored::StoredResponse,
-    ExtractEpoch, InvalidEpoch, NoEpoch,
+    EpochRejection, ExtractEpoch, NoEpoch,
 };
 use crate::body::Body;
 use crate::idempotency::{
-    client::{IdentifyClient, InvalidClient, NoClient},
+    client::{ClientRejection, IdentifyClient, NoClient},
     collect::{collect_up_to, BoxError, Collected},
     core::{
         observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
@@ -222,8 +222,8 @@ where
 
 /// What the head of a covered request says besides its key, read before its body.
 struct Identity {
-    epoch: Result<Option<u64>, InvalidEpoch>,
-    client: Result<Option<ClientId>, InvalidClient>,
+    epoch: Result<Option<u64>, EpochRejection>,
+    client: Result<Option<ClientId>, ClientRejection>,
     attempt: Option<AttemptId>,
 }
 
