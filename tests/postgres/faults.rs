@@ -210,12 +210,6 @@ async fn transactional_mode_through_a_paused_and_a_killed_server() {
     }
 }
 
-/// The problem `code` of an answer, if its body is a problem.
-fn problem_code(reply: &Reply) -> Option<String> {
-    let body: serde_json::Value = serde_json::from_slice(&reply.body).ok()?;
-    body.get("code")?.as_str().map(str::to_owned)
-}
-
 /// What a client saw: `201 executed`, `201 replayed`, `503 idempotency.…`, or `none`
 /// (the connection failed).
 fn seen(reply: Option<&Reply>) -> String {
@@ -232,7 +226,7 @@ fn seen(reply: Option<&Reply>) -> String {
         Some(reply) => format!(
             "{} {}",
             reply.status.as_u16(),
-            problem_code(reply).unwrap_or_default()
+            reply.problem_code().unwrap_or_default()
         ),
     }
 }
@@ -392,7 +386,7 @@ async fn commit_trial(
     );
 
     let first = first.expect("the first request is answered");
-    let first_code = problem_code(&first);
+    let first_code = first.problem_code();
     assert!(
         retries
             .iter()
@@ -577,7 +571,7 @@ async fn outage_trial(outage: Outage, ping: bool) {
     let refused = refused.expect("the refused request is answered");
     assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(
-        problem_code(&refused).as_deref(),
+        refused.problem_code().as_deref(),
         Some("idempotency.store_unavailable")
     );
     assert!(

@@ -30,16 +30,10 @@ fn created(reply: &Reply) -> bool {
     reply.status == StatusCode::CREATED
 }
 
-/// The `code` of a problem body.
-fn problem_code(reply: &Reply) -> Option<String> {
-    let body: serde_json::Value = serde_json::from_slice(&reply.body).ok()?;
-    body.get("code")?.as_str().map(str::to_owned)
-}
-
 /// A reply as the client sees it: `201 idempotent-replayed: true`, or `409
 /// idempotency.in_flight`.
 fn describe(reply: &Reply) -> String {
-    match (reply.header("idempotent-replayed"), problem_code(reply)) {
+    match (reply.header("idempotent-replayed"), reply.problem_code()) {
         (_, Some(code)) => format!("{} {code}", reply.status.as_u16()),
         (Some(replayed), None) => {
             format!("{} idempotent-replayed: {replayed}", reply.status.as_u16())
@@ -200,7 +194,7 @@ async fn refused_trial(fault: Fault, trial: usize, broken: &mut Broken) {
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let runs = ledger.runs(&key);
-    let code = problem_code(&refused);
+    let code = refused.problem_code();
     let to_201 = executed
         .as_ref()
         .map(|(_, at)| at.saturating_duration_since(back));

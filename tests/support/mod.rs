@@ -82,6 +82,12 @@ impl Reply {
         self.status == StatusCode::CREATED && self.replayed()
     }
 
+    /// The `code` of a problem body (`application/problem+json`), if the body has one.
+    pub fn problem_code(&self) -> Option<String> {
+        let body: Value = serde_json::from_slice(&self.body).ok()?;
+        body.get("code")?.as_str().map(str::to_owned)
+    }
+
     pub fn text(&self) -> &str {
         std::str::from_utf8(&self.body).unwrap()
     }
