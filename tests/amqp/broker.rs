@@ -7,7 +7,7 @@ use std::{
     process::{Child, Command, Stdio},
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, Mutex, Once,
+        Arc, Mutex,
     },
     time::{Duration, Instant},
 };
@@ -30,6 +30,8 @@ use tower_ids::{
 #[path = "../support/rabbitmq.rs"]
 mod rabbitmq;
 pub use rabbitmq::{connect, url};
+
+use super::demo::example_path;
 
 /// An exchange and a controller queue of this test's own, with a queue collecting
 /// every outcome published on the exchange; removed by [`remove`](Self::remove), or on
@@ -257,46 +259,6 @@ impl Drop for Topology {
     }
 }
 
-/// The `control_plane` example, built once per test run with this test's features.
-fn example_path() -> PathBuf {
-    static BUILT: Once = Once::new();
-    BUILT.call_once(|| {
-        let features: Vec<&str> = [
-            ("correlation", cfg!(feature = "correlation")),
-            ("idempotency", cfg!(feature = "idempotency")),
-            ("client", cfg!(feature = "client")),
-            ("axum", cfg!(feature = "axum")),
-            ("redis", cfg!(feature = "redis")),
-            ("postgres", cfg!(feature = "postgres")),
-            ("amqp", cfg!(feature = "amqp")),
-            ("opentelemetry", cfg!(feature = "opentelemetry")),
-        ]
-        .into_iter()
-        .filter_map(|(name, on)| on.then_some(name))
-        .collect();
-        // `cargo test --test amqp` builds no example; `cargo test` does, and then this
-        // finds it up to date.
-        let status = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "--example",
-                "control_plane",
-                "--no-default-features",
-            ])
-            .args(["--features", &features.join(",")])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("cargo runs");
-        assert!(status.success(), "the control_plane example builds");
-    });
-    let mut path = std::env::current_exe().unwrap();
-    path.pop(); // deps/
-    path.pop();
-    path.push("examples");
-    path.push(format!("control_plane{}", std::env::consts::EXE_SUFFIX));
-    path
-}
-
 /// A controller child process, its JSON log collected line by line.
 pub struct Controller {
     child: Child,
@@ -308,7 +270,7 @@ impl Controller {
     /// Starts `control_plane controller` on the test's names (executions counted in
     /// its file), with `args`, and waits until it consumes.
     pub fn start(topology: &Topology, name: &str, args: &[&str]) -> Self {
-        Self::start_at(&example_path(), topology, name, args)
+        Self::start_at(&example_path("control_plane"), topology, name, args)
     }
 
     fn start_at(binary: &Path, topology: &Topology, name: &str, args: &[&str]) -> Self {

@@ -8,6 +8,9 @@
 
 mod broker;
 
+#[path = "../support/demo.rs"]
+mod demo;
+
 #[path = "../redis/server.rs"]
 #[allow(dead_code)]
 mod server;
@@ -278,14 +281,7 @@ async fn the_orchestrator_retries_under_new_correlation_ids_with_one_key() {
     // Slower than the orchestrator's patience: its first attempts time out.
     let controller = Controller::start(&topology, "controller-a", &["--handler-ms", "1200"]);
 
-    let binary = {
-        let mut path = std::env::current_exe().unwrap();
-        path.pop();
-        path.pop();
-        path.push("examples/control_plane");
-        path
-    };
-    let run = Command::new(binary)
+    let run = Command::new(demo::example_path("control_plane"))
         .args([
             "--amqp-url",
             &broker::url(),

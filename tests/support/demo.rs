@@ -1,9 +1,11 @@
-//! The `commands` example as a user runs it: the binary `cargo test` built, started on a
-//! free port of 127.0.0.1 as a child process, its JSON log read from stdout.
+//! The examples as a user runs them: the binary built first with the test's features
+//! ([`example_path`]), started on a free port of 127.0.0.1 as a child process, its JSON
+//! log read from stdout.
 #![allow(dead_code, unreachable_pub)]
 
 use std::{
     io::{BufRead, BufReader},
+    path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
     sync::{Arc, Mutex},
     thread::JoinHandle,
@@ -12,28 +14,25 @@ use std::{
 
 use serde_json::Value;
 
-/// The example binary `name`, next to this test; built first, with this test's
-/// features, once per test binary: `cargo test --test NAME` builds no example (`cargo
-/// test` does, and then this finds it up to date).
-fn example_path(name: &str) -> std::path::PathBuf {
-    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// The example binary `name`, built first with this test's features (once per test
+/// binary), so that `cargo test --test NAME` runs alone: on a clean target directory,
+/// with `--target-dir` or `--target`, or with `--release`. (`cargo test` builds the
+/// examples itself, and then this finds them up to date.)
+pub fn example_path(name: &str) -> PathBuf {
+    static BUILT: Mutex<Vec<(String, PathBuf)>> = Mutex::new(Vec::new());
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if !built.iter().any(|b| b == name) {
-        build_example(name);
-        built.push(name.to_owned());
+    if let Some((_, path)) = built.iter().find(|(built, _)| built == name) {
+        return path.clone();
     }
-    drop(built);
-    let mut path = std::env::current_exe().unwrap();
-    path.pop(); // deps/
-    path.pop();
-    path.push("examples");
-    path.push(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    let path = build_example(name);
+    built.push((name.to_owned(), path.clone()));
     path
 }
 
 /// `cargo build --example name` with exactly the features this test was built with, so
-/// that the library is not built again for another set.
-fn build_example(name: &str) {
+/// that the library is not built again for another set, into this test's own target
+/// directory (and target triple and profile); returns the binary cargo names.
+fn build_example(name: &str) -> PathBuf {
     let features: Vec<&str> = [
         ("correlation", cfg!(feature = "correlation")),
         ("idempotency", cfg!(feature = "idempotency")),
@@ -54,16 +53,39 @@ fn build_example(name: &str) {
     .into_iter()
     .filter_map(|(feature, on)| on.then_some(feature))
     .collect();
+    // `<target-dir>/tmp`: the target directory this test was built in, which a
+    // `--target-dir` on the command line would not tell a nested cargo.
+    let target_dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .expect("CARGO_TARGET_TMPDIR is inside the target directory");
     let mut cargo = Command::new(env!("CARGO"));
     cargo
         .args(["build", "--example", name, "--no-default-features"])
         .args(["--features", &features.join(",")])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
+        .arg("--target-dir")
+        .arg(target_dir)
+        .args(["--message-format", "json-render-diagnostics"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stderr(Stdio::inherit());
+    // This test is `[<triple>/]<profile>/deps/<name>-<hash>` under the target directory.
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
+    let platform_dir = profile_dir.parent().unwrap();
+    if platform_dir != target_dir {
+        cargo.arg("--target").arg(platform_dir.file_name().unwrap());
+    }
     if !cfg!(debug_assertions) {
         cargo.arg("--release");
     }
-    let status = cargo.status().expect("cargo runs");
-    assert!(status.success(), "the {name} example builds");
+    let output = cargo.output().expect("cargo runs");
+    assert!(output.status.success(), "the {name} example builds");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|message| message["reason"] == "compiler-artifact")
+        .filter(|message| message["target"]["name"] == name)
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .unwrap_or_else(|| panic!("cargo names the {name} example's binary"))
 }
 
 /// Runs the example `name` (built first, as [`Demo::example`] does) with `args` until it
@@ -156,7 +178,7 @@ impl Demo {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .unwrap_or_else(|e| panic!("the {name} example is built by `cargo test`: {e}"));
+            .unwrap_or_else(|e| panic!("the {name} example runs: {e}"));
         let stdout = BufReader::new(child.stdout.take().unwrap());
         let lines = Arc::new(Mutex::new(Vec::new()));
         let (url_tx, url_rx) = std::sync::mpsc::channel();
