@@ -169,7 +169,7 @@ impl AttemptId {
     }
 
     /// The attempt ID a store kept as `bytes`; `None` for bytes no header carries.
-    #[cfg(feature = "idempotency")]
+    #[cfg(any(feature = "redis", feature = "postgres"))]
     pub(crate) fn from_stored(bytes: &[u8]) -> Option<Self> {
         HeaderValue::from_bytes(bytes)
             .ok()
