@@ -103,8 +103,9 @@ pub(crate) struct Waiting {
     pub(crate) hold: Duration,
     /// Wakes the storing task for an attempt now.
     nudge: Notify,
-    /// Sends once the outcome is stored (or superseded).
-    settled: watch::Sender<()>,
+    /// `true` once the outcome is stored (or superseded): a waiter that subscribes
+    /// after that sees it at once.
+    settled: watch::Sender<bool>,
 }
 
 impl Waiting {
@@ -117,9 +118,8 @@ impl Waiting {
     /// timeout.
     pub(crate) async fn settled(&self, timeout: Duration) -> bool {
         let mut settled = self.settled.subscribe();
-        tokio::time::timeout(timeout, settled.changed())
-            .await
-            .is_ok()
+        let done = tokio::time::timeout(timeout, settled.wait_for(|done| *done)).await;
+        done.is_ok()
     }
 }
 
@@ -162,7 +162,7 @@ impl KeptOutcomes {
             });
             weight = 0;
         }
-        let (settled, _) = watch::channel(());
+        let (settled, _) = watch::channel(false);
         let waiting = Arc::new(Waiting {
             first_seen: outcome.lease.first_seen,
             fingerprint: outcome.record.fingerprint,
@@ -191,7 +191,7 @@ impl KeptOutcomes {
                 }
             }
             kept.bytes.fetch_sub(weight, Ordering::Relaxed);
-            waiting.settled.send_replace(());
+            waiting.settled.send_replace(true);
         };
         // The same span as the request: its correlation ID and key are on every event.
         tokio::spawn(task.instrument(tracing::Span::current()));
@@ -253,5 +253,29 @@ async fn store_until_done<St: IdempotencyStore>(
             }
         }
         pause = (pause * 2).min(MAX_STORE_RETRY_PAUSE);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A duplicate that looks for the outcome just after it was stored (between finding
+    /// it kept and subscribing) is told at once, not after its whole wait.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_that_comes_after_the_outcome_settled_is_told_at_once() {
+        let (settled, _) = watch::channel(false);
+        let waiting = Waiting {
+            first_seen: SystemTime::now(),
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            epoch: None,
+            hold: Duration::from_secs(15),
+            nudge: Notify::new(),
+            settled,
+        };
+        waiting.settled.send_replace(true);
+        let began = tokio::time::Instant::now();
+        assert!(waiting.settled(Duration::from_secs(5)).await);
+        assert_eq!(began.elapsed(), Duration::ZERO, "no wait at all");
     }
 }
