@@ -69,6 +69,7 @@ async fn overhead_per_entry(store: &MokaStore, body: &Bytes) -> (f64, usize) {
 #[tokio::test]
 async fn what_stored_records_and_requests_in_flight_cost() {
     stored_records_cost_no_more_than_charged().await;
+    records_the_layer_makes_cost_no_more_than_charged().await;
     a_request_in_flight_costs_under_a_kibibyte().await;
 }
 
@@ -106,4 +107,61 @@ async fn stored_records_cost_no_more_than_charged() {
             "an entry costs {overhead:.0} bytes beyond its response, more than the {MOKA_ENTRY_OVERHEAD_BYTES} charged"
         );
     }
+}
+
+/// The records the HTTP layer itself makes (a response it keeps decoded beside its
+/// payload, so that a replay decodes nothing) are weighed with what they hold: the
+/// bytes they leave allocated stay within what the store charges for them.
+async fn records_the_layer_makes_cost_no_more_than_charged() {
+    use http::{Request, Response};
+    use http_body_util::{BodyExt, Full};
+    use tower::{service_fn, Layer, ServiceExt};
+    use tower_ids::idempotency::IdempotencyLayer;
+
+    let store = MokaStore::new();
+    let handler = service_fn(|_request: Request<_>| async {
+        let response = Response::builder()
+            .status(201)
+            .header("content-type", "application/json")
+            .header("x-run", "1")
+            .body(Full::new(Bytes::from(vec![b'x'; 1024])))
+            .unwrap();
+        Ok::<_, std::convert::Infallible>(response)
+    });
+    let service = IdempotencyLayer::with_store(store.clone()).layer(handler);
+    let send = |n: usize| {
+        let request = Request::post("/commands")
+            .header("idempotency-key", format!("layer-{n}"))
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let service = service.clone();
+        async move {
+            let response = service.oneshot(request).await.unwrap();
+            assert_eq!(response.status(), 201);
+            response.into_body().collect().await.unwrap();
+        }
+    };
+    // The layer's and the store's lazily built state, before anything is counted.
+    for n in 0..100 {
+        send(n).await;
+    }
+    store.run_pending_tasks().await;
+    let charged_before = store.weighted_bytes();
+    let region = Region::new(GLOBAL);
+    for n in 100..100 + ENTRIES {
+        send(n).await;
+    }
+    store.run_pending_tasks().await;
+    let change = region.change();
+    let live = change.bytes_allocated as isize - change.bytes_deallocated as isize
+        + change.bytes_reallocated;
+    let per_entry = live as f64 / ENTRIES as f64;
+    let charged = (store.weighted_bytes() - charged_before) as f64 / ENTRIES as f64;
+    println!(
+        "memory: a record the layer made leaves {per_entry:.0} bytes allocated, charged {charged:.0}"
+    );
+    assert!(
+        per_entry <= charged,
+        "a record the layer made costs {per_entry:.0} bytes, more than the {charged:.0} charged"
+    );
 }

@@ -553,12 +553,15 @@ fn classify<B>(
             max_bytes: settings.max_response_bytes,
         },
         Collected::Complete { body, .. } => {
-            let headers = parts
-                .headers
-                .iter()
-                .filter(|(name, _)| !settings.per_attempt.contains(name))
-                .map(|(name, value)| (name.clone(), value.clone()))
-                .collect();
+            // At most as many as the response has: no slack for the record to hold.
+            let mut headers = Vec::with_capacity(parts.headers.len());
+            headers.extend(
+                parts
+                    .headers
+                    .iter()
+                    .filter(|(name, _)| !settings.per_attempt.contains(name))
+                    .map(|(name, value)| (name.clone(), value.clone())),
+            );
             let response = StoredResponse {
                 status,
                 headers,

@@ -25,15 +25,19 @@ impl StoredResponse {
         Payload::from_decoded(PayloadFormat::HTTP, status, body, self, bytes, encode_head)
     }
 
-    /// The bytes it holds beyond the body (which it shares with the payload): itself,
-    /// and per header its slot plus its name and value.
+    /// The bytes it holds beyond the body (which it shares with the payload): itself in
+    /// its shared allocation, its headers' slots (as many as allocated), and per header
+    /// its name, its value and the value's share of a buffer it may hold with others.
     fn weight(&self) -> usize {
+        const SHARED_BUFFER: usize = 4 * std::mem::size_of::<usize>();
         let slot = std::mem::size_of::<(HeaderName, HeaderValue)>();
-        std::mem::size_of::<Self>()
+        let arc = 2 * std::mem::size_of::<usize>();
+        arc + std::mem::size_of::<Self>()
+            + self.headers.capacity() * slot
             + self
                 .headers
                 .iter()
-                .map(|(name, value)| slot + name.as_str().len() + value.len())
+                .map(|(name, value)| name.as_str().len() + value.len() + SHARED_BUFFER)
                 .sum::<usize>()
     }
 
