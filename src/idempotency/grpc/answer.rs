@@ -191,8 +191,10 @@ impl Reply<'_> {
     }
 }
 
-/// The HTTP status the gRPC status `code` maps to, as gRPC's HTTP mapping says it.
-fn http_status(code: Code) -> u16 {
+/// The HTTP status the gRPC status `code` maps to, as gRPC's HTTP mapping says it: a
+/// `5xx` is a server error (a transaction the handler took is rolled back for it, as for
+/// the HTTP layer's), and refusals log it as their `status`.
+pub(super) fn http_status(code: Code) -> u16 {
     match code {
         Code::Ok => 200,
         Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => 400,

@@ -13,7 +13,7 @@ use tonic::Code;
 use tower_service::Service;
 
 use super::{
-    answer::{Refusal, Reply},
+    answer::{http_status, Refusal, Reply},
     call::{message_count, status_code, StoredCall},
     layer::Settings,
 };
@@ -329,20 +329,6 @@ where
     }
 }
 
-/// The codes the HTTP mapping of gRPC statuses answers with a 5xx: a transaction the
-/// handler took is rolled back for them, as for the HTTP layer's server errors.
-fn is_server_error(code: Code) -> bool {
-    matches!(
-        code,
-        Code::Unknown
-            | Code::DeadlineExceeded
-            | Code::Unimplemented
-            | Code::Internal
-            | Code::Unavailable
-            | Code::DataLoss
-    )
-}
-
 /// Runs the claimed call: the engine renews its claim while it runs, this adapter says
 /// what of its response is kept, and the engine stores it or gives the key back.
 async fn execute<S, St, ReqBody, ResBody>(
@@ -416,7 +402,7 @@ fn classify<B>(
                 Some(predicate) => predicate(code),
                 None => super::layer::stores(context.rule, code),
             };
-            if !stores || (is_server_error(code) && context.transaction_taken) {
+            if !stores || (http_status(code) >= 500 && context.transaction_taken) {
                 return Classified::Release(Release::NotStored);
             }
             match StoredCall::encode(
