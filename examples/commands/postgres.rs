@@ -32,7 +32,7 @@ use tower_ids::{
     correlation::CorrelationId,
     idempotency::{
         store::{
-            PostgresStore, Transaction, TransactionError, TransactionGuard,
+            PostgresMode, PostgresStore, Transaction, TransactionGuard,
             DEFAULT_POSTGRES_COMMAND_TIMEOUT,
         },
         IdempotencyKey,
@@ -142,7 +142,9 @@ impl Database {
             url,
         )
         .await?;
-        let mut store = PostgresStore::builder(pool.clone());
+        // The request's own transaction holds its key: a crashed request frees it at
+        // once, and its writes commit with its record.
+        let mut store = PostgresStore::builder(pool.clone()).mode(PostgresMode::Transactional);
         if let Some(timeout) = store_timeout {
             store = store.command_timeout(timeout);
         }
@@ -304,10 +306,6 @@ impl<'a> Writes<'a> {
     async fn request(transaction: &'a Transaction) -> Result<Self, ApiError> {
         match transaction.lock().await {
             Ok(guard) => Ok(Self::Request(guard)),
-            Err(TransactionError::Begin(error)) => Err(ApiError::database(
-                &error,
-                "beginning the request's transaction",
-            )),
             Err(error) => {
                 tracing::error!(event = "commands.transaction_over", error = %error, "the request's transaction is over");
                 Err(ApiError::Internal)

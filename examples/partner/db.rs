@@ -10,7 +10,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sqlx::{postgres::PgPoolOptions, PgConnection, PgPool, Row};
-use tower_ids::idempotency::store::{PostgresStore, Transaction, TransactionGuard};
+use tower_ids::idempotency::store::{PostgresMode, PostgresStore, Transaction, TransactionGuard};
 
 use crate::problem::Problem;
 
@@ -73,7 +73,9 @@ pub(crate) async fn connect(
 ) -> Result<(PgPool, PostgresStore), Box<dyn std::error::Error + Send + Sync>> {
     let pool = crate::database::connect(PgPoolOptions::new().max_connections(16), url).await?;
     sqlx::raw_sql(SCHEMA).execute(&pool).await?;
-    let store = PostgresStore::builder(pool.clone()).build()?;
+    let store = PostgresStore::builder(pool.clone())
+        .mode(PostgresMode::Transactional)
+        .build()?;
     store.migrate().await?;
     Ok((pool, store))
 }

@@ -350,7 +350,7 @@ async fn waits_end_in_every_way<St: IdempotencyStore>(store: &Arc<St>) {
         .await
         .unwrap();
     match waiter.await.unwrap().unwrap() {
-        Settled::Completed { record } => {
+        Settled::Completed { record, .. } => {
             assert_eq!(payload_body(record.payload.as_ref().unwrap()), "waited")
         }
         other => panic!("expected the record, got {other:?}"),

@@ -42,7 +42,7 @@ use tower_ids::{
     correlation::{CorrelationId, CorrelationLayer},
     idempotency::{
         grpc::{GrpcIdempotencyLayer, ERROR_DOMAIN},
-        store::{PostgresStore, RedisStore, Transaction},
+        store::{PostgresMode, PostgresStore, RedisStore, Transaction},
         IdempotencyStore,
     },
 };
@@ -603,7 +603,10 @@ async fn a_transfer_in_the_calls_transaction_commits_with_its_answer_or_not_at_a
         .execute(&pool)
         .await
         .unwrap();
-    let store = PostgresStore::builder(pool.clone()).build().unwrap();
+    let store = PostgresStore::builder(pool.clone())
+            .mode(PostgresMode::Transactional)
+            .build()
+            .unwrap();
     store.migrate().await.unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let ledger = PostgresLedger { runs: runs.clone() };

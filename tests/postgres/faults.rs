@@ -14,7 +14,7 @@ use http::StatusCode;
 use serde_json::json;
 use sqlx::{postgres::PgPoolOptions, PgPool};
 use tower_ids::idempotency::{
-    store::{PostgresStore, Transaction, DEFAULT_POSTGRES_COMMAND_TIMEOUT},
+    store::{PostgresMode, PostgresStore, Transaction, DEFAULT_POSTGRES_COMMAND_TIMEOUT},
     IdempotencyLayer,
 };
 
@@ -32,9 +32,9 @@ const LEASE: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
-    /// The handler does not take the transaction: claim, run, store.
+    /// A claim row with a lease: claim, run, store.
     Durable,
-    /// The handler inserts its command on the request's transaction.
+    /// The request's transaction holds the key; the handler inserts its command in it.
     Transactional,
 }
 
@@ -251,6 +251,10 @@ async fn replica(
         .expect("the throwaway server accepts connections");
     let store = PostgresStore::builder(pool)
         .command_timeout(timeout)
+        .mode(match mode {
+            Mode::Durable => PostgresMode::Durable,
+            Mode::Transactional => PostgresMode::Transactional,
+        })
         .build()
         .unwrap();
     let layer = IdempotencyLayer::with_store(store).policy(Policy::new().lease(LEASE));

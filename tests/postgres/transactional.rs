@@ -15,7 +15,7 @@ use sqlx::PgPool;
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
-        store::{PostgresStore, Transaction},
+        store::{PostgresMode, PostgresStore, Transaction},
         IdempotencyLayer,
     },
 };
@@ -76,7 +76,10 @@ impl Server {
         .execute(&pool)
         .await
         .unwrap();
-        let store = PostgresStore::builder(pool.clone()).build().unwrap();
+        let store = PostgresStore::builder(pool.clone())
+            .mode(PostgresMode::Transactional)
+            .build()
+            .unwrap();
         store.migrate().await.unwrap();
         let runs = Arc::new(AtomicUsize::new(0));
         let router = Router::new()

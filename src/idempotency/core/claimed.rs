@@ -111,8 +111,12 @@ pub(crate) struct Claimed<St: IdempotencyStore> {
     ttl: Duration,
     max_kept_bytes: usize,
     rule: StorageRule,
-    /// The transaction the store offers the handler, if it can commit the record in it.
+    /// The transaction that holds the claim, for a store whose claims are transactions:
+    /// the handler is offered it, the record commits in it, and no lease is renewed.
     transaction: Option<Box<dyn HandlerTransaction>>,
+    /// Whether the claim is held by `transaction` (and so ends with it) rather than by
+    /// a lease in the store.
+    by_transaction: bool,
     /// Time spent in store calls on the request's path so far.
     pub(super) store_time: Duration,
 }
@@ -123,11 +127,12 @@ impl<St: IdempotencyStore> Claimed<St> {
         scope: ScopeKey,
         claim: Claim,
         lease: Lease,
+        transaction: Option<Box<dyn HandlerTransaction>>,
         kept: Arc<KeptOutcomes>,
         policy: &Policy,
     ) -> Self {
-        let transaction = store.handler_transaction();
         Self {
+            by_transaction: transaction.is_some(),
             store,
             scope,
             claim,
@@ -166,7 +171,11 @@ impl<St: IdempotencyStore> Claimed<St> {
         // Pinned here, once: `renewing` takes a pointer to it, so the work's future
         // (as large as the handler's) is not moved again.
         let work = std::pin::pin!(work);
-        let produced = match self.renewing(work).await {
+        let produced = match self.transaction_offer() {
+            Some(offer) => offer.scope(self.renewing(work)).await,
+            None => self.renewing(work).await,
+        };
+        let produced = match produced {
             Ok(produced) => produced,
             Err(error) => {
                 self.release(Release::HandlerError).await;
@@ -231,7 +240,7 @@ impl<St: IdempotencyStore> Claimed<St> {
     /// claim's hold, see [`lease::claim`]) until it ends, so a handler longer than the
     /// lease keeps its key while its worker lives.
     async fn renewing<F: Future>(&self, work: F) -> F::Output {
-        let Some(lease) = &self.lease else {
+        let Some(lease) = self.lease.as_ref().filter(|_| !self.by_transaction) else {
             return work.await;
         };
         let period = (self.claim.lease / 6).max(Duration::from_millis(1));
@@ -310,23 +319,18 @@ impl<St: IdempotencyStore> Claimed<St> {
         if let Some(transaction) = self.transaction.take() {
             let outcome = Some((record.clone(), ttl));
             let started = std::time::Instant::now();
-            let settlement = transaction.settle(self.scope, lease.clone(), outcome).await;
+            let settlement = transaction.settle(self.scope, outcome).await;
             self.store_time += started.elapsed();
-            // Recorded once: below, or by the store call when the transaction was not
-            // taken.
-            if !matches!(settlement, Settlement::NotTaken) {
-                observe::store_time(self.store_time);
-            }
-            match settlement {
-                Settlement::Committed(completion) => {
-                    report(completion, &record, ttl, 1);
-                    return stored(completion);
+            observe::store_time(self.store_time);
+            return match settlement {
+                Settlement::Committed => {
+                    report(Completion::Stored, &record, ttl, 1);
+                    stored(Completion::Stored)
                 }
-                Settlement::NotTaken => {}
                 Settlement::RolledBack => {
                     let error = StoreError::new("the request's transaction was rolled back");
-                    self.give_back(&lease, Release::RolledBack).await;
-                    return Finished::Unsettled(Unsettled::NotCommitted(error));
+                    lease::released_with_transaction(Release::RolledBack);
+                    Finished::Unsettled(Unsettled::NotCommitted(error))
                 }
                 Settlement::Failed(error) => {
                     tracing::warn!(
@@ -334,31 +338,18 @@ impl<St: IdempotencyStore> Claimed<St> {
                         error = %Chain(&error),
                         "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
                     );
-                    self.give_back(&lease, Release::CommitFailed).await;
-                    return Finished::Unsettled(Unsettled::NotCommitted(error));
+                    lease::released_with_transaction(Release::CommitFailed);
+                    Finished::Unsettled(Unsettled::NotCommitted(error))
                 }
                 Settlement::Unknown(error) => {
                     tracing::warn!(
                         event = "idempotency.outcome_unknown",
                         error = %Chain(&error),
-                        "the commit's answer was lost and the store could not tell whether it landed; a retry with this key replays the outcome if it did, and runs again once the store confirms it did not"
+                        "the commit's answer was lost and the store could not tell whether it landed; a retry with this key replays the outcome if it did, and runs again once the database has settled that it did not"
                     );
-                    // A release never removes a stored outcome (the store's contract),
-                    // and the commit, until it ends, holds what the release would
-                    // change: so releasing is right whichever way the commit went,
-                    // and frees the key as soon as the store can tell.
-                    let (store, scope, hold) = (self.store.clone(), self.scope, self.claim.lease);
-                    let settling = self.kept.settling.clone();
-                    let pending = settling.enter(Owed::Release, tracing::Span::current());
-                    let release = async move {
-                        let reason = Release::OutcomeUnknown;
-                        lease::release(&store, &scope, &lease, hold, reason, &settling).await;
-                        drop(pending);
-                    };
-                    tokio::spawn(release.instrument(tracing::Span::current()));
-                    return Finished::Unsettled(Unsettled::Unknown(error));
+                    Finished::Unsettled(Unsettled::Unknown(error))
                 }
-            }
+            };
         }
         let completed = observe::timed_store_call(
             "complete",
@@ -403,10 +394,13 @@ impl<St: IdempotencyStore> Claimed<St> {
         };
         let started = std::time::Instant::now();
         if let Some(transaction) = self.transaction.take() {
-            // Nothing to store: whatever the handler wrote in it is rolled back.
-            transaction.settle(self.scope, lease.clone(), None).await;
+            // Nothing to store: whatever the handler wrote in it is rolled back, and the
+            // claim ends with it.
+            transaction.settle(self.scope, None).await;
+            lease::released_with_transaction(reason);
+        } else {
+            self.give_back(&lease, reason).await;
         }
-        self.give_back(&lease, reason).await;
         observe::store_time(self.store_time + started.elapsed());
     }
 
@@ -434,9 +428,18 @@ impl<St: IdempotencyStore> Drop for Claimed<St> {
         };
         let settling = self.kept.settling.clone();
         let pending = settling.enter(Owed::Release, tracing::Span::current());
+        let transaction = self.transaction.take();
         runtime.spawn(
             async move {
-                lease::release(&store, &scope, &lease, hold, reason, &settling).await;
+                match transaction {
+                    Some(transaction) => {
+                        // Rolled back now, not when the last clone the handler kept of
+                        // it is dropped: the claim ends with it.
+                        transaction.settle(scope, None).await;
+                        lease::released_with_transaction(reason);
+                    }
+                    None => lease::release(&store, &scope, &lease, hold, reason, &settling).await,
+                }
                 drop(pending);
             }
             .instrument(tracing::Span::current()),

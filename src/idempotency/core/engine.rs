@@ -17,7 +17,7 @@ use super::{
     settings::{InFlight, Policy, StoreFailure},
 };
 use crate::idempotency::{
-    store::{Begin, Chain, IdempotencyStore, Payload, Record, Settled},
+    store::{Begin, Chain, IdempotencyStore, Payload, Record, Settled, StoreError},
     AttemptId, Fingerprint, ScopeKey,
 };
 
@@ -64,6 +64,7 @@ impl<St: IdempotencyStore> Decision<St> {
             Decision::Answer(Verdict::Conflict | Verdict::EpochMismatch { .. }) => "conflict",
             Decision::Answer(Verdict::OriginalFailed) => "original_failed",
             Decision::Answer(Verdict::StoreUnavailable) => "store_unavailable",
+            Decision::Answer(Verdict::PoolExhausted) => "pool_exhausted",
         }
     }
 
@@ -110,6 +111,9 @@ pub(crate) enum Verdict {
     OriginalFailed,
     /// The store cannot answer: nothing ran, and nothing will (fail closed).
     StoreUnavailable,
+    /// The store had no free connection for as long as the request could wait:
+    /// nothing ran, whatever the store-failure rule.
+    PoolExhausted,
 }
 
 impl<St: IdempotencyStore> Engine<St> {
@@ -176,6 +180,7 @@ impl<St: IdempotencyStore> Engine<St> {
             observe::timed_store_call("begin", spent, self.store.begin(&scope, claim.clone()));
         let begin = match begin.await {
             Ok(begin) => begin,
+            Err(error) if error.is_exhausted() => return pool_exhausted(&error),
             Err(error) => {
                 return match policy.store_failure {
                     StoreFailure::FailClosed => {
@@ -213,9 +218,38 @@ impl<St: IdempotencyStore> Engine<St> {
                     scope,
                     claim,
                     lease,
+                    None,
                     self.kept.clone(),
                     policy,
                 ))
+            }
+            Begin::ClaimedByTransaction { lease, transaction } => {
+                claimed.set(&self.kept.settling);
+                tracing::debug!(
+                    event = "idempotency.accepted",
+                    "idempotency key accepted; running the handler in the transaction that holds it"
+                );
+                Decision::Run(Claimed::new(
+                    self.store.clone(),
+                    scope,
+                    claim,
+                    lease,
+                    Some(transaction),
+                    self.kept.clone(),
+                    policy,
+                ))
+            }
+            Begin::Locked => {
+                let timeout = match policy.in_flight {
+                    InFlight::Reject { retry_after } => {
+                        return in_flight(SystemTime::now(), None, retry_after)
+                    }
+                    InFlight::Wait { timeout } => timeout,
+                };
+                let wait =
+                    observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
+                let waited = Box::pin(wait).await;
+                self.waited(waited, fingerprint, epoch, SystemTime::now(), None)
             }
             Begin::Completed {
                 record,
@@ -246,33 +280,48 @@ impl<St: IdempotencyStore> Engine<St> {
                 };
                 let wait =
                     observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
-                match Box::pin(wait).await {
-                    // The key may have been released and run again, in another epoch,
-                    // while this one waited.
-                    Ok(Settled::Completed { record }) if record.epoch != epoch => {
-                        epoch_mismatch(record.epoch, epoch)
-                    }
-                    Ok(Settled::Completed { record }) => {
-                        settled(record, fingerprint, request_count)
-                    }
-                    Ok(Settled::TimedOut) => in_flight(first_seen, Some(request_count), AFTER_WAIT),
-                    Ok(Settled::Released) => {
-                        tracing::debug!(
-                            event = "idempotency.original_failed",
-                            "the work this one waited for did not complete; retry"
-                        );
-                        Decision::Answer(Verdict::OriginalFailed)
-                    }
-                    Err(error) => {
-                        tracing::warn!(
-                            event = "idempotency.store_failed",
-                            error = %Chain(&error),
-                            phase = "wait",
-                            "idempotency store failed while waiting"
-                        );
-                        Decision::Answer(Verdict::StoreUnavailable)
-                    }
-                }
+                let waited = Box::pin(wait).await;
+                self.waited(waited, fingerprint, epoch, first_seen, Some(request_count))
+            }
+        }
+    }
+
+    /// The decision for a duplicate that waited for the work in flight.
+    fn waited(
+        &self,
+        waited: Result<Settled, StoreError>,
+        fingerprint: Fingerprint,
+        epoch: Option<u64>,
+        first_seen: SystemTime,
+        request_count: Option<u64>,
+    ) -> Decision<St> {
+        match waited {
+            // The key may have been released and run again, in another epoch, while
+            // this one waited.
+            Ok(Settled::Completed { record, .. }) if record.epoch != epoch => {
+                epoch_mismatch(record.epoch, epoch)
+            }
+            Ok(Settled::Completed {
+                record,
+                request_count: counted,
+            }) => settled(record, fingerprint, counted.or(request_count).unwrap_or(1)),
+            Ok(Settled::TimedOut) => in_flight(first_seen, request_count, AFTER_WAIT),
+            Ok(Settled::Released) => {
+                tracing::debug!(
+                    event = "idempotency.original_failed",
+                    "the work this one waited for did not complete; retry"
+                );
+                Decision::Answer(Verdict::OriginalFailed)
+            }
+            Err(error) if error.is_exhausted() => pool_exhausted(&error),
+            Err(error) => {
+                tracing::warn!(
+                    event = "idempotency.store_failed",
+                    error = %Chain(&error),
+                    phase = "wait",
+                    "idempotency store failed while waiting"
+                );
+                Decision::Answer(Verdict::StoreUnavailable)
             }
         }
     }
@@ -337,7 +386,15 @@ impl<St: IdempotencyStore> Engine<St> {
                 ));
                 self.kept_answer(fingerprint, epoch, &waiting, retry_after)
             }
-            Err(_) => self.kept_answer(fingerprint, epoch, &waiting, retry_after),
+            Ok(Begin::ClaimedByTransaction { transaction, .. }) => {
+                // As above; a rollback gives this claim back.
+                tokio::spawn(transaction.settle(scope, None));
+                waiting.nudge();
+                self.kept_answer(fingerprint, epoch, &waiting, retry_after)
+            }
+            Ok(Begin::Locked) | Err(_) => {
+                self.kept_answer(fingerprint, epoch, &waiting, retry_after)
+            }
         }
     }
 
@@ -437,6 +494,15 @@ fn in_flight<St: IdempotencyStore>(
         request_count,
         retry_after,
     })
+}
+
+fn pool_exhausted<St: IdempotencyStore>(error: &StoreError) -> Decision<St> {
+    tracing::warn!(
+        event = "idempotency.pool_exhausted",
+        error = %Chain(error),
+        "no database connection was free for this request in time; nothing ran"
+    );
+    Decision::Answer(Verdict::PoolExhausted)
 }
 
 fn conflict<St: IdempotencyStore>() -> Decision<St> {

@@ -184,6 +184,19 @@ pub(super) async fn release<St: IdempotencyStore>(
     tokio::spawn(retry.instrument(tracing::Span::current()));
 }
 
+/// A claim held by a transaction was given up by rolling it back (or its commit
+/// failed): the key is free, with no store call to make. Its event and metric, as a
+/// release's.
+pub(super) fn released_with_transaction(reason: Release) {
+    let reason = reason.as_str();
+    tracing::debug!(
+        event = "idempotency.released",
+        reason,
+        "released the idempotency key with its transaction; a retry runs again"
+    );
+    observe::released(reason);
+}
+
 /// One attempt at a release; `false` if the store did not answer.
 async fn try_release<St: IdempotencyStore>(
     store: &St,

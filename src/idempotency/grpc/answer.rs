@@ -74,6 +74,12 @@ impl Refusal {
                 "the server cannot check this idempotency key now, so it ran nothing; retry later",
             )
             .retry_after(Duration::from_secs(1)),
+            Verdict::PoolExhausted => Self::new(
+                Code::ResourceExhausted,
+                "idempotency.pool_exhausted",
+                "every database connection is in use, so this call ran nothing; retry later",
+            )
+            .retry_after(Duration::from_secs(1)),
         }
     }
 

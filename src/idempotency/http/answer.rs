@@ -177,6 +177,15 @@ impl Reply<'_> {
                 ),
                 Duration::from_secs(1),
             ),
+            Verdict::PoolExhausted => self.retry_later(
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "idempotency.pool_exhausted",
+                    "Server busy",
+                    "every database connection is in use, so this request ran nothing; retry later",
+                ),
+                Duration::from_secs(1),
+            ),
         }
     }
 

@@ -172,6 +172,7 @@ impl Refusal {
     /// | `idempotency.outcome_undecodable` | no | the stored outcome does not decode into the outcome type (it changed since) |
     /// | `idempotency.original_failed` | yes | waiting mode: the delivery waited for failed and stored nothing |
     /// | `idempotency.store_unavailable` | yes | the store failed (fail closed) |
+    /// | `idempotency.pool_exhausted` | yes | every connection of the store's pool was in use |
     /// | `idempotency.not_committed` | yes | the store refused the outcome's transaction |
     /// | `idempotency.outcome_unknown` | yes | the outcome's commit got no answer and could not be read back: the redelivery replays it if it landed |
     pub fn code(&self) -> &'static str {
@@ -346,6 +347,11 @@ fn decided<R: DeserializeOwned>(verdict: Verdict) -> Handled<R> {
         Verdict::StoreUnavailable => Handled::Refused(Refusal::new(
             "idempotency.store_unavailable",
             "the idempotency store cannot check this key now, so nothing ran; requeue",
+            true,
+        )),
+        Verdict::PoolExhausted => Handled::Refused(Refusal::new(
+            "idempotency.pool_exhausted",
+            "every database connection is in use, so nothing ran; requeue",
             true,
         )),
     }

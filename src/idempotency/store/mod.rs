@@ -27,7 +27,7 @@ pub use self::moka::{
 };
 #[cfg(feature = "postgres")]
 pub use self::postgres::{
-    PostgresStore, PostgresStoreBuilder, Transaction, TransactionError, TransactionGuard,
+    PostgresMode, PostgresStore, PostgresStoreBuilder, Transaction, TransactionError, TransactionGuard,
     DEFAULT_POSTGRES_CLEANUP_BATCH, DEFAULT_POSTGRES_CLEANUP_INTERVAL,
     DEFAULT_POSTGRES_COMMAND_TIMEOUT, DEFAULT_POSTGRES_TABLE,
 };
@@ -179,47 +179,50 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     fn recovery_time(&self) -> Duration {
         Duration::ZERO
     }
-
-    /// A transaction to offer the handler of a claimed request, for a store that can
-    /// commit the request's record in the handler's own database transaction (so the
-    /// handler's writes and the record commit together or not at all). Default: none.
-    fn handler_transaction(&self) -> Option<Box<dyn HandlerTransaction>> {
-        None
-    }
 }
 
-/// The handler's own database transaction, from
-/// [`IdempotencyStore::handler_transaction`]: offered to the handler in the request's
-/// extensions; if the handler takes it, the layer stores the outcome in it and commits.
+/// The open database transaction that holds a claim, from
+/// [`Begin::ClaimedByTransaction`]: offered to the handler (in the request's extensions,
+/// and as [`TransactionOffer::current`] while it runs) to make its writes in; the layer
+/// stores the outcome in it and commits, or rolls it back to give the key up.
 pub trait HandlerTransaction: Send + Sync + 'static {
     /// What the handler takes the transaction from. The HTTP and gRPC layers put it in
     /// the request's extensions (and the PostgreSQL store's `Transaction` in it, as
     /// itself).
     fn offer(&self) -> TransactionOffer;
 
-    /// Whether the handler has begun the transaction (and it is not settled yet). A
-    /// server error of a handler that did is rolled back and its key released, whatever
-    /// the layer's storage rule: the rollback undid its writes, so a retry may run
-    /// again. Default `false`.
+    /// Whether the handler used the transaction. A server error of a handler that did
+    /// is rolled back and its key released, whatever the layer's storage rule: the
+    /// rollback undid its writes, so a retry may run again. Default `false`.
     fn taken(&self) -> bool {
         false
     }
 
-    /// After the handler: if it took the transaction, stores `outcome` (the record and
-    /// its TTL) for `lease` in it and commits; with no outcome (the response is not
-    /// stored, or the handler failed), rolls it back.
+    /// After the handler: stores `outcome` (the record and its TTL) in the transaction
+    /// and commits; with no outcome (the response is not stored, or the handler
+    /// failed), rolls it back. Either way the claim ends with it.
     fn settle(
         self: Box<Self>,
         scope: ScopeKey,
-        lease: Lease,
         outcome: Option<(Arc<Record>, Duration)>,
     ) -> std::pin::Pin<Box<dyn Future<Output = Settlement> + Send>>;
+}
+
+impl std::fmt::Debug for dyn HandlerTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerTransaction").finish_non_exhaustive()
+    }
 }
 
 /// What a store's [`HandlerTransaction`] offers the handler to run its writes in: the
 /// store's own handle, opaque to the layers, read back by its type.
 #[derive(Clone)]
 pub struct TransactionOffer(Arc<dyn std::any::Any + Send + Sync>);
+
+tokio::task_local! {
+    /// The offer of the claimed request whose handler is being polled.
+    static CURRENT_OFFER: TransactionOffer;
+}
 
 impl TransactionOffer {
     /// Offers `handle`.
@@ -230,6 +233,21 @@ impl TransactionOffer {
     /// The handle, if it is a `T`.
     pub fn get<T: std::any::Any>(&self) -> Option<&T> {
         self.0.downcast_ref()
+    }
+
+    /// The handle offered to the handler being run, if it is a `T`: how a handler whose
+    /// input has no extensions (a message consumer's) finds its transaction. Set while
+    /// the layer polls the handler's future, not in tasks it spawns.
+    pub fn current<T: std::any::Any + Clone>() -> Option<T> {
+        CURRENT_OFFER
+            .try_with(|offer| offer.get::<T>().cloned())
+            .ok()
+            .flatten()
+    }
+
+    /// Runs `work` with this offer as [`current`](Self::current).
+    pub(crate) async fn scope<F: Future>(self, work: F) -> F::Output {
+        CURRENT_OFFER.scope(self, work).await
     }
 }
 
@@ -242,10 +260,8 @@ impl std::fmt::Debug for TransactionOffer {
 /// How a [`HandlerTransaction`] ended.
 #[derive(Debug)]
 pub enum Settlement {
-    /// The handler did not take the transaction: the layer stores the outcome itself.
-    NotTaken,
     /// The handler's writes and the record committed together.
-    Committed(Completion),
+    Committed,
     /// Nothing to store: the handler's writes were rolled back.
     RolledBack,
     /// The transaction did not commit (the database refused it, a statement before the
@@ -255,10 +271,9 @@ pub enum Settlement {
     /// has found out.
     Failed(StoreError),
     /// The commit was sent but its answer was lost, and the store could not find out in
-    /// time whether it landed. The layer then releases the lease from a task of its
-    /// own, which must never remove a stored outcome, and, for a store whose commit
-    /// holds the claim until it ends, waits for the commit: a retry replays the outcome
-    /// if the commit landed, and runs again once the store confirms it did not.
+    /// time whether it landed. The claim ends with the transaction: a retry replays the
+    /// outcome if the commit landed, and runs again once the database has settled that
+    /// it did not.
     Unknown(StoreError),
 }
 
@@ -287,13 +302,30 @@ impl Claim {
 }
 
 /// The answer of [`IdempotencyStore::begin`].
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum Begin {
     /// This request holds the scope: run it, then complete or release the lease.
     Claimed {
         /// Proof of the claim, for `complete` and `release`.
         lease: Lease,
     },
+    /// This request holds the scope for as long as `transaction`, a database
+    /// transaction the store opened, lives: no lease, no renewals. Settling it stores
+    /// the outcome (committing with it whatever the handler wrote in it) or gives the
+    /// key up (rolling back); a process, session or connection that dies ends it, and
+    /// the key is free at once.
+    ClaimedByTransaction {
+        /// When the claiming request arrived, and the claim's token, for its record.
+        lease: Lease,
+        /// The transaction that holds the claim.
+        transaction: Box<dyn HandlerTransaction>,
+    },
+    /// Another request's open transaction holds the scope
+    /// ([`ClaimedByTransaction`](Self::ClaimedByTransaction)): what it runs is not
+    /// visible until it commits, so neither its fingerprint nor the request count is
+    /// known. Duplicates are told it is in flight; its record answers them once it
+    /// commits.
+    Locked,
     /// Another request holds the scope and has not finished.
     InFlight {
         /// The fingerprint of the request in flight.
@@ -565,6 +597,9 @@ pub enum Settled {
     Completed {
         /// The outcome.
         record: Arc<Record>,
+        /// Requests seen for this scope, this one included, if the store counted the
+        /// waiting one as it read the record (else the count `begin` gave stands).
+        request_count: Option<u64>,
     },
     /// It was released (failed, panicked, or was not storable): a retry runs again.
     Released,
@@ -577,6 +612,7 @@ pub enum Settled {
 pub struct StoreError {
     message: String,
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    exhausted: bool,
 }
 
 impl StoreError {
@@ -585,6 +621,7 @@ impl StoreError {
         Self {
             message: message.into(),
             source: None,
+            exhausted: false,
         }
     }
 
@@ -596,7 +633,22 @@ impl StoreError {
         Self {
             message: message.into(),
             source: Some(source.into()),
+            exhausted: false,
         }
+    }
+
+    /// The store is up but had no room for the call (every connection of its pool was
+    /// in use for as long as the call could wait): the layers answer that with a code
+    /// of its own (`idempotency.pool_exhausted`), whatever the store-failure rule, as
+    /// running more work would only add to the load.
+    pub fn exhausted(mut self) -> Self {
+        self.exhausted = true;
+        self
+    }
+
+    /// Whether the store had no room for the call ([`exhausted`](Self::exhausted)).
+    pub fn is_exhausted(&self) -> bool {
+        self.exhausted
     }
 }
 

@@ -381,6 +381,7 @@ impl IdempotencyStore for MokaStore {
                         return Ok(match shard.record(scope, now) {
                             Some(stored) => Settled::Completed {
                                 record: stored.record.clone(),
+                                request_count: None,
                             },
                             None => Settled::Released,
                         })

@@ -103,6 +103,7 @@ async fn decide_answers_what_the_store_says() {
             "a waiting duplicate replays what completed meanwhile",
             Ok(Settled::Completed {
                 record: stored(this_request(), None),
+                request_count: None,
             }),
             replay(2),
         ),

@@ -266,7 +266,7 @@ fn decided(decision: &Decision<ScriptedStore>) -> Decided {
                 requested: *requested,
             },
             Verdict::OriginalFailed => Decided::OriginalFailed,
-            Verdict::StoreUnavailable => Decided::StoreUnavailable,
+            Verdict::StoreUnavailable | Verdict::PoolExhausted => Decided::StoreUnavailable,
         },
     }
 }

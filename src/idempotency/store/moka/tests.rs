@@ -32,7 +32,7 @@ async fn of_concurrent_begins_exactly_one_claims() {
         match begin.await.unwrap() {
             Begin::Claimed { .. } => claimed += 1,
             Begin::InFlight { request_count, .. } => counts.push(request_count),
-            Begin::Completed { .. } => panic!("nothing was completed"),
+            other => panic!("nothing was completed, and moka claims with leases: {other:?}"),
         }
     }
     assert_eq!(claimed, 1);

@@ -5,11 +5,11 @@ use std::{sync::Arc, time::Duration};
 
 use sqlx::Row;
 
-use super::{transaction::Offered, PostgresStore};
+use super::{transaction, PostgresMode, PostgresStore};
 use crate::idempotency::{
     store::{
         codec::{decode_record, encode_record, from_millis, millis},
-        Begin, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Payload, Record,
+        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, Record,
         Renewal, SentClaim, Settled, StoreError,
     },
     Fingerprint, ScopeKey,
@@ -47,11 +47,10 @@ impl IdempotencyStore for PostgresStore {
         self.shared.timeout
     }
 
-    fn handler_transaction(&self) -> Option<Box<dyn HandlerTransaction>> {
-        Some(Box::new(Offered::new(self.shared.clone())))
-    }
-
     async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
+        if self.mode == PostgresMode::Transactional {
+            return transaction::claim(&self.shared, scope).await;
+        }
         let lease = Lease {
             token: rand::random(),
             first_seen: std::time::SystemTime::now(),
@@ -218,6 +217,9 @@ impl IdempotencyStore for PostgresStore {
     }
 
     async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
+        if self.mode == PostgresMode::Transactional {
+            return transaction::wait(&self.shared, scope, timeout).await;
+        }
         let deadline = tokio::time::Instant::now() + timeout;
         let mut pause = Duration::from_millis(10);
         loop {
@@ -241,6 +243,7 @@ impl IdempotencyStore for PostgresStore {
                     let record: Vec<u8> = row.try_get("record").map_err(corrupt)?;
                     return Ok(Settled::Completed {
                         record: Arc::new(decode_record(&record)?),
+                        request_count: None,
                     });
                 }
                 (_, false) => return Ok(Settled::Released),

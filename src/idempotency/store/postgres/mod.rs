@@ -54,12 +54,21 @@ const MIGRATION: &str =
 /// compact binary as the Redis store's, with the status in a column of its own for
 /// operators.
 ///
-/// The handler of a request it runs is offered the request's own [`Transaction`]: writes
-/// made on it commit together with the record (transactional mode), so a crash between
-/// the handler's commit and the record's can no longer run the action twice.
+/// It marks a request in flight one of two ways, its [`PostgresMode`]:
 ///
-/// Waiting for a request in flight polls with backoff (10 ms doubling to 200 ms). A
-/// background task removes expired rows every [`cleanup_interval`], a batch at a time;
+/// - **durable** (the default): a claim row, committed at once, with a lease renewed
+///   while the handler runs. It outlives the request's connection, so it suits handlers
+///   whose effects leave the database (a payment provider, an email). A process that
+///   dies leaves its key claimed until the lease runs out (one and a half leases, 15 s
+///   by default). Waiting for a request in flight polls with backoff (10 ms doubling to
+///   200 ms).
+/// - **transactional** ([`with_mode`](Self::with_mode)): the request's own
+///   [`Transaction`] holds the key, with an advisory lock, and the handler writes in it;
+///   its writes and its record commit together or not at all. No claim row, no lease,
+///   no renewals: a process, backend or connection that dies frees the key at once.
+///   Waiting duplicates wait on the lock and are woken the moment it is released.
+///
+/// A background task removes expired rows every [`cleanup_interval`], a batch at a time;
 /// it ends when the last clone of the store is dropped.
 ///
 /// Every call is bounded by [`command_timeout`](PostgresStoreBuilder::command_timeout); a timeout or a
@@ -79,6 +88,45 @@ const MIGRATION: &str =
 #[derive(Clone)]
 pub struct PostgresStore {
     shared: Arc<Shared>,
+    mode: PostgresMode,
+}
+
+/// How a [`PostgresStore`] marks the key of a request that runs.
+///
+/// | | Durable | Transactional |
+/// |---|---|---|
+/// | In flight | a claim row with a lease, renewed every quarter lease | the request's transaction (an advisory lock in it) |
+/// | The handler's writes | its own, committed apart from the record | in the request's [`Transaction`], committed with the record |
+/// | A process that dies mid-handler | key locked for up to one and a half leases (15 s by default), then runs again | key free at once (as soon as PostgreSQL sees the connection close); its writes are gone |
+/// | Connection lost mid-handler, process alive | the claim holds; the handler finishes and its record is stored | the transaction aborts: the key is free and a retry may run while the handler still runs, so effects outside the database could happen twice |
+/// | Connections held | one per statement | one per running request for its whole life, and one per waiting duplicate |
+/// | Writes per request | claim, a renewal per quarter lease, record | record |
+///
+/// Choose transactional for a handler whose effects are all writes in this database:
+/// it runs exactly once by construction, and a crash costs a retry nothing. Choose
+/// durable for a handler with effects elsewhere (they cannot be rolled back, so the key
+/// must outlive a lost connection).
+///
+/// # Sizing the pool in transactional mode
+///
+/// A request holds a connection from its claim to its commit, so the pool's
+/// `max_connections` must cover the requests running at once (arrival rate times
+/// handler time, Little's law: 200 requests/s of 50 ms handlers hold 10), plus the
+/// duplicates waiting on them (at most half the pool waits; a duplicate past that is
+/// told to retry at once), plus whatever else the application runs on the pool. When
+/// no connection is free within the store's command timeout (or the pool's acquire
+/// timeout, if shorter), the request runs nothing and is answered `503
+/// idempotency.pool_exhausted` (gRPC `RESOURCE_EXHAUSTED`; a retryable refusal for a
+/// message), never a hang.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PostgresMode {
+    /// A committed claim row with a lease holds the key.
+    #[default]
+    Durable,
+    /// The request's own transaction holds the key and commits its writes with its
+    /// record.
+    Transactional,
 }
 
 struct Shared {
@@ -88,6 +136,8 @@ struct Shared {
     sql: Statements,
     /// What the database's clock is known to read, for every statement's deadline.
     clock: Arc<StoreClock>,
+    /// Connections duplicates may hold while they wait in transactional mode.
+    waiters: tokio::sync::Semaphore,
 }
 
 impl Shared {
@@ -116,6 +166,7 @@ impl std::fmt::Debug for PostgresStore {
         f.debug_struct("PostgresStore")
             .field("table", &self.shared.table)
             .field("timeout", &self.shared.timeout)
+            .field("mode", &self.mode)
             .finish_non_exhaustive()
     }
 }
@@ -128,9 +179,16 @@ pub struct PostgresStoreBuilder {
     timeout: Duration,
     cleanup_interval: Duration,
     cleanup_batch: i64,
+    mode: PostgresMode,
 }
 
 impl PostgresStoreBuilder {
+    /// How a request that runs marks its key. Default [`PostgresMode::Durable`].
+    pub fn mode(mut self, mode: PostgresMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
     /// The table to keep records in, optionally schema-qualified (`app.idempotency`).
     /// Default [`DEFAULT_POSTGRES_TABLE`].
     pub fn table(mut self, table: impl Into<String>) -> Self {
@@ -178,7 +236,9 @@ impl PostgresStoreBuilder {
             let pool = self.pool.clone();
             move || read_time(pool.clone())
         });
+        let waiters = (self.pool.options().get_max_connections() / 2).max(1);
         let shared = Arc::new(Shared {
+            waiters: tokio::sync::Semaphore::new(usize::try_from(waiters).unwrap_or(1)),
             pool: self.pool,
             sql: Statements::for_table(&self.table),
             table: self.table,
@@ -190,7 +250,10 @@ impl PostgresStoreBuilder {
             self.cleanup_interval,
             self.cleanup_batch,
         ));
-        Ok(PostgresStore { shared })
+        Ok(PostgresStore {
+            shared,
+            mode: self.mode,
+        })
     }
 }
 
@@ -215,7 +278,24 @@ impl PostgresStore {
             timeout: DEFAULT_POSTGRES_COMMAND_TIMEOUT,
             cleanup_interval: DEFAULT_POSTGRES_CLEANUP_INTERVAL,
             cleanup_batch: DEFAULT_POSTGRES_CLEANUP_BATCH,
+            mode: PostgresMode::Durable,
         }
+    }
+
+    /// This store in `mode`, sharing its pool, table and cleaner: a route whose
+    /// handler writes only in the database takes `store.with_mode(PostgresMode::Transactional)`
+    /// while the others keep the durable store.
+    #[must_use]
+    pub fn with_mode(&self, mode: PostgresMode) -> Self {
+        Self {
+            shared: self.shared.clone(),
+            mode,
+        }
+    }
+
+    /// How a request that runs marks its key.
+    pub fn mode(&self) -> PostgresMode {
+        self.mode
     }
 
     /// Connects a pool to `url` (`postgres://user@host/db`) and builds a store on it

@@ -13,7 +13,8 @@ pub(super) struct Statements {
     pub(super) renew: String,
     pub(super) restore: String,
     pub(super) complete: String,
-    pub(super) complete_in_transaction: String,
+    pub(super) find: String,
+    pub(super) store_in_transaction: String,
     pub(super) complete_late: String,
     pub(super) completed_by: String,
     pub(super) transaction_status: String,
@@ -100,13 +101,28 @@ impl Statements {
             6,
             true,
         );
-        // In the handler's transaction the claim is kept by renewal until the handler
-        // returns; its lease running out since is no reason to roll the writes back.
-        // Returns the transaction's ID, to ask its status if its commit's answer is lost.
-        let complete_in_transaction = format!(
-            "UPDATE {t} SET completed = true, status = $3, record = $4,
-               expires_at = now() + $5 * interval '1 millisecond'
-             WHERE scope = $1 AND token = $2 AND NOT completed
+        // Transactional mode: a live row (a record, or a durable claim) counted and
+        // read; the lock, not a row, marks a request in flight.
+        let find = format!(
+            "UPDATE {t} SET request_count = request_count + 1
+             WHERE scope = $1 AND expires_at > statement_timestamp()
+             RETURNING completed, record, request_count, fingerprint, first_seen_ms, epoch"
+        );
+        // Transactional mode, under the scope's lock: the record, over nothing or an
+        // expired row only. Returns the transaction's ID, to ask its status if its
+        // commit's answer is lost. (The transaction began at the claim: its `now()` is
+        // that early, so the statement's own time is read.)
+        let store_in_transaction = format!(
+            "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
+                                    status, record, expires_at)
+             VALUES ($1, $2, true, $3, $4, $5, $6, $7,
+                     statement_timestamp() + $8 * interval '1 millisecond')
+             ON CONFLICT (scope) DO UPDATE SET
+               token = EXCLUDED.token, completed = true, fingerprint = EXCLUDED.fingerprint,
+               first_seen_ms = EXCLUDED.first_seen_ms, epoch = EXCLUDED.epoch,
+               status = EXCLUDED.status, record = EXCLUDED.record,
+               expires_at = EXCLUDED.expires_at, request_count = 1
+             WHERE t.expires_at <= statement_timestamp()
              RETURNING pg_current_xact_id()::text"
         );
         let complete_late = format!(
@@ -144,7 +160,8 @@ impl Statements {
             renew,
             restore,
             complete,
-            complete_in_transaction,
+            find,
+            store_in_transaction,
             complete_late,
             completed_by,
             transaction_status: "SELECT pg_xact_status($1::xid8)".to_owned(),

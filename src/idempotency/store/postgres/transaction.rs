@@ -1,38 +1,42 @@
-//! Transactional mode: the handler's writes and the request's record in one
-//! PostgreSQL transaction.
+//! Transactional mode: the request's own PostgreSQL transaction holds its key (an
+//! advisory lock on the scope), and commits the handler's writes with its record.
 
 use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
-use sqlx::{PgConnection, Postgres};
+use sqlx::{PgConnection, Postgres, Row};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
 use super::{
-    bounded, bounded_until,
+    bounded,
     commands::{epoch_i64, first_seen_ms, millis_i64, status_i16, token_bytes},
     Shared,
 };
 use crate::idempotency::{
     store::{
-        codec::encode_record, Chain, Completion, HandlerTransaction, Lease, Record, Settlement,
-        StoreError, TransactionOffer,
+        codec::{decode_record, encode_record, from_millis},
+        Begin, Chain, HandlerTransaction, Lease, Record, Settled, Settlement, StoreError,
+        TransactionOffer,
     },
-    ScopeKey,
+    Fingerprint, ScopeKey,
 };
 
 /// The request's database transaction, offered by the idempotency layer over a
-/// [`PostgresStore`](super::PostgresStore) to the handler of a request it runs.
+/// [`PostgresStore`](super::PostgresStore) in [`PostgresMode::Transactional`] to the
+/// handler of a request it runs.
 ///
-/// Take it (the axum extractor, or `request.extensions().get::<Transaction>()` in a
-/// hyper service) and do the request's writes on it; the layer then stores the
-/// response's record in the same transaction and commits, so the writes and the record
-/// commit together or not at all. A process that dies before the commit leaves
-/// nothing, and the retry runs again; after it, the retry replays. A response the
-/// layer does not store (`408`, `429`, `503` by default, see
-/// [`store_if`](crate::idempotency::IdempotencyLayer::store_if)), any 5xx of a handler
-/// that took the transaction (whatever `store_if` says: the rollback undoes its
-/// writes, so its retry may run again), and a handler that fails or panics roll the
-/// transaction back and release the key. A handler that never takes it gets the
-/// durable mode: claim, run, store.
+/// The transaction holds the request's key from the moment the layer claims it (an
+/// advisory lock on the scope, taken in it): a duplicate on any replica is told the
+/// request is in flight (or, waiting, is woken the moment it ends) for as long as it
+/// lives. Take it (the axum extractor, `request.extensions().get::<Transaction>()` in a
+/// hyper service, or [`TransactionOffer::current`] in a message consumer) and do the
+/// request's writes on it; the layer then stores the outcome in the same transaction
+/// and commits, so the writes and the record commit together or not at all. A process
+/// that dies, a backend that is terminated, a connection that is cut: the transaction
+/// aborts, its writes vanish, the lock goes with it, and a retry runs at once. A
+/// response the layer does not store (`408`, `429`, `503` by default, see
+/// [`StorageRule`](crate::idempotency::StorageRule)), any 5xx of a handler that used
+/// the transaction (whatever the rule: the rollback undoes its writes, so its retry may
+/// run again), and a handler that fails or panics roll it back.
 ///
 /// A `COMMIT` that gets no answer within the store's timeout (an fsync stall, a slow
 /// synchronous standby, a connection cut mid-commit) may still land. The layer then
@@ -40,14 +44,13 @@ use crate::idempotency::{
 /// in the transaction before committing; PostgreSQL 13 or later), every 100 ms for up
 /// to five of the store's timeouts: if it committed, the client gets the handler's
 /// answer; if it aborted, `503 idempotency.not_committed`; if the database cannot tell
-/// in that time, `503 idempotency.outcome_unknown`: a retry
-/// replays the outcome if it committed, and runs again once the database can tell it
-/// did not (the layer's release waits behind the commit's lock on the claim's row, and
-/// never removes a completed record).
+/// in that time, `503 idempotency.outcome_unknown`: a retry replays the outcome if it
+/// committed, and runs again once the transaction is over without a commit.
 ///
-/// The transaction begins on the first [`lock`](Self::lock), on a connection of the
-/// store's pool, and stays open until the response is stored: keep the pool larger
-/// than the number of such requests running at once.
+/// The transaction holds one connection of the store's pool from the claim to the
+/// commit: see [`PostgresMode::Transactional`] for sizing the pool.
+///
+/// [`PostgresMode::Transactional`]: super::PostgresMode::Transactional
 ///
 /// ```no_run
 /// use axum::Json;
@@ -82,30 +85,22 @@ pub type TransactionGuard<'a> = MappedMutexGuard<'a, PgConnection>;
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum TransactionError {
-    /// The transaction could not begin (no connection within the store's timeout, or
-    /// the database refused).
-    Begin(StoreError),
-    /// The request's response was already stored: the transaction is over.
+    /// The request's response was already stored, or its transaction rolled back: the
+    /// transaction is over.
     Over,
 }
 
 impl std::fmt::Display for TransactionError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Begin(error) => write!(f, "could not begin the request's transaction: {error}"),
-            Self::Over => f.write_str("the request's transaction is over: its response was stored"),
+            Self::Over => f.write_str(
+                "the request's transaction is over: its response was stored, or it was rolled back",
+            ),
         }
     }
 }
 
-impl std::error::Error for TransactionError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Begin(error) => Some(error),
-            Self::Over => None,
-        }
-    }
-}
+impl std::error::Error for TransactionError {}
 
 struct Slot {
     shared: Arc<Shared>,
@@ -113,93 +108,320 @@ struct Slot {
 }
 
 enum State {
-    NotBegun,
-    Open(sqlx::Transaction<'static, Postgres>),
+    Open {
+        transaction: sqlx::Transaction<'static, Postgres>,
+        /// Whether the handler locked it.
+        used: bool,
+    },
     Over,
 }
 
 impl Transaction {
-    /// The transaction's connection, beginning the transaction on first use.
+    /// The transaction's connection, for the handler's writes.
     pub async fn lock(&self) -> Result<TransactionGuard<'_>, TransactionError> {
-        let mut state = self.slot.state.lock().await;
-        if matches!(*state, State::NotBegun) {
-            let shared = &self.slot.shared;
-            let begun = bounded(
-                shared.timeout,
-                "beginning a transaction in PostgreSQL",
-                shared.pool.begin(),
-            )
-            .await
-            .map_err(TransactionError::Begin)?;
-            *state = State::Open(begun);
-        }
+        let state = self.slot.state.lock().await;
         MutexGuard::try_map(state, |state| match state {
-            State::Open(transaction) => Some(&mut **transaction),
-            _ => None,
+            State::Open { transaction, used } => {
+                *used = true;
+                Some(&mut **transaction)
+            }
+            State::Over => None,
         })
         .map_err(|_| TransactionError::Over)
     }
 }
 
 /// The [`HandlerTransaction`] of one claimed request.
-pub(super) struct Offered(Transaction);
-
-impl Offered {
-    pub(super) fn new(shared: Arc<Shared>) -> Self {
-        Self(Transaction {
-            slot: Arc::new(Slot {
-                shared,
-                state: Mutex::new(State::NotBegun),
-            }),
-        })
-    }
+struct Offered {
+    handle: Transaction,
+    lease: Lease,
 }
 
 impl HandlerTransaction for Offered {
     fn offer(&self) -> TransactionOffer {
-        TransactionOffer::new(self.0.clone())
+        TransactionOffer::new(self.handle.clone())
     }
 
     fn taken(&self) -> bool {
-        // Locked: a task of the handler's still holds the connection, so it began.
-        self.0
+        // Locked: a task of the handler's holds the connection now.
+        self.handle
             .slot
             .state
             .try_lock()
-            .map_or(true, |state| matches!(*state, State::Open(_)))
+            .map_or(true, |state| matches!(*state, State::Open { used: true, .. }))
     }
 
     fn settle(
         self: Box<Self>,
         scope: ScopeKey,
-        lease: Lease,
         outcome: Option<(Arc<Record>, Duration)>,
     ) -> Pin<Box<dyn Future<Output = Settlement> + Send>> {
         Box::pin(async move {
-            let slot = &self.0.slot;
+            let slot = &self.handle.slot;
             // Waits for a handler's task still holding the connection.
             let taken = std::mem::replace(&mut *slot.state.lock().await, State::Over);
-            let State::Open(transaction) = taken else {
-                return Settlement::NotTaken;
+            let State::Open { transaction, .. } = taken else {
+                return Settlement::RolledBack;
             };
-            match outcome {
-                None => match transaction.rollback().await {
-                    Ok(()) => Settlement::RolledBack,
-                    // Dropped, the connection rolls back when the pool gets it back.
-                    Err(_) => Settlement::RolledBack,
-                },
-                Some((record, ttl)) => {
-                    match commit(&slot.shared, transaction, &scope, &lease, &record, ttl).await {
-                        Ok(completion) => Settlement::Committed(completion),
-                        Err(Uncommitted::Failed(error)) => Settlement::Failed(error),
-                        Err(Uncommitted::Unanswered(completion, xid, error)) => {
-                            find_out(&slot.shared, &xid, completion, error).await
-                        }
-                    }
+            let Some((record, ttl)) = outcome else {
+                // Dropped unanswered, the connection rolls back as the pool takes it
+                // back: either way the lock is gone.
+                let _ = tokio::time::timeout(slot.shared.timeout, transaction.rollback()).await;
+                return Settlement::RolledBack;
+            };
+            match commit(&slot.shared, transaction, &scope, &self.lease, &record, ttl).await {
+                Ok(()) => Settlement::Committed,
+                Err(Uncommitted::Failed(error)) => Settlement::Failed(error),
+                Err(Uncommitted::Unanswered(xid, error)) => {
+                    find_out(&slot.shared, &xid, error).await
                 }
             }
         })
     }
+}
+
+/// The advisory lock that marks `scope` in flight: the digest's first 8 bytes. Another
+/// lock of the application's with the same 64-bit key would only make one wait for the
+/// other.
+fn lock_key(scope: &ScopeKey) -> i64 {
+    let bytes = scope.as_bytes();
+    i64::from_be_bytes([
+        bytes[0], bytes[1], bytes[2], bytes[3], bytes[4], bytes[5], bytes[6], bytes[7],
+    ])
+}
+
+/// What a claim finds of the scope's row: a live record (counted), a live claim of
+/// the durable mode, or nothing that holds the key.
+enum Found {
+    Record { record: Arc<Record>, request_count: u64 },
+    Claimed(Begin),
+    Free,
+}
+
+async fn find(
+    shared: &Shared,
+    scope: &ScopeKey,
+    connection: &mut PgConnection,
+) -> Result<Found, StoreError> {
+    let row = bounded(
+        shared.timeout,
+        "reading a key in PostgreSQL",
+        sqlx::query(&shared.sql.find)
+            .bind(&scope.as_bytes()[..])
+            .fetch_optional(connection),
+    )
+    .await?;
+    let Some(row) = row else {
+        return Ok(Found::Free);
+    };
+    let corrupt = |e| StoreError::with_source("corrupt row in PostgreSQL", e);
+    let request_count: i64 = row.try_get("request_count").map_err(corrupt)?;
+    let request_count = u64::try_from(request_count).unwrap_or(0);
+    if row.try_get::<bool, _>("completed").map_err(corrupt)? {
+        let record: Vec<u8> = row.try_get("record").map_err(corrupt)?;
+        return Ok(Found::Record {
+            record: Arc::new(decode_record(&record)?),
+            request_count,
+        });
+    }
+    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(corrupt)?;
+    let fingerprint: [u8; 32] = fingerprint
+        .try_into()
+        .map_err(|_| StoreError::new("corrupt row in PostgreSQL: fingerprint"))?;
+    let first_seen: i64 = row.try_get("first_seen_ms").map_err(corrupt)?;
+    let epoch: Option<i64> = row.try_get("epoch").map_err(corrupt)?;
+    Ok(Found::Claimed(Begin::InFlight {
+        fingerprint: Fingerprint::from_bytes(fingerprint),
+        first_seen: from_millis(u64::try_from(first_seen).unwrap_or(0)),
+        epoch: epoch.map(|e| u64::try_from(e).unwrap_or(0)),
+        request_count,
+    }))
+}
+
+/// Begins a transaction on a connection of the pool, with `statement` if given (a
+/// `BEGIN` and settings of the transaction's own). A pool with every connection in
+/// use until the store's timeout is an [`exhausted`](StoreError::exhausted) error.
+async fn begin_transaction(
+    shared: &Shared,
+    statement: Option<String>,
+) -> Result<sqlx::Transaction<'static, Postgres>, StoreError> {
+    let what = "beginning a transaction in PostgreSQL";
+    let begun = async {
+        match statement {
+            Some(statement) => shared.pool.begin_with(statement).await,
+            None => shared.pool.begin().await,
+        }
+    };
+    let exhausted = || {
+        StoreError::new(format!(
+            "{what}: every connection of the pool ({}) was in use for {:?}",
+            shared.pool.options().get_max_connections(),
+            shared.timeout
+        ))
+        .exhausted()
+    };
+    match tokio::time::timeout(shared.timeout, begun).await {
+        Ok(Ok(transaction)) => Ok(transaction),
+        Ok(Err(sqlx::Error::PoolTimedOut)) => Err(exhausted()),
+        Ok(Err(error)) => Err(StoreError::with_source(what, error)),
+        Err(_) if pool_full(&shared.pool) => Err(exhausted()),
+        Err(_) => Err(StoreError::new(format!(
+            "{what}: timed out after {:?}",
+            shared.timeout
+        ))),
+    }
+}
+
+/// Whether every connection the pool may open is open and in use.
+fn pool_full(pool: &sqlx::PgPool) -> bool {
+    pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections()
+}
+
+/// Claims `scope` for a request in transactional mode: a live record answers at once
+/// (one statement, no transaction); else a transaction is begun and takes the scope's
+/// advisory lock, and holds the key until it ends.
+pub(super) async fn claim(shared: &Arc<Shared>, scope: &ScopeKey) -> Result<Begin, StoreError> {
+    {
+        let mut connection = acquire(shared).await?;
+        match find(shared, scope, &mut connection).await? {
+            Found::Record {
+                record,
+                request_count,
+            } => {
+                return Ok(Begin::Completed {
+                    record,
+                    request_count,
+                })
+            }
+            Found::Claimed(in_flight) => return Ok(in_flight),
+            Found::Free => {}
+        }
+    }
+    let mut transaction = begin_transaction(shared, None).await?;
+    let locked = bounded(
+        shared.timeout,
+        "claiming a key in PostgreSQL",
+        sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_xact_lock($1)")
+            .bind(lock_key(scope))
+            .fetch_one(&mut *transaction),
+    )
+    .await?;
+    if !locked {
+        return Ok(Begin::Locked);
+    }
+    // Read again under the lock, in a statement that began after it was granted: a
+    // holder that committed since the first read is visible now.
+    match find(shared, scope, &mut transaction).await? {
+        Found::Record {
+            record,
+            request_count,
+        } => {
+            bounded(shared.timeout, "counting a request in PostgreSQL", transaction.commit())
+                .await?;
+            Ok(Begin::Completed {
+                record,
+                request_count,
+            })
+        }
+        Found::Claimed(in_flight) => Ok(in_flight),
+        Found::Free => {
+            let lease = Lease {
+                token: rand::random(),
+                first_seen: std::time::SystemTime::now(),
+            };
+            Ok(Begin::ClaimedByTransaction {
+                lease: lease.clone(),
+                transaction: Box::new(Offered {
+                    handle: Transaction {
+                        slot: Arc::new(Slot {
+                            shared: shared.clone(),
+                            state: Mutex::new(State::Open {
+                                transaction,
+                                used: false,
+                            }),
+                        }),
+                    },
+                    lease,
+                }),
+            })
+        }
+    }
+}
+
+/// A connection of the pool, within the store's timeout; an
+/// [`exhausted`](StoreError::exhausted) error if every one stayed in use.
+async fn acquire(shared: &Shared) -> Result<sqlx::pool::PoolConnection<Postgres>, StoreError> {
+    let what = "reading a key in PostgreSQL";
+    match tokio::time::timeout(shared.timeout, shared.pool.acquire()).await {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(sqlx::Error::PoolTimedOut)) => Err(StoreError::new(format!(
+            "{what}: every connection of the pool was in use"
+        ))
+        .exhausted()),
+        Ok(Err(error)) => Err(StoreError::with_source(what, error)),
+        Err(_) if pool_full(&shared.pool) => Err(StoreError::new(format!(
+            "{what}: every connection of the pool ({}) was in use for {:?}",
+            shared.pool.options().get_max_connections(),
+            shared.timeout
+        ))
+        .exhausted()),
+        Err(_) => Err(StoreError::new(format!(
+            "{what}: timed out after {:?}",
+            shared.timeout
+        ))),
+    }
+}
+
+/// Waits up to `timeout` for the transaction that holds `scope` to end: in a lock wait
+/// on its advisory lock, which the database grants the moment that transaction commits,
+/// rolls back or dies; then reads what it left. One connection per waiting duplicate, at
+/// most half the pool's; a duplicate past that is told to come back at once.
+pub(super) async fn wait(
+    shared: &Arc<Shared>,
+    scope: &ScopeKey,
+    timeout: Duration,
+) -> Result<Settled, StoreError> {
+    let Ok(_waiting) = shared.waiters.try_acquire() else {
+        return Ok(Settled::TimedOut);
+    };
+    let millis = millis_i64(timeout);
+    let begin = format!("BEGIN; SET LOCAL lock_timeout = {millis}");
+    let mut transaction = begin_transaction(shared, Some(begin)).await?;
+    let granted = tokio::time::timeout(
+        timeout + shared.timeout,
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(lock_key(scope))
+            .execute(&mut *transaction),
+    )
+    .await;
+    match granted {
+        Ok(Ok(_)) => {}
+        // 55P03, lock_not_available: the lock timeout.
+        Ok(Err(sqlx::Error::Database(error))) if error.code().as_deref() == Some("55P03") => {
+            return Ok(Settled::TimedOut)
+        }
+        Ok(Err(error)) => {
+            return Err(StoreError::with_source(
+                "waiting for a key in PostgreSQL",
+                error,
+            ))
+        }
+        Err(_) => return Ok(Settled::TimedOut),
+    }
+    let settled = match find(shared, scope, &mut transaction).await? {
+        Found::Record {
+            record,
+            request_count,
+        } => Settled::Completed {
+            record,
+            request_count: Some(request_count),
+        },
+        // A claim of the durable mode on the same scope: still running.
+        Found::Claimed(_) => Settled::TimedOut,
+        Found::Free => Settled::Released,
+    };
+    bounded(shared.timeout, "waiting for a key in PostgreSQL", transaction.commit()).await?;
+    Ok(settled)
 }
 
 /// Why [`commit`] did not answer `Ok`.
@@ -208,13 +430,13 @@ enum Uncommitted {
     /// refused the commit.
     Failed(StoreError),
     /// The commit was sent and its answer never came (a timeout, a broken
-    /// connection): it may have committed, with this completion; the transaction's ID
-    /// (`xid8`, as text) tells.
-    Unanswered(Completion, String, StoreError),
+    /// connection): it may have committed; the transaction's ID (`xid8`, as text)
+    /// tells.
+    Unanswered(String, StoreError),
 }
 
-/// Stores `record` in `transaction` for `lease`'s claim and commits; rolls back if
-/// another request holds the key.
+/// Stores `record` in `transaction` and commits; rolls back if a row that holds the
+/// key is in the way (a durable claim or a record made without the lock).
 async fn commit(
     shared: &Shared,
     mut transaction: sqlx::Transaction<'static, Postgres>,
@@ -222,65 +444,34 @@ async fn commit(
     lease: &Lease,
     record: &Record,
     ttl: Duration,
-) -> Result<Completion, Uncommitted> {
+) -> Result<(), Uncommitted> {
     let token = token_bytes(lease);
     let encoded = encode_record(record).map_err(Uncommitted::Failed)?;
-    let status = status_i16(record);
-    // The claim row is locked from here to the commit: one round trip.
     let stored = bounded(
         shared.timeout,
         "storing a record in the request's transaction",
-        sqlx::query_scalar::<_, String>(&shared.sql.complete_in_transaction)
+        sqlx::query_scalar::<_, String>(&shared.sql.store_in_transaction)
             .bind(&scope.as_bytes()[..])
             .bind(&token[..])
-            .bind(status)
+            .bind(&record.fingerprint.as_bytes()[..])
+            .bind(first_seen_ms(lease))
+            .bind(epoch_i64(record.epoch))
+            .bind(status_i16(record))
             .bind(&encoded)
             .bind(millis_i64(ttl))
             .fetch_optional(&mut *transaction),
     )
     .await
     .map_err(Uncommitted::Failed)?;
-    let (completion, xid) = if let Some(xid) = stored {
-        (Completion::Stored, xid)
-    } else {
-        let (give_up, deadline) = shared.deadline().await.map_err(Uncommitted::Failed)?;
-        let late = bounded_until(
-            give_up,
-            shared.timeout,
-            "storing a record in the request's transaction",
-            sqlx::query_scalar::<_, i64>(&shared.sql.complete_late)
-                .bind(&scope.as_bytes()[..])
-                .bind(&token[..])
-                .bind(&record.fingerprint.as_bytes()[..])
-                .bind(first_seen_ms(lease))
-                .bind(epoch_i64(record.epoch))
-                .bind(status)
-                .bind(&encoded)
-                .bind(millis_i64(ttl))
-                .bind(deadline)
-                .fetch_one(&mut *transaction),
-        )
-        .await
-        .map_err(Uncommitted::Failed)?;
-        if late != 1 {
-            // Dropping the transaction rolls the handler's writes back.
-            return Err(Uncommitted::Failed(StoreError::new(
-                "another request holds this key: the request's writes were rolled back",
-            )));
-        }
-        let xid = bounded(
-            shared.timeout,
-            "reading the request's transaction ID",
-            sqlx::query_scalar::<_, String>("SELECT pg_current_xact_id()::text")
-                .fetch_one(&mut *transaction),
-        )
-        .await
-        .map_err(Uncommitted::Failed)?;
-        (Completion::StoredWithoutClaim, xid)
+    let Some(xid) = stored else {
+        // Dropping the transaction rolls the handler's writes back.
+        return Err(Uncommitted::Failed(StoreError::new(
+            "another request holds this key: the request's writes were rolled back",
+        )));
     };
     let timeout = shared.timeout;
     match tokio::time::timeout(timeout, transaction.commit()).await {
-        Ok(Ok(())) => Ok(completion),
+        Ok(Ok(())) => Ok(()),
         // The database answered: it refused the commit (a deferred constraint, a
         // serialization failure), and a refused commit is a rollback.
         Ok(Err(sqlx::Error::Database(error))) => Err(Uncommitted::Failed(StoreError::with_source(
@@ -288,12 +479,10 @@ async fn commit(
             error,
         ))),
         Ok(Err(error)) => Err(Uncommitted::Unanswered(
-            completion,
             xid,
             StoreError::with_source("committing the request's transaction", error),
         )),
         Err(_) => Err(Uncommitted::Unanswered(
-            completion,
             xid,
             StoreError::new(format!(
                 "committing the request's transaction: no answer within {timeout:?}"
@@ -312,12 +501,7 @@ const FIND_OUT_TIMEOUTS: u32 = 5;
 /// the transaction has ended: `committed` or `aborted`), on another connection, every
 /// 100 ms while it is `in progress` or the database does not answer, within
 /// [`FIND_OUT_TIMEOUTS`] times the store's timeout.
-async fn find_out(
-    shared: &Shared,
-    xid: &str,
-    completion: Completion,
-    unanswered: StoreError,
-) -> Settlement {
+async fn find_out(shared: &Shared, xid: &str, unanswered: StoreError) -> Settlement {
     let until = tokio::time::Instant::now() + shared.timeout * FIND_OUT_TIMEOUTS;
     loop {
         let status = bounded(
@@ -335,7 +519,7 @@ async fn find_out(
                     error = %Chain(&unanswered),
                     "the commit's answer was lost, but the database says the transaction committed"
                 );
-                return Settlement::Committed(completion);
+                return Settlement::Committed;
             }
             Ok(Some("aborted")) => {
                 return Settlement::Failed(StoreError::with_source(

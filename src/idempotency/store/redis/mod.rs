@@ -627,6 +627,7 @@ impl IdempotencyStore for RedisStore {
                 (Some(record), _) => {
                     return Ok(Settled::Completed {
                         record: Arc::new(decode_stored(&record)?),
+                        request_count: None,
                     })
                 }
                 (None, None) => return Ok(Settled::Released),
