@@ -11,12 +11,12 @@ use std::{
 
 use axum::{extract::State, http::HeaderMap, response::Response, routing::post, Router};
 use http::StatusCode;
-use sqlx::PgPool;
+use sqlx::{postgres::PgPoolOptions, PgPool};
 use tower_ids::{
     correlation::CorrelationLayer,
     idempotency::{
         store::{PostgresMode, PostgresStore, Transaction},
-        IdempotencyLayer,
+        IdempotencyLayer, InFlight, Policy,
     },
 };
 
@@ -66,7 +66,11 @@ struct Server {
 
 impl Server {
     async fn start(database: &TestDatabase) -> Self {
-        let pool = database.pool(10).await;
+        Self::start_with(database.pool(10).await, Policy::new()).await
+    }
+
+    /// A server whose store uses `pool`, with `policy`.
+    async fn start_with(pool: PgPool, policy: Policy) -> Self {
         sqlx::raw_sql(
             "CREATE TABLE IF NOT EXISTS commands (
                id bigserial PRIMARY KEY,
@@ -85,7 +89,7 @@ impl Server {
         let router = Router::new()
             .route(
                 "/commands",
-                post(create).layer(IdempotencyLayer::with_store(store)),
+                post(create).layer(IdempotencyLayer::with_store(store).policy(policy)),
             )
             .with_state(App { runs: runs.clone() })
             .layer(CorrelationLayer::new());
@@ -120,6 +124,37 @@ impl Server {
 
     fn runs(&self) -> usize {
         self.runs.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `runs` handlers have made their insert, and are sleeping in their
+    /// open transactions.
+    async fn until_inserted(&self, runs: usize) {
+        for _ in 0..500 {
+            let idle: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND state = 'idle in transaction'",
+            )
+            .fetch_one(&self.pool)
+            .await
+            .unwrap();
+            if self.runs() >= runs && idle >= i64::try_from(runs).unwrap() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("{runs} handlers never held their transactions open");
+    }
+
+    /// Terminates the backend of the one request whose transaction is open.
+    async fn terminate_the_open_transaction(&self) {
+        let terminated: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND state = 'idle in transaction'",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .unwrap();
+        assert_eq!(terminated, [true], "one open transaction, terminated");
     }
 }
 
@@ -241,4 +276,157 @@ async fn a_commit_that_fails_is_a_problem_and_leaves_nothing() {
     let retry = server.post("k-6", &[("x-name", "free")]).await;
     assert_eq!(retry.status, StatusCode::CREATED, "the key was released");
     assert_eq!(server.commands().await, ["taken", "free"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_backend_frees_the_key_at_once() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let server = Arc::new(Server::start(&database).await);
+    let first = tokio::spawn({
+        let server = server.clone();
+        async move { server.post("k-7", &[("x-delay-ms", "1500")]).await }
+    });
+    server.until_inserted(1).await;
+    assert_eq!(server.post("k-7", &[]).await.status, StatusCode::CONFLICT);
+
+    server.terminate_the_open_transaction().await;
+    let terminated = Instant::now();
+    let retry = loop {
+        let retry = server.post("k-7", &[]).await;
+        if retry.status != StatusCode::CONFLICT {
+            break retry;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let free_after = terminated.elapsed();
+    let first = first.await.unwrap();
+
+    println!("a terminated backend's key ran again {free_after:?} after the terminate");
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("false"));
+    assert!(
+        free_after < Duration::from_secs(1),
+        "the key was free at once, not after a lease: {free_after:?}"
+    );
+    // The first request's writes died with its backend: it must not claim otherwise.
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(first.json()["code"], "idempotency.not_committed");
+    assert_eq!(server.commands().await, ["run-2"], "one command, the retry's");
+    assert_eq!(server.record_stored(true).await, 1);
+    assert_eq!(server.post("k-7", &[]).await.body, retry.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_is_woken_by_the_commit_and_replays_it() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let policy = Policy::new().in_flight(InFlight::Wait {
+        timeout: Duration::from_secs(5),
+    });
+    let server = Arc::new(Server::start_with(database.pool(10).await, policy).await);
+    let first = tokio::spawn({
+        let server = server.clone();
+        async move { server.post("k-8", &[("x-delay-ms", "300")]).await }
+    });
+    server.until_inserted(1).await;
+
+    let duplicate = server.post("k-8", &[]).await;
+    let first = first.await.unwrap();
+
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert_eq!(duplicate.header("idempotent-replayed"), Some("true"));
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!(server.runs(), 1);
+    assert_eq!(server.commands().await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_of_a_request_that_died_is_told_to_run_it_again() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let policy = Policy::new().in_flight(InFlight::Wait {
+        timeout: Duration::from_secs(5),
+    });
+    let server = Arc::new(Server::start_with(database.pool(10).await, policy).await);
+    let first = tokio::spawn({
+        let server = server.clone();
+        async move { server.post("k-9", &[("x-delay-ms", "3000")]).await }
+    });
+    server.until_inserted(1).await;
+    let waiting = tokio::spawn({
+        let server = server.clone();
+        async move { server.post("k-9", &[]).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    server.terminate_the_open_transaction().await;
+    let terminated = Instant::now();
+    let waiting = waiting.await.unwrap();
+    let woken_after = terminated.elapsed();
+    let retry = server.post("k-9", &[]).await;
+
+    assert_eq!(waiting.status, StatusCode::CONFLICT);
+    assert_eq!(waiting.json()["code"], "idempotency.original_failed");
+    assert!(
+        woken_after < Duration::from_secs(1),
+        "woken by the end of the transaction, not its own timeout: {woken_after:?}"
+    );
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.header("idempotent-replayed"), Some("false"));
+    assert_eq!(first.await.unwrap().json()["code"], "idempotency.not_committed");
+    assert_eq!(server.commands().await, ["run-2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_pool_answers_503_pool_exhausted_without_waiting_for_it() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_millis(300))
+        .connect(database.url())
+        .await
+        .unwrap();
+    let server = Arc::new(Server::start_with(pool, Policy::new()).await);
+    let holders: Vec<_> = ["k-10", "k-11"]
+        .into_iter()
+        .map(|key| {
+            let server = server.clone();
+            tokio::spawn(async move { server.post(key, &[("x-delay-ms", "2000")]).await })
+        })
+        .collect();
+    while server.runs() < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let asked = Instant::now();
+    let refused = server.post("k-12", &[]).await;
+    let answered_after = asked.elapsed();
+
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(refused.json()["code"], "idempotency.pool_exhausted");
+    assert_eq!(refused.json()["status"], 503);
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(refused.header("idempotent-replayed"), Some("false"));
+    assert!(
+        answered_after < Duration::from_millis(1500),
+        "answered within the acquire timeout, not after the holders: {answered_after:?}"
+    );
+    assert_eq!(server.runs(), 2, "the refused request ran nothing");
+    for holder in holders {
+        assert_eq!(holder.await.unwrap().status, StatusCode::CREATED);
+    }
+    let retry = server.post("k-12", &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(server.runs(), 3);
 }
