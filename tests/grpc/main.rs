@@ -604,9 +604,9 @@ async fn a_transfer_in_the_calls_transaction_commits_with_its_answer_or_not_at_a
         .await
         .unwrap();
     let store = PostgresStore::builder(pool.clone())
-            .mode(PostgresMode::Transactional)
-            .build()
-            .unwrap();
+        .mode(PostgresMode::Transactional)
+        .build()
+        .unwrap();
     store.migrate().await.unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let ledger = PostgresLedger { runs: runs.clone() };

@@ -313,7 +313,11 @@ async fn a_terminated_backend_frees_the_key_at_once() {
     // The first request's writes died with its backend: it must not claim otherwise.
     assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(first.json()["code"], "idempotency.not_committed");
-    assert_eq!(server.commands().await, ["run-2"], "one command, the retry's");
+    assert_eq!(
+        server.commands().await,
+        ["run-2"],
+        "one command, the retry's"
+    );
     assert_eq!(server.record_stored(true).await, 1);
     assert_eq!(server.post("k-7", &[]).await.body, retry.body);
 }
@@ -378,7 +382,10 @@ async fn a_waiting_duplicate_of_a_request_that_died_is_told_to_run_it_again() {
     );
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(retry.header("idempotent-replayed"), Some("false"));
-    assert_eq!(first.await.unwrap().json()["code"], "idempotency.not_committed");
+    assert_eq!(
+        first.await.unwrap().json()["code"],
+        "idempotency.not_committed"
+    );
     assert_eq!(server.commands().await, ["run-2"]);
 }
 
@@ -429,4 +436,110 @@ async fn an_exhausted_pool_answers_503_pool_exhausted_without_waiting_for_it() {
     let retry = server.post("k-12", &[]).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(server.runs(), 3);
+}
+
+/// A message consumer over the store in transactional mode: the transactional inbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_handlers_writes_commit_with_its_record_and_a_redelivery_replays() {
+    use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
+    use tower_ids::idempotency::{
+        message::{Handled, MessageIdempotencyLayer, MessageKey},
+        IdempotencyKey,
+    };
+
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let pool = database.pool(4).await;
+    sqlx::raw_sql("CREATE TABLE effects (key text NOT NULL, amount bigint NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = PostgresStore::builder(pool.clone())
+        .mode(PostgresMode::Transactional)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    // (key, amount, fail after the write)
+    type Message = (&'static str, i64, bool);
+    let key = |message: &Message| {
+        Ok(Some(
+            MessageKey::new(IdempotencyKey::new(message.0)?).fingerprint(message.1.to_be_bytes()),
+        ))
+    };
+    let mut consumer = ServiceBuilder::new()
+        .layer(
+            MessageIdempotencyLayer::with_store(store)
+                .key(key)
+                .require_key(true),
+        )
+        .service(service_fn({
+            let runs = runs.clone();
+            move |(key, amount, fail): Message| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let transaction = Transaction::current().expect("the delivery's transaction");
+                    let mut connection = transaction.lock().await.unwrap();
+                    sqlx::query("INSERT INTO effects (key, amount) VALUES ($1, $2)")
+                        .bind(key)
+                        .bind(amount)
+                        .execute(&mut *connection)
+                        .await
+                        .unwrap();
+                    if fail {
+                        return Err("failed after the write");
+                    }
+                    Ok(amount * 2)
+                }
+            }
+        }));
+    let effects = || async {
+        sqlx::query_scalar::<_, String>("SELECT key FROM effects ORDER BY key")
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+
+    let first = consumer
+        .ready()
+        .await
+        .unwrap()
+        .call(("m-1", 21, false))
+        .await
+        .unwrap();
+    let redelivered = consumer
+        .ready()
+        .await
+        .unwrap()
+        .call(("m-1", 21, false))
+        .await
+        .unwrap();
+    assert!(matches!(first, Handled::Ran(42)));
+    assert!(redelivered.is_replay());
+    assert_eq!(redelivered.outcome(), Some(&42));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A handler that fails after its write: rolled back, and the redelivery runs it.
+    assert!(consumer
+        .ready()
+        .await
+        .unwrap()
+        .call(("m-2", 5, true))
+        .await
+        .is_err());
+    assert_eq!(effects().await, ["m-1"], "nothing of m-2 stands");
+    assert!(matches!(
+        consumer
+            .ready()
+            .await
+            .unwrap()
+            .call(("m-2", 5, false))
+            .await
+            .unwrap(),
+        Handled::Ran(10)
+    ));
+    assert_eq!(effects().await, ["m-1", "m-2"]);
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
 }

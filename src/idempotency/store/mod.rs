@@ -27,8 +27,8 @@ pub use self::moka::{
 };
 #[cfg(feature = "postgres")]
 pub use self::postgres::{
-    PostgresMode, PostgresStore, PostgresStoreBuilder, Transaction, TransactionError, TransactionGuard,
-    DEFAULT_POSTGRES_CLEANUP_BATCH, DEFAULT_POSTGRES_CLEANUP_INTERVAL,
+    PostgresMode, PostgresStore, PostgresStoreBuilder, Transaction, TransactionError,
+    TransactionGuard, DEFAULT_POSTGRES_CLEANUP_BATCH, DEFAULT_POSTGRES_CLEANUP_INTERVAL,
     DEFAULT_POSTGRES_COMMAND_TIMEOUT, DEFAULT_POSTGRES_TABLE,
 };
 #[cfg(feature = "redis")]

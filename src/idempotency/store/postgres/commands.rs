@@ -9,8 +9,8 @@ use super::{transaction, PostgresMode, PostgresStore};
 use crate::idempotency::{
     store::{
         codec::{decode_record, encode_record, from_millis, millis},
-        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, Record,
-        Renewal, SentClaim, Settled, StoreError,
+        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, Record, Renewal, SentClaim,
+        Settled, StoreError,
     },
     Fingerprint, ScopeKey,
 };

@@ -28,7 +28,7 @@ use crate::idempotency::{
 /// advisory lock on the scope, taken in it): a duplicate on any replica is told the
 /// request is in flight (or, waiting, is woken the moment it ends) for as long as it
 /// lives. Take it (the axum extractor, `request.extensions().get::<Transaction>()` in a
-/// hyper service, or [`TransactionOffer::current`] in a message consumer) and do the
+/// hyper service, or [`Transaction::current`] in a message consumer) and do the
 /// request's writes on it; the layer then stores the outcome in the same transaction
 /// and commits, so the writes and the record commit together or not at all. A process
 /// that dies, a backend that is terminated, a connection that is cut: the transaction
@@ -117,6 +117,14 @@ enum State {
 }
 
 impl Transaction {
+    /// The transaction of the request or message whose handler is running, for a
+    /// handler whose input carries no extensions (a message consumer's): set while the
+    /// layer polls the handler's future, not in tasks it spawns. `None` outside such a
+    /// handler, or over a store in durable mode.
+    pub fn current() -> Option<Self> {
+        TransactionOffer::current::<Self>()
+    }
+
     /// The transaction's connection, for the handler's writes.
     pub async fn lock(&self) -> Result<TransactionGuard<'_>, TransactionError> {
         let state = self.slot.state.lock().await;
@@ -144,11 +152,9 @@ impl HandlerTransaction for Offered {
 
     fn taken(&self) -> bool {
         // Locked: a task of the handler's holds the connection now.
-        self.handle
-            .slot
-            .state
-            .try_lock()
-            .map_or(true, |state| matches!(*state, State::Open { used: true, .. }))
+        self.handle.slot.state.try_lock().map_or(true, |state| {
+            matches!(*state, State::Open { used: true, .. })
+        })
     }
 
     fn settle(
@@ -193,7 +199,10 @@ fn lock_key(scope: &ScopeKey) -> i64 {
 /// What a claim finds of the scope's row: a live record (counted), a live claim of
 /// the durable mode, or nothing that holds the key.
 enum Found {
-    Record { record: Arc<Record>, request_count: u64 },
+    Record {
+        record: Arc<Record>,
+        request_count: u64,
+    },
     Claimed(Begin),
     Free,
 }
@@ -316,8 +325,12 @@ pub(super) async fn claim(shared: &Arc<Shared>, scope: &ScopeKey) -> Result<Begi
             record,
             request_count,
         } => {
-            bounded(shared.timeout, "counting a request in PostgreSQL", transaction.commit())
-                .await?;
+            bounded(
+                shared.timeout,
+                "counting a request in PostgreSQL",
+                transaction.commit(),
+            )
+            .await?;
             Ok(Begin::Completed {
                 record,
                 request_count,
@@ -420,7 +433,12 @@ pub(super) async fn wait(
         Found::Claimed(_) => Settled::TimedOut,
         Found::Free => Settled::Released,
     };
-    bounded(shared.timeout, "waiting for a key in PostgreSQL", transaction.commit()).await?;
+    bounded(
+        shared.timeout,
+        "waiting for a key in PostgreSQL",
+        transaction.commit(),
+    )
+    .await?;
     Ok(settled)
 }
 
