@@ -178,9 +178,10 @@
 //! | `422` | <a id="idempotency.fingerprint_mismatch"></a>`idempotency.fingerprint_mismatch` | the key was used with another request |
 //! | `422` | <a id="idempotency.epoch_mismatch"></a>`idempotency.epoch_mismatch` | with [`epoch`](IdempotencyLayer::epoch): the key was first seen in another epoch |
 //! | `500` | <a id="idempotency.response_failed"></a>`idempotency.response_failed` | the handler's response body failed mid-read |
-//! | `500` | <a id="idempotency.transaction_missing"></a>`idempotency.transaction_missing` | a handler takes the request's `Transaction` (feature `postgres`, axum extractor) on a route with no idempotency layer over a `PostgresStore`: a server misconfiguration |
+//! | `500` | <a id="idempotency.transaction_missing"></a>`idempotency.transaction_missing` | a handler takes the request's `Transaction` (feature `postgres`, axum extractor) on a route with no idempotency layer over a `PostgresStore` in transactional mode: a server misconfiguration |
 //! | `503` | <a id="idempotency.overloaded"></a>`idempotency.overloaded` | the request bodies in flight fill the byte budget ([`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)); `Retry-After: 1`, nothing ran |
 //! | `503` | <a id="idempotency.store_unavailable"></a>`idempotency.store_unavailable` | the store failed (fail closed); nothing ran, and the refused claim never lands later |
+//! | `503` | <a id="idempotency.pool_exhausted"></a>`idempotency.pool_exhausted` | the store's pool had no free connection in time (PostgreSQL in transactional mode holds one per running request): nothing ran; retry after `Retry-After` |
 //! | `503` | <a id="idempotency.not_committed"></a>`idempotency.not_committed` | transactional mode: the handler's transaction did not commit; nothing it wrote stands; retry |
 //! | `503` | <a id="idempotency.outcome_unknown"></a>`idempotency.outcome_unknown` | transactional mode: the commit got no answer and the store could not be read back in time; retry with the same key (replays if it committed) |
 //!
@@ -259,7 +260,8 @@
 //!   `idempotency.body_unreadable`, `idempotency.overloaded` (with `budget_bytes` and
 //!   `requested_bytes`), `idempotency.response_too_large`, `idempotency.lease_lost`,
 //!   `idempotency.store_failed` (with `phase`: `begin`, `renew`, `complete`,
-//!   `release`, `wait`, and the `error` with its cause), `idempotency.claim_restored`
+//!   `release`, `wait`, and the `error` with its cause), `idempotency.pool_exhausted`
+//!   (no connection of the store's pool was free in time), `idempotency.claim_restored`
 //!   (the store had lost a running request's claim), `idempotency.claim_lapsed` (a
 //!   completion met another request's claim; the outcome is kept until it settles),
 //!   `idempotency.drain_unsettled` (with `owed`), `idempotency.kept_over_budget`,

@@ -11,8 +11,9 @@ use crate::idempotency::store::Transaction;
 use crate::problem::Problem;
 
 /// The request's [`Transaction`] as an axum extractor. On a route without an
-/// idempotency layer over a `PostgresStore`, or on a request the layer did not
-/// run (a replay never reaches the handler), the handler is answered `500`.
+/// idempotency layer over a `PostgresStore` in transactional mode, or on a request the
+/// layer did not run (a replay never reaches the handler), the handler is answered
+/// `500`.
 impl<S: Send + Sync> FromRequestParts<S> for Transaction {
     type Rejection = TransactionMissing;
 
@@ -26,7 +27,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Transaction {
 }
 
 /// Rejection of the [`Transaction`] extractor when no idempotency layer over a
-/// `PostgresStore` offered one.
+/// `PostgresStore` in transactional mode offered one.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct TransactionMissing;
@@ -35,13 +36,13 @@ impl IntoResponse for TransactionMissing {
     fn into_response(self) -> Response {
         tracing::error!(
             event = "idempotency.transaction_missing",
-            "Transaction extracted but no idempotency layer over a PostgresStore offered one"
+            "Transaction extracted but no idempotency layer over a PostgresStore in transactional mode offered one"
         );
         Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "idempotency.transaction_missing",
             "Server misconfigured",
-            "this route takes the request's transaction, but no idempotency layer over a PostgresStore runs it",
+            "this route takes the request's transaction, but no idempotency layer over a PostgresStore in transactional mode runs it",
         )
         .into_response_with(axum_core::body::Body::from)
     }

@@ -71,10 +71,38 @@
 //! the message again, and the redelivery publishes the stored outcome again, identical;
 //! the handler does not run again (with a store that outlives the consumer:
 //! `RedisStore` or `PostgresStore`). A consumer killed while its handler runs leaves
-//! its key claimed until the claim runs out (one and a half leases, 15 s by default): redeliveries meanwhile
-//! are `InFlight`, and the first one after it runs the handler again, as the HTTP
-//! layer's "process killed mid-handler" row of [the guarantees](crate::guide::guarantees)
-//! says.
+//! its key claimed until the claim runs out (one and a half leases, 15 s by default):
+//! redeliveries meanwhile are `InFlight`, and the first one after it runs the handler
+//! again, as the HTTP layer's "process killed mid-handler" row of
+//! [the guarantees](crate::guide::guarantees) says.
+//!
+//! # The transactional inbox
+//!
+//! Over a `PostgresStore` in
+//! [transactional mode](crate::idempotency::store::PostgresMode), the delivery's own
+//! transaction holds its key, and the handler finds it with
+//! [`Transaction::current`](crate::idempotency::store::Transaction::current): its writes
+//! and the dedupe record commit together, and the layer's future returns only after the
+//! commit, so the acknowledgement follows it. Killed before the commit, nothing of the
+//! delivery stands and its key is free at once: the redelivery runs it. Killed between
+//! the commit and the ack, the redelivery replays. Each message's effect lands once.
+//!
+//! ```rust,ignore
+//! let store = PostgresStore::builder(pool).mode(PostgresMode::Transactional).build()?;
+//! let consumer = ServiceBuilder::new()
+//!     .layer(MessageIdempotencyLayer::with_store(store).key(key))
+//!     .service(service_fn(|payment: Payment| async move {
+//!         let transaction = Transaction::current().ok_or("no delivery transaction")?;
+//!         let mut db = transaction.lock().await?;
+//!         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+//!             .bind(payment.amount)
+//!             .bind(&payment.account)
+//!             .execute(&mut *db)
+//!             .await?;
+//!         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Paid { id: payment.id })
+//!     }));
+//! // Ack once `consumer.call(delivery)` returned `Ran` or `Replayed`: after the commit.
+//! ```
 //!
 //! # Correlation
 //!
