@@ -221,7 +221,7 @@
 //!
 //! | Field | What |
 //! |---|---|
-//! | `idempotency_outcome` | `executed`, `replayed`, `in_flight`, `conflict`, `not_replayable`, `original_failed`, `rejected`, `store_unavailable` or `fail_open`, as the `outcome` label of [`metrics::REQUESTS`] |
+//! | `idempotency_outcome` | `executed`, `replayed`, `in_flight`, `conflict`, `not_replayable`, `original_failed`, `rejected`, `store_unavailable`, `pool_exhausted` or `fail_open`, as the `outcome` label of [`metrics::REQUESTS`] |
 //! | `idempotency_key` | the key as sent, already checked to be 1 to 255 visible ASCII characters, so safe in a log line, and what a log search for a user action needs |
 //! | `idempotency_scope`, `idempotency_client` | short hex prefixes of hashes of the scope and of the client: the client's credential never reaches a log line |
 //! | `idempotency_request_count` | requests the store has seen with this key, on a replay or a request in flight |
@@ -315,7 +315,7 @@
 //!
 //! | Name | Kind | Labels | What |
 //! |---|---|---|---|
-//! | `tower_ids_idempotency_requests_total` | counter | `outcome` | protected requests answered: `executed` (claimed, the handler ran), `replayed`, `in_flight` (`409`), `conflict` (`422`), `not_replayable` (`410`), `original_failed`, `rejected` (the `400`s, `401`, `413` and `503 overloaded`, before the store), `store_unavailable` (`503`), `fail_open` |
+//! | `tower_ids_idempotency_requests_total` | counter | `outcome` | protected requests answered: `executed` (claimed, the handler ran), `replayed`, `in_flight` (`409`), `conflict` (`422`), `not_replayable` (`410`), `original_failed`, `rejected` (the `400`s, `401`, `413` and `503 overloaded`, before the store), `store_unavailable` (`503`), `pool_exhausted` (`503`), `fail_open` |
 //! | `tower_ids_idempotency_requests_in_flight` | gauge | | protected requests inside the layer now |
 //! | `tower_ids_idempotency_store_call_duration_seconds` | histogram | `operation` | each store call: `begin`, `renew`, `complete`, `release`, `wait` |
 //! | `tower_ids_idempotency_store_failures_total` | counter | `operation` | store calls that failed |

@@ -67,7 +67,7 @@ pub fn describe() {
 /// The label values known in advance: each series is exported at 0 from the moment a
 /// layer is built, so `rate()` and dashboards see it before its first increment.
 #[cfg(feature = "metrics")]
-const OUTCOMES: [&str; 9] = [
+const OUTCOMES: [&str; 10] = [
     "executed",
     "replayed",
     "in_flight",
@@ -76,6 +76,7 @@ const OUTCOMES: [&str; 9] = [
     "original_failed",
     "rejected",
     "store_unavailable",
+    "pool_exhausted",
     "fail_open",
 ];
 #[cfg(feature = "metrics")]

@@ -72,6 +72,7 @@
 //! | the call waited for failed ([`InFlight::Wait`](crate::idempotency::InFlight::Wait)) | `ABORTED` | `idempotency.original_failed` | `0s` |
 //! | retry of a call whose response was not kept (over [`max_response_bytes`](GrpcIdempotencyLayer::max_response_bytes)) | `FAILED_PRECONDITION` | `idempotency.not_replayable` | - |
 //! | store down (fail closed): nothing ran | `UNAVAILABLE` | `idempotency.store_unavailable` | `1s` |
+//! | no connection of the store's pool free in time: nothing ran | `RESOURCE_EXHAUSTED` | `idempotency.pool_exhausted` | `1s` |
 //! | byte budget full: nothing ran | `UNAVAILABLE` | `idempotency.overloaded` | `1s` |
 //! | the outcome's transaction did not commit, or its commit is unknown | `UNAVAILABLE` | `idempotency.not_committed`, `idempotency.outcome_unknown` | `1s` |
 //! | request over [`max_request_bytes`](GrpcIdempotencyLayer::max_request_bytes) | `RESOURCE_EXHAUSTED` | `idempotency.body_too_large` | - |

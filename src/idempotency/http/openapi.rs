@@ -70,11 +70,12 @@ pub(crate) const PROBLEMS: &[(u16, &str, &[&str])] = &[
     ),
     (
         503,
-        "The layer is full or its store is unavailable (nothing ran), or the handler's \
+        "The layer is full, its store is unavailable or its pool exhausted (nothing ran), or the handler's \
          transaction did not commit or its outcome is unknown; retry after Retry-After",
         &[
             "idempotency.overloaded",
             "idempotency.store_unavailable",
+            "idempotency.pool_exhausted",
             "idempotency.not_committed",
             "idempotency.outcome_unknown",
         ],
