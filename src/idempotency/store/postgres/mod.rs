@@ -107,6 +107,10 @@ pub struct PostgresStore {
 /// durable for a handler with effects elsewhere (they cannot be rolled back, so the key
 /// must outlive a lost connection).
 ///
+/// One route, one mode: a transactional request treats a durable claim on its scope as
+/// in flight, but a durable request does not see a transactional one's lock. To switch
+/// a route's mode, let the requests in flight under the old one finish first.
+///
 /// # Sizing the pool in transactional mode
 ///
 /// A request holds a connection from its claim to its commit, so the pool's
