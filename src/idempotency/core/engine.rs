@@ -17,9 +17,15 @@ use super::{
     settings::{InFlight, Policy, StoreFailure},
 };
 use crate::idempotency::{
-    store::{Begin, Chain, IdempotencyStore, Payload, Record, Settled, StoreError},
+    store::{Begin, Chain, Claim, IdempotencyStore, Payload, Record, Settled, StoreError},
     AttemptId, Fingerprint, ScopeKey,
 };
+
+/// What is known of the work in flight a duplicate waits for.
+struct Running {
+    first_seen: SystemTime,
+    request_count: Option<u64>,
+}
 
 /// The retry (or redelivery) delay after a wait for the work in flight timed out.
 pub(super) const AFTER_WAIT: Duration = Duration::from_secs(1);
@@ -249,7 +255,11 @@ impl<St: IdempotencyStore> Engine<St> {
                 let wait =
                     observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
                 let waited = Box::pin(wait).await;
-                self.waited(waited, fingerprint, epoch, SystemTime::now(), None)
+                let running = Running {
+                    first_seen: SystemTime::now(),
+                    request_count: None,
+                };
+                self.waited(waited, scope, claim, claimed, running)
             }
             Begin::Completed {
                 record,
@@ -281,21 +291,46 @@ impl<St: IdempotencyStore> Engine<St> {
                 let wait =
                     observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
                 let waited = Box::pin(wait).await;
-                self.waited(waited, fingerprint, epoch, first_seen, Some(request_count))
+                let running = Running {
+                    first_seen,
+                    request_count: Some(request_count),
+                };
+                self.waited(waited, scope, claim, claimed, running)
             }
         }
     }
 
-    /// The decision for a duplicate that waited for the work in flight.
+    /// The decision for a duplicate (of `claim`) that waited for the work in flight.
     fn waited(
         &self,
         waited: Result<Settled, StoreError>,
-        fingerprint: Fingerprint,
-        epoch: Option<u64>,
-        first_seen: SystemTime,
-        request_count: Option<u64>,
+        scope: ScopeKey,
+        claim: Claim,
+        claimed: &ClaimFlag,
+        running: Running,
     ) -> Decision<St> {
+        let (fingerprint, epoch) = (claim.fingerprint, claim.epoch);
+        let Running {
+            first_seen,
+            request_count,
+        } = running;
         match waited {
+            Ok(Settled::ClaimedByTransaction { lease, transaction }) => {
+                claimed.set(&self.kept.settling);
+                tracing::debug!(
+                    event = "idempotency.accepted",
+                    "the work this one waited for ended without an outcome; running the handler in the transaction that now holds the key"
+                );
+                Decision::Run(Claimed::new(
+                    self.store.clone(),
+                    scope,
+                    claim,
+                    lease,
+                    Some(transaction),
+                    self.kept.clone(),
+                    &self.policy,
+                ))
+            }
             // The key may have been released and run again, in another epoch, while
             // this one waited.
             Ok(Settled::Completed { record, .. }) if record.epoch != epoch => {

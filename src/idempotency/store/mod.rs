@@ -591,7 +591,7 @@ impl std::fmt::Debug for Payload {
 }
 
 /// How a wait on a request in flight ended.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum Settled {
     /// It completed; here is its record.
     Completed {
@@ -603,6 +603,15 @@ pub enum Settled {
     },
     /// It was released (failed, panicked, or was not storable): a retry runs again.
     Released,
+    /// It ended without storing anything, and the store claimed the key for the one
+    /// that waited, as [`Begin::ClaimedByTransaction`] does: that one runs now, in this
+    /// transaction.
+    ClaimedByTransaction {
+        /// When the claim was made, and its token.
+        lease: Lease,
+        /// The transaction that holds the claim.
+        transaction: Box<dyn HandlerTransaction>,
+    },
     /// It is still running.
     TimedOut,
 }

@@ -316,6 +316,7 @@ pub(super) async fn claim(shared: &Arc<Shared>, scope: &ScopeKey) -> Result<Begi
     )
     .await?;
     if !locked {
+        end(shared, transaction).await;
         return Ok(Begin::Locked);
     }
     // Read again under the lock, in a statement that began after it was granted: a
@@ -336,29 +337,47 @@ pub(super) async fn claim(shared: &Arc<Shared>, scope: &ScopeKey) -> Result<Begi
                 request_count,
             })
         }
-        Found::Claimed(in_flight) => Ok(in_flight),
+        Found::Claimed(in_flight) => {
+            end(shared, transaction).await;
+            Ok(in_flight)
+        }
         Found::Free => {
-            let lease = Lease {
-                token: rand::random(),
-                first_seen: std::time::SystemTime::now(),
-            };
-            Ok(Begin::ClaimedByTransaction {
-                lease: lease.clone(),
-                transaction: Box::new(Offered {
-                    handle: Transaction {
-                        slot: Arc::new(Slot {
-                            shared: shared.clone(),
-                            state: Mutex::new(State::Open {
-                                transaction,
-                                used: false,
-                            }),
-                        }),
-                    },
-                    lease,
-                }),
-            })
+            let (lease, transaction) = held(shared, transaction);
+            Ok(Begin::ClaimedByTransaction { lease, transaction })
         }
     }
+}
+
+/// Rolls back a transaction that holds nothing, so its connection goes back to the
+/// pool idle (dropped, it would roll back only once the pool takes it back). An error
+/// changes nothing: the pool then closes the connection, which rolls back too.
+async fn end(shared: &Shared, transaction: sqlx::Transaction<'static, Postgres>) {
+    let _ = tokio::time::timeout(shared.timeout, transaction.rollback()).await;
+}
+
+/// A claim held by `transaction`, which holds the scope's lock: its lease (a token and
+/// when it was made, for the record) and the transaction to offer the handler.
+fn held(
+    shared: &Arc<Shared>,
+    transaction: sqlx::Transaction<'static, Postgres>,
+) -> (Lease, Box<dyn HandlerTransaction>) {
+    let lease = Lease {
+        token: rand::random(),
+        first_seen: std::time::SystemTime::now(),
+    };
+    let offered = Offered {
+        handle: Transaction {
+            slot: Arc::new(Slot {
+                shared: shared.clone(),
+                state: Mutex::new(State::Open {
+                    transaction,
+                    used: false,
+                }),
+            }),
+        },
+        lease: lease.clone(),
+    };
+    (lease, Box::new(offered))
 }
 
 /// A connection of the pool, within the store's timeout; an
@@ -387,7 +406,8 @@ async fn acquire(shared: &Shared) -> Result<sqlx::pool::PoolConnection<Postgres>
 
 /// Waits up to `timeout` for the transaction that holds `scope` to end: in a lock wait
 /// on its advisory lock, which the database grants the moment that transaction commits,
-/// rolls back or dies; then reads what it left. One connection per waiting duplicate, at
+/// rolls back or dies; then reads what it left, or, if it left nothing, keeps the lock:
+/// the waiting request holds the key and runs. One connection per waiting duplicate, at
 /// most half the pool's; a duplicate past that is told to come back at once.
 pub(super) async fn wait(
     shared: &Arc<Shared>,
@@ -411,7 +431,8 @@ pub(super) async fn wait(
         Ok(Ok(_)) => {}
         // 55P03, lock_not_available: the lock timeout.
         Ok(Err(sqlx::Error::Database(error))) if error.code().as_deref() == Some("55P03") => {
-            return Ok(Settled::TimedOut)
+            end(shared, transaction).await;
+            return Ok(Settled::TimedOut);
         }
         Ok(Err(error)) => {
             return Err(StoreError::with_source(
@@ -431,7 +452,10 @@ pub(super) async fn wait(
         },
         // A claim of the durable mode on the same scope: still running.
         Found::Claimed(_) => Settled::TimedOut,
-        Found::Free => Settled::Released,
+        Found::Free => {
+            let (lease, transaction) = held(shared, transaction);
+            return Ok(Settled::ClaimedByTransaction { lease, transaction });
+        }
     };
     bounded(
         shared.timeout,
