@@ -66,7 +66,8 @@ const MIGRATION: &str =
 ///   [`Transaction`] holds the key, with an advisory lock, and the handler writes in it;
 ///   its writes and its record commit together or not at all. No claim row, no lease,
 ///   no renewals: a process, backend or connection that dies frees the key at once.
-///   Waiting duplicates wait on the lock and are woken the moment it is released.
+///   Waiting duplicates wait on the lock and are woken the moment it is released: they
+///   replay what it committed, or one of them takes the key and runs.
 ///
 /// A background task removes expired rows every [`cleanup_interval`], a batch at a time;
 /// it ends when the last clone of the store is dropped.
