@@ -6,16 +6,16 @@ use super::*;
 /// The `reason` of every `idempotency.released` event on this thread: a store is not
 /// told why a key is given back, so the reason is read where the engine says it.
 #[derive(Clone, Default)]
-struct ReleaseReasons(Arc<Mutex<Vec<String>>>);
+pub(super) struct ReleaseReasons(Arc<Mutex<Vec<String>>>);
 
 impl ReleaseReasons {
     /// Captures until the guard drops. Scoped to the thread, which a current-thread
     /// runtime shares with the tasks it spawns.
-    fn capture(&self) -> tracing::subscriber::DefaultGuard {
+    pub(super) fn capture(&self) -> tracing::subscriber::DefaultGuard {
         tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
     }
 
-    fn seen(&self) -> Vec<String> {
+    pub(super) fn seen(&self) -> Vec<String> {
         lock(&self.0).clone()
     }
 }
@@ -56,7 +56,7 @@ async fn claim(engine: &Engine<ScriptedStore>) -> Claimed<ScriptedStore> {
 
 /// What [`Claimed::run`] returned, reduced to what a case checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ran {
+pub(super) enum Ran {
     Kept { stored_now: bool },
     NotKept,
     Released,
@@ -65,7 +65,7 @@ enum Ran {
     WorkFailed(&'static str),
 }
 
-fn ran(result: Result<((), Finished), &'static str>) -> Ran {
+pub(super) fn ran(result: Result<((), Finished), &'static str>) -> Ran {
     match result {
         Ok(((), Finished::Kept { expires_at })) => Ran::Kept {
             stored_now: expires_at.is_some(),

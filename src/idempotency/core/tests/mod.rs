@@ -26,6 +26,7 @@ use crate::idempotency::{
 
 mod decide;
 mod finish;
+mod transaction;
 
 /// The fencing token of the lease the scripted store hands out.
 const TOKEN: u128 = 7;
