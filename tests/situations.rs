@@ -142,6 +142,8 @@ enum Tweak {
     SuccessesOnly,
     /// A store whose every call fails ([`BrokenStore`]).
     StoreDown,
+    /// A store whose every call finds no free connection in its pool.
+    PoolExhausted,
     FailOpen,
 }
 use Tweak::*;
@@ -211,6 +213,8 @@ const TABLE: &[Row] = &[
     row("key invalid",                  &[],                        Nothing,                      call(LONG, "ok", 0),     ALL),
     row("store unavailable",            &[StoreDown],               Nothing,                      call(K1, "ok", 0),       ALL),
     row("fail open",                    &[StoreDown, FailOpen],     Nothing,                      call(K1, "ok", 0),       ALL),
+    row("pool exhausted",               &[PoolExhausted],           Nothing,                      call(K1, "ok", 0),       ALL),
+    row("pool exhausted, failing open", &[PoolExhausted, FailOpen], Nothing,                      call(K1, "ok", 0),       ALL),
     // Differs now, and not clearly a bug, so it stays asserted: the HTTP and gRPC layers
     // stream the rest of an over-limit response on and log no `bytes`; messages log it.
     row("response too large",           &[MaxResponseBytes(32)],    Nothing,                      call(K1, "ok", 64),      ALL),
@@ -421,19 +425,27 @@ async fn handle(gate: &Gate, payload: &str) -> Verdict {
     }
 }
 
-/// A store whose every call fails, as an unreachable database would.
-struct BrokenStore;
+/// A store whose every call fails, as an unreachable database would, or, `exhausted`,
+/// as a database whose pool has no free connection.
+struct BrokenStore {
+    exhausted: bool,
+}
 
-fn refused() -> StoreError {
-    StoreError::new("connection refused")
+impl BrokenStore {
+    fn refused(&self) -> StoreError {
+        match self.exhausted {
+            true => StoreError::new("every connection of the pool in use").exhausted(),
+            false => StoreError::new("connection refused"),
+        }
+    }
 }
 
 impl IdempotencyStore for BrokenStore {
     async fn begin(&self, _: &ScopeKey, _: Claim) -> Result<Begin, StoreError> {
-        Err(refused())
+        Err(self.refused())
     }
     async fn renew(&self, _: &ScopeKey, _: &Lease, _: &Claim) -> Result<Renewal, StoreError> {
-        Err(refused())
+        Err(self.refused())
     }
     async fn complete(
         &self,
@@ -442,13 +454,13 @@ impl IdempotencyStore for BrokenStore {
         _: Arc<Record>,
         _: Duration,
     ) -> Result<Completion, StoreError> {
-        Err(refused())
+        Err(self.refused())
     }
     async fn release(&self, _: &ScopeKey, _: &Lease) -> Result<bool, StoreError> {
-        Err(refused())
+        Err(self.refused())
     }
     async fn wait(&self, _: &ScopeKey, _: Duration) -> Result<Settled, StoreError> {
-        Err(refused())
+        Err(self.refused())
     }
 }
 
@@ -463,8 +475,10 @@ struct Endpoint {
 }
 
 async fn start(transport: Transport, tweaks: &[Tweak], gate: Arc<Gate>) -> Endpoint {
-    match tweaks.iter().any(|tweak| matches!(tweak, StoreDown)) {
-        true => start_on(BrokenStore, transport, tweaks, gate).await,
+    let down = tweaks.iter().any(|tweak| matches!(tweak, StoreDown));
+    let exhausted = tweaks.iter().any(|tweak| matches!(tweak, PoolExhausted));
+    match down || exhausted {
+        true => start_on(BrokenStore { exhausted }, transport, tweaks, gate).await,
         false => start_on(MokaStore::new(), transport, tweaks, gate).await,
     }
 }
@@ -503,7 +517,7 @@ async fn http<St: IdempotencyStore>(
             MaxRequestBytes(max) => layer.max_request_bytes(max),
             MaxBufferedBytes(max) => layer.max_buffered_bytes(max),
             MaxResponseBytes(max) => layer.max_response_bytes(max),
-            SuccessesOnly | StoreDown | FailOpen => layer,
+            SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
         });
     let drain = layer.drain();
     let app = Router::new()
@@ -592,7 +606,7 @@ async fn grpc<St: IdempotencyStore>(
             MaxRequestBytes(max) => layer.max_request_bytes(max),
             MaxBufferedBytes(max) => layer.max_buffered_bytes(max),
             MaxResponseBytes(max) => layer.max_response_bytes(max),
-            SuccessesOnly | StoreDown | FailOpen => layer,
+            SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
         });
     let drain = layer.drain();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -676,7 +690,7 @@ fn messages<St: IdempotencyStore>(
         MaxResponseBytes(max) => layer.max_response_bytes(max),
         // No bytes read, no budget (their rows say n/a); the rest are the policy's.
         MaxRequestBytes(_) | MaxBufferedBytes(_) => layer,
-        SuccessesOnly | StoreDown | FailOpen => layer,
+        SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
     });
     let drain = layer.drain();
     let handler = service_fn(move |command: Command| {
