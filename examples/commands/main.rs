@@ -86,8 +86,8 @@
 //! | `--commit-delay-ms` | `0` | time the two `POST` handlers wait after their writes, before answering; in DB mode the layer commits once the handler has answered, so this is the time between the writes and the commit (in which a crash leaves nothing) |
 //! | `--fail-after-write-percent` | `0` | the share of the two `POST` handlers that fail with `500` `commands.failed_after_write` after their writes (and `--commit-delay-ms`), each drawn at random; `100` fails every one. In memory or on Redis the writes stand and the `500` is replayed to a retry; in DB mode they are rolled back and the retry runs again (a cancel sent without a key commits its own writes first) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
-//! | `--store-timeout-ms` | the store's (250 ms Redis, 1 s PostgreSQL) | the longest one idempotency store call may take; a quarter of the lease must cover it and about 100 ms more, or the demo refuses to start |
-//! | `--idempotency-lease-ms` | `10000` | the longest store outage a running request's claim outlives (the library's `DEFAULT_LEASE`); a request that stopped renewing its claim (its process died) keeps its key for at most one and a half leases: retries get `409` until then |
+//! | `--store-timeout-ms` | the store's (250 ms Redis, 1 s PostgreSQL) | the longest one idempotency store call may take; on Redis a quarter of the lease must cover it and about 100 ms more, or the demo refuses to start |
+//! | `--idempotency-lease-ms` | `10000` | on Redis, the longest store outage a running request's claim outlives (the library's `DEFAULT_LEASE`); a request that stopped renewing its claim (its process died) keeps its key for at most one and a half leases: retries get `409` until then. DB mode has no lease: the request's transaction holds its key |
 //! | `--header-read-timeout-ms` | `10000` | how long a connection may take to send a request's head, and may stay idle between requests; then the server closes it |
 //! | `--body-timeout-ms` | `10000` | how long a request body may go without sending a byte; then `408` and the connection is closed |
 //! | `--request-timeout-ms` | `30000` | how long a request may take from its head to its answer; then `408` and the connection is closed |
@@ -237,10 +237,9 @@
 //! - `POST /commands` inserts the command and its `command.created` outbox row (with the
 //!   request's correlation ID) on the request's `Transaction`, which the idempotency layer
 //!   commits with the response's record after the handler has answered: the command,
-//!   the outbox row and the record commit together or not at all. A process killed
-//!   before the commit leaves nothing but the key's claim: retries get `409` until
-//!   `--idempotency-lease-ms` has passed, then run again; killed after it, a retry gets
-//!   the first answer back. `POST /commands/{id}/cancel` writes on the request's
+//!   the outbox row and the record commit together or not at all. The transaction holds
+//!   the key too: a process killed before the commit leaves nothing, and a retry runs
+//!   at once; killed after it, a retry gets the first answer back. `POST /commands/{id}/cancel` writes on the request's
 //!   transaction too (a cancel without a key, on one of its own).
 //! - `GET /commands/{id}` reads the database, so any replica finds any command;
 //!   `GET /commands` answers the newest `--max-commands` commands (default 1,000), oldest

@@ -4,10 +4,10 @@
 //! A `POST` writes in the request's [`Transaction`], which the idempotency layer (over a
 //! [`PostgresStore`] on the same pool) commits together with the response's record once
 //! the handler has answered: a create's command row, its `command.created` outbox row
-//! and the record commit together or not at all. A process that dies before the commit
-//! leaves nothing but the key's claim, which runs out after `--idempotency-lease-ms`
-//! (retries get `409` until then, and then run again); one that dies after it leaves
-//! the record, and a retry replays the answer.
+//! and the record commit together or not at all. The same transaction holds the key
+//! (the store's transactional mode), so a process that dies before the commit leaves
+//! nothing at all, and a retry runs at once; one that dies after it leaves the record,
+//! and a retry replays the answer.
 //!
 //! The publisher ([`publish`]) relays the outbox: every replica runs one; each takes
 //! pending rows with `FOR UPDATE SKIP LOCKED`, so replicas share the rows and never

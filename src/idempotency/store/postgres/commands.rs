@@ -43,8 +43,12 @@ pub(super) fn first_seen_ms(lease: &Lease) -> i64 {
 
 impl IdempotencyStore for PostgresStore {
     fn recovery_time(&self) -> Duration {
-        // The pool opens a connection on demand, within the command's own bound.
-        self.shared.timeout
+        match self.mode {
+            // The pool opens a connection on demand, within the command's own bound.
+            PostgresMode::Durable => self.shared.timeout,
+            // No lease is ever renewed: the transaction holds the key.
+            PostgresMode::Transactional => Duration::ZERO,
+        }
     }
 
     async fn begin(&self, scope: &ScopeKey, claim: Claim) -> Result<Begin, StoreError> {
