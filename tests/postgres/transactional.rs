@@ -89,7 +89,12 @@ impl Server {
         let router = Router::new()
             .route(
                 "/commands",
-                post(create).layer(IdempotencyLayer::with_store(store).policy(policy)),
+                // A `202` is not kept: its writes are rolled back.
+                post(create).layer(
+                    IdempotencyLayer::with_store(store)
+                        .policy(policy)
+                        .store_if(|status| status != StatusCode::ACCEPTED),
+                ),
             )
             .with_state(App { runs: runs.clone() })
             .layer(CorrelationLayer::new());
@@ -478,7 +483,9 @@ async fn a_message_handlers_writes_commit_with_its_record_and_a_redelivery_repla
         .layer(
             MessageIdempotencyLayer::with_store(store)
                 .key(key)
-                .require_key(true),
+                .require_key(true)
+                // An outcome of 0 is not kept: its writes are rolled back.
+                .store_if(|outcome: &i64| *outcome != 0),
         )
         .service(service_fn({
             let runs = runs.clone();
@@ -548,4 +555,39 @@ async fn a_message_handlers_writes_commit_with_its_record_and_a_redelivery_repla
     ));
     assert_eq!(effects().await, ["m-1", "m-2"]);
     assert_eq!(runs.load(Ordering::SeqCst), 3);
+
+    // An outcome that is not kept: rolled back, so the consumer must not ack it.
+    let Handled::Refused(refusal) = consumer
+        .ready()
+        .await
+        .unwrap()
+        .call(("m-3", 0, false))
+        .await
+        .unwrap()
+    else {
+        panic!("an outcome rolled back is refused");
+    };
+    assert_eq!(refusal.code(), "idempotency.not_committed");
+    assert!(refusal.retryable(), "requeued, not acked");
+    assert_eq!(effects().await, ["m-1", "m-2"], "nothing of m-3 stands");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_success_that_is_not_kept_is_rolled_back_and_never_answered_as_done() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let server = Server::start(&database).await;
+
+    let accepted = server.post("k-13", &[("x-status", "202")]).await;
+
+    assert_eq!(accepted.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(accepted.json()["code"], "idempotency.not_committed");
+    assert!(
+        server.commands().await.is_empty(),
+        "its insert was rolled back"
+    );
+    let retry = server.post("k-13", &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(server.commands().await, ["run-2"]);
 }

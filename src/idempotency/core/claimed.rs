@@ -81,6 +81,11 @@ pub(crate) enum Finished {
     NotKept,
     /// The key was given back: a retry runs again.
     Released,
+    /// The key was given back by rolling back the transaction that held it: nothing
+    /// the work wrote in that transaction stands, whatever its output says. An adapter
+    /// answers a success so settled as not committed (with this error), and passes a
+    /// failure on.
+    RolledBack(StoreError),
     /// The response failed while it was read; the key was given back.
     Failed,
     /// The outcome does not stand, or whether it does is not known.
@@ -213,10 +218,12 @@ impl<St: IdempotencyStore> Claimed<St> {
                 self.release(Release::ResponseFailed).await;
                 Finished::Failed
             }
-            Classified::Release(reason) => {
-                self.release(reason).await;
-                Finished::Released
-            }
+            Classified::Release(reason) => match self.release(reason).await {
+                true => Finished::RolledBack(StoreError::new(
+                    "its outcome is not kept, so the transaction that held its key was rolled back",
+                )),
+                false => Finished::Released,
+            },
         };
         Ok((produced, finished))
     }
@@ -387,10 +394,11 @@ impl<St: IdempotencyStore> Claimed<St> {
     }
 
     /// Gives the key up so a retry runs again: for a request that produced nothing to
-    /// keep (the handler failed, or its response is not stored).
-    async fn release(&mut self, reason: Release) {
+    /// keep (the handler failed, or its response is not stored). True if that rolled
+    /// back the transaction that held the key.
+    async fn release(&mut self, reason: Release) -> bool {
         let Some(lease) = self.lease.take() else {
-            return;
+            return false;
         };
         let started = std::time::Instant::now();
         if let Some(transaction) = self.transaction.take() {
@@ -398,10 +406,12 @@ impl<St: IdempotencyStore> Claimed<St> {
             // claim ends with it.
             transaction.settle(self.scope, None).await;
             lease::released_with_transaction(reason);
-        } else {
-            self.give_back(&lease, reason).await;
+            observe::store_time(self.store_time + started.elapsed());
+            return true;
         }
+        self.give_back(&lease, reason).await;
         observe::store_time(self.store_time + started.elapsed());
+        false
     }
 
     async fn give_back(&self, lease: &Lease, reason: Release) {

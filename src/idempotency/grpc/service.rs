@@ -23,7 +23,7 @@ use crate::idempotency::{
     collect::{collect_up_to, read_within, BoxError, Collected, Read},
     core::{
         observe, refusal, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
-        Finished, Release,
+        Finished, Release, Unsettled,
     },
     response::{offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore, Payload, PayloadFormat},
@@ -370,6 +370,12 @@ where
                 "idempotency.response_failed",
                 "the response could not be produced; nothing was stored, so a retry runs again",
             )))
+        }
+        // A success whose writes were rolled back must not say it succeeded.
+        (Collected::Complete { trailers, .. }, Finished::RolledBack(error))
+            if status_code(&parts.headers, trailers.as_deref()) == Code::Ok =>
+        {
+            return Ok(reply.status(Refusal::unsettled(&Unsettled::NotCommitted(error))))
         }
         (Collected::Complete { body, trailers }, _) => {
             Response::from_parts(parts, Body::with_trailers(body, trailers))

@@ -26,7 +26,7 @@ use crate::idempotency::{
     collect::{collect_up_to, BoxError, Collected},
     core::{
         observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
-        Finished, Release,
+        Finished, Release, Unsettled,
     },
     response::{http_date, offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore},
@@ -512,6 +512,10 @@ where
     let response = match (body, finished) {
         (_, Finished::Unsettled(unsettled)) => return Ok(reply.unsettled(&unsettled)),
         (_, Finished::Failed) | (Collected::Failed(_), _) => return Ok(reply.response_failed()),
+        // A success whose writes were rolled back must not say it succeeded.
+        (_, Finished::RolledBack(error)) if parts.status.is_success() => {
+            return Ok(reply.unsettled(&Unsettled::NotCommitted(error)))
+        }
         (Collected::Complete { body, .. }, Finished::Kept { expires_at }) => {
             if let Some(expires_at) = expires_at.filter(|_| settings.expiry_header) {
                 // Never over a header of the handler's own.

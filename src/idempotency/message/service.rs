@@ -173,7 +173,7 @@ impl Refusal {
     /// | `idempotency.original_failed` | yes | waiting mode: the delivery waited for failed and stored nothing |
     /// | `idempotency.store_unavailable` | yes | the store failed (fail closed) |
     /// | `idempotency.pool_exhausted` | yes | every connection of the store's pool was in use |
-    /// | `idempotency.not_committed` | yes | the store refused the outcome's transaction |
+    /// | `idempotency.not_committed` | yes | the store refused the outcome's transaction; or, over a store in transactional mode, `store_if` did not keep the outcome, so its writes were rolled back |
     /// | `idempotency.outcome_unknown` | yes | the outcome's commit got no answer and could not be read back: the redelivery replays it if it landed |
     pub fn code(&self) -> &'static str {
         self.code
@@ -426,6 +426,12 @@ where
         Finished::Unsettled(Unsettled::Unknown(error)) => Handled::Refused(Refusal::new(
             "idempotency.outcome_unknown",
             format!("whether the outcome's transaction committed is not known ({error}); requeue: the redelivery replays it if it committed"),
+            true,
+        )),
+        // Acked, the delivery would be lost: its writes were rolled back.
+        Finished::RolledBack(error) => Handled::Refused(Refusal::new(
+            "idempotency.not_committed",
+            format!("the outcome's transaction was rolled back ({error}); requeue"),
             true,
         )),
         Finished::Kept { .. } | Finished::NotKept | Finished::Released | Finished::Failed => {

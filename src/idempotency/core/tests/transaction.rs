@@ -109,11 +109,11 @@ async fn a_transactional_claim_is_given_back_by_rolling_back_never_by_a_store_ca
     let failed = || Err("boom");
     let cases: [(&str, Classified, bool, Option<Settlement>, Ran, &str); 3] = [
         (
-            "an outcome the rule does not keep",
+            "an outcome the rule does not keep: its writes are rolled back",
             Classified::Release(Release::NotStored),
             false,
             None,
-            Ran::Released,
+            Ran::RolledBack,
             "not_stored",
         ),
         (
