@@ -71,9 +71,10 @@
 //! the message again, and the redelivery publishes the stored outcome again, identical;
 //! the handler does not run again (with a store that outlives the consumer:
 //! `RedisStore` or `PostgresStore`). A consumer killed while its handler runs leaves
-//! its key claimed until the claim runs out (one and a half leases, 15 s by default):
-//! redeliveries meanwhile are `InFlight`, and the first one after it runs the handler
-//! again, as the HTTP layer's "process killed mid-handler" row of
+//! its key claimed until the claim runs out (one and a half leases, 15 s by default;
+//! not in the transactional inbox below, where the key is free at once): redeliveries
+//! meanwhile are `InFlight`, and the first one after it runs the handler again, as the
+//! HTTP layer's "process killed mid-handler" row of
 //! [the guarantees](crate::guide::guarantees) says.
 //!
 //! # The transactional inbox
