@@ -106,8 +106,18 @@ async fn a_claim_held_by_a_transaction_is_never_renewed_and_commits_its_outcome(
 
 #[tokio::test]
 async fn a_transactional_claim_is_given_back_by_rolling_back_never_by_a_store_call() {
+    /// What the work does (fail or not), what the transaction answers, what the run
+    /// ends as, and the release's reason.
+    type Case = (
+        &'static str,
+        Classified,
+        bool,
+        Option<Settlement>,
+        Ran,
+        &'static str,
+    );
     let failed = || Err("boom");
-    let cases: [(&str, Classified, bool, Option<Settlement>, Ran, &str); 3] = [
+    let cases: [Case; 3] = [
         (
             "an outcome the rule does not keep: its writes are rolled back",
             Classified::Release(Release::NotStored),

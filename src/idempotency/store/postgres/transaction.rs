@@ -457,12 +457,12 @@ pub(super) async fn wait(
             return Ok(Settled::ClaimedByTransaction { lease, transaction });
         }
     };
-    bounded(
-        shared.timeout,
-        "waiting for a key in PostgreSQL",
-        transaction.commit(),
-    )
-    .await?;
+    // The answer is read: the duplicate replays now, and the lock and the count are
+    // committed behind it (a count lost with the commit changes no answer).
+    let timeout = shared.timeout;
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(timeout, transaction.commit()).await;
+    });
     Ok(settled)
 }
 
