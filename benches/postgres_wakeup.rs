@@ -5,7 +5,8 @@
 //! Group `postgres_wakeup` (the issue "waiting duplicates are woken, not polling"): each
 //! trial claims a fresh scope, starts a waiter task on `store.wait(&scope, 5 s)`, lets it
 //! wait a random 20 to 80 ms (so a polling waiter is at any phase of its backoff, as a
-//! real duplicate would be), then stores the outcome. A trial's time runs from just
+//! real duplicate would be), has the owner make one statement as its handler would (in
+//! its transaction, in transactional mode), then stores the outcome. A trial's time runs from just
 //! before the owner's completion to the waiter returning `Settled::Completed`; the sleep
 //! and the claim are outside it (`iter_custom`), so criterion's figure is the wake
 //! latency itself. It includes the owner's own statements (the store's write and, in
@@ -53,7 +54,7 @@ use bytes::Bytes;
 use criterion::{Criterion, SamplingMode};
 use tower_ids::idempotency::store::{
     Begin, Claim, Fingerprint, IdempotencyStore, Payload, PayloadFormat, PostgresMode,
-    PostgresStore, Record, ScopeKey, Settled, Settlement,
+    PostgresStore, Record, ScopeKey, Settled, Settlement, Transaction,
 };
 
 #[path = "../tests/postgres/database.rs"]
@@ -275,6 +276,7 @@ async fn trial(store: &PostgresStore) -> Trial {
         }
     });
     tokio::time::sleep(Duration::from_millis(rand::random_range(PHASE_MS))).await;
+    handler_statement(store, &claimed).await;
     let outcome = record();
     let started = Instant::now();
     store_outcome(store, scope, claimed, outcome).await;
@@ -323,6 +325,26 @@ fn cost_per_request(
         });
     }
     group.finish();
+}
+
+/// What a handler does before its request completes: a statement, in the request's
+/// transaction when it has one. So the trial's window opens on a connection in use, as
+/// a request's completion does, not on one idle since the claim (a round trip after an
+/// idle pause is the slow one on this VM: see benches/README.md).
+async fn handler_statement(store: &PostgresStore, claimed: &Begin) {
+    let statement = sqlx::query("SELECT 1");
+    match claimed {
+        Begin::ClaimedByTransaction { transaction, .. } => {
+            let offer = transaction.offer();
+            let transaction = offer
+                .get::<Transaction>()
+                .expect("the request's transaction");
+            let mut connection = transaction.lock().await.expect("open until settled");
+            statement.execute(&mut *connection).await
+        }
+        _ => statement.execute(store.pool()).await,
+    }
+    .expect("the handler's statement");
 }
 
 /// Completes a durable claim or commits a transactional one with `outcome`, failing the
