@@ -591,3 +591,43 @@ async fn a_success_that_is_not_kept_is_rolled_back_and_never_answered_as_done() 
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(server.commands().await, ["run-2"]);
 }
+
+/// The layer's transactions run at READ COMMITTED whatever the database's default: at
+/// REPEATABLE READ a duplicate woken by the owner's commit would read from a snapshot
+/// taken before it, miss the record and run the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_woken_duplicate_sees_the_commit_whatever_the_databases_isolation() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let setup = database.pool(1).await;
+    let name: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&setup)
+        .await
+        .unwrap();
+    sqlx::raw_sql(&format!(
+        "ALTER DATABASE {name} SET default_transaction_isolation = 'repeatable read'"
+    ))
+    .execute(&setup)
+    .await
+    .unwrap();
+    setup.close().await;
+    let policy = Policy::new().in_flight(InFlight::Wait {
+        timeout: Duration::from_secs(5),
+    });
+    let server = Arc::new(Server::start_with(database.pool(10).await, policy).await);
+    let first = tokio::spawn({
+        let server = server.clone();
+        async move { server.post("k-14", &[("x-delay-ms", "300")]).await }
+    });
+    server.until_inserted(1).await;
+
+    let duplicate = server.post("k-14", &[]).await;
+    let first = first.await.unwrap();
+
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(duplicate.header("idempotent-replayed"), Some("true"));
+    assert_eq!(duplicate.body, first.body);
+    assert_eq!(server.runs(), 1, "the handler ran once");
+    assert_eq!(server.commands().await.len(), 1);
+}

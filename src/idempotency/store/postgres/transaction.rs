@@ -247,20 +247,33 @@ async fn find(
     }))
 }
 
-/// Begins a transaction on a connection of the pool, with `statement` if given (a
-/// `BEGIN` and settings of the transaction's own). A pool with every connection in
-/// use until the store's timeout is an [`exhausted`](StoreError::exhausted) error.
+/// The isolation every transaction of transactional mode runs at, whatever the
+/// database's default: each statement sees what committed before it began, so the read
+/// that follows a granted lock sees the commit of the transaction that held it. (At
+/// REPEATABLE READ or SERIALIZABLE the snapshot would be taken before the lock wait,
+/// and a duplicate woken by the owner's commit would not see its record.)
+const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+/// Begins a transaction on a connection of the pool (at [`BEGIN`]'s isolation), then
+/// runs `settings` in it if given (`SET LOCAL ...`). A pool whose every connection
+/// stayed in use until the store's timeout is an [`exhausted`](StoreError::exhausted)
+/// error.
+///
+/// The begin runs in a task of its own, never cancelled half-way: sqlx counts a
+/// transaction only once its `BEGIN` is answered, so a begin dropped between the two
+/// would hand the connection back to the pool still inside a transaction. A begin that
+/// outlives the timeout finishes in its task and is rolled back as it is dropped.
 async fn begin_transaction(
     shared: &Shared,
-    statement: Option<String>,
+    settings: Option<String>,
 ) -> Result<sqlx::Transaction<'static, Postgres>, StoreError> {
     let what = "beginning a transaction in PostgreSQL";
-    let begun = async {
-        match statement {
-            Some(statement) => shared.pool.begin_with(statement).await,
-            None => shared.pool.begin().await,
-        }
+    let statement = match settings {
+        Some(settings) => format!("{BEGIN}; {settings}"),
+        None => BEGIN.to_owned(),
     };
+    let pool = shared.pool.clone();
+    let begun = tokio::spawn(async move { pool.begin_with(statement).await });
     let exhausted = || {
         StoreError::new(format!(
             "{what}: every connection of the pool ({}) was in use for {:?}",
@@ -270,9 +283,12 @@ async fn begin_transaction(
         .exhausted()
     };
     match tokio::time::timeout(shared.timeout, begun).await {
-        Ok(Ok(transaction)) => Ok(transaction),
-        Ok(Err(sqlx::Error::PoolTimedOut)) => Err(exhausted()),
-        Ok(Err(error)) => Err(StoreError::with_source(what, error)),
+        Ok(Ok(Ok(transaction))) => Ok(transaction),
+        // A pool that could not open a connection (the database is down) times out
+        // too: exhausted only if every connection was open and in use.
+        Ok(Ok(Err(sqlx::Error::PoolTimedOut))) if pool_full(&shared.pool) => Err(exhausted()),
+        Ok(Ok(Err(error))) => Err(StoreError::with_source(what, error)),
+        Ok(Err(panicked)) => Err(StoreError::with_source(what, panicked)),
         Err(_) if pool_full(&shared.pool) => Err(exhausted()),
         Err(_) => Err(StoreError::new(format!(
             "{what}: timed out after {:?}",
@@ -386,9 +402,9 @@ async fn acquire(shared: &Shared) -> Result<sqlx::pool::PoolConnection<Postgres>
     let what = "reading a key in PostgreSQL";
     match tokio::time::timeout(shared.timeout, shared.pool.acquire()).await {
         Ok(Ok(connection)) => Ok(connection),
-        Ok(Err(sqlx::Error::PoolTimedOut)) => Err(StoreError::new(format!(
-            "{what}: every connection of the pool was in use"
-        ))
+        Ok(Err(sqlx::Error::PoolTimedOut)) if pool_full(&shared.pool) => Err(StoreError::new(
+            format!("{what}: every connection of the pool was in use"),
+        )
         .exhausted()),
         Ok(Err(error)) => Err(StoreError::with_source(what, error)),
         Err(_) if pool_full(&shared.pool) => Err(StoreError::new(format!(
@@ -417,9 +433,22 @@ pub(super) async fn wait(
     let Ok(_waiting) = shared.waiters.try_acquire() else {
         return Ok(Settled::TimedOut);
     };
-    let millis = millis_i64(timeout);
-    let begin = format!("BEGIN; SET LOCAL lock_timeout = {millis}");
-    let mut transaction = begin_transaction(shared, Some(begin)).await?;
+    // `lock_timeout` is an int4 of milliseconds.
+    let millis = millis_i64(timeout).min(i64::from(i32::MAX));
+    let settings = format!("SET LOCAL lock_timeout = {millis}");
+    let mut transaction = begin_transaction(shared, Some(settings)).await?;
+    let backend: i32 = bounded(
+        shared.timeout,
+        "waiting for a key in PostgreSQL",
+        sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *transaction),
+    )
+    .await?;
+    // A waiter whose request goes away (its client hung up) must not leave its
+    // connection in the lock wait until the lock timeout: the wait is cancelled.
+    let mut abandoned = CancelOnDrop {
+        pool: shared.pool.clone(),
+        backend: Some(backend),
+    };
     let granted = tokio::time::timeout(
         timeout + shared.timeout,
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
@@ -427,6 +456,13 @@ pub(super) async fn wait(
             .execute(&mut *transaction),
     )
     .await;
+    match &granted {
+        // Cancelled by the server already (its lock timeout), or not at all.
+        Ok(_) => abandoned.backend = None,
+        // Timed out here: the wait is cancelled as the guard drops.
+        Err(_) => {}
+    }
+    drop(abandoned);
     match granted {
         Ok(Ok(_)) => {}
         // 55P03, lock_not_available: the lock timeout.
@@ -453,6 +489,13 @@ pub(super) async fn wait(
         // A claim of the durable mode on the same scope: still running.
         Found::Claimed(_) => Settled::TimedOut,
         Found::Free => {
+            // The handler's statements get the database's lock timeout, not the wait's.
+            bounded(
+                shared.timeout,
+                "claiming a key in PostgreSQL",
+                sqlx::query("SET LOCAL lock_timeout TO DEFAULT").execute(&mut *transaction),
+            )
+            .await?;
             let (lease, transaction) = held(shared, transaction);
             return Ok(Settled::ClaimedByTransaction { lease, transaction });
         }
@@ -464,6 +507,31 @@ pub(super) async fn wait(
         let _ = tokio::time::timeout(timeout, transaction.commit()).await;
     });
     Ok(settled)
+}
+
+/// Cancels the statement `backend` runs when dropped while it is set: a lock wait
+/// whose waiter went away.
+struct CancelOnDrop {
+    pool: sqlx::PgPool,
+    backend: Option<i32>,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        let Some(backend) = self.backend.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let pool = self.pool.clone();
+        runtime.spawn(async move {
+            let cancel = sqlx::query("SELECT pg_cancel_backend($1)")
+                .bind(backend)
+                .execute(&pool);
+            let _ = tokio::time::timeout(Duration::from_secs(5), cancel).await;
+        });
+    }
 }
 
 /// Why [`commit`] did not answer `Ok`.
@@ -515,11 +583,20 @@ async fn commit(
     match tokio::time::timeout(timeout, transaction.commit()).await {
         Ok(Ok(())) => Ok(()),
         // The database answered: it refused the commit (a deferred constraint, a
-        // serialization failure), and a refused commit is a rollback.
-        Ok(Err(sqlx::Error::Database(error))) => Err(Uncommitted::Failed(StoreError::with_source(
-            "committing the request's transaction",
-            error,
-        ))),
+        // serialization failure), and a refused commit is a rollback. Not so an error of
+        // the server itself (an operator intervention, a system or internal error: SQLSTATE
+        // classes 57, 58, XX), which may come after the commit's record was flushed:
+        // that one is found out, as a lost answer is.
+        Ok(Err(sqlx::Error::Database(error)))
+            if !error
+                .code()
+                .is_some_and(|code| ["57", "58", "XX"].iter().any(|c| code.starts_with(c))) =>
+        {
+            Err(Uncommitted::Failed(StoreError::with_source(
+                "committing the request's transaction",
+                error,
+            )))
+        }
         Ok(Err(error)) => Err(Uncommitted::Unanswered(
             xid,
             StoreError::with_source("committing the request's transaction", error),
