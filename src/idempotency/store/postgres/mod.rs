@@ -112,13 +112,36 @@ pub struct PostgresStore {
 /// in flight, but a durable request does not see a transactional one's lock. To switch
 /// a route's mode, let the requests in flight under the old one finish first.
 ///
+/// # What transactional mode asks of the handler and the deployment
+///
+/// - **READ COMMITTED.** The request's transaction runs at READ COMMITTED, whatever the
+///   database's default: the read after a granted lock must see the commit that
+///   released it. A handler that needs more takes row locks (`SELECT ... FOR UPDATE`).
+/// - **Savepoints for statements that may fail.** A failed statement aborts the whole
+///   transaction: the record cannot be stored in it, and the layer answers `503
+///   idempotency.not_committed` instead of the handler's own answer. Run a statement
+///   that may fail (a unique violation the handler turns into a `409`) in a savepoint:
+///   `connection.begin()` on the transaction's connection.
+/// - **The connection back before the handler returns.** The layer commits once the
+///   handler has answered, after every [`TransactionGuard`] is dropped: a task the
+///   handler spawned that keeps one holds the commit, and the key, until it lets go.
+/// - **"At once" is when PostgreSQL sees the connection close.** A process that dies,
+///   a backend terminated, a connection cut: within milliseconds. A host that vanishes
+///   or a network partition leaves the backend idle in its transaction, holding the
+///   key, until TCP keepalive notices (two hours by PostgreSQL's default): set the
+///   server's `tcp_keepalives_idle`/`_interval`/`_count`, or an
+///   `idle_in_transaction_session_timeout` longer than your slowest handler.
+/// - **A gRPC response over `max_response_bytes`** is recorded as run whatever its
+///   trailing status, so it commits: its status comes after the limit.
+///
 /// # Sizing the pool in transactional mode
 ///
 /// A request holds a connection from its claim to its commit, so the pool's
 /// `max_connections` must cover the requests running at once (arrival rate times
 /// handler time, Little's law: 200 requests/s of 50 ms handlers hold 10), plus the
 /// duplicates waiting on them (at most half the pool waits; a duplicate past that is
-/// told to retry at once), plus whatever else the application runs on the pool. When
+/// answered `409` with `Retry-After: 1`), plus whatever else the application runs on
+/// the pool. When
 /// no connection is free within the store's command timeout (or the pool's acquire
 /// timeout, if shorter), the request runs nothing and is answered `503
 /// idempotency.pool_exhausted` (gRPC `RESOURCE_EXHAUSTED`; a retryable refusal for a

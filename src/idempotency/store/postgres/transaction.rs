@@ -424,7 +424,8 @@ async fn acquire(shared: &Shared) -> Result<sqlx::pool::PoolConnection<Postgres>
 /// on its advisory lock, which the database grants the moment that transaction commits,
 /// rolls back or dies; then reads what it left, or, if it left nothing, keeps the lock:
 /// the waiting request holds the key and runs. One connection per waiting duplicate, at
-/// most half the pool's; a duplicate past that is told to come back at once.
+/// most half the pool's; a duplicate past that is told it is in flight, to come back in
+/// a second.
 pub(super) async fn wait(
     shared: &Arc<Shared>,
     scope: &ScopeKey,
