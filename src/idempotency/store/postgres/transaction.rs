@@ -457,11 +457,10 @@ pub(super) async fn wait(
             .execute(&mut *transaction),
     )
     .await;
-    match &granted {
-        // Cancelled by the server already (its lock timeout), or not at all.
-        Ok(_) => abandoned.backend = None,
-        // Timed out here: the wait is cancelled as the guard drops.
-        Err(_) => {}
+    // Answered (granted, or cancelled by the server's lock timeout): nothing to cancel.
+    // Timed out here: the wait is cancelled as the guard drops.
+    if granted.is_ok() {
+        abandoned.backend = None;
     }
     drop(abandoned);
     match granted {
