@@ -17,9 +17,16 @@ use super::{
     settings::{InFlight, Policy, StoreFailure},
 };
 use crate::idempotency::{
-    store::{Begin, Chain, Claim, IdempotencyStore, Payload, Record, Settled, StoreError},
+    store::{
+        Begin, Chain, Claim, HandlerTransaction, IdempotencyStore, Lease, Payload, Record, Settled,
+        StoreError,
+    },
     AttemptId, Fingerprint, ScopeKey,
 };
+
+/// A key this request holds: its scope, its claim, the lease, and the transaction that
+/// holds it, if one does.
+type Held = (ScopeKey, Claim, Lease, Option<Box<dyn HandlerTransaction>>);
 
 /// What is known of the work in flight a duplicate waits for.
 struct Running {
@@ -214,36 +221,18 @@ impl<St: IdempotencyStore> Engine<St> {
         };
         match begin {
             Begin::Claimed { lease } => {
-                claimed.set(&self.kept.settling);
                 tracing::debug!(
                     event = "idempotency.accepted",
                     "idempotency key accepted; running the handler"
                 );
-                Decision::Run(Claimed::new(
-                    self.store.clone(),
-                    scope,
-                    claim,
-                    lease,
-                    None,
-                    self.kept.clone(),
-                    policy,
-                ))
+                self.run((scope, claim, lease, None), claimed)
             }
             Begin::ClaimedByTransaction { lease, transaction } => {
-                claimed.set(&self.kept.settling);
                 tracing::debug!(
                     event = "idempotency.accepted",
                     "idempotency key accepted; running the handler in the transaction that holds it"
                 );
-                Decision::Run(Claimed::new(
-                    self.store.clone(),
-                    scope,
-                    claim,
-                    lease,
-                    Some(transaction),
-                    self.kept.clone(),
-                    policy,
-                ))
+                self.run((scope, claim, lease, Some(transaction)), claimed)
             }
             Begin::Locked => {
                 let timeout = match policy.in_flight {
@@ -300,6 +289,23 @@ impl<St: IdempotencyStore> Engine<St> {
         }
     }
 
+    /// The decision to run the work that holds `held` (its scope, claim, lease, and the
+    /// transaction that holds it, if one does); `claimed` is set, so that the response
+    /// future finishes it if dropped.
+    fn run(&self, held: Held, claimed: &ClaimFlag) -> Decision<St> {
+        let (scope, claim, lease, transaction) = held;
+        claimed.set(&self.kept.settling);
+        Decision::Run(Claimed::new(
+            self.store.clone(),
+            scope,
+            claim,
+            lease,
+            transaction,
+            self.kept.clone(),
+            &self.policy,
+        ))
+    }
+
     /// The decision for a duplicate (of `claim`) that waited for the work in flight.
     fn waited(
         &self,
@@ -316,20 +322,11 @@ impl<St: IdempotencyStore> Engine<St> {
         } = running;
         match waited {
             Ok(Settled::ClaimedByTransaction { lease, transaction }) => {
-                claimed.set(&self.kept.settling);
                 tracing::debug!(
                     event = "idempotency.accepted",
                     "the work this one waited for ended without an outcome; running the handler in the transaction that now holds the key"
                 );
-                Decision::Run(Claimed::new(
-                    self.store.clone(),
-                    scope,
-                    claim,
-                    lease,
-                    Some(transaction),
-                    self.kept.clone(),
-                    &self.policy,
-                ))
+                self.run((scope, claim, lease, Some(transaction)), claimed)
             }
             // The key may have been released and run again, in another epoch, while
             // this one waited.

@@ -41,6 +41,33 @@ pub(super) fn first_seen_ms(lease: &Lease) -> i64 {
     i64::try_from(millis(lease.first_seen)).unwrap_or(i64::MAX)
 }
 
+/// A live row of the table (`completed`, `record`, `request_count`, `fingerprint`,
+/// `first_seen_ms`, `epoch`): its record, or the claim of the request in flight.
+pub(super) fn live_row(row: &sqlx::postgres::PgRow) -> Result<Begin, StoreError> {
+    let corrupt = |e| StoreError::with_source("corrupt row in PostgreSQL", e);
+    let request_count: i64 = row.try_get("request_count").map_err(corrupt)?;
+    let request_count = u64::try_from(request_count).unwrap_or(0);
+    if row.try_get::<bool, _>("completed").map_err(corrupt)? {
+        let record: Vec<u8> = row.try_get("record").map_err(corrupt)?;
+        return Ok(Begin::Completed {
+            record: Arc::new(decode_record(&record)?),
+            request_count,
+        });
+    }
+    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(corrupt)?;
+    let fingerprint: [u8; 32] = fingerprint
+        .try_into()
+        .map_err(|_| StoreError::new("corrupt row in PostgreSQL: fingerprint"))?;
+    let first_seen: i64 = row.try_get("first_seen_ms").map_err(corrupt)?;
+    let epoch: Option<i64> = row.try_get("epoch").map_err(corrupt)?;
+    Ok(Begin::InFlight {
+        fingerprint: Fingerprint::from_bytes(fingerprint),
+        first_seen: from_millis(u64::try_from(first_seen).unwrap_or(0)),
+        epoch: epoch.map(|e| u64::try_from(e).unwrap_or(0)),
+        request_count,
+    })
+}
+
 impl IdempotencyStore for PostgresStore {
     fn recovery_time(&self) -> Duration {
         match self.mode {
@@ -80,27 +107,7 @@ impl IdempotencyStore for PostgresStore {
         if held == token {
             return Ok(Begin::Claimed { lease });
         }
-        let request_count: i64 = row.try_get("request_count").map_err(corrupt)?;
-        let request_count = u64::try_from(request_count).unwrap_or(0);
-        if row.try_get::<bool, _>("completed").map_err(corrupt)? {
-            let record: Vec<u8> = row.try_get("record").map_err(corrupt)?;
-            return Ok(Begin::Completed {
-                record: Arc::new(decode_record(&record)?),
-                request_count,
-            });
-        }
-        let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(corrupt)?;
-        let fingerprint: [u8; 32] = fingerprint
-            .try_into()
-            .map_err(|_| StoreError::new("corrupt row in PostgreSQL: fingerprint"))?;
-        let first_seen: i64 = row.try_get("first_seen_ms").map_err(corrupt)?;
-        let epoch: Option<i64> = row.try_get("epoch").map_err(corrupt)?;
-        Ok(Begin::InFlight {
-            fingerprint: Fingerprint::from_bytes(fingerprint),
-            first_seen: from_millis(u64::try_from(first_seen).unwrap_or(0)),
-            epoch: epoch.map(|e| u64::try_from(e).unwrap_or(0)),
-            request_count,
-        })
+        live_row(&row)
     }
 
     async fn renew(

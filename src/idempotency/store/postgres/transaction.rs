@@ -3,21 +3,20 @@
 
 use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
-use sqlx::{PgConnection, Postgres, Row};
+use sqlx::{PgConnection, Postgres};
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 
 use super::{
     bounded,
-    commands::{epoch_i64, first_seen_ms, millis_i64, status_i16, token_bytes},
+    commands::{epoch_i64, first_seen_ms, live_row, millis_i64, status_i16, token_bytes},
     Shared,
 };
 use crate::idempotency::{
     store::{
-        codec::{decode_record, encode_record, from_millis},
-        Begin, Chain, HandlerTransaction, Lease, Record, Settled, Settlement, StoreError,
-        TransactionOffer,
+        codec::encode_record, Begin, Chain, HandlerTransaction, Lease, Record, Settled, Settlement,
+        StoreError, TransactionOffer,
     },
-    Fingerprint, ScopeKey,
+    ScopeKey,
 };
 
 /// The request's database transaction, offered by the idempotency layer over a
@@ -223,28 +222,16 @@ async fn find(
     let Some(row) = row else {
         return Ok(Found::Free);
     };
-    let corrupt = |e| StoreError::with_source("corrupt row in PostgreSQL", e);
-    let request_count: i64 = row.try_get("request_count").map_err(corrupt)?;
-    let request_count = u64::try_from(request_count).unwrap_or(0);
-    if row.try_get::<bool, _>("completed").map_err(corrupt)? {
-        let record: Vec<u8> = row.try_get("record").map_err(corrupt)?;
-        return Ok(Found::Record {
-            record: Arc::new(decode_record(&record)?),
+    Ok(match live_row(&row)? {
+        Begin::Completed {
+            record,
             request_count,
-        });
-    }
-    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(corrupt)?;
-    let fingerprint: [u8; 32] = fingerprint
-        .try_into()
-        .map_err(|_| StoreError::new("corrupt row in PostgreSQL: fingerprint"))?;
-    let first_seen: i64 = row.try_get("first_seen_ms").map_err(corrupt)?;
-    let epoch: Option<i64> = row.try_get("epoch").map_err(corrupt)?;
-    Ok(Found::Claimed(Begin::InFlight {
-        fingerprint: Fingerprint::from_bytes(fingerprint),
-        first_seen: from_millis(u64::try_from(first_seen).unwrap_or(0)),
-        epoch: epoch.map(|e| u64::try_from(e).unwrap_or(0)),
-        request_count,
-    }))
+        } => Found::Record {
+            record,
+            request_count,
+        },
+        in_flight => Found::Claimed(in_flight),
+    })
 }
 
 /// The isolation every transaction of transactional mode runs at, whatever the
