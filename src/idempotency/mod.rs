@@ -140,7 +140,7 @@
 //! | `Idempotency-Key` | every response to a request with a valid key | the key, echoed (under this name whichever header carried it), unless the handler set the header |
 //! | `attempt-id` | response | this request's attempt ID, echoed |
 //! | `original-attempt-id` | replay | the attempt ID of the request that ran, else its correlation ID |
-//! | `idempotency-first-seen` | replay, `409`, `410` | when the original request arrived (HTTP-date) |
+//! | `idempotency-first-seen` | replay, `409`, `410` | when the original request arrived (HTTP-date); not on a `409` for a request held by another's open transaction (PostgreSQL's transactional mode), whose arrival the store cannot see |
 //! | `idempotency-request-count` | replay, `409`, `410` | requests seen with this key, this one included |
 //! | `Retry-After` | `409`, `503` | seconds to wait before retrying |
 //!

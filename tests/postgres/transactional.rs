@@ -248,6 +248,11 @@ async fn a_duplicate_is_409_at_once_while_the_transaction_is_open() {
 
     assert_eq!(duplicate.status, StatusCode::CONFLICT);
     assert_eq!(duplicate.json()["code"], "idempotency.in_flight");
+    assert_eq!(
+        duplicate.header("idempotency-first-seen"),
+        None,
+        "the store cannot see when the request in flight arrived: it does not say"
+    );
     assert!(
         waited < Duration::from_millis(300),
         "not blocked: {waited:?}"

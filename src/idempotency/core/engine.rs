@@ -30,7 +30,7 @@ type Held = (ScopeKey, Claim, Lease, Option<Box<dyn HandlerTransaction>>);
 
 /// What is known of the work in flight a duplicate waits for.
 struct Running {
-    first_seen: SystemTime,
+    first_seen: Option<SystemTime>,
     request_count: Option<u64>,
 }
 
@@ -108,7 +108,9 @@ pub(crate) enum Verdict {
     },
     /// Work with this key is running (here or elsewhere): come back later.
     InFlight {
-        first_seen: SystemTime,
+        /// When the work in flight arrived; `None` when the store cannot see it (held
+        /// by another's open transaction).
+        first_seen: Option<SystemTime>,
         /// `None` when this layer holds the outcome and the store was not asked.
         request_count: Option<u64>,
         retry_after: Duration,
@@ -236,16 +238,14 @@ impl<St: IdempotencyStore> Engine<St> {
             }
             Begin::Locked => {
                 let timeout = match policy.in_flight {
-                    InFlight::Reject { retry_after } => {
-                        return in_flight(SystemTime::now(), None, retry_after)
-                    }
+                    InFlight::Reject { retry_after } => return in_flight(None, None, retry_after),
                     InFlight::Wait { timeout } => timeout,
                 };
                 let wait =
                     observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
                 let waited = Box::pin(wait).await;
                 let running = Running {
-                    first_seen: SystemTime::now(),
+                    first_seen: None,
                     request_count: None,
                 };
                 self.waited(waited, scope, claim, claimed, running)
@@ -273,7 +273,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 }
                 let timeout = match policy.in_flight {
                     InFlight::Reject { retry_after } => {
-                        return in_flight(first_seen, Some(request_count), retry_after)
+                        return in_flight(Some(first_seen), Some(request_count), retry_after)
                     }
                     InFlight::Wait { timeout } => timeout,
                 };
@@ -281,7 +281,7 @@ impl<St: IdempotencyStore> Engine<St> {
                     observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
                 let waited = Box::pin(wait).await;
                 let running = Running {
-                    first_seen,
+                    first_seen: Some(first_seen),
                     request_count: Some(request_count),
                 };
                 self.waited(waited, scope, claim, claimed, running)
@@ -397,7 +397,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 if running != fingerprint {
                     return conflict();
                 }
-                in_flight(waiting.first_seen, Some(request_count), retry_after)
+                in_flight(Some(waiting.first_seen), Some(request_count), retry_after)
             }
             Ok(Begin::Claimed { lease }) => {
                 // The key was free (this layer's claim had lapsed): give the claim back
@@ -445,7 +445,7 @@ impl<St: IdempotencyStore> Engine<St> {
         if waiting.fingerprint != fingerprint {
             return conflict();
         }
-        in_flight(waiting.first_seen, None, retry_after)
+        in_flight(Some(waiting.first_seen), None, retry_after)
     }
 
     /// An engine over `store`, with the default policy.
@@ -511,7 +511,7 @@ impl<St> Engine<St> {
 }
 
 fn in_flight<St: IdempotencyStore>(
-    first_seen: SystemTime,
+    first_seen: Option<SystemTime>,
     request_count: Option<u64>,
     retry_after: Duration,
 ) -> Decision<St> {

@@ -207,7 +207,7 @@ impl Reply<'_> {
 
     fn in_flight<B>(
         self,
-        first_seen: SystemTime,
+        first_seen: Option<SystemTime>,
         request_count: Option<u64>,
         retry_after: Duration,
     ) -> Response<Body<B>> {
@@ -219,7 +219,9 @@ impl Reply<'_> {
         );
         let mut response = self.retry_later(problem, retry_after);
         let headers = response.headers_mut();
-        headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(first_seen));
+        if let Some(first_seen) = first_seen {
+            headers.insert(IDEMPOTENCY_FIRST_SEEN, http_date(first_seen));
+        }
         if let Some(request_count) = request_count {
             headers.insert(IDEMPOTENCY_REQUEST_COUNT, HeaderValue::from(request_count));
         }

@@ -56,7 +56,7 @@ impl DecideCase {
 #[tokio::test]
 async fn decide_answers_what_the_store_says() {
     let in_flight = |request_count, retry_after| Decided::InFlight {
-        first_seen: first_seen(),
+        first_seen: Some(first_seen()),
         request_count: Some(request_count),
         retry_after,
     };

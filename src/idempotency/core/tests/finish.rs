@@ -299,7 +299,7 @@ async fn a_duplicate_of_a_kept_outcome_is_in_flight_never_run() {
     assert_eq!(
         decided(&duplicate),
         Decided::InFlight {
-            first_seen: first_seen(),
+            first_seen: Some(first_seen()),
             request_count: None,
             retry_after: DEFAULT_RETRY_AFTER,
         }

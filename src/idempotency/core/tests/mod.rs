@@ -218,7 +218,7 @@ enum Decided {
         request_count: u64,
     },
     InFlight {
-        first_seen: SystemTime,
+        first_seen: Option<SystemTime>,
         request_count: Option<u64>,
         retry_after: Duration,
     },

@@ -191,9 +191,9 @@ async fn a_key_held_by_another_transaction_is_in_flight_and_a_waiter_handed_it_r
     assert!(matches!(
         decided(&decision),
         Decided::InFlight {
+            first_seen: None,
             request_count: None,
             retry_after: DEFAULT_RETRY_AFTER,
-            ..
         }
     ));
 
