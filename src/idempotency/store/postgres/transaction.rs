@@ -255,9 +255,9 @@ async fn begin_transaction(
     settings: Option<String>,
 ) -> Result<sqlx::Transaction<'static, Postgres>, StoreError> {
     let what = "beginning a transaction in PostgreSQL";
-    let statement = match settings {
-        Some(settings) => format!("{BEGIN}; {settings}"),
-        None => BEGIN.to_owned(),
+    let statement: std::borrow::Cow<'static, str> = match settings {
+        Some(settings) => format!("{BEGIN}; {settings}").into(),
+        None => BEGIN.into(),
     };
     let pool = shared.pool.clone();
     let begun = tokio::spawn(async move { pool.begin_with(statement).await });
