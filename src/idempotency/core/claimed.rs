@@ -119,9 +119,6 @@ pub(crate) struct Claimed<St: IdempotencyStore> {
     /// The transaction that holds the claim, for a store whose claims are transactions:
     /// the handler is offered it, the record commits in it, and no lease is renewed.
     transaction: Option<Box<dyn HandlerTransaction>>,
-    /// Whether the claim is held by `transaction` (and so ends with it) rather than by
-    /// a lease in the store.
-    by_transaction: bool,
     /// Time spent in store calls on the request's path so far.
     pub(super) store_time: Duration,
 }
@@ -137,7 +134,6 @@ impl<St: IdempotencyStore> Claimed<St> {
         policy: &Policy,
     ) -> Self {
         Self {
-            by_transaction: transaction.is_some(),
             store,
             scope,
             claim,
@@ -247,7 +243,8 @@ impl<St: IdempotencyStore> Claimed<St> {
     /// claim's hold, see [`lease::claim`]) until it ends, so a handler longer than the
     /// lease keeps its key while its worker lives.
     async fn renewing<F: Future>(&self, work: F) -> F::Output {
-        let Some(lease) = self.lease.as_ref().filter(|_| !self.by_transaction) else {
+        // A claim held by a transaction ends with it: there is no lease to renew.
+        let Some(lease) = self.lease.as_ref().filter(|_| self.transaction.is_none()) else {
             return work.await;
         };
         let period = (self.claim.lease / 6).max(Duration::from_millis(1));
