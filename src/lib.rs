@@ -160,6 +160,8 @@ pub mod correlation;
 pub mod cors;
 #[cfg(any(feature = "idempotency", feature = "client"))]
 pub mod idempotency;
+#[cfg(feature = "outbox")]
+pub mod outbox;
 #[cfg(feature = "correlation")]
 mod problem;
 
@@ -193,6 +195,10 @@ pub mod guide {
 
     #[doc = include_str!("../docs/clients_and_messages.md")]
     pub mod clients_and_messages {}
+
+    #[cfg(feature = "outbox")]
+    #[doc = include_str!("../docs/outbox.md")]
+    pub mod outbox {}
 }
 
 #[cfg(feature = "correlation")]

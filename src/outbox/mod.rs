@@ -1,0 +1,305 @@
+//! The transactional outbox: messages enqueued in the request's own PostgreSQL
+//! transaction, and a [`Relay`] that publishes them once that transaction has committed.
+//!
+//! A handler that writes to the database and must tell a broker about it cannot do both
+//! atomically: publish first and a rollback leaves a message about nothing; commit first
+//! and a crash loses the message. [`Outbox::enqueue`] writes the message as a row in the
+//! request's [`Transaction`] (the one the idempotency layer over a
+//! [`PostgresStore`](crate::idempotency::store::PostgresStore) in
+//! [transactional mode](crate::idempotency::store::PostgresMode::Transactional) offers),
+//! so it commits with the handler's writes and the stored answer, or not at all. A
+//! [`Relay`], run by every replica, publishes committed rows to a [`Sink`]
+//! ([`AmqpSink`](amqp::AmqpSink) for RabbitMQ, [`KafkaSink`](kafka::KafkaSink) for Kafka,
+//! or your own) and marks them published.
+//!
+//! Each message carries, as headers, its own idempotency key (`idempotency-key`), the
+//! enqueuing request's correlation ID (`x-correlation-id`, extended per publication) and,
+//! with the `opentelemetry` feature, its W3C trace context (`traceparent`,
+//! `tracestate`). The [guide page](crate::guide::outbox) says what is guaranteed, what is
+//! not, and how to run several relays.
+//!
+//! ```no_run
+//! use axum::{routing::post, Json, Router};
+//! use tower_ids::{
+//!     idempotency::{store::{PostgresMode, PostgresStore, Transaction}, IdempotencyLayer},
+//!     outbox::{Message, Outbox},
+//! };
+//!
+//! async fn create_order(
+//!     tx: Transaction,
+//!     axum::Extension(outbox): axum::Extension<Outbox>,
+//!     Json(order): Json<serde_json::Value>,
+//! ) -> Result<&'static str, String> {
+//!     let id = order["id"].as_str().unwrap_or_default().to_owned();
+//!     {
+//!         let mut connection = tx.lock().await.map_err(|e| e.to_string())?;
+//!         sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+//!             .bind(&id)
+//!             .execute(&mut *connection)
+//!             .await
+//!             .map_err(|e| e.to_string())?;
+//!     }
+//!     let message = Message::new("order.created", order.to_string()).partition_key(id);
+//!     outbox.enqueue(&tx, message).await.map_err(|e| e.to_string())?;
+//!     Ok("created")
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
+//! let store = PostgresStore::builder(pool.clone())
+//!     .mode(PostgresMode::Transactional)
+//!     .build()?;
+//! store.migrate().await?;
+//! let outbox = Outbox::new(pool);
+//! outbox.migrate().await?;
+//! let app: Router = Router::new()
+//!     .route("/orders", post(create_order))
+//!     .layer(IdempotencyLayer::with_store(store))
+//!     .layer(axum::Extension(outbox.clone()));
+//! # let _ = app;
+//! # Ok(())
+//! # }
+//! ```
+
+mod enqueue;
+mod relay;
+mod sink;
+
+#[cfg(feature = "amqp")]
+pub mod amqp;
+#[cfg(feature = "kafka")]
+pub mod kafka;
+
+use std::{fmt, sync::Arc};
+
+use sqlx::PgPool;
+
+pub use enqueue::{Message, MessageId};
+pub use relay::{DeadLetter, Relay, RelayBuilder, Round};
+pub use sink::{Outgoing, Sink, SinkError};
+
+/// The table [`Outbox::new`] uses.
+pub const DEFAULT_OUTBOX_TABLE: &str = "tower_ids_outbox";
+
+const MIGRATION: &str = include_str!("../../migrations/20261126000000_tower_ids_outbox.sql");
+
+/// The metric names of the relay (feature `metrics`), on the `metrics` facade.
+pub mod metrics {
+    /// Gauge: messages committed and not yet published nor dead-lettered.
+    pub const BACKLOG: &str = "tower_ids_outbox_backlog";
+    /// Gauge: how long the oldest pending message has waited, in seconds (0 when none).
+    pub const OLDEST_PENDING_AGE: &str = "tower_ids_outbox_oldest_pending_age_seconds";
+    /// Counter: messages published, by `destination`.
+    pub const PUBLISHED: &str = "tower_ids_outbox_published_total";
+    /// Counter: failed publications, by `destination` and `reason` (`unavailable`: the
+    /// broker could not be reached, the message is tried again without counting an
+    /// attempt; `rejected`: the broker refused this message, an attempt is counted).
+    pub const FAILURES: &str = "tower_ids_outbox_failures_total";
+    /// Counter: messages dead-lettered after their last attempt, by `destination`.
+    pub const DEAD_LETTERED: &str = "tower_ids_outbox_dead_lettered_total";
+
+    /// Describes the relay's metrics to the installed recorder (help text and unit).
+    #[cfg(feature = "metrics")]
+    pub fn describe() {
+        ::metrics::describe_gauge!(BACKLOG, "Outbox messages committed and not yet published");
+        ::metrics::describe_gauge!(
+            OLDEST_PENDING_AGE,
+            ::metrics::Unit::Seconds,
+            "Age of the oldest outbox message not yet published"
+        );
+        ::metrics::describe_counter!(PUBLISHED, "Outbox messages published, by destination");
+        ::metrics::describe_counter!(
+            FAILURES,
+            "Failed outbox publications, by destination and reason"
+        );
+        ::metrics::describe_counter!(
+            DEAD_LETTERED,
+            "Outbox messages dead-lettered after their last attempt, by destination"
+        );
+    }
+}
+
+/// An outbox table on a pool: where handlers [`enqueue`](Self::enqueue) messages and
+/// from which [`Relay`]s publish them. Cheap to clone.
+#[derive(Clone)]
+pub struct Outbox {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    pool: PgPool,
+    table: String,
+}
+
+impl fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.shared.table)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why an outbox call failed.
+#[derive(Debug)]
+pub struct OutboxError {
+    what: &'static str,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl OutboxError {
+    fn new(what: &'static str) -> Self {
+        Self { what, source: None }
+    }
+
+    fn database(what: &'static str, error: sqlx::Error) -> Self {
+        Self {
+            what,
+            source: Some(Box::new(error)),
+        }
+    }
+}
+
+impl fmt::Display for OutboxError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.source {
+            Some(source) => write!(f, "{}: {source}", self.what),
+            None => f.write_str(self.what),
+        }
+    }
+}
+
+impl std::error::Error for OutboxError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as _)
+    }
+}
+
+impl Outbox {
+    /// The outbox in [`DEFAULT_OUTBOX_TABLE`] on `pool`.
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                pool,
+                table: DEFAULT_OUTBOX_TABLE.to_owned(),
+            }),
+        }
+    }
+
+    /// The same outbox in another table (`name` or `schema.name`, plain identifiers).
+    ///
+    /// # Panics
+    ///
+    /// If `table` is not one or two plain identifiers (letters, digits, `_`, not
+    /// starting with a digit): it is written into SQL.
+    pub fn table(self, table: impl Into<String>) -> Self {
+        let table = table.into();
+        assert!(
+            plain_identifiers(&table),
+            "tower-ids: outbox table {table:?} must be `name` or `schema.name` of plain identifiers"
+        );
+        Self {
+            shared: Arc::new(Shared {
+                pool: self.shared.pool.clone(),
+                table,
+            }),
+        }
+    }
+
+    /// The pool the outbox uses.
+    pub fn pool(&self) -> &PgPool {
+        &self.shared.pool
+    }
+
+    /// The outbox's table.
+    pub fn get_table(&self) -> &str {
+        &self.shared.table
+    }
+
+    /// Creates the table and its indexes if they do not exist; replicas that start
+    /// together may all call it (they take turns, under an advisory lock).
+    pub async fn migrate(&self) -> Result<(), OutboxError> {
+        let table = &self.shared.table;
+        let bare = table.rsplit('.').next().unwrap_or(table);
+        // Index names first (they contain the table's default name), then the table.
+        let sql = MIGRATION
+            .replace(
+                &format!("{DEFAULT_OUTBOX_TABLE}_"),
+                &format!("\u{0}{bare}_"),
+            )
+            .replace(DEFAULT_OUTBOX_TABLE, table)
+            .replace('\u{0}', "");
+        let locked =
+            format!("SELECT pg_advisory_xact_lock(hashtext('tower-ids migrate {table}'));\n{sql}");
+        sqlx::raw_sql(&locked)
+            .execute(&self.shared.pool)
+            .await
+            .map_err(|e| OutboxError::database("could not create the outbox table", e))?;
+        Ok(())
+    }
+
+    /// A relay that publishes this outbox's messages to `sink`; configure it, then
+    /// [`run`](Relay::run) it.
+    pub fn relay<S: Sink>(&self, sink: S) -> RelayBuilder<S> {
+        RelayBuilder::new(self.clone(), sink)
+    }
+}
+
+fn plain_identifiers(table: &str) -> bool {
+    let parts: Vec<&str> = table.split('.').collect();
+    parts.len() <= 2
+        && parts.iter().all(|part| {
+            let mut chars = part.chars();
+            chars
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
+}
+
+/// The 32-bit lock key of a partition key: the first four bytes of its SHA-256. Two
+/// keys that share it only take turns.
+fn partition_lock(partition_key: &str) -> i32 {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(partition_key.as_bytes());
+    i32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]])
+}
+
+/// The advisory lock class (the first of the two-key form) an enqueue takes on its
+/// partition key: enqueues of one key commit one after the other, so their IDs are in
+/// commit order. ("txob")
+const ENQUEUE_LOCK_CLASS: i32 = 0x7478_6f62;
+/// The class a relay takes on the partition keys it publishes: one relay at a time per
+/// key. ("txor")
+const RELAY_LOCK_CLASS: i32 = 0x7478_6f72;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_plain_identifiers() {
+        assert!(plain_identifiers("tower_ids_outbox"));
+        assert!(plain_identifiers("app.outbox_2"));
+        assert!(!plain_identifiers("a.b.c"));
+        assert!(!plain_identifiers("outbox; DROP TABLE x"));
+        assert!(!plain_identifiers("1outbox"));
+        assert!(!plain_identifiers(""));
+    }
+
+    #[test]
+    fn the_migration_renames_every_index_with_its_table() {
+        let renamed = MIGRATION
+            .replace(&format!("{DEFAULT_OUTBOX_TABLE}_"), "\u{0}events_")
+            .replace(DEFAULT_OUTBOX_TABLE, "app.events")
+            .replace('\u{0}', "");
+        assert!(renamed.contains("CREATE TABLE IF NOT EXISTS app.events ("));
+        assert!(renamed.contains("INDEX IF NOT EXISTS events_pending\n    ON app.events"));
+        assert!(!renamed.contains(DEFAULT_OUTBOX_TABLE));
+    }
+
+    #[test]
+    fn lock_classes_differ() {
+        assert_ne!(ENQUEUE_LOCK_CLASS, RELAY_LOCK_CLASS);
+        assert_eq!(partition_lock("w-1"), partition_lock("w-1"));
+    }
+}

@@ -1,0 +1,833 @@
+//! The relay: publishes committed messages, backs off through outages, dead-letters
+//! what the broker keeps refusing, trims what it published.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    time::{Duration, SystemTime},
+};
+
+use futures_util::FutureExt as _;
+use sqlx::{PgConnection, Row as _};
+use tokio::time::Instant;
+use tracing::Instrument as _;
+
+use super::{
+    partition_lock, MessageId, Outbox, OutboxError, Outgoing, Sink, SinkError, RELAY_LOCK_CLASS,
+};
+use crate::{
+    correlation::{Carrier, CorrelationId, MessageCorrelation},
+    idempotency::header::IDEMPOTENCY_KEY,
+};
+
+/// Settings of a [`Relay`], with their defaults.
+#[derive(Debug, Clone)]
+struct Settings {
+    batch_size: usize,
+    poll_interval: Duration,
+    max_attempts: u32,
+    retry_backoff: Duration,
+    max_retry_backoff: Duration,
+    max_outage_backoff: Duration,
+    publish_timeout: Duration,
+    retention: Duration,
+    trim_interval: Duration,
+    observe_interval: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            batch_size: 256,
+            poll_interval: Duration::from_millis(100),
+            max_attempts: 10,
+            retry_backoff: Duration::from_secs(1),
+            max_retry_backoff: Duration::from_secs(300),
+            max_outage_backoff: Duration::from_secs(30),
+            publish_timeout: Duration::from_secs(10),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            trim_interval: Duration::from_secs(60),
+            observe_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Builds a [`Relay`]: [`Outbox::relay`] with a sink, the settings, then
+/// [`build`](Self::build).
+#[derive(Debug)]
+#[must_use]
+pub struct RelayBuilder<S> {
+    outbox: Outbox,
+    sink: S,
+    settings: Settings,
+}
+
+impl<S: Sink> RelayBuilder<S> {
+    pub(super) fn new(outbox: Outbox, sink: S) -> Self {
+        Self {
+            outbox,
+            sink,
+            settings: Settings::default(),
+        }
+    }
+
+    /// Messages one round takes, publishes and marks in one transaction (256): more
+    /// publish faster, and hold their rows and partition keys longer.
+    ///
+    /// # Panics
+    ///
+    /// If `size` is 0.
+    pub fn batch_size(mut self, size: usize) -> Self {
+        assert!(
+            size > 0,
+            "tower-ids: an outbox batch takes at least one message"
+        );
+        self.settings.batch_size = size;
+        self
+    }
+
+    /// How long an idle relay waits before looking again (100 ms): the most a committed
+    /// message waits for its relay, when the relay has nothing else to do.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.settings.poll_interval = interval;
+        self
+    }
+
+    /// Publications a message gets before it is dead-lettered, when the broker keeps
+    /// refusing it (10). Outages do not count.
+    ///
+    /// # Panics
+    ///
+    /// If `attempts` is 0.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        assert!(
+            attempts > 0,
+            "tower-ids: a message gets at least one attempt"
+        );
+        self.settings.max_attempts = attempts;
+        self
+    }
+
+    /// After the broker refused a message, how long before it is tried again: `backoff`
+    /// (1 s), doubled per attempt up to `max` (5 min). Later messages of its partition
+    /// key wait for it.
+    pub fn retry_backoff(mut self, backoff: Duration, max: Duration) -> Self {
+        self.settings.retry_backoff = backoff;
+        self.settings.max_retry_backoff = max.max(backoff);
+        self
+    }
+
+    /// The longest wait between tries while the broker is unavailable (30 s): the relay
+    /// tries again after 100 ms, then doubles the wait up to this.
+    pub fn max_outage_backoff(mut self, max: Duration) -> Self {
+        self.settings.max_outage_backoff = max;
+        self
+    }
+
+    /// How long one publication may take before the broker counts as unavailable
+    /// (10 s).
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.publish_timeout = timeout;
+        self
+    }
+
+    /// How long published messages stay in the table before the relay removes them
+    /// (7 days), and how often it looks (every minute). Dead letters stay until you
+    /// requeue or delete them.
+    pub fn retention(mut self, retention: Duration, every: Duration) -> Self {
+        self.settings.retention = retention;
+        self.settings.trim_interval = every;
+        self
+    }
+
+    /// How often the relay measures the backlog for its gauges (10 s; with the
+    /// `metrics` feature).
+    pub fn observe_interval(mut self, interval: Duration) -> Self {
+        self.settings.observe_interval = interval;
+        self
+    }
+
+    /// The relay.
+    pub fn build(self) -> Relay<S> {
+        #[cfg(feature = "metrics")]
+        super::metrics::describe();
+        Relay {
+            outbox: self.outbox,
+            sink: self.sink,
+            settings: self.settings,
+        }
+    }
+}
+
+/// Publishes an [`Outbox`]'s committed messages to a [`Sink`], and marks them
+/// published. Run one per replica: relays share the work, and each partition key is
+/// published by one relay at a time, in commit order.
+///
+/// Each round, in one transaction: take up to a batch of pending messages (the oldest
+/// first) whose partition keys no other relay holds (a transaction-scoped advisory
+/// lock per key; messages without a key with `FOR UPDATE SKIP LOCKED`), publish them
+/// (the keys concurrently, each key's messages one after the other, each confirmed
+/// before the next), mark what the broker took, commit. A relay that dies mid-round
+/// leaves its messages pending: they are published again, with the same idempotency
+/// key.
+#[derive(Debug)]
+pub struct Relay<S> {
+    outbox: Outbox,
+    sink: S,
+    settings: Settings,
+}
+
+/// What one round of a [`Relay`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Round {
+    /// Messages it took.
+    pub taken: usize,
+    /// Messages the broker took.
+    pub published: usize,
+    /// Messages the broker refused (an attempt counted), dead letters included.
+    pub rejected: usize,
+    /// Of those, messages dead-lettered.
+    pub dead_lettered: usize,
+    /// Whether the broker was unavailable for some message.
+    pub unavailable: bool,
+}
+
+/// A message the relay gave up on after its last attempt: it stays in the table,
+/// readable, until [`Outbox::requeue`]d or deleted.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// Its ID.
+    pub id: MessageId,
+    /// Where it was going.
+    pub destination: String,
+    /// Its partition key.
+    pub partition_key: Option<String>,
+    /// Its own idempotency key.
+    pub idempotency_key: String,
+    /// Its body.
+    pub payload: Vec<u8>,
+    /// Publications tried.
+    pub attempts: u32,
+    /// What the broker said the last time.
+    pub last_error: Option<String>,
+    /// When it was enqueued.
+    pub enqueued_at: SystemTime,
+    /// When the relay gave up.
+    pub dead_at: SystemTime,
+}
+
+/// A pending message, as a round reads it.
+struct Pending {
+    id: i64,
+    destination: String,
+    partition_key: Option<String>,
+    idempotency_key: String,
+    headers: String,
+    payload: Vec<u8>,
+    correlation_id: Option<String>,
+    traceparent: Option<String>,
+    tracestate: Option<String>,
+    attempts: i32,
+    due: bool,
+}
+
+/// How one message's publication ended.
+enum Published {
+    Taken(i64),
+    Refused(i64, SinkError),
+    Unavailable(SinkError),
+}
+
+impl<S: Sink> Relay<S> {
+    /// Runs rounds until `shutdown` completes (a round under way finishes first), and
+    /// trims and observes the backlog as configured.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut outage = Duration::ZERO;
+        let mut next_trim = Instant::now();
+        let mut next_observe = Instant::now();
+        loop {
+            let now = Instant::now();
+            if now >= next_trim {
+                next_trim = now + self.settings.trim_interval;
+                if let Err(error) = self.trim().await {
+                    tracing::warn!(event = "outbox.trim_failed", error = %error, "could not trim the outbox");
+                }
+            }
+            if now >= next_observe {
+                next_observe = now + self.settings.observe_interval;
+                self.observe().await;
+            }
+            let wait = match self.round_with_error().await {
+                Ok((_, Some(error))) => {
+                    if outage.is_zero() {
+                        tracing::warn!(event = "outbox.sink_unavailable", error = %error, "the broker is unavailable; backing off");
+                    }
+                    outage = next_outage_wait(outage, self.settings.max_outage_backoff);
+                    outage
+                }
+                Ok((round, None)) => {
+                    if outage > Duration::ZERO && round.published > 0 {
+                        tracing::info!(
+                            event = "outbox.sink_recovered",
+                            "the broker takes messages again"
+                        );
+                        outage = Duration::ZERO;
+                    }
+                    if round.taken >= self.settings.batch_size {
+                        Duration::ZERO
+                    } else {
+                        self.settings.poll_interval
+                    }
+                }
+                Err(error) => {
+                    outage = next_outage_wait(outage, self.settings.max_outage_backoff);
+                    tracing::warn!(event = "outbox.round_failed", error = %error, "could not read or mark the outbox; backing off");
+                    outage
+                }
+            };
+            if wait.is_zero() {
+                if shutdown.as_mut().now_or_never().is_some() {
+                    return;
+                }
+                continue;
+            }
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// One round: takes, publishes and marks up to a batch of messages, in one
+    /// transaction. [`run`](Self::run) calls it in a loop; call it yourself to drive
+    /// the relay from a loop of your own.
+    pub async fn round(&self) -> Result<Round, OutboxError> {
+        self.round_with_error().await.map(|(round, _)| round)
+    }
+
+    /// A round, and the first error of a broker that was unavailable.
+    async fn round_with_error(&self) -> Result<(Round, Option<SinkError>), OutboxError> {
+        let table = &self.outbox.shared.table;
+        let batch = self.settings.batch_size;
+        let mut transaction = self
+            .outbox
+            .shared
+            .pool
+            .begin()
+            .await
+            .map_err(|e| OutboxError::database("could not begin a relay round", e))?;
+        let taken = take(&mut transaction, table, batch).await?;
+        let mut round = Round {
+            taken: taken.len(),
+            ..Round::default()
+        };
+        if taken.is_empty() {
+            transaction
+                .commit()
+                .await
+                .map_err(|e| OutboxError::database("could not end a relay round", e))?;
+            return Ok((round, None));
+        }
+
+        // One chain per partition key (a message without one is a chain of its own),
+        // in the order of its oldest message; a chain stops at its first failure.
+        let mut chains: Vec<Vec<&Pending>> = Vec::new();
+        let mut chain_of: HashMap<&str, usize> = HashMap::new();
+        for message in &taken {
+            match message.partition_key.as_deref() {
+                Some(key) => match chain_of.get(key) {
+                    Some(&chain) => chains[chain].push(message),
+                    None => {
+                        chain_of.insert(key, chains.len());
+                        chains.push(vec![message]);
+                    }
+                },
+                None => chains.push(vec![message]),
+            }
+        }
+        let outcomes = futures_util::future::join_all(
+            chains.into_iter().map(|chain| self.publish_chain(chain)),
+        )
+        .await;
+
+        let mut published = Vec::new();
+        let mut refused = Vec::new();
+        let mut unavailable = None;
+        for outcome in outcomes.into_iter().flatten() {
+            match outcome {
+                Published::Taken(id) => published.push(id),
+                Published::Refused(id, error) => refused.push((id, error)),
+                Published::Unavailable(error) => {
+                    round.unavailable = true;
+                    unavailable.get_or_insert(error);
+                }
+            }
+        }
+        round.published = published.len();
+        round.rejected = refused.len();
+        if !published.is_empty() {
+            sqlx::query(&format!(
+                "UPDATE {table} SET published_at = now(), attempts = attempts + 1, last_error = NULL \
+                 WHERE id = ANY($1)"
+            ))
+            .bind(&published)
+            .execute(&mut *transaction)
+            .await
+            .map_err(|e| OutboxError::database("could not mark messages published", e))?;
+        }
+        if !refused.is_empty() {
+            round.dead_lettered = self.refused(&mut transaction, &taken, refused).await?;
+        }
+        transaction
+            .commit()
+            .await
+            .map_err(|e| OutboxError::database("could not end a relay round", e))?;
+        #[cfg(feature = "metrics")]
+        for message in taken.iter().filter(|m| published.contains(&m.id)) {
+            ::metrics::counter!(super::metrics::PUBLISHED, "destination" => message.destination.clone())
+                .increment(1);
+        }
+        Ok((round, unavailable))
+    }
+
+    /// Publishes one partition key's messages in order, stopping at the first that
+    /// fails.
+    async fn publish_chain(&self, chain: Vec<&Pending>) -> Vec<Published> {
+        let mut outcomes = Vec::with_capacity(chain.len());
+        for message in chain {
+            let outcome = self.publish(message).await;
+            let stop = !matches!(outcome, Published::Taken(_));
+            outcomes.push(outcome);
+            if stop {
+                break;
+            }
+        }
+        outcomes
+    }
+
+    /// Publishes one message in a span that continues its request's trace, under a
+    /// correlation ID extended from the request's for this publication.
+    async fn publish(&self, message: &Pending) -> Published {
+        let stored = message
+            .correlation_id
+            .as_deref()
+            .and_then(|id| CorrelationId::parse(id).ok());
+        let publication = match &stored {
+            Some(id) => id.extend_redelivery(),
+            None => CorrelationId::new(),
+        };
+        let span = tracing::info_span!(
+            "outbox.publish",
+            correlation_id = %publication,
+            message_id = message.id,
+            destination = message.destination.as_str(),
+            trace_id = tracing::field::Empty,
+            otel.kind = "producer",
+        );
+        #[cfg(feature = "opentelemetry")]
+        if let Some(trace) = message.traceparent.as_deref().and_then(|traceparent| {
+            crate::correlation::TraceContext::parse(traceparent, message.tracestate.as_deref())
+        }) {
+            trace.continue_in(&span);
+        }
+        #[cfg(not(feature = "opentelemetry"))]
+        let _ = (&message.traceparent, &message.tracestate);
+        let id = message.id;
+        let destination = message.destination.as_str();
+        async move {
+            let mut headers = HeaderList(
+                serde_json::from_str::<std::collections::BTreeMap<String, String>>(
+                    &message.headers,
+                )
+                .unwrap_or_default()
+                .into_iter()
+                .collect(),
+            );
+            if headers.get(IDEMPOTENCY_KEY.as_str()).is_none() {
+                headers.set(IDEMPOTENCY_KEY.as_str(), &message.idempotency_key);
+            }
+            MessageCorrelation::new().inject(&mut headers, &publication);
+            #[cfg(feature = "opentelemetry")]
+            if let Some(trace) = crate::correlation::TraceContext::current() {
+                trace.inject(&mut headers);
+            }
+            let outgoing = Outgoing {
+                destination,
+                partition_key: message.partition_key.as_deref(),
+                headers: &headers.0,
+                payload: &message.payload,
+            };
+            let result =
+                tokio::time::timeout(self.settings.publish_timeout, self.sink.publish(&outgoing))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(SinkError::unavailable(format!(
+                            "no acknowledgement within {:?}",
+                            self.settings.publish_timeout
+                        )))
+                    });
+            match result {
+                Ok(()) => {
+                    tracing::debug!(event = "outbox.published", "message published");
+                    Published::Taken(id)
+                }
+                Err(error) => {
+                    #[cfg(feature = "metrics")]
+                    ::metrics::counter!(
+                        super::metrics::FAILURES,
+                        "destination" => destination.to_owned(),
+                        "reason" => if error.is_rejected() { "rejected" } else { "unavailable" },
+                    )
+                    .increment(1);
+                    if error.is_rejected() {
+                        tracing::warn!(
+                            event = "outbox.rejected",
+                            attempt = message.attempts + 1,
+                            error = %error,
+                            "the broker refused the message; it will be tried again"
+                        );
+                        Published::Refused(id, error)
+                    } else {
+                        tracing::debug!(event = "outbox.unavailable", error = %error, "the broker is unavailable");
+                        Published::Unavailable(error)
+                    }
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Counts an attempt for each refused message, schedules its next one or
+    /// dead-letters it; returns how many were dead-lettered.
+    async fn refused(
+        &self,
+        connection: &mut PgConnection,
+        taken: &[Pending],
+        refused: Vec<(i64, SinkError)>,
+    ) -> Result<usize, OutboxError> {
+        let table = &self.outbox.shared.table;
+        let mut ids = Vec::with_capacity(refused.len());
+        let mut errors = Vec::with_capacity(refused.len());
+        let mut delays = Vec::with_capacity(refused.len());
+        for (id, error) in refused {
+            let attempts = taken
+                .iter()
+                .find(|m| m.id == id)
+                .map_or(0, |m| u32::try_from(m.attempts).unwrap_or(0));
+            let delay = self
+                .settings
+                .retry_backoff
+                .saturating_mul(1 << attempts.min(16))
+                .min(self.settings.max_retry_backoff);
+            ids.push(id);
+            errors.push(error.to_string());
+            delays.push(delay.as_secs_f64());
+        }
+        let dead = sqlx::query(&format!(
+            "UPDATE {table} AS t SET attempts = t.attempts + 1, last_error = r.error, \
+               next_attempt_at = now() + make_interval(secs => r.delay), \
+               dead_at = CASE WHEN t.attempts + 1 >= $4 THEN now() END \
+             FROM unnest($1::int8[], $2::text[], $3::float8[]) AS r(id, error, delay) \
+             WHERE t.id = r.id AND t.attempts + 1 >= $4 \
+             RETURNING t.id, t.destination, t.attempts"
+        ))
+        .bind(&ids)
+        .bind(&errors)
+        .bind(&delays)
+        .bind(i32::try_from(self.settings.max_attempts).unwrap_or(i32::MAX))
+        .fetch_all(&mut *connection)
+        .await
+        .map_err(|e| OutboxError::database("could not dead-letter messages", e))?;
+        sqlx::query(&format!(
+            "UPDATE {table} AS t SET attempts = t.attempts + 1, last_error = r.error, \
+               next_attempt_at = now() + make_interval(secs => r.delay) \
+             FROM unnest($1::int8[], $2::text[], $3::float8[]) AS r(id, error, delay) \
+             WHERE t.id = r.id AND t.attempts + 1 < $4"
+        ))
+        .bind(&ids)
+        .bind(&errors)
+        .bind(&delays)
+        .bind(i32::try_from(self.settings.max_attempts).unwrap_or(i32::MAX))
+        .execute(&mut *connection)
+        .await
+        .map_err(|e| OutboxError::database("could not count failed attempts", e))?;
+        for row in &dead {
+            let id: i64 = row.get(0);
+            let destination: String = row.get(1);
+            let attempts: i32 = row.get(2);
+            tracing::error!(
+                event = "outbox.dead_lettered",
+                message_id = id,
+                destination = destination.as_str(),
+                attempts,
+                "the broker refused the message on its last attempt; it is a dead letter now"
+            );
+            #[cfg(feature = "metrics")]
+            ::metrics::counter!(super::metrics::DEAD_LETTERED, "destination" => destination)
+                .increment(1);
+        }
+        Ok(dead.len())
+    }
+
+    /// Removes published messages older than the retention, a batch at a time; returns
+    /// how many.
+    pub async fn trim(&self) -> Result<u64, OutboxError> {
+        let table = &self.outbox.shared.table;
+        let mut removed = 0;
+        loop {
+            let done = sqlx::query(&format!(
+                "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} \
+                   WHERE published_at < now() - make_interval(secs => $1) \
+                   ORDER BY published_at LIMIT 1000 FOR UPDATE SKIP LOCKED)"
+            ))
+            .bind(self.settings.retention.as_secs_f64())
+            .execute(&self.outbox.shared.pool)
+            .await
+            .map_err(|e| OutboxError::database("could not trim the outbox", e))?
+            .rows_affected();
+            removed += done;
+            if done < 1000 {
+                return Ok(removed);
+            }
+        }
+    }
+
+    /// Sets the backlog gauges (with the `metrics` feature).
+    async fn observe(&self) {
+        #[cfg(feature = "metrics")]
+        match self.outbox.backlog().await {
+            Ok((count, oldest)) => {
+                ::metrics::gauge!(super::metrics::BACKLOG).set(count as f64);
+                ::metrics::gauge!(super::metrics::OLDEST_PENDING_AGE)
+                    .set(oldest.map_or(0.0, |age| age.as_secs_f64()));
+            }
+            Err(error) => {
+                tracing::debug!(event = "outbox.observe_failed", error = %error, "could not measure the backlog");
+            }
+        }
+    }
+}
+
+/// The wait after another failed round: 100 ms, then doubled, up to `max`.
+fn next_outage_wait(previous: Duration, max: Duration) -> Duration {
+    if previous.is_zero() {
+        Duration::from_millis(100).min(max)
+    } else {
+        previous.saturating_mul(2).min(max)
+    }
+}
+
+/// Takes a round's messages: locks the partition keys of the oldest pending messages
+/// that no other relay holds, enough for a batch, and reads their pending messages in
+/// order (a partition whose oldest is waiting out a backoff is left whole), with the
+/// due messages that have no key.
+async fn take(
+    connection: &mut PgConnection,
+    table: &str,
+    batch: usize,
+) -> Result<Vec<Pending>, OutboxError> {
+    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+    // A window wider than a batch, so a relay finds keys another does not hold.
+    let window: Vec<Option<String>> = sqlx::query_scalar(&format!(
+        "SELECT partition_key FROM {table} WHERE published_at IS NULL AND dead_at IS NULL \
+         ORDER BY id LIMIT $1"
+    ))
+    .bind(limit.saturating_mul(4))
+    .fetch_all(&mut *connection)
+    .await
+    .map_err(|e| OutboxError::database("could not read the outbox", e))?;
+    if window.is_empty() {
+        return Ok(Vec::new());
+    }
+    let unkeyed = window.iter().filter(|key| key.is_none()).count();
+    // Partition locks in the order of each key's oldest message, with its count.
+    let mut locks: Vec<(i32, usize)> = Vec::new();
+    let mut slot: HashMap<i32, usize> = HashMap::new();
+    for key in window.iter().flatten() {
+        let lock = partition_lock(key);
+        match slot.get(&lock) {
+            Some(&at) => locks[at].1 += 1,
+            None => {
+                slot.insert(lock, locks.len());
+                locks.push((lock, 1));
+            }
+        }
+    }
+    let mut held: Vec<i32> = Vec::new();
+    let mut expected = 0;
+    for chunk in locks.chunks(64) {
+        if expected >= batch {
+            break;
+        }
+        let tried: Vec<i32> = chunk.iter().map(|(lock, _)| *lock).collect();
+        let granted: Vec<i32> = sqlx::query_scalar(
+            "SELECT k FROM unnest($2::int4[]) WITH ORDINALITY AS l(k, n) \
+             WHERE pg_try_advisory_xact_lock($1, k) ORDER BY n",
+        )
+        .bind(RELAY_LOCK_CLASS)
+        .bind(&tried)
+        .fetch_all(&mut *connection)
+        .await
+        .map_err(|e| OutboxError::database("could not lock partition keys", e))?;
+        for lock in granted {
+            expected += locks[slot[&lock]].1;
+            held.push(lock);
+        }
+    }
+    let columns = "id, destination, partition_key, idempotency_key, headers::text AS headers, payload, \
+                   correlation_id, traceparent, tracestate, attempts, next_attempt_at <= now() AS due";
+    let mut taken = Vec::new();
+    if !held.is_empty() {
+        // Read after the locks were granted: what a previous holder marked is seen.
+        let keyed = sqlx::query(&format!(
+            "SELECT {columns} FROM {table} \
+             WHERE published_at IS NULL AND dead_at IS NULL AND partition_key IS NOT NULL \
+               AND ('x' || substr(encode(sha256(convert_to(partition_key, 'UTF8')), 'hex'), 1, 8))::bit(32)::int4 = ANY($1) \
+             ORDER BY id LIMIT $2 FOR UPDATE"
+        ))
+        .bind(&held)
+        .bind(limit)
+        .fetch_all(&mut *connection)
+        .await
+        .map_err(|e| OutboxError::database("could not read the outbox", e))?;
+        let mut blocked: Vec<String> = Vec::new();
+        for row in &keyed {
+            let message = pending(row)?;
+            let key = message.partition_key.clone().unwrap_or_default();
+            if blocked.contains(&key) {
+                continue;
+            }
+            if !message.due {
+                blocked.push(key);
+                continue;
+            }
+            taken.push(message);
+        }
+    }
+    if unkeyed > 0 && taken.len() < batch {
+        let rows = sqlx::query(&format!(
+            "SELECT {columns} FROM {table} \
+             WHERE published_at IS NULL AND dead_at IS NULL AND partition_key IS NULL \
+               AND next_attempt_at <= now() \
+             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+        ))
+        .bind(i64::try_from(batch - taken.len()).unwrap_or(i64::MAX))
+        .fetch_all(&mut *connection)
+        .await
+        .map_err(|e| OutboxError::database("could not read the outbox", e))?;
+        for row in &rows {
+            taken.push(pending(row)?);
+        }
+    }
+    Ok(taken)
+}
+
+fn pending(row: &sqlx::postgres::PgRow) -> Result<Pending, OutboxError> {
+    let read = || -> Result<Pending, sqlx::Error> {
+        Ok(Pending {
+            id: row.try_get("id")?,
+            destination: row.try_get("destination")?,
+            partition_key: row.try_get("partition_key")?,
+            idempotency_key: row.try_get("idempotency_key")?,
+            headers: row.try_get("headers")?,
+            payload: row.try_get("payload")?,
+            correlation_id: row.try_get("correlation_id")?,
+            traceparent: row.try_get("traceparent")?,
+            tracestate: row.try_get("tracestate")?,
+            attempts: row.try_get("attempts")?,
+            due: row.try_get("due")?,
+        })
+    };
+    read().map_err(|e| OutboxError::database("could not read an outbox row", e))
+}
+
+/// Headers as the relay builds them, in order.
+struct HeaderList(Vec<(String, String)>);
+
+impl Carrier for HeaderList {
+    fn get(&self, name: &str) -> Option<&[u8]> {
+        self.0
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, value)| value.as_bytes())
+    }
+
+    fn set(&mut self, name: &str, value: &str) {
+        match self.0.iter_mut().find(|(n, _)| n == name) {
+            Some((_, old)) => *old = value.to_owned(),
+            None => self.0.push((name.to_owned(), value.to_owned())),
+        }
+    }
+}
+
+impl Outbox {
+    /// How many messages are pending (committed, neither published nor dead), and how
+    /// long the oldest has waited.
+    pub async fn backlog(&self) -> Result<(u64, Option<Duration>), OutboxError> {
+        let table = &self.shared.table;
+        let row = sqlx::query(&format!(
+            "SELECT count(*), EXTRACT(EPOCH FROM now() - min(enqueued_at))::float8 \
+             FROM {table} WHERE published_at IS NULL AND dead_at IS NULL"
+        ))
+        .fetch_one(&self.shared.pool)
+        .await
+        .map_err(|e| OutboxError::database("could not measure the backlog", e))?;
+        let count: i64 = row.get(0);
+        let age: Option<f64> = row.get(1);
+        Ok((
+            u64::try_from(count).unwrap_or(0),
+            age.map(|age| Duration::from_secs_f64(age.max(0.0))),
+        ))
+    }
+
+    /// The dead letters, oldest first, up to `limit`.
+    pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>, OutboxError> {
+        let table = &self.shared.table;
+        let rows = sqlx::query(&format!(
+            "SELECT id, destination, partition_key, idempotency_key, payload, attempts, last_error, \
+               EXTRACT(EPOCH FROM enqueued_at)::float8 AS enqueued_at, \
+               EXTRACT(EPOCH FROM dead_at)::float8 AS dead_at \
+             FROM {table} WHERE dead_at IS NOT NULL ORDER BY id LIMIT $1"
+        ))
+        .bind(limit)
+        .fetch_all(&self.shared.pool)
+        .await
+        .map_err(|e| OutboxError::database("could not read the dead letters", e))?;
+        let at = |seconds: f64| SystemTime::UNIX_EPOCH + Duration::from_secs_f64(seconds.max(0.0));
+        Ok(rows
+            .iter()
+            .map(|row| DeadLetter {
+                id: MessageId(row.get("id")),
+                destination: row.get("destination"),
+                partition_key: row.get("partition_key"),
+                idempotency_key: row.get("idempotency_key"),
+                payload: row.get("payload"),
+                attempts: u32::try_from(row.get::<i32, _>("attempts")).unwrap_or(0),
+                last_error: row.get("last_error"),
+                enqueued_at: at(row.get("enqueued_at")),
+                dead_at: at(row.get("dead_at")),
+            })
+            .collect())
+    }
+
+    /// Puts a dead letter back in line, with its attempts reset; `false` if `id` is not
+    /// a dead letter. It is published after the pending messages of its partition key
+    /// that are older than it, in ID order, as any other.
+    pub async fn requeue(&self, id: MessageId) -> Result<bool, OutboxError> {
+        let table = &self.shared.table;
+        let done = sqlx::query(&format!(
+            "UPDATE {table} SET dead_at = NULL, attempts = 0, next_attempt_at = now() \
+             WHERE id = $1 AND dead_at IS NOT NULL"
+        ))
+        .bind(id.0)
+        .execute(&self.shared.pool)
+        .await
+        .map_err(|e| OutboxError::database("could not requeue the message", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+}
