@@ -1,7 +1,10 @@
 //! [`KafkaSink`]: the outbox's messages as Kafka records (rdkafka), from an idempotent
 //! producer.
 
-use std::time::Duration;
+use std::{
+    sync::{Arc, RwLock},
+    time::Duration,
+};
 
 use rdkafka::{
     config::ClientConfig,
@@ -21,10 +24,17 @@ use super::{Outgoing, Sink, SinkError};
 /// of one partition are written once each, in the order sent, through the producer's
 /// own retries. A record the broker refuses for itself (too large, an unknown or
 /// invalid topic, not authorised) is [rejected](SinkError::rejected); anything else
-/// (a timeout, brokers down) is [unavailable](SinkError::unavailable), and the
-/// producer reconnects on its own.
+/// (a timeout, brokers down) is [unavailable](SinkError::unavailable).
+///
+/// After a record timed out, librdkafka's idempotent producer may keep failing every
+/// record of its partition at once, even when the broker is back: the sink then
+/// builds a new producer (a new producer ID) from the same configuration for the next
+/// publication. Order per key is the relay's to keep (one record of a key at a time),
+/// so it does not depend on the producer's session.
 pub struct KafkaSink {
-    producer: FutureProducer,
+    config: ClientConfig,
+    /// The producer, and how many were built before it.
+    producer: RwLock<(u64, Arc<FutureProducer>)>,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -47,14 +57,35 @@ impl KafkaSink {
     /// (`enable.idempotence=true` is set whatever `config` says).
     pub fn from_config(mut config: ClientConfig) -> Result<Self, KafkaError> {
         config.set("enable.idempotence", "true");
+        let producer = Arc::new(config.create()?);
         Ok(Self {
-            producer: config.create()?,
+            config,
+            producer: RwLock::new((0, producer)),
         })
     }
 
-    /// The producer, to flush it at shutdown.
-    pub fn producer(&self) -> &FutureProducer {
-        &self.producer
+    /// The producer now, to flush it at shutdown.
+    pub fn producer(&self) -> Arc<FutureProducer> {
+        self.current().1
+    }
+
+    fn current(&self) -> (u64, Arc<FutureProducer>) {
+        let guard = self.producer.read().unwrap_or_else(|e| e.into_inner());
+        (guard.0, guard.1.clone())
+    }
+
+    /// Replaces producer `generation` with a new one, unless another publication did.
+    fn replace(&self, generation: u64) {
+        let mut guard = self.producer.write().unwrap_or_else(|e| e.into_inner());
+        if guard.0 != generation {
+            return;
+        }
+        match self.config.create::<FutureProducer>() {
+            Ok(producer) => *guard = (generation + 1, Arc::new(producer)),
+            Err(error) => {
+                tracing::debug!(event = "outbox.producer_failed", error = %error, "could not build a new Kafka producer");
+            }
+        }
     }
 }
 
@@ -73,11 +104,16 @@ impl Sink for KafkaSink {
         if let Some(key) = message.partition_key() {
             record = record.key(key);
         }
-        self.producer
+        let (generation, producer) = self.current();
+        let sent = producer
             .send(record, Timeout::After(Duration::from_secs(1)))
             .await
             .map(|_| ())
-            .map_err(|(error, _)| classify(error))
+            .map_err(|(error, _)| classify(error));
+        if matches!(&sent, Err(error) if !error.is_rejected()) {
+            self.replace(generation);
+        }
+        sent
     }
 }
 

@@ -4,7 +4,7 @@
 //! A handler that writes to the database and must tell a broker about it cannot do both
 //! atomically: publish first and a rollback leaves a message about nothing; commit first
 //! and a crash loses the message. [`Outbox::enqueue`] writes the message as a row in the
-//! request's [`Transaction`] (the one the idempotency layer over a
+//! request's [`Transaction`](crate::idempotency::store::Transaction) (the one the idempotency layer over a
 //! [`PostgresStore`](crate::idempotency::store::PostgresStore) in
 //! [transactional mode](crate::idempotency::store::PostgresMode::Transactional) offers),
 //! so it commits with the handler's writes and the stored answer, or not at all. A
@@ -62,8 +62,10 @@
 //! ```
 
 mod enqueue;
+mod inspect;
 mod relay;
 mod sink;
+mod take;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
@@ -75,7 +77,8 @@ use std::{fmt, sync::Arc};
 use sqlx::PgPool;
 
 pub use enqueue::{Message, MessageId};
-pub use relay::{DeadLetter, Relay, RelayBuilder, Round};
+pub use inspect::DeadLetter;
+pub use relay::{Relay, RelayBuilder, Round};
 pub use sink::{Outgoing, Sink, SinkError};
 
 /// The table [`Outbox::new`] uses.

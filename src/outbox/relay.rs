@@ -1,11 +1,7 @@
 //! The relay: publishes committed messages, backs off through outages, dead-letters
 //! what the broker keeps refusing, trims what it published.
 
-use std::{
-    collections::HashMap,
-    future::Future,
-    time::{Duration, SystemTime},
-};
+use std::{collections::HashMap, future::Future, time::Duration};
 
 use futures_util::FutureExt as _;
 use sqlx::{PgConnection, Row as _};
@@ -13,7 +9,8 @@ use tokio::time::Instant;
 use tracing::Instrument as _;
 
 use super::{
-    partition_lock, MessageId, Outbox, OutboxError, Outgoing, Sink, SinkError, RELAY_LOCK_CLASS,
+    take::{take, Pending},
+    Outbox, OutboxError, Outgoing, Sink, SinkError,
 };
 use crate::{
     correlation::{Carrier, CorrelationId, MessageCorrelation},
@@ -191,46 +188,6 @@ pub struct Round {
     pub dead_lettered: usize,
     /// Whether the broker was unavailable for some message.
     pub unavailable: bool,
-}
-
-/// A message the relay gave up on after its last attempt: it stays in the table,
-/// readable, until [`Outbox::requeue`]d or deleted.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct DeadLetter {
-    /// Its ID.
-    pub id: MessageId,
-    /// Where it was going.
-    pub destination: String,
-    /// Its partition key.
-    pub partition_key: Option<String>,
-    /// Its own idempotency key.
-    pub idempotency_key: String,
-    /// Its body.
-    pub payload: Vec<u8>,
-    /// Publications tried.
-    pub attempts: u32,
-    /// What the broker said the last time.
-    pub last_error: Option<String>,
-    /// When it was enqueued.
-    pub enqueued_at: SystemTime,
-    /// When the relay gave up.
-    pub dead_at: SystemTime,
-}
-
-/// A pending message, as a round reads it.
-struct Pending {
-    id: i64,
-    destination: String,
-    partition_key: Option<String>,
-    idempotency_key: String,
-    headers: String,
-    payload: Vec<u8>,
-    correlation_id: Option<String>,
-    traceparent: Option<String>,
-    tracestate: Option<String>,
-    attempts: i32,
-    due: bool,
 }
 
 /// How one message's publication ended.
@@ -622,130 +579,6 @@ fn next_outage_wait(previous: Duration, max: Duration) -> Duration {
     }
 }
 
-/// Takes a round's messages: locks the partition keys of the oldest pending messages
-/// that no other relay holds, enough for a batch, and reads their pending messages in
-/// order (a partition whose oldest is waiting out a backoff is left whole), with the
-/// due messages that have no key.
-async fn take(
-    connection: &mut PgConnection,
-    table: &str,
-    batch: usize,
-) -> Result<Vec<Pending>, OutboxError> {
-    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
-    // A window wider than a batch, so a relay finds keys another does not hold.
-    let window: Vec<Option<String>> = sqlx::query_scalar(&format!(
-        "SELECT partition_key FROM {table} WHERE published_at IS NULL AND dead_at IS NULL \
-         ORDER BY id LIMIT $1"
-    ))
-    .bind(limit.saturating_mul(4))
-    .fetch_all(&mut *connection)
-    .await
-    .map_err(|e| OutboxError::database("could not read the outbox", e))?;
-    if window.is_empty() {
-        return Ok(Vec::new());
-    }
-    let unkeyed = window.iter().filter(|key| key.is_none()).count();
-    // Partition locks in the order of each key's oldest message, with its count.
-    let mut locks: Vec<(i32, usize)> = Vec::new();
-    let mut slot: HashMap<i32, usize> = HashMap::new();
-    for key in window.iter().flatten() {
-        let lock = partition_lock(key);
-        match slot.get(&lock) {
-            Some(&at) => locks[at].1 += 1,
-            None => {
-                slot.insert(lock, locks.len());
-                locks.push((lock, 1));
-            }
-        }
-    }
-    let mut held: Vec<i32> = Vec::new();
-    let mut expected = 0;
-    for chunk in locks.chunks(64) {
-        if expected >= batch {
-            break;
-        }
-        let tried: Vec<i32> = chunk.iter().map(|(lock, _)| *lock).collect();
-        let granted: Vec<i32> = sqlx::query_scalar(
-            "SELECT k FROM unnest($2::int4[]) WITH ORDINALITY AS l(k, n) \
-             WHERE pg_try_advisory_xact_lock($1, k) ORDER BY n",
-        )
-        .bind(RELAY_LOCK_CLASS)
-        .bind(&tried)
-        .fetch_all(&mut *connection)
-        .await
-        .map_err(|e| OutboxError::database("could not lock partition keys", e))?;
-        for lock in granted {
-            expected += locks[slot[&lock]].1;
-            held.push(lock);
-        }
-    }
-    let columns = "id, destination, partition_key, idempotency_key, headers::text AS headers, payload, \
-                   correlation_id, traceparent, tracestate, attempts, next_attempt_at <= now() AS due";
-    let mut taken = Vec::new();
-    if !held.is_empty() {
-        // Read after the locks were granted: what a previous holder marked is seen.
-        let keyed = sqlx::query(&format!(
-            "SELECT {columns} FROM {table} \
-             WHERE published_at IS NULL AND dead_at IS NULL AND partition_key IS NOT NULL \
-               AND ('x' || substr(encode(sha256(convert_to(partition_key, 'UTF8')), 'hex'), 1, 8))::bit(32)::int4 = ANY($1) \
-             ORDER BY id LIMIT $2 FOR UPDATE"
-        ))
-        .bind(&held)
-        .bind(limit)
-        .fetch_all(&mut *connection)
-        .await
-        .map_err(|e| OutboxError::database("could not read the outbox", e))?;
-        let mut blocked: Vec<String> = Vec::new();
-        for row in &keyed {
-            let message = pending(row)?;
-            let key = message.partition_key.clone().unwrap_or_default();
-            if blocked.contains(&key) {
-                continue;
-            }
-            if !message.due {
-                blocked.push(key);
-                continue;
-            }
-            taken.push(message);
-        }
-    }
-    if unkeyed > 0 && taken.len() < batch {
-        let rows = sqlx::query(&format!(
-            "SELECT {columns} FROM {table} \
-             WHERE published_at IS NULL AND dead_at IS NULL AND partition_key IS NULL \
-               AND next_attempt_at <= now() \
-             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
-        ))
-        .bind(i64::try_from(batch - taken.len()).unwrap_or(i64::MAX))
-        .fetch_all(&mut *connection)
-        .await
-        .map_err(|e| OutboxError::database("could not read the outbox", e))?;
-        for row in &rows {
-            taken.push(pending(row)?);
-        }
-    }
-    Ok(taken)
-}
-
-fn pending(row: &sqlx::postgres::PgRow) -> Result<Pending, OutboxError> {
-    let read = || -> Result<Pending, sqlx::Error> {
-        Ok(Pending {
-            id: row.try_get("id")?,
-            destination: row.try_get("destination")?,
-            partition_key: row.try_get("partition_key")?,
-            idempotency_key: row.try_get("idempotency_key")?,
-            headers: row.try_get("headers")?,
-            payload: row.try_get("payload")?,
-            correlation_id: row.try_get("correlation_id")?,
-            traceparent: row.try_get("traceparent")?,
-            tracestate: row.try_get("tracestate")?,
-            attempts: row.try_get("attempts")?,
-            due: row.try_get("due")?,
-        })
-    };
-    read().map_err(|e| OutboxError::database("could not read an outbox row", e))
-}
-
 /// Headers as the relay builds them, in order.
 struct HeaderList(Vec<(String, String)>);
 
@@ -762,72 +595,5 @@ impl Carrier for HeaderList {
             Some((_, old)) => *old = value.to_owned(),
             None => self.0.push((name.to_owned(), value.to_owned())),
         }
-    }
-}
-
-impl Outbox {
-    /// How many messages are pending (committed, neither published nor dead), and how
-    /// long the oldest has waited.
-    pub async fn backlog(&self) -> Result<(u64, Option<Duration>), OutboxError> {
-        let table = &self.shared.table;
-        let row = sqlx::query(&format!(
-            "SELECT count(*), EXTRACT(EPOCH FROM now() - min(enqueued_at))::float8 \
-             FROM {table} WHERE published_at IS NULL AND dead_at IS NULL"
-        ))
-        .fetch_one(&self.shared.pool)
-        .await
-        .map_err(|e| OutboxError::database("could not measure the backlog", e))?;
-        let count: i64 = row.get(0);
-        let age: Option<f64> = row.get(1);
-        Ok((
-            u64::try_from(count).unwrap_or(0),
-            age.map(|age| Duration::from_secs_f64(age.max(0.0))),
-        ))
-    }
-
-    /// The dead letters, oldest first, up to `limit`.
-    pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>, OutboxError> {
-        let table = &self.shared.table;
-        let rows = sqlx::query(&format!(
-            "SELECT id, destination, partition_key, idempotency_key, payload, attempts, last_error, \
-               EXTRACT(EPOCH FROM enqueued_at)::float8 AS enqueued_at, \
-               EXTRACT(EPOCH FROM dead_at)::float8 AS dead_at \
-             FROM {table} WHERE dead_at IS NOT NULL ORDER BY id LIMIT $1"
-        ))
-        .bind(limit)
-        .fetch_all(&self.shared.pool)
-        .await
-        .map_err(|e| OutboxError::database("could not read the dead letters", e))?;
-        let at = |seconds: f64| SystemTime::UNIX_EPOCH + Duration::from_secs_f64(seconds.max(0.0));
-        Ok(rows
-            .iter()
-            .map(|row| DeadLetter {
-                id: MessageId(row.get("id")),
-                destination: row.get("destination"),
-                partition_key: row.get("partition_key"),
-                idempotency_key: row.get("idempotency_key"),
-                payload: row.get("payload"),
-                attempts: u32::try_from(row.get::<i32, _>("attempts")).unwrap_or(0),
-                last_error: row.get("last_error"),
-                enqueued_at: at(row.get("enqueued_at")),
-                dead_at: at(row.get("dead_at")),
-            })
-            .collect())
-    }
-
-    /// Puts a dead letter back in line, with its attempts reset; `false` if `id` is not
-    /// a dead letter. It is published after the pending messages of its partition key
-    /// that are older than it, in ID order, as any other.
-    pub async fn requeue(&self, id: MessageId) -> Result<bool, OutboxError> {
-        let table = &self.shared.table;
-        let done = sqlx::query(&format!(
-            "UPDATE {table} SET dead_at = NULL, attempts = 0, next_attempt_at = now() \
-             WHERE id = $1 AND dead_at IS NOT NULL"
-        ))
-        .bind(id.0)
-        .execute(&self.shared.pool)
-        .await
-        .map_err(|e| OutboxError::database("could not requeue the message", e))?;
-        Ok(done.rows_affected() == 1)
     }
 }

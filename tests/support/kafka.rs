@@ -55,6 +55,11 @@ impl Broker {
         }
         Some(Broker { child, addr })
     }
+
+    /// The broker's process ID, to pause it (SIGSTOP) and resume it.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
 }
 
 impl Drop for Broker {

@@ -1,0 +1,135 @@
+//! Several relays on one outbox: the work is shared, nothing is published twice, and
+//! each partition key's messages are published in the order their transactions
+//! committed, with enqueuing transactions racing each other.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tower_ids::outbox::{Message, Outgoing, Sink, SinkError};
+
+use crate::{database::TestDatabase, outbox, rows};
+
+/// A sink that records what it was given, in order, taking a little while for each.
+#[derive(Clone, Default)]
+pub(crate) struct Counting {
+    pub(crate) published: Arc<Mutex<Vec<(String, String)>>>,
+}
+
+impl Sink for Counting {
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+        tokio::time::sleep(Duration::from_micros(rand::random_range(0..300))).await;
+        self.published.lock().unwrap().push((
+            message.partition_key().unwrap_or_default().to_owned(),
+            String::from_utf8(message.payload().to_vec()).unwrap(),
+        ));
+        Ok(())
+    }
+}
+
+const KEYS: usize = 20;
+const WRITERS: usize = 16;
+const PER_WRITER: usize = 125;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_relays_share_the_work_and_keep_each_keys_commit_order() {
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let (pool, outbox, _store) = outbox(&db, 24).await;
+    sqlx::raw_sql("CREATE TABLE sequences (key text PRIMARY KEY, last bigint NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    // Three relays, running while the writers write.
+    let sink = Counting::default();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut relays = Vec::new();
+    for _ in 0..3 {
+        let relay = outbox
+            .relay(sink.clone())
+            .batch_size(32)
+            .poll_interval(Duration::from_millis(5))
+            .build();
+        let mut stopped = stopped.clone();
+        relays.push(tokio::spawn(async move {
+            relay
+                .run(async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                })
+                .await;
+        }));
+    }
+
+    // Writers: each transaction takes the key's next sequence number (a row lock held
+    // to its commit, as a domain write would), enqueues, and sometimes dawdles before
+    // committing, so transactions of one key overlap and commit out of ID order if the
+    // outbox let them.
+    let mut writers = Vec::new();
+    for writer in 0..WRITERS {
+        let pool = pool.clone();
+        let outbox = outbox.clone();
+        writers.push(tokio::spawn(async move {
+            for n in 0..PER_WRITER {
+                let key = format!("k{}", (writer * 7 + n) % KEYS);
+                let mut tx = pool.begin().await.unwrap();
+                let message = Message::new("events", String::new()).partition_key(&key);
+                // Enqueue first: the enqueue's lock on the key orders the transactions.
+                let id = outbox.enqueue_on(&mut tx, message).await.unwrap();
+                let seq: i64 = sqlx::query_scalar(
+                    "INSERT INTO sequences (key, last) VALUES ($1, 1) \
+                     ON CONFLICT (key) DO UPDATE SET last = sequences.last + 1 RETURNING last",
+                )
+                .bind(&key)
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+                sqlx::query("UPDATE tower_ids_outbox SET payload = $1 WHERE id = $2")
+                    .bind(seq.to_string().into_bytes())
+                    .bind(id.0)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                if rand::random_range(0..4) == 0 {
+                    tokio::time::sleep(Duration::from_millis(rand::random_range(1..5))).await;
+                }
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let total = WRITERS * PER_WRITER;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while sink.published.lock().unwrap().len() < total {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {total} published",
+            sink.published.lock().unwrap().len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(true).unwrap();
+    for relay in relays {
+        relay.await.unwrap();
+    }
+
+    let published = sink.published.lock().unwrap().clone();
+    assert_eq!(published.len(), total, "every message once");
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for (key, seq) in &published {
+        let seq: i64 = seq.parse().unwrap();
+        let previous = last.insert(key.clone(), seq).unwrap_or(0);
+        assert_eq!(
+            seq,
+            previous + 1,
+            "key {key}: {seq} published after {previous}, not in commit order"
+        );
+    }
+    assert_eq!(last.len(), KEYS);
+    assert_eq!(rows(&pool).await, (0, i64::try_from(total).unwrap(), 0));
+}
