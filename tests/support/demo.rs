@@ -39,6 +39,7 @@ fn build_example(name: &str) -> PathBuf {
         ("client", cfg!(feature = "client")),
         ("redis", cfg!(feature = "redis")),
         ("postgres", cfg!(feature = "postgres")),
+        ("outbox", cfg!(feature = "outbox")),
         ("openapi", cfg!(feature = "openapi")),
         ("grpc", cfg!(feature = "grpc")),
         ("kafka", cfg!(feature = "kafka")),
