@@ -8,9 +8,16 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{json, Value};
 use sqlx::{postgres::PgPoolOptions, PgConnection, PgPool, Row};
-use tower_ids::idempotency::store::{PostgresMode, PostgresStore, Transaction, TransactionGuard};
+use tokio::sync::mpsc::UnboundedSender;
+use tower_ids::{
+    idempotency::{
+        store::{PostgresMode, PostgresStore, Transaction, TransactionGuard},
+        IdempotencyKey,
+    },
+    outbox::{Message, Outbox},
+};
 
 use crate::problem::Problem;
 
@@ -38,7 +45,6 @@ CREATE TABLE IF NOT EXISTS partner_dispatch (
     correlation_id text NOT NULL UNIQUE,
     warehouse_frn text NOT NULL,
     movement_id text NOT NULL,
-    published boolean NOT NULL DEFAULT false,
     webhook text NOT NULL DEFAULT 'pending',
     webhook_error text
 );
@@ -107,11 +113,50 @@ pub(crate) struct Acked {
     pub(crate) seq: i64,
 }
 
-/// The planner's state.
+/// A dispatch event as a Kafka record: keyed by `warehouse_frn` (one warehouse's
+/// events on one partition, in order), the event's `correlation_id` as its
+/// `idempotency-key`, the event with its executor as the JSON payload.
+#[derive(Debug)]
+pub(crate) struct FeedRecord {
+    pub(crate) key: String,
+    pub(crate) idempotency_key: IdempotencyKey,
+    pub(crate) payload: String,
+}
+
+impl FeedRecord {
+    fn new(executor: &str, event: &DispatchEvent) -> Self {
+        let payload = json!({
+            "executor_id": executor,
+            "planner_id": event.planner_id,
+            "correlation_id": event.correlation_id,
+            "warehouse_frn": event.warehouse_frn,
+            "movement_id": event.movement_id,
+        })
+        .to_string();
+        Self {
+            key: event.warehouse_frn.clone(),
+            idempotency_key: IdempotencyKey::new(&event.correlation_id)
+                .expect("the planner's correlation IDs are UUIDs, valid keys"),
+            payload,
+        }
+    }
+}
+
+/// The feed's Kafka topic on PostgreSQL (`--kafka-brokers`): each event enqueued in
+/// the library outbox in the transaction that appends it, for the relay
+/// (`crate::kafka::spawn_relay`) to publish once committed.
+#[derive(Clone)]
+pub(crate) struct KafkaOutbox {
+    pub(crate) outbox: Outbox,
+    pub(crate) topic: Arc<str>,
+}
+
+/// The planner's state. With `--kafka-brokers`, each new event also goes to Kafka: on
+/// PostgreSQL through the outbox, in memory on a channel to a producer task.
 #[derive(Clone)]
 pub(crate) enum PlannerDb {
     Memory(Arc<Mutex<PlannerMemory>>),
-    Postgres(PgPool),
+    Postgres(PgPool, Option<KafkaOutbox>),
 }
 
 #[derive(Default)]
@@ -121,7 +166,8 @@ pub(crate) struct PlannerMemory {
     confirmations: HashMap<(String, String), (String, String)>,
     /// The feed: `seq` is the index plus one.
     dispatch: Vec<(String, DispatchEvent)>,
-    published: usize,
+    /// Where new events go for Kafka (`crate::kafka::spawn_producer`), in feed order.
+    kafka: Option<UnboundedSender<FeedRecord>>,
     acks: HashMap<String, i64>,
     /// Webhooks settled, by sequence number: delivered (`None`) or dead-lettered with
     /// the last error. Absent is pending.
@@ -148,11 +194,16 @@ async fn request_writes(
 }
 
 impl PlannerDb {
-    pub(crate) fn memory() -> Self {
-        Self::Memory(Arc::default())
+    /// The planner in memory; with `kafka`, each new event is sent there too.
+    pub(crate) fn memory(kafka: Option<UnboundedSender<FeedRecord>>) -> Self {
+        Self::Memory(Arc::new(Mutex::new(PlannerMemory {
+            kafka,
+            ..PlannerMemory::default()
+        })))
     }
 
-    /// Books a movement and appends its dispatch event for the partner's executor.
+    /// Books a movement and appends its dispatch event for the partner's executor (and,
+    /// with Kafka, its record: on PostgreSQL in the same transaction).
     pub(crate) async fn book(
         &self,
         transaction: Option<&Transaction>,
@@ -172,12 +223,17 @@ impl PlannerDb {
                 let mut memory = memory.lock().unwrap();
                 let seq = memory.dispatch.len() as i64 + 1;
                 let event = event(seq);
+                if let Some(kafka) = &memory.kafka {
+                    // Under the lock: the channel holds the feed's order. The producer
+                    // ends only with the process, so a send does not fail.
+                    let _ = kafka.send(FeedRecord::new(partner, &event));
+                }
                 memory.dispatch.push((partner.to_owned(), event));
                 memory
                     .movements
                     .push((partner.to_owned(), movement.clone()));
             }
-            Self::Postgres(_) => {
+            Self::Postgres(_, kafka) => {
                 let mut writes = request_writes(transaction).await?;
                 let connection: &mut PgConnection = &mut writes;
                 let failed = |error: sqlx::Error| Problem::database(&error, "booking a movement");
@@ -212,6 +268,21 @@ impl PlannerDb {
                 .execute(&mut *connection)
                 .await
                 .map_err(failed)?;
+                drop(writes);
+                if let (Some(kafka), Some(transaction)) = (kafka, transaction) {
+                    // In the request's transaction, after the feed's lock: the record
+                    // commits with the event, and the outbox keeps each warehouse's
+                    // records in commit order, which is feed order.
+                    let record = FeedRecord::new(partner, &event);
+                    let message = Message::new(&*kafka.topic, record.payload)
+                        .partition_key(record.key)
+                        .idempotency_key(record.idempotency_key);
+                    kafka
+                        .outbox
+                        .enqueue(transaction, message)
+                        .await
+                        .map_err(|error| Problem::database(&error, "enqueuing the Kafka record"))?;
+                }
             }
         }
         Ok(movement)
@@ -240,7 +311,7 @@ impl PlannerDb {
                     .insert(key, (id.clone(), correlation_id.to_owned()));
                 Ok((id, false))
             }
-            Self::Postgres(_) => {
+            Self::Postgres(..) => {
                 let mut writes = request_writes(transaction).await?;
                 let connection: &mut PgConnection = &mut writes;
                 let failed = |error: sqlx::Error| Problem::database(&error, "confirming");
@@ -289,7 +360,7 @@ impl PlannerDb {
                     .count();
                 Ok((movements as i64, confirmations as i64))
             }
-            Self::Postgres(pool) => {
+            Self::Postgres(pool, _) => {
                 let row = sqlx::query(
                     "SELECT (SELECT count(*) FROM partner_movements WHERE partner_id = $1), \
                             (SELECT count(*) FROM partner_confirmations WHERE partner_id = $1)",
@@ -321,7 +392,7 @@ impl PlannerDb {
                     .map(|(_, event)| event.clone())
                     .collect())
             }
-            Self::Postgres(pool) => {
+            Self::Postgres(pool, _) => {
                 let rows = sqlx::query(
                     "SELECT seq, planner_id, correlation_id, warehouse_frn, movement_id \
                      FROM partner_dispatch WHERE executor_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
@@ -349,7 +420,7 @@ impl PlannerDb {
                 .map(|(_, event)| event.seq)
                 .max()
                 .unwrap_or(0)),
-            Self::Postgres(pool) => sqlx::query_scalar(
+            Self::Postgres(pool, _) => sqlx::query_scalar(
                 "SELECT coalesce(max(seq), 0) FROM partner_dispatch WHERE executor_id = $1",
             )
             .bind(executor)
@@ -373,7 +444,7 @@ impl PlannerDb {
                     seq: *last,
                 })
             }
-            Self::Postgres(pool) => {
+            Self::Postgres(pool, _) => {
                 let failed = |error: sqlx::Error| Problem::database(&error, "acking");
                 let moved: Option<i64> = sqlx::query_scalar(
                     "INSERT INTO partner_dispatch_acks (executor_id, seq) VALUES ($1, $2) \
@@ -410,67 +481,13 @@ impl PlannerDb {
     pub(crate) async fn acked(&self, executor: &str) -> Result<i64, Problem> {
         match self {
             Self::Memory(memory) => Ok(*memory.lock().unwrap().acks.get(executor).unwrap_or(&0)),
-            Self::Postgres(pool) => sqlx::query_scalar(
+            Self::Postgres(pool, _) => sqlx::query_scalar(
                 "SELECT coalesce((SELECT seq FROM partner_dispatch_acks WHERE executor_id = $1), 0)",
             )
             .bind(executor)
             .fetch_one(pool)
             .await
             .map_err(|error| Problem::database(&error, "reading an ack")),
-        }
-    }
-
-    /// Feed events not yet published to Kafka, oldest first, with their executor.
-    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
-    pub(crate) async fn unpublished(
-        &self,
-        limit: i64,
-    ) -> Result<Vec<(String, DispatchEvent)>, Problem> {
-        match self {
-            Self::Memory(memory) => {
-                let memory = memory.lock().unwrap();
-                Ok(memory
-                    .dispatch
-                    .iter()
-                    .skip(memory.published)
-                    .take(usize::try_from(limit).unwrap_or(usize::MAX))
-                    .cloned()
-                    .collect())
-            }
-            Self::Postgres(pool) => {
-                let rows = sqlx::query(
-                    "SELECT seq, planner_id, correlation_id, warehouse_frn, movement_id, executor_id \
-                     FROM partner_dispatch WHERE NOT published ORDER BY seq LIMIT $1",
-                )
-                .bind(limit)
-                .fetch_all(pool)
-                .await
-                .map_err(|error| Problem::database(&error, "reading the outbox"))?;
-                Ok(rows
-                    .iter()
-                    .map(|row| (row.get::<String, _>(5), dispatch_event(row)))
-                    .collect())
-            }
-        }
-    }
-
-    /// Marks every event up to `seq` published.
-    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
-    pub(crate) async fn published(&self, seq: i64) -> Result<(), Problem> {
-        match self {
-            Self::Memory(memory) => {
-                let mut memory = memory.lock().unwrap();
-                memory.published = memory.published.max(usize::try_from(seq).unwrap_or(0));
-                Ok(())
-            }
-            Self::Postgres(pool) => sqlx::query(
-                "UPDATE partner_dispatch SET published = true WHERE seq <= $1 AND NOT published",
-            )
-            .bind(seq)
-            .execute(pool)
-            .await
-            .map(|_| ())
-            .map_err(|error| Problem::database(&error, "marking published")),
         }
     }
 }
@@ -499,7 +516,7 @@ impl PlannerDb {
                     .cloned()
                     .collect())
             }
-            Self::Postgres(pool) => {
+            Self::Postgres(pool, _) => {
                 let rows = sqlx::query(
                     "SELECT DISTINCT ON (executor_id, warehouse_frn) \
                        seq, planner_id, correlation_id, warehouse_frn, movement_id, executor_id \
@@ -529,7 +546,7 @@ impl PlannerDb {
                 memory.lock().unwrap().webhooks.insert(seq, error);
                 Ok(())
             }
-            Self::Postgres(pool) => sqlx::query(
+            Self::Postgres(pool, _) => sqlx::query(
                 "UPDATE partner_dispatch SET webhook = CASE WHEN $2::text IS NULL THEN 'delivered' ELSE 'dead' END, \
                    webhook_error = $2 WHERE seq = $1",
             )
@@ -560,7 +577,7 @@ impl PlannerDb {
                     })
                     .collect())
             }
-            Self::Postgres(pool) => {
+            Self::Postgres(pool, _) => {
                 let rows = sqlx::query(
                     "SELECT seq, planner_id, correlation_id, warehouse_frn, movement_id, webhook_error \
                      FROM partner_dispatch WHERE executor_id = $1 AND webhook = 'dead' ORDER BY seq",

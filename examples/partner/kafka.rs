@@ -1,23 +1,29 @@
 //! The dispatch feed on Kafka (`--kafka-brokers`): the planner publishes each event of
-//! the feed, in feed order, keyed by `warehouse_frn` so that one warehouse's events stay
-//! on one partition, in order; the executor consumes them through a
+//! the feed, keyed by `warehouse_frn` so that one warehouse's events stay on one
+//! partition, in feed order (on PostgreSQL through the library's outbox and relay, in
+//! memory from a channel); the executor consumes them through a
 //! `MessageIdempotencyLayer` keyed by (`planner_id`, `correlation_id`), and commits a
 //! record's offset only once it stored the event. On a stop it polls no more records:
 //! the one in hand is handled (or, if it is still waiting on another's claim, left
 //! uncommitted for the group) and the consumer returns.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 use tower_ids::idempotency::Policy;
 
 use rdkafka::{
     admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+    client::DefaultClientContext,
     consumer::{CommitMode, Consumer, StreamConsumer},
     message::OwnedHeaders,
     producer::{FutureProducer, FutureRecord},
     ClientConfig, Message,
 };
 use serde_json::{json, Value};
-use tokio::task::JoinHandle;
+use sqlx::PgPool;
+use tokio::{
+    sync::mpsc::{self, UnboundedSender},
+    task::JoinHandle,
+};
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 use tower_ids::{
     correlation::{CorrelationId, MessageCorrelation},
@@ -27,12 +33,13 @@ use tower_ids::{
         store::PostgresStore,
         Drain, IdempotencyKey, IdempotencyStore, MokaStore,
     },
+    outbox::{kafka::KafkaSink, Outbox},
 };
 
 use crate::{
-    db::{ExecutorDb, PlannerDb},
+    db::{ExecutorDb, FeedRecord, KafkaOutbox},
     executor::{received, Options},
-    Common, Stopping,
+    stop_asked, Common, Stopping,
 };
 
 /// Partitions of the topic the planner creates when it is missing.
@@ -44,74 +51,83 @@ fn config(brokers: &str) -> ClientConfig {
     config
 }
 
-/// Creates the topic if missing, then publishes the feed from the planner's outbox for
-/// as long as the process runs.
-pub(crate) fn spawn_publisher(
-    db: PlannerDb,
+/// Creates the topic if it is missing (a failure is logged: the broker may create
+/// topics itself).
+async fn create_topic(admin: AdminClient<DefaultClientContext>, topic: &str) {
+    let new = NewTopic::new(topic, PARTITIONS, TopicReplication::Fixed(1));
+    if let Err(error) = admin.create_topics([&new], &AdminOptions::new()).await {
+        tracing::warn!(event = "partner.topic_failed", error = %error, "could not create the topic");
+    }
+}
+
+/// On PostgreSQL: creates the outbox table, then (in a task) the topic, then runs the
+/// library's relay until a stop is asked for. `PlannerDb::book` enqueues each event's
+/// record in the request's transaction; the relay publishes committed records, each
+/// warehouse's in commit order, and marks them published. A crash before the mark
+/// publishes them again, with the same `idempotency-key`: the consumer's idempotency
+/// absorbs that.
+pub(crate) async fn spawn_relay(
+    pool: PgPool,
     brokers: &str,
     topic: &str,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let admin: AdminClient<_> = config(brokers).create()?;
+    stopping: Stopping,
+) -> Result<(KafkaOutbox, JoinHandle<()>), Box<dyn std::error::Error + Send + Sync>> {
+    let admin = config(brokers).create()?;
+    let outbox = Outbox::new(pool);
+    outbox.migrate().await?;
+    let relay = outbox.relay(KafkaSink::new(brokers)?).build();
+    let topic: Arc<str> = topic.into();
+    let task = {
+        let topic = topic.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = create_topic(admin, &topic) => {}
+                () = stop_asked(stopping.clone()) => return,
+            }
+            relay.run(stop_asked(stopping)).await;
+        })
+    };
+    Ok((KafkaOutbox { outbox, topic }, task))
+}
+
+/// In memory: creates the topic, then produces each record `PlannerDb::book` sends,
+/// in the order sent, each delivered (retried until it is) before the next. Records
+/// not yet delivered when the process stops are lost, as the rest of memory mode is.
+pub(crate) fn spawn_producer(
+    brokers: &str,
+    topic: &str,
+) -> Result<UnboundedSender<FeedRecord>, Box<dyn std::error::Error + Send + Sync>> {
+    let admin = config(brokers).create()?;
     let producer: FutureProducer = config(brokers)
         .set("enable.idempotence", "true")
         .set("message.timeout.ms", "10000")
         .create()?;
+    let (send, mut records) = mpsc::unbounded_channel::<FeedRecord>();
     let topic = topic.to_owned();
     tokio::spawn(async move {
-        let new = NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1));
-        if let Err(error) = admin.create_topics([&new], &AdminOptions::new()).await {
-            tracing::warn!(event = "partner.topic_failed", error = %error, "could not create the topic");
-        }
-        loop {
-            match publish_batch(&db, &producer, &topic).await {
-                Ok(0) => tokio::time::sleep(Duration::from_millis(100)).await,
-                Ok(_) => {}
-                Err(error) => {
-                    tracing::warn!(event = "partner.publish_failed", error = %error, "publishing failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+        create_topic(admin, &topic).await;
+        while let Some(record) = records.recv().await {
+            // The event's key, and this publication's own correlation ID.
+            let mut headers = OwnedHeaders::new();
+            record.idempotency_key.inject(&mut headers);
+            MessageCorrelation::new().inject(&mut headers, &CorrelationId::new());
+            loop {
+                let sent = FutureRecord::to(&topic)
+                    .key(&record.key)
+                    .payload(&record.payload)
+                    .headers(headers.clone());
+                match producer.send(sent, Duration::from_secs(10)).await {
+                    Ok(_) => break,
+                    Err((error, _)) => {
+                        tracing::warn!(event = "partner.publish_failed", error = %error, "publishing failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
                 }
             }
+            tracing::info!(event = "partner.published", warehouse_frn = %record.key, "published");
         }
     });
-    Ok(())
-}
-
-/// Publishes the outbox's next events in order, each delivered before the next is
-/// sent, then marks them published. A crash before the mark publishes them again: the
-/// consumer's idempotency absorbs that.
-async fn publish_batch(
-    db: &PlannerDb,
-    producer: &FutureProducer,
-    topic: &str,
-) -> Result<usize, Box<dyn std::error::Error + Send + Sync>> {
-    let batch = db.unpublished(100).await.map_err(|p| format!("{p:?}"))?;
-    for (executor, event) in &batch {
-        let payload = json!({
-            "executor_id": executor,
-            "planner_id": event.planner_id,
-            "correlation_id": event.correlation_id,
-            "warehouse_frn": event.warehouse_frn,
-            "movement_id": event.movement_id,
-        })
-        .to_string();
-        // The event's key, and this publication's own correlation ID.
-        let mut headers = OwnedHeaders::new();
-        IdempotencyKey::new(&event.correlation_id)?.inject(&mut headers);
-        MessageCorrelation::new().inject(&mut headers, &CorrelationId::new());
-        let record = FutureRecord::to(topic)
-            .key(&event.warehouse_frn)
-            .payload(&payload)
-            .headers(headers);
-        producer
-            .send(record, Duration::from_secs(10))
-            .await
-            .map_err(|(error, _)| error)?;
-        tracing::info!(event = "partner.published", seq = event.seq, warehouse_frn = %event.warehouse_frn, "published");
-    }
-    if let Some((_, last)) = batch.last() {
-        db.published(last.seq).await.map_err(|p| format!("{p:?}"))?;
-    }
-    Ok(batch.len())
+    Ok(send)
 }
 
 /// One record as the layer sees it: its headers and its JSON payload.

@@ -106,21 +106,42 @@ pub(crate) async fn run(
     stopping: Stopping,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let planner_id: Arc<str> = options.planner_id.as_str().into();
+    // With `--kafka-brokers`, each new event goes to Kafka too: on PostgreSQL through
+    // the outbox and its relay (which stops on the same signal, after its round), in
+    // memory through a producer task.
+    #[cfg_attr(not(feature = "kafka"), allow(unused_mut))]
+    let mut relay: Option<tokio::task::JoinHandle<()>> = None;
     let (db, (app, drain)) = match &common.database_url {
         Some(database) => {
             let (pool, store) = crate::db::connect(database).await?;
-            let db = PlannerDb::Postgres(pool);
+            #[cfg_attr(not(feature = "kafka"), allow(unused_mut))]
+            let mut outbox = None;
+            #[cfg(feature = "kafka")]
+            if let Some(brokers) = &options.kafka_brokers {
+                let (kafka, task) = crate::kafka::spawn_relay(
+                    pool.clone(),
+                    brokers,
+                    &options.kafka_topic,
+                    stopping.clone(),
+                )
+                .await?;
+                outbox = Some(kafka);
+                relay = Some(task);
+            }
+            let db = PlannerDb::Postgres(pool, outbox);
             (db.clone(), routes(db, store, &options))
         }
         None => {
-            let db = PlannerDb::memory();
+            #[cfg_attr(not(feature = "kafka"), allow(unused_mut))]
+            let mut producer = None;
+            #[cfg(feature = "kafka")]
+            if let Some(brokers) = &options.kafka_brokers {
+                producer = Some(crate::kafka::spawn_producer(brokers, &options.kafka_topic)?);
+            }
+            let db = PlannerDb::memory(producer);
             (db.clone(), routes(db, MokaStore::new(), &options))
         }
     };
-    #[cfg(feature = "kafka")]
-    if let Some(brokers) = &options.kafka_brokers {
-        crate::kafka::spawn_publisher(db.clone(), brokers, &options.kafka_topic)?;
-    }
     if !options.webhooks.is_empty() {
         crate::webhooks::spawn(
             db.clone(),
@@ -144,6 +165,9 @@ pub(crate) async fn run(
         .layer(CorrelationLayer::new());
     tracing::info!(event = "partner.planner", planner_id = %planner_id, "planner ready");
     crate::serve(listener, &url, app, stopping).await?;
+    if let Some(relay) = relay {
+        let _ = relay.await;
+    }
     shutdown::drain(&[drain], common.drain.timeout()).await;
     Ok(())
 }
