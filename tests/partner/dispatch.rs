@@ -1,6 +1,8 @@
 //! The dispatch feed: acks out of order never move the cursor back, a crash between
-//! storing a page and acking it redelivers the page once, and dispatch on Kafka keeps
-//! each warehouse's order while a duplicate record changes nothing.
+//! storing a page and acking it redelivers the page once, and dispatch on Kafka (in
+//! memory, and on PostgreSQL through the library's outbox and relay) publishes one
+//! record per event, keeps each warehouse's order, and a duplicate record changes
+//! nothing.
 
 use std::time::Duration;
 
@@ -186,6 +188,9 @@ async fn a_crash_between_storing_a_page_and_acking_it_redelivers_the_page_once()
     );
 }
 
+/// Acme's events the Kafka test books, over three warehouses.
+const KAFKA_EVENTS: usize = 12;
+
 #[tokio::test]
 async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_changes_nothing() {
     let Some(broker) = tokio::task::spawn_blocking(kafka::Broker::start)
@@ -194,6 +199,102 @@ async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_ch
     else {
         return;
     };
+    dispatch_on_kafka(&broker, &[]).await;
+    if let Some(database) = TestDatabase::create().await {
+        dispatch_on_kafka(&broker, &["--database-url", database.url()]).await;
+        // Through the library's outbox: one row per event, every one published.
+        let pool = database.pool(1).await;
+        let (rows, pending): (i64, i64) = sqlx::query_as(
+            "SELECT count(*), count(*) FILTER (WHERE published_at IS NULL) FROM tower_ids_outbox",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(rows, KAFKA_EVENTS as i64 + 1);
+        assert_eq!(pending, 0);
+        pool.close().await;
+    }
+}
+
+/// A record of the topic as the broker holds it.
+struct Record {
+    partition: i32,
+    key: String,
+    headers: Vec<(String, String)>,
+    payload: Value,
+}
+
+impl Record {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+/// Every record of `topic` (its 3 partitions, from the start, without a group): waits
+/// up to 30 s for `count` of them, then 2 s more for any extra.
+async fn topic_records(brokers: &str, topic: &str, count: usize) -> Vec<Record> {
+    use rdkafka::{
+        consumer::{Consumer, StreamConsumer},
+        message::Headers,
+        Message, Offset, TopicPartitionList,
+    };
+    let consumer: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("reader-{}", uuid::Uuid::now_v7()))
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut partitions = TopicPartitionList::new();
+    for partition in 0..3 {
+        partitions
+            .add_partition_offset(topic, partition, Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&partitions).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut records = Vec::new();
+    loop {
+        let wait = if records.len() >= count {
+            Duration::from_secs(2)
+        } else {
+            deadline.saturating_duration_since(tokio::time::Instant::now())
+        };
+        let message = match tokio::time::timeout(wait, consumer.recv()).await {
+            Ok(received) => received.expect("the topic can be read"),
+            Err(_) => break,
+        };
+        records.push(Record {
+            partition: message.partition(),
+            key: String::from_utf8(message.key().unwrap_or_default().to_vec()).unwrap(),
+            headers: message
+                .headers()
+                .map(|headers| {
+                    headers
+                        .iter()
+                        .map(|header| {
+                            let value = header.value.unwrap_or_default();
+                            (
+                                header.key.to_owned(),
+                                String::from_utf8(value.to_vec()).unwrap(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            payload: serde_json::from_slice(message.payload().unwrap_or_default()).unwrap(),
+        });
+    }
+    records
+}
+
+/// The planner (in memory, or with `args` on PostgreSQL through the library's outbox
+/// and relay) publishes one record per event, each warehouse's in feed order on one
+/// partition, with the event's key and a publication's correlation ID; an executor
+/// consumes them once each, and a record sent again changes nothing.
+async fn dispatch_on_kafka(broker: &kafka::Broker, args: &[&str]) {
     let topic = format!("dispatch-{}", uuid::Uuid::now_v7());
     let kafka = [
         "--kafka-brokers",
@@ -201,28 +302,23 @@ async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_ch
         "--kafka-topic",
         &topic,
     ];
-    let planner = planner(&kafka).await;
+    let planner = planner(&[args, &kafka[..]].concat()).await;
     let http = client();
-    for n in 1..=6 {
-        let call = movement(
-            "acme",
-            &format!("c-kafka-{n}"),
-            &format!("frn:wh:{}", n % 3),
-        );
-        book(&http, &planner, ACME, &call).await;
-    }
+    // Booked at once: the feed's order is the order the calls committed in.
+    let calls: Vec<Value> = (1..=KAFKA_EVENTS)
+        .map(|n| {
+            movement(
+                "acme",
+                &format!("c-kafka-{n}"),
+                &format!("frn:wh:{}", n % 3),
+            )
+        })
+        .collect();
+    futures_util::future::join_all(calls.iter().map(|call| book(&http, &planner, ACME, call)))
+        .await;
     // Another partner's event on the same topic is not acme's executor's.
     let globex = movement("globex", "c-kafka-globex", "frn:wh:1");
     book(&http, &planner, GLOBEX, &globex).await;
-    let group = format!("executor-{}", uuid::Uuid::now_v7());
-    let executor = executor(&[&kafka[..], &["--kafka-group", &group]].concat()).await;
-
-    let received = events_once(&http, &executor, 6).await;
-    assert!(received.iter().all(|event| event["source"] == "kafka"));
-    assert!(received
-        .iter()
-        .all(|event| event["body"]["executor_id"] == "acme"));
-    // Each warehouse's events arrive in the planner's order (its feed order).
     let feed = get(
         &http,
         &format!("{}/wes/v1/dispatch/pending", planner.url),
@@ -230,16 +326,101 @@ async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_ch
     )
     .await;
     let feed = feed.json()["events"].as_array().unwrap().clone();
-    for warehouse in ["frn:wh:0", "frn:wh:1", "frn:wh:2"] {
-        let order = |events: &[Value]| -> Vec<String> {
-            events
+    assert_eq!(feed.len(), KAFKA_EVENTS);
+    let order = |events: &[Value], warehouse: &str| -> Vec<String> {
+        events
+            .iter()
+            .filter(|event| event["warehouse_frn"] == warehouse)
+            .map(|event| event["correlation_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+
+    // On the topic: one record per event, keyed by its warehouse, its payload the
+    // event, its `idempotency-key` the event's correlation ID, and a correlation ID of
+    // its publication; each warehouse's records on one partition, in feed order.
+    let records = topic_records(&broker.addr, &topic, KAFKA_EVENTS + 1).await;
+    assert_eq!(
+        records.len(),
+        KAFKA_EVENTS + 1,
+        "{args:?}: one record per event"
+    );
+    let mut publications = std::collections::HashSet::new();
+    for record in &records {
+        let event = &record.payload;
+        assert_eq!(record.key, event["warehouse_frn"], "{args:?}");
+        assert_eq!(
+            record.header("idempotency-key"),
+            event["correlation_id"].as_str(),
+            "{args:?}"
+        );
+        let publication = record.header("x-correlation-id").expect("x-correlation-id");
+        assert!(publications.insert(publication.to_owned()), "{args:?}");
+        let mut fields: Vec<&str> = event
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        fields.sort_unstable();
+        assert_eq!(
+            fields,
+            [
+                "correlation_id",
+                "executor_id",
+                "movement_id",
+                "planner_id",
+                "warehouse_frn"
+            ],
+            "{args:?}"
+        );
+        if event["executor_id"] == "acme" {
+            let listed = feed
                 .iter()
-                .filter(|event| event["warehouse_frn"] == warehouse)
-                .map(|event| event["correlation_id"].as_str().unwrap().to_owned())
-                .collect()
-        };
-        assert_eq!(order(&received), order(&feed), "{warehouse}");
-        assert_eq!(order(&feed).len(), 2);
+                .find(|listed| listed["correlation_id"] == event["correlation_id"])
+                .expect("the record is an event of the feed");
+            for field in ["planner_id", "warehouse_frn", "movement_id"] {
+                assert_eq!(event[field], listed[field], "{args:?}");
+            }
+        }
+    }
+    let acme: Vec<Value> = records
+        .iter()
+        .filter(|record| record.payload["executor_id"] == "acme")
+        .map(|record| record.payload.clone())
+        .collect();
+    for warehouse in ["frn:wh:0", "frn:wh:1", "frn:wh:2"] {
+        let partitions: std::collections::HashSet<i32> = records
+            .iter()
+            .filter(|record| record.key == warehouse)
+            .map(|record| record.partition)
+            .collect();
+        assert_eq!(
+            partitions.len(),
+            1,
+            "{args:?}: {warehouse} on one partition"
+        );
+        assert_eq!(
+            order(&acme, warehouse),
+            order(&feed, warehouse),
+            "{args:?}: {warehouse}"
+        );
+        assert_eq!(order(&feed, warehouse).len(), KAFKA_EVENTS / 3);
+    }
+
+    let group = format!("executor-{}", uuid::Uuid::now_v7());
+    let executor = executor(&[&kafka[..], &["--kafka-group", &group]].concat()).await;
+    let received = events_once(&http, &executor, KAFKA_EVENTS).await;
+    assert!(received.iter().all(|event| event["source"] == "kafka"));
+    assert!(received
+        .iter()
+        .all(|event| event["body"]["executor_id"] == "acme"));
+    // Each warehouse's events arrive in the planner's order (its feed order).
+    for warehouse in ["frn:wh:0", "frn:wh:1", "frn:wh:2"] {
+        assert_eq!(
+            order(&received, warehouse),
+            order(&feed, warehouse),
+            "{args:?}: {warehouse}"
+        );
     }
 
     // Each first handling's line names its key and its delivery's correlation ID.
@@ -296,9 +477,12 @@ async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_ch
     assert_eq!(duplicate[0]["fields"]["idempotency_outcome"], "replayed");
     assert_eq!(duplicate[0]["fields"]["idempotency_request_count"], 2);
     assert!(duplicate[0]["span"]["correlation_id"].is_string());
-    assert_eq!(handled.len(), 6, "handled once each");
-    assert_eq!(executor.logged("partner.kafka_handled").len(), 6);
-    assert_eq!(events_once(&http, &executor, 6).await.len(), 6);
+    assert_eq!(handled.len(), KAFKA_EVENTS, "handled once each");
+    assert_eq!(executor.logged("partner.kafka_handled").len(), KAFKA_EVENTS);
+    assert_eq!(
+        events_once(&http, &executor, KAFKA_EVENTS).await.len(),
+        KAFKA_EVENTS
+    );
 
     // A record refused for its payload is not stored: the corrected record under the
     // same key is handled (one partition: same record key, so in this order).
@@ -313,14 +497,17 @@ async fn dispatch_on_kafka_keeps_each_warehouses_order_and_a_duplicate_record_ch
     malformed.as_object_mut().unwrap().remove("warehouse_frn");
     produce("c-kafka-corrected", "frn:wh:9", &malformed).await;
     produce("c-kafka-corrected", "frn:wh:9", &corrected).await;
-    let received = events_once(&http, &executor, 7).await;
-    assert_eq!(received[6]["correlation_id"], "c-kafka-corrected");
+    let received = events_once(&http, &executor, KAFKA_EVENTS + 1).await;
+    assert_eq!(
+        received[KAFKA_EVENTS]["correlation_id"],
+        "c-kafka-corrected"
+    );
     let handled = executor.logged("partner.kafka_handled");
     assert_eq!(
         handled.len(),
-        8,
+        KAFKA_EVENTS + 2,
         "the refused record, then the corrected one"
     );
-    assert_eq!(handled[6]["fields"]["stored"], "None");
+    assert_eq!(handled[KAFKA_EVENTS]["fields"]["stored"], "None");
     assert!(executor.logged("partner.kafka_refused").is_empty());
 }
