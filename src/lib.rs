@@ -101,6 +101,7 @@
 //! | `idempotency::message` | the consumer layer's answers (`Handled`, `Refusal`) and keys (`MessageKey`, `ExtractMessageKey`) |
 //! | `idempotency::extract` | the traits behind the extractors, for a key, client or epoch read your own way |
 //! | `idempotency::header`, `idempotency::metrics` | the header names and metric names |
+//! | `outbox` | `Outbox` (enqueue in the request's transaction), `Message`, `Relay`, the `Sink` trait, `AmqpSink`, `KafkaSink` |
 //! | [`client`] | [`RetryLayer`], `derive_key`, `RetryOutcome` |
 //! | [`body`] | [`Body`](body::Body), the body the server layers hand on |
 //!
@@ -126,6 +127,7 @@
 //! | `grpc` | no | `idempotency::grpc::GrpcIdempotencyLayer`: unary tonic calls deduplicated, answered as gRPC statuses with `google.rpc` details |
 //! | `amqp` | no | AMQP 0-9-1 (RabbitMQ, lapin) header tables as a [`Carrier`](correlation::Carrier): a message's correlation ID, idempotency key (with `idempotency`) and trace context (with `opentelemetry`) |
 //! | `kafka` | no | Kafka record headers (rdkafka) as a [`Carrier`](correlation::Carrier): a record's correlation ID, idempotency key (with `idempotency`) and trace context (with `opentelemetry`) |
+//! | `outbox` | no | `outbox`: messages enqueued in the request's PostgreSQL transaction and a relay that publishes them once committed (RabbitMQ with `amqp`, Kafka with `kafka`); implies `postgres` |
 //! | `full` | no | all of the above |
 //!
 //! docs.rs builds the documentation with every feature.
@@ -177,6 +179,8 @@ pub mod guide {
     //!   a sample `/metrics` and PromQL), reqwest.
     //! - [`clients_and_messages`]: a correlation ID's lifecycle, client retries, and
     //!   message consumers.
+    //! - `outbox` (feature `outbox`): messages committed with the request and relayed to
+    //!   RabbitMQ or Kafka: what is guaranteed, what is not, several relays.
     //!
     //! The status codes, headers and events are in [the idempotency
     //! module](crate::idempotency#status-codes) and [the correlation
