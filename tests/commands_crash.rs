@@ -2,9 +2,10 @@
 //! process on a PostgreSQL database of its own while clients create commands; it is
 //! killed with SIGKILL at random moments and started again on the same database, and
 //! every key is retried until it is answered `201`. Then the database is counted: one
-//! command and one outbox row per key, none lost that was answered, and a retry of every
-//! key replays the answer its client first read. And two replicas on one database: a
-//! create on one is replayed by the other, which reads the command too.
+//! command and one outbox message (in the library's `tower_ids_outbox`) per key, none
+//! lost that was answered, and a retry of every key replays the answer its client first
+//! read. And two replicas on one database: a create on one is replayed by the other,
+//! which reads the command too.
 //!
 //! Each test creates a database of its own on the server at `TOWER_IDS_POSTGRES_URL`
 //! (default `postgres://postgres@127.0.0.1:5432/postgres`) and drops it at the end;
@@ -249,6 +250,11 @@ impl Phase {
     }
 }
 
+/// The join of a command (`c`) to its outbox messages (`o`): each message's payload is
+/// the `command.created` event, which names its command.
+const OUTBOX_JOIN: &str =
+    "LEFT JOIN tower_ids_outbox o ON convert_from(o.payload, 'UTF8')::json ->> 'command_id' = c.id::text";
+
 /// A command row, with its outbox rows.
 struct CommandRow {
     id: String,
@@ -260,13 +266,12 @@ struct CommandRow {
 }
 
 async fn commands_by_key(pool: &sqlx::PgPool) -> HashMap<String, Vec<CommandRow>> {
-    let rows = sqlx::query(
+    let rows = sqlx::query(&format!(
         "SELECT c.device_id, c.id::text AS id, c.status, count(o.id) AS outbox_rows, \
                 min(o.correlation_id) AS correlation_id, \
-                coalesce(bool_and(o.sent_at IS NOT NULL), false) AS sent \
-         FROM commands c LEFT JOIN outbox o ON o.command_id = c.id \
-         GROUP BY c.id",
-    )
+                coalesce(bool_and(o.published_at IS NOT NULL), false) AS sent \
+         FROM commands c {OUTBOX_JOIN} GROUP BY c.id"
+    ))
     .fetch_all(pool)
     .await
     .unwrap();
@@ -364,7 +369,7 @@ async fn killed_at_random_moments_the_demo_creates_every_command_once() {
         );
     }
 
-    // The publisher of the last run sends what is left in the outbox.
+    // The relay of the last run sends what is left in the outbox.
     let mut by_key = commands_by_key(&pool).await;
     for _ in 0..100 {
         if by_key.values().flatten().all(|row| row.sent) {
@@ -543,7 +548,8 @@ async fn killed_at_random_moments_the_demo_creates_every_command_once() {
     );
     println!("handler runs that reached the insert, per key (runs: keys): {runs_per_key:?}");
     println!(
-        "commands published more than once (a kill before the outbox commit): {published_again}"
+        "commands published more than once (a kill after the publish, before the command \
+         turned sent): {published_again}"
     );
 
     assert!(
@@ -656,25 +662,28 @@ async fn two_replicas_on_one_database_share_commands_and_answers() {
         .collect();
     assert_eq!(listed, ids[2..], "the newest three, oldest first");
 
-    // The two publishers share the outbox: each command published exactly once.
+    // The two relays share the outbox: each command published exactly once.
     let pool = database.pool(2).await;
     for _ in 0..100 {
-        let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+        let pending: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM tower_ids_outbox WHERE published_at IS NULL")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
         if pending == 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let requests: HashMap<String, String> =
-        sqlx::query_as("SELECT command_id::text, correlation_id FROM outbox")
-            .fetch_all(&pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .collect();
+    let requests: HashMap<String, String> = sqlx::query_as(
+        "SELECT convert_from(payload, 'UTF8')::json ->> 'command_id', correlation_id \
+         FROM tower_ids_outbox",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
     let logs: Vec<Value> = [kill(a).await, kill(b).await].concat();
     let mut published: HashMap<&str, usize> = HashMap::new();
     for line in logs.iter().filter(|l| event(l) == "commands.published") {
@@ -723,16 +732,18 @@ async fn an_outbox_row_keeps_the_requests_trace_across_a_crash() {
     let before = kill(first).await;
     assert!(before.iter().all(|l| event(l) != "commands.published"));
     let pool = database.pool(1).await;
-    let (traceparent,): (Option<String>,) = sqlx::query_as("SELECT traceparent FROM outbox")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let (traceparent,): (Option<String>,) =
+        sqlx::query_as("SELECT traceparent FROM tower_ids_outbox")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     let traceparent = traceparent.expect("the row keeps the request's traceparent");
     assert!(traceparent.contains(trace_id), "{traceparent}");
 
     let second = start(&database, &["--publish-delay-ms", "0"]).await;
     let published = &second.events("commands.published").await[0];
-    assert_eq!(published["span"]["name"], "publish");
+    // The library relay's span, which continues the request's trace.
+    assert_eq!(published["span"]["name"], "outbox.publish");
     assert_eq!(published["span"]["trace_id"], trace_id, "{published}");
     drop(second);
     pool.close().await;

@@ -18,8 +18,9 @@
 //! writes (`--handler-delay-ms`), while it sleeps after them (`--commit-delay-ms`), and
 //! while its `COMMIT` runs. A `COMMIT` on a quiet local database takes well under a
 //! millisecond, too short to land a fault in; so the test's database stalls A's commits
-//! by [`COMMIT_STALL_MS`] (a deferred constraint trigger on `outbox` that sleeps, which
-//! runs inside the `COMMIT`), as an fsync stall or a slow synchronous standby would.
+//! by [`COMMIT_STALL_MS`] (a deferred constraint trigger on the outbox table,
+//! `tower_ids_outbox`, that sleeps, which runs inside the `COMMIT`), as an fsync stall
+//! or a slow synchronous standby would.
 //! Each trial is classified afterwards from what committed and from A's log (written
 //! line by line, `--log-sync`): in the claim (its last answer cut on its way to A),
 //! before the writes, after them and before the `COMMIT`, during the `COMMIT` (it
@@ -308,7 +309,7 @@ fn commit_stall() -> String {
              END IF;
              RETURN NULL;
          END $$;
-         CREATE CONSTRAINT TRIGGER stall_commit AFTER INSERT ON outbox
+         CREATE CONSTRAINT TRIGGER stall_commit AFTER INSERT ON tower_ids_outbox
              DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION stall_commit();",
         seconds = COMMIT_STALL_MS as f64 / 1000.0
     )
@@ -406,15 +407,18 @@ impl Placement {
     }
 }
 
-/// Polls `pg_stat_activity` until the backend of A's that holds an advisory lock (the
-/// key's) is in `placement`'s window; its PID, or `None` if it was not seen there within
-/// [`WATCH_LIMIT`].
+/// Polls `pg_stat_activity` until the backend of A's that holds the key's advisory lock
+/// is in `placement`'s window; its PID, or `None` if it was not seen there within
+/// [`WATCH_LIMIT`]. The key's lock is the one-key form (`objsubid` 1); the outbox's
+/// locks, on a partition key in the request's transaction and in the relay's rounds, are
+/// the two-key form (2).
 async fn watch_for(observer: &mut PgConnection, placement: Placement) -> Option<i32> {
     let until = Instant::now() + WATCH_LIMIT;
     while Instant::now() < until {
         let row: Option<(i32, Option<String>, Option<String>)> = sqlx::query_as(
             "SELECT a.pid, a.state, a.query FROM pg_stat_activity a \
              JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted \
+                 AND l.objsubid = 1 \
              WHERE a.datname = current_database() AND a.application_name = $1 \
              LIMIT 1",
         )
@@ -426,7 +430,9 @@ async fn watch_for(observer: &mut PgConnection, placement: Placement) -> Option<
             let (state, query) = (state.unwrap_or_default(), query.unwrap_or_default());
             let seen = match state.as_str() {
                 "active" if query == "COMMIT" => Seen::Committing,
-                "idle in transaction" if query.starts_with("INSERT INTO outbox") => Seen::Written,
+                "idle in transaction" if query.starts_with("INSERT INTO tower_ids_outbox") => {
+                    Seen::Written
+                }
                 "idle in transaction" if query.starts_with("UPDATE") => Seen::Held,
                 _ => Seen::Other,
             };
@@ -592,7 +598,8 @@ impl Bench {
         // Exactly one command and one outbox row, committed by A if B replayed, else by B.
         let rows: Vec<(String, i64, Option<String>)> = sqlx::query_as(
             "SELECT c.id::text, count(o.id), min(o.correlation_id) \
-             FROM commands c LEFT JOIN outbox o ON o.command_id = c.id \
+             FROM commands c LEFT JOIN tower_ids_outbox o \
+               ON convert_from(o.payload, 'UTF8')::json ->> 'command_id' = c.id::text \
              WHERE c.device_id = $1 GROUP BY c.id",
         )
         .bind(&key)

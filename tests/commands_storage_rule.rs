@@ -8,7 +8,7 @@
 //!   memory and on Redis, and replayed: the handler ran once, and the command it wrote
 //!   stands. In DB mode the layer rolls the request's transaction back and releases the
 //!   key instead: nothing stands, the retry runs again, and on a replica that does not
-//!   fail it commits one command (one row in `commands`, one in `outbox`);
+//!   fail it commits one command (one row in `commands`, one in `tower_ids_outbox`);
 //! - a payload nested deeper than 32 levels is `422 body.too_deep`, and a `device_id`
 //!   with U+0000 `422 body.invalid_fields`, whatever keeps the commands (32,000 levels
 //!   were `201` in memory and `503 commands.database_unavailable` in DB mode, where
@@ -222,11 +222,11 @@ mod db_mode {
     use super::*;
     use crate::database::TestDatabase;
 
-    /// Rows in `commands` and in `outbox`.
+    /// Rows in `commands` and in the outbox (`tower_ids_outbox`).
     async fn rows(pool: &PgPool) -> (i64, i64) {
         let row = sqlx::query(
             "SELECT (SELECT count(*) FROM commands) AS commands, \
-                    (SELECT count(*) FROM outbox) AS outbox",
+                    (SELECT count(*) FROM tower_ids_outbox) AS outbox",
         )
         .fetch_one(pool)
         .await

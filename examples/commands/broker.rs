@@ -1,10 +1,16 @@
 //! `--amqp-url`: each published event also goes to a RabbitMQ topic exchange, with the
-//! delivery's correlation ID and the creating request's idempotency key in its headers.
+//! delivery's correlation ID and an idempotency key in its headers (in memory the
+//! creating request's, [`Broker::publish`]; in DB mode the outbox message's own, with
+//! the headers the library's relay adds, [`Broker::publish_body`]).
 //!
 //! Publishing is "if available": a broker that cannot be reached at start leaves the
 //! service publishing by log only ([`Broker::connect`] answers `None`); a publish that
-//! fails later is reported to the caller, which leaves the event pending (DB mode) or
+//! fails later is reported to the caller, which leaves the message pending (DB mode) or
 //! logs it (in memory), and the next publish opens a new connection.
+//!
+//! Not `mandatory`: an event no queue is bound for is dropped by the exchange and counts
+//! as published, so the demo with `--amqp-url` and no consumer still turns its commands
+//! `sent`. (The library's `AmqpSink` publishes `mandatory`, and refuses such a message.)
 
 use std::time::Duration;
 
@@ -81,8 +87,8 @@ impl Broker {
         }
     }
 
-    /// Publishes `event` (persistent, routed by its type) and waits for the broker's
-    /// confirm. The headers carry the current correlation ID (this delivery's) and
+    /// Publishes `event` (routed by its type), as [`publish_body`](Self::publish_body).
+    /// The headers carry the current correlation ID (this delivery's) and
     /// `idempotency_key` when there is one.
     pub(crate) async fn publish(
         &self,
@@ -95,6 +101,17 @@ impl Broker {
         if let Some(key) = idempotency_key {
             key.inject(&mut headers);
         }
+        self.publish_body(event.event, &body, headers).await
+    }
+
+    /// Publishes the JSON `body` under `routing_key` with `headers`, persistent, and
+    /// waits for the broker's confirm.
+    pub(crate) async fn publish_body(
+        &self,
+        routing_key: &str,
+        body: &[u8],
+        headers: FieldTable,
+    ) -> Result<(), AmqpError> {
         let properties = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_delivery_mode(2)
@@ -111,9 +128,9 @@ impl Broker {
             let confirmation = channel
                 .basic_publish(
                     self.exchange.as_str().into(),
-                    event.event.into(),
+                    routing_key.into(),
                     BasicPublishOptions::default(),
-                    &body,
+                    body,
                     properties,
                 )
                 .await?

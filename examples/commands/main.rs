@@ -379,6 +379,8 @@ mod metrics;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod publisher;
+#[cfg(feature = "postgres")]
+mod relay;
 mod routes;
 mod server;
 #[path = "../support/shutdown.rs"]
@@ -702,22 +704,20 @@ async fn run_on_database(
     let (database, store) = postgres::Database::connect(url, args.max_commands, store_timeout)
         .await
         .map_err(std::io::Error::other)?;
-    let (stop, stop_requested) = tokio::sync::oneshot::channel();
-    let publisher = tokio::spawn(postgres::publish(
-        database.pool().clone(),
-        Duration::from_millis(args.publish_delay_ms),
+    let (stop, publisher) = relay::spawn(
+        &database,
         broker,
-        stop_requested,
-    ));
+        Duration::from_millis(args.publish_delay_ms),
+    );
 
     let listener = listen_logged(args.addr)?;
     let (app, drain) = app_with(app_state(database, args), store, "postgres", args, limits);
     serve(listener, app, limits.header_read_timeout).await;
     shutdown::drain(&[drain], args.drain.timeout()).await;
 
-    // The requests in flight have finished: the publisher ends its batch and stops.
-    // Rows still pending wait in the outbox for the next start, or another replica.
-    let _ = stop.send(());
+    // The requests in flight have finished: the relay ends its round and stops.
+    // Messages still pending wait in the outbox for the next start, or another replica.
+    let _ = stop.send(true);
     stopped(publisher).await;
     Ok(())
 }

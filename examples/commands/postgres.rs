@@ -3,22 +3,17 @@
 //!
 //! A `POST` writes in the request's [`Transaction`], which the idempotency layer (over a
 //! [`PostgresStore`] on the same pool) commits together with the response's record once
-//! the handler has answered: a create's command row, its `command.created` outbox row
-//! and the record commit together or not at all. The same transaction holds the key
-//! (the store's transactional mode), so a process that dies before the commit leaves
-//! nothing at all, and a retry runs at once; one that dies after it leaves the record,
-//! and a retry replays the answer.
+//! the handler has answered: a create's command row, its `command.created` message in
+//! the library's outbox ([`Outbox::enqueue_on`], table `tower_ids_outbox`) and the
+//! record commit together or not at all. The same transaction holds the key (the
+//! store's transactional mode), so a process that dies before the commit leaves nothing
+//! at all, and a retry runs at once; one that dies after it leaves the record, and a
+//! retry replays the answer.
 //!
-//! The publisher ([`publish`]) relays the outbox: every replica runs one; each takes
-//! pending rows with `FOR UPDATE SKIP LOCKED`, so replicas share the rows and never
-//! take the same one, publishes them, and marks them sent in the same transaction. A
-//! publisher that dies before its commit leaves its rows pending, and they are published
-//! again (at least once, as from any outbox), each delivery under its own extension of
-//! the request's correlation ID. With `--amqp-url` each event also goes to RabbitMQ
-//! before its row is marked; a row the broker did not confirm stays pending and is
-//! published again in the next round.
+//! The publisher is the library's relay ([`crate::relay`]): every replica runs one, and
+//! they share the outbox's messages.
 
-use std::{error::Error, num::NonZeroUsize, sync::Arc, time::Duration};
+use std::{error::Error, num::NonZeroUsize, time::Duration};
 
 use axum::Extension;
 use serde_json::value::RawValue;
@@ -27,22 +22,18 @@ use sqlx::{
     Connection, PgConnection, PgPool, Postgres, Row,
 };
 use time::OffsetDateTime;
-use tokio::sync::oneshot::{self, error::TryRecvError};
 use tower_ids::{
-    correlation::CorrelationId,
-    idempotency::{
-        store::{
-            PostgresMode, PostgresStore, Transaction, TransactionGuard,
-            DEFAULT_POSTGRES_COMMAND_TIMEOUT,
-        },
-        IdempotencyKey,
+    idempotency::store::{
+        PostgresMode, PostgresStore, Transaction, TransactionGuard,
+        DEFAULT_POSTGRES_COMMAND_TIMEOUT,
     },
+    outbox::{Message, Outbox},
 };
 use uuid::Uuid;
 
 use crate::{
     api::ApiError,
-    broker::{Broker, Event},
+    broker::Event,
     publisher::Origin,
     routes::{Command, NewCommand, Status, Storage},
 };
@@ -51,14 +42,17 @@ use crate::{
 #[path = "../support/database.rs"]
 mod database;
 
-/// The demo's tables, created at start by every replica (`IF NOT EXISTS`).
+/// The demo's own table, created at start by every replica (`IF NOT EXISTS`), beside the
+/// library's `tower_ids_outbox` ([`Outbox::migrate`]) and `tower_ids_idempotency`
+/// ([`PostgresStore::migrate`]).
 ///
 /// - `commands`: one row per command. `payload` is `json`, which keeps the text as it was
-///   sent (`jsonb` would re-serialise it).
-/// - `outbox`: one row per event to publish, written in the transaction that wrote the
-///   command, with the correlation ID and the idempotency key of the request that
-///   caused it. A row is pending until the publisher sets `sent_at`, or `skipped_at` for
-///   a command cancelled first. (`idempotency_key` is added to a table made before it.)
+///   sent (`jsonb` would re-serialise it). `created_at` is the request transaction's
+///   start, as the outbox message's `enqueued_at`: the publisher waits until
+///   `--publish-delay-ms` after it.
+///
+/// (A database used by an earlier version of the demo also has a table `outbox`, its
+/// hand-written outbox, which nothing reads any more.)
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS commands (
     id         uuid        PRIMARY KEY,
@@ -68,20 +62,6 @@ CREATE TABLE IF NOT EXISTS commands (
     status     text        NOT NULL CHECK (status IN ('queued', 'sent', 'cancelled')),
     created_at timestamptz NOT NULL DEFAULT now()
 );
-CREATE TABLE IF NOT EXISTS outbox (
-    id             bigserial   PRIMARY KEY,
-    command_id     uuid        NOT NULL REFERENCES commands (id),
-    event          text        NOT NULL,
-    correlation_id text        NOT NULL,
-    created_at     timestamptz NOT NULL DEFAULT now(),
-    sent_at        timestamptz,
-    skipped_at     timestamptz
-);
-ALTER TABLE outbox ADD COLUMN IF NOT EXISTS idempotency_key text;
-ALTER TABLE outbox ADD COLUMN IF NOT EXISTS traceparent text;
-ALTER TABLE outbox ADD COLUMN IF NOT EXISTS tracestate text;
-CREATE INDEX IF NOT EXISTS outbox_pending ON outbox (id)
-    WHERE sent_at IS NULL AND skipped_at IS NULL;
 ";
 
 /// The advisory lock a starting replica holds while it creates the tables: two
@@ -91,22 +71,12 @@ const SCHEMA_LOCK: i64 = 0x636d_6473_5f64_646c;
 
 /// Connections in the pool. A `POST` with a key holds one from its first write until the
 /// layer commits (`--commit-delay-ms` and a round trip or two), the layer's claims and
-/// replays take one for a statement, and the publisher one per batch: 32 serve far more
+/// replays take one for a statement, and the publisher one per round and at most
+/// [`PUBLISH_CONNECTIONS`](crate::relay::PUBLISH_CONNECTIONS) more: 32 serve far more
 /// concurrent writes than the demo sees, and two replicas stay well within PostgreSQL's
 /// default `max_connections` of 100. A request that finds none free within
 /// `DEFAULT_POSTGRES_COMMAND_TIMEOUT` (1 s) is answered `503`.
 const DATABASE_MAX_CONNECTIONS: u32 = 32;
-
-/// How long the publisher waits before looking at the outbox again after a look that
-/// found less than a batch: a command is published within `--publish-delay-ms` plus
-/// this, and an idle replica asks the database ten times a second (an index scan of
-/// the pending rows, none).
-const OUTBOX_POLL_INTERVAL: Duration = Duration::from_millis(100);
-
-/// Outbox rows the publisher takes, publishes and marks in one transaction: enough to
-/// drain a burst quickly, few enough that a transaction holds its row locks for
-/// milliseconds.
-const OUTBOX_BATCH: i64 = 100;
 
 /// The columns of a [`Command`], as [`command`] reads them: the UUID and the payload as
 /// text (the pool has no `uuid` or `json` decoding), the creation time in microseconds
@@ -119,10 +89,11 @@ macro_rules! command_columns {
 }
 
 /// DB mode's storage: the pool the handlers and the publisher share with the
-/// idempotency layer's [`PostgresStore`].
+/// idempotency layer's [`PostgresStore`], and the outbox on it.
 #[derive(Clone)]
 pub(crate) struct Database {
     pool: PgPool,
+    outbox: Outbox,
     /// How many of the newest commands `GET /commands` answers (`--max-commands`).
     list_limit: i64,
 }
@@ -159,19 +130,33 @@ impl Database {
             .await?;
         sqlx::raw_sql(SCHEMA).execute(&mut ddl).await?;
         store.migrate().await?;
+        let outbox = Outbox::new(pool.clone());
+        outbox.migrate().await?;
         ddl.close().await?;
         tracing::info!(
             event = "commands.schema_ready",
-            "tables commands, outbox and tower_ids_idempotency ready"
+            "tables commands, tower_ids_outbox and tower_ids_idempotency ready"
         );
 
         let list_limit = i64::try_from(list_limit.get()).unwrap_or(i64::MAX);
-        Ok((Self { pool, list_limit }, store))
+        Ok((
+            Self {
+                pool,
+                outbox,
+                list_limit,
+            },
+            store,
+        ))
     }
 
     /// The pool, for the publisher.
     pub(crate) fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The outbox, for the publisher's relay.
+    pub(crate) fn outbox(&self) -> &Outbox {
+        &self.outbox
     }
 }
 
@@ -180,11 +165,14 @@ impl Storage for Database {
     /// (one with a key); a cancel sent without a key has none.
     type Transaction = Option<Extension<Transaction>>;
 
+    /// Inserts the command and enqueues its `command.created` event, both on the
+    /// request's transaction. The outbox records the request's correlation ID and trace
+    /// context itself (the current ones), so `_origin` is not needed here.
     async fn create(
         &self,
         transaction: Self::Transaction,
         new: NewCommand,
-        origin: Origin,
+        _origin: Origin,
     ) -> Result<Command, ApiError> {
         // `POST /commands` requires a key, so the layer always offers one.
         let Some(Extension(transaction)) = transaction else {
@@ -211,19 +199,23 @@ impl Storage for Database {
         .await
         .map_err(|error| ApiError::database(&error, "inserting a command"))?;
         let command = command(&inserted)?;
-        sqlx::query(
-            "INSERT INTO outbox \
-               (command_id, event, correlation_id, idempotency_key, traceparent, tracestate) \
-             VALUES ($1::uuid, 'command.created', $2, $3, $4, $5)",
-        )
-        .bind(command.id.to_string())
-        .bind(origin.correlation_id.as_str())
-        .bind(origin.idempotency_key.as_ref().map(IdempotencyKey::as_str))
-        .bind(origin.traceparent.as_deref())
-        .bind(origin.tracestate.as_deref())
-        .execute(writes.connection())
-        .await
-        .map_err(|error| ApiError::database(&error, "inserting an outbox row"))?;
+        // The event as the broker gets it, partitioned by device: one device's commands
+        // are published in the order they committed. On the guard already held (the
+        // same transaction `Outbox::enqueue` would lock again).
+        let id = command.id.to_string();
+        let event = serde_json::to_vec(&Event {
+            event: "command.created",
+            command_id: &id,
+            device_id: &command.device_id,
+            name: &command.name,
+            payload: &command.payload,
+        })
+        .expect("an event serialises");
+        let message = Message::new("command.created", event).partition_key(&command.device_id);
+        self.outbox
+            .enqueue_on(writes.connection(), message)
+            .await
+            .map_err(|error| ApiError::database(&error, "enqueueing the event"))?;
         writes.finish().await?;
         Ok(command)
     }
@@ -363,190 +355,4 @@ fn command(row: &PgRow) -> Result<Command, ApiError> {
         })
     })();
     decoded.map_err(|error| ApiError::database(&*error, "reading a command row"))
-}
-
-/// The outbox relay, DB mode's publisher: until `stop`, takes up to [`OUTBOX_BATCH`]
-/// pending rows at least `delay` old, publishes each (by log and, with `--amqp-url`, to
-/// the `broker`), marks them, and commits; looks again at once after a batch that
-/// settled every row it took, else after [`OUTBOX_POLL_INTERVAL`].
-///
-/// Each delivery runs under its own extension of the correlation ID stored on the row
-/// (see [`CorrelationId::extend_redelivery`]), as in memory: a row published again
-/// after a crash gets another one, and both lead back to the request. Rows whose
-/// command is locked (a cancel in flight) are skipped until it commits.
-pub(crate) async fn publish(
-    pool: PgPool,
-    delay: Duration,
-    broker: Option<Arc<Broker>>,
-    mut stop: oneshot::Receiver<()>,
-) {
-    loop {
-        let full = match publish_batch(&pool, delay, broker.as_deref()).await {
-            Ok(settled) => settled as i64 == OUTBOX_BATCH,
-            Err(error) => {
-                tracing::warn!(
-                    event = "commands.publish_failed",
-                    error = %error,
-                    "could not publish from the outbox; its rows stay pending, trying again"
-                );
-                false
-            }
-        };
-        if full && matches!(stop.try_recv(), Err(TryRecvError::Empty)) {
-            continue;
-        }
-        tokio::select! {
-            biased;
-            _ = &mut stop => return,
-            () = tokio::time::sleep(OUTBOX_POLL_INTERVAL) => {}
-        }
-    }
-}
-
-/// One transaction of the relay; returns how many rows it settled (marked sent or
-/// skipped). A row the broker failed stays pending and does not count, so a broker that
-/// is down does not make the relay spin on a full batch.
-async fn publish_batch(
-    pool: &PgPool,
-    delay: Duration,
-    broker: Option<&Broker>,
-) -> Result<usize, sqlx::Error> {
-    let mut transaction = pool.begin().await?;
-    let pending = sqlx::query(
-        "SELECT o.id, o.command_id::text AS command_id, o.event, o.correlation_id, \
-                o.idempotency_key, o.traceparent, o.tracestate, c.status, c.device_id, c.name, c.payload::text AS payload \
-         FROM outbox o JOIN commands c ON c.id = o.command_id \
-         WHERE o.sent_at IS NULL AND o.skipped_at IS NULL \
-           AND o.created_at <= now() - make_interval(secs => $1) \
-         ORDER BY o.id LIMIT $2 \
-         FOR UPDATE OF o, c SKIP LOCKED",
-    )
-    .bind(delay.as_secs_f64())
-    .bind(OUTBOX_BATCH)
-    .fetch_all(&mut *transaction)
-    .await?;
-    let mut settled = 0;
-    for row in &pending {
-        let correlation_id = match CorrelationId::parse(row.try_get("correlation_id")?) {
-            Ok(id) => id,
-            Err(invalid) => {
-                // Stored by the correlation layer, which validated it: not expected.
-                tracing::warn!(
-                    event = "commands.correlation_id_invalid",
-                    reason = invalid.code(),
-                    "outbox row with an invalid correlation ID; delivering under a new one"
-                );
-                CorrelationId::new()
-            }
-        };
-        let origin = Origin {
-            correlation_id,
-            // Validated by the idempotency layer before it was stored; rows written
-            // before the column existed have none.
-            idempotency_key: row
-                .try_get::<Option<&str>, _>("idempotency_key")?
-                .and_then(|key| IdempotencyKey::new(key).ok()),
-            traceparent: row.try_get("traceparent")?,
-            tracestate: row.try_get("tracestate")?,
-        };
-        let delivery = Delivery {
-            outbox_id: row.try_get("id")?,
-            command_id: row.try_get("command_id")?,
-            event: row.try_get("event")?,
-            idempotency_key: origin.idempotency_key.clone(),
-            status: row.try_get("status")?,
-            device_id: row.try_get("device_id")?,
-            name: row.try_get("name")?,
-            payload: row.try_get("payload")?,
-        };
-        let done = origin
-            .publishing(delivery.deliver(&mut transaction, broker))
-            .await?;
-        settled += usize::from(done);
-    }
-    transaction.commit().await?;
-    Ok(settled)
-}
-
-/// One pending outbox row, with its command.
-struct Delivery<'r> {
-    outbox_id: i64,
-    command_id: &'r str,
-    event: &'r str,
-    idempotency_key: Option<IdempotencyKey>,
-    status: &'r str,
-    device_id: &'r str,
-    name: &'r str,
-    payload: &'r str,
-}
-
-impl Delivery<'_> {
-    /// Publishes the row, or skips it if its command is no longer queued, and marks it;
-    /// `false` when the broker failed it and it stays pending.
-    async fn deliver(
-        &self,
-        connection: &mut PgConnection,
-        broker: Option<&Broker>,
-    ) -> Result<bool, sqlx::Error> {
-        let command_id = self.command_id;
-        if self.status != "queued" {
-            let reason = if self.status == "cancelled" {
-                "cancelled"
-            } else {
-                "already_sent"
-            };
-            tracing::info!(
-                event = "commands.publish_skipped",
-                command_id,
-                reason,
-                "command not queued any more: not publishing"
-            );
-            sqlx::query("UPDATE outbox SET skipped_at = now() WHERE id = $1")
-                .bind(self.outbox_id)
-                .execute(&mut *connection)
-                .await?;
-            return Ok(true);
-        }
-        // Sent to the broker before the row is marked: a crash before the commit sends
-        // it again (at least once).
-        if let Some(broker) = broker {
-            if let Err(error) = self.publish_to(broker).await {
-                tracing::warn!(
-                    event = "commands.amqp_publish_failed",
-                    command_id,
-                    error = %error,
-                    "could not publish the event to the AMQP broker; the row stays pending"
-                );
-                return Ok(false);
-            }
-        }
-        tracing::info!(
-            event = "commands.published",
-            command_id,
-            device_id = self.device_id,
-            amqp = broker.is_some(),
-            "command published"
-        );
-        sqlx::query("UPDATE outbox SET sent_at = now() WHERE id = $1")
-            .bind(self.outbox_id)
-            .execute(&mut *connection)
-            .await?;
-        sqlx::query("UPDATE commands SET status = 'sent' WHERE id = $1::uuid")
-            .bind(self.command_id)
-            .execute(&mut *connection)
-            .await?;
-        Ok(true)
-    }
-
-    async fn publish_to(&self, broker: &Broker) -> Result<(), Box<dyn Error + Send + Sync>> {
-        let payload: &RawValue = serde_json::from_str(self.payload)?;
-        let event = Event {
-            event: self.event,
-            command_id: self.command_id,
-            device_id: self.device_id,
-            name: self.name,
-            payload,
-        };
-        broker.publish(&event, self.idempotency_key.as_ref()).await
-    }
 }

@@ -1,5 +1,5 @@
 //! In-memory mode's background publisher, and the queue messages it takes. (DB mode's
-//! publisher relays the outbox table: [`crate::postgres::publish`].)
+//! publisher is the library's outbox relay: [`crate::relay`].)
 
 use std::{sync::Arc, time::Duration};
 
