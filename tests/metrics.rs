@@ -215,3 +215,108 @@ async fn a_message_consumer_reports_the_same_series() {
     assert_eq!(totals.latencies["complete"].len(), 1);
     assert_eq!(totals.in_flight, 0.0, "every message done");
 }
+
+#[path = "postgres/database.rs"]
+mod database;
+
+/// The outbox relay's series: the backlog gauges, and publications, failures and dead
+/// letters by destination.
+#[tokio::test]
+async fn the_outbox_relay_reports_its_backlog_publications_and_failures() {
+    use tower_ids::outbox::{metrics as names, Message, Outbox, Outgoing, Sink, SinkError};
+
+    /// Takes every message but those for `refused`.
+    struct Refusing;
+    impl Sink for Refusing {
+        async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+            if message.destination() == "refused" {
+                return Err(SinkError::rejected("no such queue"));
+            }
+            Ok(())
+        }
+    }
+
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some(db) = database::TestDatabase::create().await else {
+        return;
+    };
+    let totals = totals();
+    let pool = db.pool(4).await;
+    let outbox = Outbox::new(pool.clone());
+    outbox.migrate().await.unwrap();
+    let mut connection = pool.acquire().await.unwrap();
+    for n in 0..3 {
+        outbox
+            .enqueue_on(&mut connection, Message::new("orders", format!("{n}")))
+            .await
+            .unwrap();
+    }
+    outbox
+        .enqueue_on(&mut connection, Message::new("refused", "x"))
+        .await
+        .unwrap();
+    sqlx::query("UPDATE tower_ids_outbox SET enqueued_at = now() - interval '90 seconds'")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+
+    let relay = outbox
+        .relay(Refusing)
+        .max_attempts(2)
+        .retry_backoff(std::time::Duration::ZERO, std::time::Duration::ZERO)
+        .build();
+    let read = |totals: &Totals| {
+        let mut series = HashMap::new();
+        for (key, _, _, value) in totals.snapshotter.snapshot().into_vec() {
+            let labels: Vec<String> = key
+                .key()
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            let name = format!("{}{{{}}}", key.key().name(), labels.join(","));
+            let value = match value {
+                DebugValue::Counter(n) => n as f64,
+                DebugValue::Gauge(g) => g.into_inner(),
+                DebugValue::Histogram(_) => continue,
+            };
+            series.insert(name, value);
+        }
+        series
+    };
+    // Before any round: the backlog as the relay measures it at start.
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await;
+        relay
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    stop.send(()).unwrap();
+    let _relay = running.await.unwrap();
+    let series = read(&totals);
+    assert_eq!(
+        series[&format!("{}{{}}", names::BACKLOG)],
+        4.0,
+        "{series:?}"
+    );
+    let age = series[&format!("{}{{}}", names::OLDEST_PENDING_AGE)];
+    assert!((89.0..120.0).contains(&age), "{age}");
+    assert_eq!(
+        series[&format!("{}{{destination=orders}}", names::PUBLISHED)],
+        3.0,
+        "{series:?}"
+    );
+    assert_eq!(
+        series[&format!("{}{{destination=refused,reason=rejected}}", names::FAILURES)],
+        2.0,
+        "{series:?}"
+    );
+    assert_eq!(
+        series[&format!("{}{{destination=refused}}", names::DEAD_LETTERED)],
+        1.0,
+        "{series:?}"
+    );
+}
