@@ -4,7 +4,8 @@
 //!
 //! A client asks for a command to be sent to a device; the service stores it as
 //! `queued`, answers `201`, and puts a message on a queue (in memory, an in-process tokio
-//! channel standing in for the broker; in DB mode, an outbox table). A background
+//! channel standing in for the broker; in DB mode, the library's outbox,
+//! [`tower_ids::outbox`]). A background
 //! publisher takes each message, waits until `--publish-delay-ms` after it was queued,
 //! and marks the command `sent` unless it was cancelled meanwhile.
 //!
@@ -110,8 +111,9 @@
 //! closes idle connections, lets in-flight requests finish (each within the timeouts
 //! below), then waits up to `--drain-timeout-ms` for what the idempotency layer still
 //! owes its store (an outcome kept while Redis was away, a handler whose client hung up:
-//! [`Drain`]), and drains the queue (in DB mode, the publisher finishes its batch and the
-//! rows still pending wait in the outbox). It exits 0 either way; a WARN
+//! [`Drain`]), and drains the queue (in DB mode, the relay finishes its round, leaving a
+//! command still in its `--publish-delay-ms` pending, and what is pending waits in the
+//! outbox). It exits 0 either way; a WARN
 //! `idempotency.drain_unsettled` per key left says which keys stay claimed until their
 //! lease runs out.
 //!
@@ -230,27 +232,34 @@
 //! # DB mode
 //!
 //! With `--database-url`, the commands, their outbox and the idempotency records live in
-//! one PostgreSQL database (tables `commands`, `outbox` and `tower_ids_idempotency`,
-//! created at start if missing), and every replica started with the same URL serves the
-//! same commands:
+//! one PostgreSQL database (tables `commands`, `tower_ids_outbox` and
+//! `tower_ids_idempotency`, created at start if missing), and every replica started with
+//! the same URL serves the same commands:
 //!
-//! - `POST /commands` inserts the command and its `command.created` outbox row (with the
-//!   request's correlation ID) on the request's `Transaction`, which the idempotency layer
-//!   commits with the response's record after the handler has answered: the command,
-//!   the outbox row and the record commit together or not at all. The transaction holds
-//!   the key too: a process killed before the commit leaves nothing, and a retry runs
-//!   at once; killed after it, a retry gets the first answer back. `POST /commands/{id}/cancel` writes on the request's
-//!   transaction too (a cancel without a key, on one of its own).
+//! - `POST /commands` inserts the command and enqueues its `command.created` event in
+//!   the library's outbox ([`Outbox::enqueue_on`], the device as partition key; the
+//!   outbox keeps the request's correlation ID and trace context with it) on the
+//!   request's `Transaction`, which the idempotency layer commits with the response's
+//!   record after the handler has answered: the command, the outbox message and the
+//!   record commit together or not at all. The transaction holds the key too: a process
+//!   killed before the commit leaves nothing, and a retry runs at once; killed after it,
+//!   a retry gets the first answer back. `POST /commands/{id}/cancel` writes on the
+//!   request's transaction too (a cancel without a key, on one of its own).
 //! - `GET /commands/{id}` reads the database, so any replica finds any command;
 //!   `GET /commands` answers the newest `--max-commands` commands (default 1,000), oldest
 //!   first. Nothing is dropped: the database keeps every command.
-//! - Every replica runs a publisher over the outbox: it takes pending rows at least
-//!   `--publish-delay-ms` old with `FOR UPDATE SKIP LOCKED` (so replicas share the rows
-//!   and never take the same one), logs `commands.published` under the row's correlation
-//!   ID extended for the delivery (with `--amqp-url`, after the broker confirmed the
-//!   event; a row it did not stays pending for the next round), sets the row's `sent_at` and the command's status to
-//!   `sent`, and commits. A publisher killed before its commit leaves the rows pending,
-//!   and they are published again: at least once, each delivery under its own extension.
+//! - Every replica runs the library's outbox relay ([`Relay`]) with the demo's sink
+//!   (`relay.rs`): the replicas share the messages, each device's taken by one relay at
+//!   a time, in commit order. For each message the sink waits until `--publish-delay-ms`
+//!   after the command was created, locks the command's row and, if it is still
+//!   `queued`, publishes it (with `--amqp-url`, once the broker confirmed the event; one
+//!   it did not stays pending, and the relay tries again), logs `commands.published` in
+//!   the relay's span under the request's correlation ID extended for the publication,
+//!   sets the command `sent` and commits; the relay then marks the message published.
+//!   A command cancelled first is skipped. A relay killed before it marks leaves its
+//!   messages pending, and they are taken again: a command already `sent` is not
+//!   published again, one killed between the broker's confirm and the command's commit
+//!   is (at least once, as from any outbox).
 //! - The demo's pool has 32 connections; a request that finds none free within 1 s, or
 //!   whose database call fails, is answered `503` `commands.database_unavailable`, and
 //!   nothing it wrote stands.
@@ -266,17 +275,22 @@
 //! JSON body `{"type", "command_id", "device_id", "name", "payload"}` under the routing
 //! key of its type (`command.created`), and the publisher waits for the broker's confirm
 //! before the command counts as published. The headers carry `x-correlation-id`, this
-//! delivery's extension of the request's ID (the ID of its `commands.published` line,
-//! written by [`MessageCorrelation::inject_current`]), and `idempotency-key`, the key of
-//! the request that created the command ([`IdempotencyKey::inject`]; both modes keep it
-//! with the queued message, DB mode in the outbox row's `idempotency_key` column).
+//! delivery's extension of the request's ID (the ID of its `commands.published` line),
+//! and `idempotency-key`: in memory the key of the request that created the command,
+//! kept with the queued message ([`MessageCorrelation::inject_current`],
+//! [`IdempotencyKey::inject`]); in DB mode the outbox message's own key (a UUIDv7 stored
+//! with it, the same on every publication, so a consumer's inbox absorbs a
+//! re-publication; a request's key is only unique per client), written by the relay with
+//! `traceparent` (see [`tower_ids::outbox`]). The event is not published `mandatory`: one
+//! no queue is bound for is dropped by the exchange and counts as published.
 //!
 //! Publishing is "if available". A broker unreachable at start leaves the service
 //! publishing by log only. A publish that fails later (no confirm within 5 s, a nack, a
 //! closed channel) drops the connection, and the next publish opens another: in DB mode
-//! the row stays pending (no `sent_at`) and is published again in the next round; in
-//! memory, which keeps nothing to retry from, the command stays `sent` and the failure is
-//! a WARN. `tests/commands_amqp.rs` consumes the event from an exchange of its own.
+//! the message stays pending and the relay tries it again (backing off up to 5 s while
+//! the broker fails); in memory, which keeps nothing to retry from, the command stays
+//! `sent` and the failure is a WARN. `tests/commands_amqp.rs` consumes the event from an
+//! exchange of its own, in memory and in DB mode.
 //!
 //! # Routes
 //!
@@ -323,14 +337,13 @@
 //! | `commands.schema_ready` | INFO | DB mode, at start: the tables exist |
 //! | `commands.created` | DEBUG | a command was stored and queued (in DB mode: written in the request's transaction, which commits after the handler answers); DEBUG, as the access line says it (`idempotency_outcome="executed"`, `status=201`) |
 //! | `commands.cancelled` | INFO | a command was cancelled |
-//! | `commands.published` | INFO | the publisher sent a command (`amqp` = whether it also went to the broker), in its span `publish{correlation_id}`: the creating request's ID extended for the delivery, and with `--features opentelemetry` the request's `trace_id` |
+//! | `commands.published` | INFO | the publisher sent a command (`command_id`, `device_id`, `amqp` = whether it also went to the broker), in its span `publish{correlation_id}` (DB mode: the relay's `outbox.publish{correlation_id, message_id, destination}`): the creating request's ID extended for the delivery, and with `--features opentelemetry` the request's `trace_id` |
 //! | `commands.amqp_connected` | INFO | `--amqp-url`, at start: the exchange is declared, events go to it |
 //! | `commands.amqp_unavailable` | WARN | `--amqp-url`, at start: the broker could not be reached; events are published by log only |
-//! | `commands.amqp_publish_failed` | WARN | `--amqp-url`: the broker did not confirm an event (`error`); in DB mode its row stays pending and is retried, in memory it is published by log only |
-//! | `commands.publish_skipped` | INFO | the publisher found the command cancelled (`reason` = `cancelled`) or dropped from the list (`evicted`) |
+//! | `commands.amqp_publish_failed` | WARN | `--amqp-url`: the broker did not confirm an event (`error`); in DB mode its message stays pending and is retried, in memory it is published by log only |
+//! | `commands.publish_skipped` | INFO | the publisher found the command cancelled (`reason` = `cancelled`) or dropped from the list (`evicted`); in DB mode, already sent (`already_sent`: its message taken again after a relay died) or gone (`missing`) |
 //! | `commands.database_failed` | WARN | DB mode: a database call of a request failed or timed out (`doing`, `error`); the request is answered `503` |
-//! | `commands.publish_failed` | WARN | DB mode: the publisher could not read or mark the outbox; its rows stay pending and it tries again |
-//! | `commands.correlation_id_invalid` | WARN | DB mode: an outbox row's correlation ID did not parse (not expected); delivered under a new one |
+//! | `commands.publish_failed` | WARN | DB mode: the relay's sink could not read or mark a command; its message stays pending and the relay tries again |
 //! | `commands.transaction_missing`, `commands.transaction_over` | ERROR | DB mode: a create found no request transaction, or one already committed (neither is expected); answered `500` |
 //! | `commands.failing_on_purpose` | WARN | at start, with `--fail-after-write-percent` above 0: `percent` of the `POST` handlers will fail after their writes |
 //! | `commands.failed_after_write` | WARN | `--fail-after-write-percent`: a `POST` handler failed on purpose after its writes, answering `500` |
@@ -351,7 +364,9 @@
 //! The idempotency layer adds its own events: its steps (`idempotency.replayed`,
 //! `idempotency.stored`, ...) at DEBUG (`RUST_LOG=info,tower_ids::idempotency=debug`
 //! shows them), its warnings (`idempotency.conflict`, `idempotency.store_failed`, ...)
-//! at WARN, inside the request's span; see [`tower_ids::idempotency`].
+//! at WARN, inside the request's span; see [`tower_ids::idempotency`]. In DB mode the
+//! relay adds its own (`outbox.sink_unavailable`, `outbox.round_failed`, ...; see
+//! [`tower_ids::outbox`]).
 //!
 //! [`CorrelationId::extend_redelivery`]: tower_ids::correlation::CorrelationId::extend_redelivery
 //! [`IdempotencyLayer`]: tower_ids::idempotency::IdempotencyLayer
@@ -361,6 +376,8 @@
 //! [`MokaStore`]: tower_ids::idempotency::MokaStore
 //! [`MessageCorrelation::inject_current`]: tower_ids::correlation::MessageCorrelation::inject_current
 //! [`IdempotencyKey::inject`]: tower_ids::idempotency::IdempotencyKey::inject
+//! [`Outbox::enqueue_on`]: tower_ids::outbox::Outbox::enqueue_on
+//! [`Relay`]: tower_ids::outbox::Relay
 
 // glibc's malloc makes a thread that frees memory another thread allocated wait on that
 // thread's arena lock; on tokio's work-stealing runtime a request is often dropped by
