@@ -36,7 +36,7 @@ pub struct AmqpSink {
 
 #[derive(Debug)]
 struct Open {
-    _connection: Connection,
+    connection: Connection,
     channel: Channel,
 }
 
@@ -60,23 +60,26 @@ impl AmqpSink {
         self
     }
 
-    /// The channel, connecting first if there is none.
+    /// The channel, opening one first if there is none (on the connection, when it is
+    /// still open: a channel the broker closed for one message leaves it open).
     async fn channel(&self) -> Result<Channel, SinkError> {
         let mut open = self.open.lock().await;
-        if let Some(open) = open.as_ref() {
-            if open.channel.status().connected() {
-                return Ok(open.channel.clone());
+        if let Some(current) = open.as_ref() {
+            if current.channel.status().connected() {
+                return Ok(current.channel.clone());
             }
         }
         let opened = tokio::time::timeout(self.connect_timeout, async {
-            let connection =
-                Connection::connect(&self.uri, ConnectionProperties::default()).await?;
+            let connection = match open.take() {
+                Some(Open { connection, .. }) if connection.status().connected() => connection,
+                _ => Connection::connect(&self.uri, ConnectionProperties::default()).await?,
+            };
             let channel = connection.create_channel().await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
                 .await?;
             Ok::<_, lapin::Error>(Open {
-                _connection: connection,
+                connection,
                 channel,
             })
         })

@@ -107,13 +107,13 @@ impl Sink for KafkaSink {
         let (generation, producer) = self.current();
         let sent = producer
             .send(record, Timeout::After(Duration::from_secs(1)))
-            .await
-            .map(|_| ())
-            .map_err(|(error, _)| classify(error));
-        if matches!(&sent, Err(error) if !error.is_rejected()) {
-            self.replace(generation);
-        }
-        sent
+            .await;
+        sent.map(|_| ()).map_err(|(error, _)| {
+            if error.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut) {
+                self.replace(generation);
+            }
+            classify(error)
+        })
     }
 }
 
