@@ -93,6 +93,11 @@ impl Outbox {
     ///
     /// With a partition key, waits for other open transactions that enqueued with the
     /// same key to end (see [`Message::partition_key`]).
+    ///
+    /// It locks the transaction for its statements: a handler that holds the
+    /// transaction's guard (from [`Transaction::lock`]) drops it first, or calls
+    /// [`enqueue_on`](Self::enqueue_on)`(&mut guard, message)` instead (it would wait
+    /// for itself otherwise).
     pub async fn enqueue(
         &self,
         transaction: &Transaction,

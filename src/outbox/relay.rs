@@ -395,7 +395,9 @@ impl<S: Sink> Relay<S> {
         let _ = (&message.traceparent, &message.tracestate);
         let id = message.id;
         let destination = message.destination.as_str();
-        async move {
+        // The sink finds the publication's ID as `CorrelationId::current()`.
+        let current = publication.clone();
+        let publishing = async move {
             let mut headers = HeaderList(
                 serde_json::from_str::<std::collections::BTreeMap<String, String>>(
                     &message.headers,
@@ -454,9 +456,8 @@ impl<S: Sink> Relay<S> {
                     }
                 }
             }
-        }
-        .instrument(span)
-        .await
+        };
+        current.task_local(publishing).instrument(span).await
     }
 
     /// Counts an attempt for each refused message, schedules its next one or

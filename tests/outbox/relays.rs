@@ -20,6 +20,12 @@ pub(crate) struct Counting {
 
 impl Sink for Counting {
     async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+        // The publication's correlation ID is the task's, as its header says.
+        let current = tower_ids::correlation::CorrelationId::current().expect("a correlation ID");
+        let header = message
+            .headers()
+            .find(|(name, _)| *name == "x-correlation-id");
+        assert_eq!(header.map(|(_, value)| value), Some(current.as_str()));
         tokio::time::sleep(Duration::from_micros(rand::random_range(0..300))).await;
         self.published.lock().unwrap().push((
             message.partition_key().unwrap_or_default().to_owned(),
