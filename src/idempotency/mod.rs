@@ -142,6 +142,7 @@
 //! | `original-attempt-id` | replay | the attempt ID of the request that ran, else its correlation ID |
 //! | `idempotency-first-seen` | replay, `409`, `410` | when the original request arrived (HTTP-date); not on a `409` for a request held by another's open transaction (PostgreSQL's transactional mode), whose arrival the store cannot see |
 //! | `idempotency-request-count` | replay, `409`, `410` | requests seen with this key, this one included |
+//! | `idempotency-expires` | a stored answer, first and replayed, on a route with [`expiry_header(true)`](IdempotencyLayer::expiry_header) (off by default) | when the stored answer expires and the key runs again (HTTP-date) |
 //! | `Retry-After` | `409`, `503` | seconds to wait before retrying |
 //!
 //! # Status codes

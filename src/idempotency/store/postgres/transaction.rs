@@ -32,7 +32,7 @@ use crate::idempotency::{
 /// and commits, so the writes and the record commit together or not at all. A process
 /// that dies, a backend that is terminated, a connection that is cut: the transaction
 /// aborts, its writes vanish, the lock goes with it, and a retry runs at once. A
-/// response the layer does not store (`408`, `429`, `503` by default, see
+/// response the layer does not store (by default a handler's 4xx and `503`, see
 /// [`StorageRule`](crate::idempotency::StorageRule)), any 5xx of a handler that used
 /// the transaction (whatever the rule: the rollback undoes its writes, so its retry may
 /// run again), and a handler that fails or panics roll it back.
