@@ -261,7 +261,9 @@
 //!   `idempotency.body_unreadable`, `idempotency.overloaded` (with `budget_bytes` and
 //!   `requested_bytes`), `idempotency.response_too_large`, `idempotency.lease_lost`,
 //!   `idempotency.store_failed` (with `phase`: `begin`, `renew`, `complete`,
-//!   `release`, `wait`, and the `error` with its cause), `idempotency.pool_exhausted`
+//!   `release`, `wait`, and the `error` with its cause; of renewals failing in a row,
+//!   retried every 50 ms, only the first is WARN, the rest DEBUG with `attempts`),
+//!   `idempotency.pool_exhausted`
 //!   (no connection of the store's pool was free in time), `idempotency.claim_restored`
 //!   (the store had lost a running request's claim), `idempotency.claim_lapsed` (a
 //!   completion met another request's claim; the outcome is kept until it settles),
