@@ -303,7 +303,7 @@
 //!   response.
 //! - **Stored records**: the store's bound, [`MokaStore`]'s
 //!   [`max_bytes`](store::MokaStoreBuilder::max_bytes) (64 MiB by default; see its
-//!   Memory section), plus about 500 bytes per request in flight until it settles.
+//!   Memory section), plus 480 bytes per request in flight until it settles.
 //!
 //! With the defaults and N requests running at once, that is at most 64 MiB of
 //! request bodies, N x 1 MiB of responses and 64 MiB of records, plus N x 500 bytes.

@@ -80,7 +80,7 @@ async fn store_all_but_retryable_replays_a_refusal() {
     assert_eq!(app.runs.get(), 1);
 }
 
-/// The other preset: with `store_successes_only` a 5xx releases the key and the retry
+/// The other preset: with `StorageRule::SuccessesOnly` a 5xx releases the key and the retry
 /// runs again.
 #[tokio::test]
 async fn draft_2_6_departure_store_successes_only_runs_the_retry_again() {
