@@ -57,6 +57,10 @@
 #                        first and replay against it; the table gives each build's
 #                        medians and its first execution's server CPU against the
 #                        first build's. Nothing is built in this mode.
+#   PROFILE=release      the cargo profile the example is built with; `dev` (with every
+#                        feature, as `cargo test --all-features` built it) only checks
+#                        that the script and its burst check work, as CI does: its
+#                        figures are not for reading
 #
 # wrk: taken from PATH; when missing and this runs as root with apt-get, it is installed
 # from the distribution (`apt-get install wrk`); otherwise the script says how to get it
@@ -110,11 +114,18 @@ cleanup() {
 }
 trap cleanup EXIT
 
+PROFILE=${PROFILE:-release}
 if [ -z "${COMPARE:-}" ]; then
-    echo "building the commands example (release)..." >&2
-    cargo build --quiet --release --example commands
-    binary=$(cargo metadata --format-version 1 --no-deps |
-        sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/release/examples/commands
+    echo "building the commands example ($PROFILE)..." >&2
+    target=$(cargo metadata --format-version 1 --no-deps |
+        sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+    if [ "$PROFILE" = release ]; then
+        cargo build --quiet --release --example commands
+        binary=$target/release/examples/commands
+    else
+        cargo build --quiet --profile "$PROFILE" --all-features --example commands
+        binary=$target/debug/examples/commands
+    fi
 fi
 
 # Every request carries the same JSON body and client; wrk formats it once, except for
@@ -372,6 +383,7 @@ fi
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -n1)
 echo
 echo "machine: $(nproc) cores${cpu:+, $cpu}, $(uname -sr); $(wrk -v 2>&1 | head -n1 | cut -d' ' -f1-2)"
+[ "$PROFILE" = release ] || echo "build: the $PROFILE profile, not release: the figures below only show that every workload answered; they are not for reading"
 echo "wrk: $THREADS threads, $CONNECTIONS connections, ${DURATION} s x $ROUNDS rounds;" \
     "server: RUST_LOG=$SERVER_LOG, log to a file"
 echo
