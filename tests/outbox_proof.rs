@@ -28,8 +28,11 @@
 //!
 //! Kills come at random points of the progress (the relays' publications and the
 //! consumers' commits, read from their logs), spread over 5% to 90% of the run, so that
-//! some land while requests are still being sent. A process that exits by itself (a
-//! consumer whose connection was closed) is started again too. The figures (messages,
+//! some land while requests are still being sent. A relay is killed just after it logs a
+//! publication, while the round that published it (which marks its messages published
+//! when it commits) is still open, so that what the broker took is published again: the
+//! test fails if no message was. A process that exits by itself (a consumer whose
+//! connection was closed) is started again too. The figures (messages,
 //! kills, the fault, republications by relays and replays by the inbox, wall time) are
 //! printed with `cargo test --all-features --test outbox_proof -- --nocapture`.
 //!
@@ -193,6 +196,8 @@ struct Process {
     name: String,
     child: Child,
     events: Arc<Mutex<Vec<Event>>>,
+    /// Its `outbox.published` lines so far.
+    published: Arc<AtomicUsize>,
     reader: Option<JoinHandle<()>>,
 }
 
@@ -251,7 +256,8 @@ impl Process {
             .unwrap_or_else(|e| panic!("the {example} example runs: {e}"));
         let stdout = BufReader::new(child.stdout.take().unwrap());
         let events = Arc::new(Mutex::new(Vec::new()));
-        let sink = events.clone();
+        let published = Arc::new(AtomicUsize::new(0));
+        let (sink, counted) = (events.clone(), published.clone());
         let reader = std::thread::spawn(move || {
             for line in stdout.lines() {
                 let Ok(line) = line else { return };
@@ -259,6 +265,7 @@ impl Process {
                 match event.code.as_str() {
                     "outbox.published" => {
                         progress.published.fetch_add(1, Ordering::Relaxed);
+                        counted.fetch_add(1, Ordering::Relaxed);
                     }
                     "inbox.handled" => {
                         progress.handled.fetch_add(1, Ordering::Relaxed);
@@ -272,6 +279,7 @@ impl Process {
             name,
             child,
             events,
+            published,
             reader: Some(reader),
         };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -301,6 +309,18 @@ impl Process {
     /// Whether it exited by itself.
     fn exited(&mut self) -> Option<ExitStatus> {
         self.child.try_wait().unwrap()
+    }
+
+    /// SIGKILL, aimed at a relay's round: as soon as it logs its next publication
+    /// (within 3 s), while the round that published it has not committed, so that
+    /// what it published is published again.
+    fn kill_mid_round(self) -> Run {
+        let before = self.published.load(Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while self.published.load(Ordering::Relaxed) == before && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        self.kill(Role::Relay)
     }
 
     /// SIGKILL: no goodbye.
@@ -452,25 +472,35 @@ fn chaos(
         }
         let published = progress.published.load(Ordering::Relaxed);
         let handled = progress.handled.load(Ordering::Relaxed);
-        // Kills wait while the broker is disturbed: each fault on its own.
+        // Kills wait while the broker is disturbed (each fault on its own), and for a
+        // victim that exited by itself to be started again.
         if !faulting.load(Ordering::Relaxed) {
-            if relay_points.next_if(|point| published >= *point).is_some() {
+            if relay_points.peek().is_some_and(|point| published >= *point) {
                 let slot = rand::random_range(0..relays.len());
                 let (process, generation) = &mut relays[slot];
-                report.runs.push(process.take().unwrap().kill(Role::Relay));
-                report.relay_kills += 1;
-                *generation += 1;
-                *process = Some(start(Role::Relay, slot, *generation));
+                if process.as_mut().unwrap().exited().is_none() {
+                    relay_points.next();
+                    report.runs.push(process.take().unwrap().kill_mid_round());
+                    report.relay_kills += 1;
+                    *generation += 1;
+                    *process = Some(start(Role::Relay, slot, *generation));
+                }
             }
-            if consumer_points.next_if(|point| handled >= *point).is_some() {
+            if consumer_points
+                .peek()
+                .is_some_and(|point| handled >= *point)
+            {
                 let slot = rand::random_range(0..consumers.len());
                 let (process, generation) = &mut consumers[slot];
-                report
-                    .runs
-                    .push(process.take().unwrap().kill(Role::Consumer));
-                report.consumer_kills += 1;
-                *generation += 1;
-                *process = Some(start(Role::Consumer, slot, *generation));
+                if process.as_mut().unwrap().exited().is_none() {
+                    consumer_points.next();
+                    report
+                        .runs
+                        .push(process.take().unwrap().kill(Role::Consumer));
+                    report.consumer_kills += 1;
+                    *generation += 1;
+                    *process = Some(start(Role::Consumer, slot, *generation));
+                }
             }
         }
         if fault.is_none() && handled >= fault_at {
@@ -479,6 +509,8 @@ fn chaos(
             faulting.store(true, Ordering::Relaxed);
             fault = Some(std::thread::spawn(move || {
                 let what = disturb(&kind);
+                // A second for the processes it brought down to exit and start again.
+                std::thread::sleep(Duration::from_secs(1));
                 faulting.store(false, Ordering::Relaxed);
                 format!("{what}, at {handled} payments applied")
             }));
@@ -958,6 +990,11 @@ async fn run(trial: Trial) {
     assert!(
         chaos.relay_kills >= KILLS && chaos.consumer_kills >= KILLS,
         "every planned kill happened"
+    );
+    assert!(
+        republished > 0,
+        "no relay kill landed inside a round: nothing was published again, so the inbox \
+         absorbed no republication"
     );
 }
 
