@@ -78,7 +78,12 @@ use sqlx::PgPool;
 
 pub use enqueue::{Message, MessageId};
 pub use inspect::DeadLetter;
-pub use relay::{Relay, RelayBuilder, Round};
+pub use relay::{
+    Relay, RelayBuilder, Round, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_OUTAGE_BACKOFF,
+    DEFAULT_MAX_RETRY_BACKOFF, DEFAULT_OBSERVE_INTERVAL, DEFAULT_PUBLISH_TIMEOUT,
+    DEFAULT_RELAY_BATCH_SIZE, DEFAULT_RELAY_POLL_INTERVAL, DEFAULT_RETENTION,
+    DEFAULT_RETRY_BACKOFF, DEFAULT_TRIM_INTERVAL,
+};
 pub use sink::{Outgoing, Sink, SinkError};
 
 /// The table [`Outbox::new`] uses.
@@ -123,7 +128,11 @@ pub mod metrics {
 }
 
 /// An outbox table on a pool: where handlers [`enqueue`](Self::enqueue) messages and
-/// from which [`Relay`]s publish them. Cheap to clone.
+/// from which [`Relay`]s publish them.
+///
+/// # Clone
+///
+/// Clones share the pool and the table name: clone it into every handler and relay.
 #[derive(Clone)]
 pub struct Outbox {
     shared: Arc<Shared>,

@@ -32,19 +32,54 @@ struct Settings {
     observe_interval: Duration,
 }
 
+/// Messages a relay round takes by default: enough that a backlog drains in few
+/// rounds (each costs a handful of statements), few enough that a round holds its rows
+/// and partition keys for milliseconds, and its memory stays small.
+pub const DEFAULT_RELAY_BATCH_SIZE: usize = 256;
+/// How long an idle relay waits before looking again by default: a committed message
+/// waits at most this for an idle relay, and the database sees ten cheap index scans a
+/// second per relay.
+pub const DEFAULT_RELAY_POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// Publications a refused message gets by default before it is dead-lettered: with
+/// [`DEFAULT_RETRY_BACKOFF`] doubling, about 17 minutes of a broker refusing it, time
+/// for an operator to fix a missing queue or topic before anything is given up.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
+/// The wait after a refusal by default, doubled per attempt: a message the broker
+/// refused is not hammered, and one refused by a passing condition goes soon.
+pub const DEFAULT_RETRY_BACKOFF: Duration = Duration::from_secs(1);
+/// The longest wait between attempts of a refused message by default.
+pub const DEFAULT_MAX_RETRY_BACKOFF: Duration = Duration::from_secs(300);
+/// The longest wait between rounds while the broker is unavailable by default: an
+/// outage costs the broker one try per relay every 30 s at worst, and a broker that
+/// comes back is used within that.
+pub const DEFAULT_MAX_OUTAGE_BACKOFF: Duration = Duration::from_secs(30);
+/// How long one publication may take by default before the broker counts as
+/// unavailable: longer than a healthy broker's slowest confirm, short enough that a
+/// stalled broker does not hold a round's rows for long.
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long published messages stay by default: a week of history to look into when
+/// a consumer reports a gap, bounded so the table does not grow without end.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How often a relay trims by default: published rows go within a minute of their
+/// retention, in batches of 1,000.
+pub const DEFAULT_TRIM_INTERVAL: Duration = Duration::from_secs(60);
+/// How often a relay measures the backlog for its gauges by default: a count over the
+/// pending rows' index, cheap at this rate, fresh enough for an alert.
+pub const DEFAULT_OBSERVE_INTERVAL: Duration = Duration::from_secs(10);
+
 impl Default for Settings {
     fn default() -> Self {
         Self {
-            batch_size: 256,
-            poll_interval: Duration::from_millis(100),
-            max_attempts: 10,
-            retry_backoff: Duration::from_secs(1),
-            max_retry_backoff: Duration::from_secs(300),
-            max_outage_backoff: Duration::from_secs(30),
-            publish_timeout: Duration::from_secs(10),
-            retention: Duration::from_secs(7 * 24 * 3600),
-            trim_interval: Duration::from_secs(60),
-            observe_interval: Duration::from_secs(10),
+            batch_size: DEFAULT_RELAY_BATCH_SIZE,
+            poll_interval: DEFAULT_RELAY_POLL_INTERVAL,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            retry_backoff: DEFAULT_RETRY_BACKOFF,
+            max_retry_backoff: DEFAULT_MAX_RETRY_BACKOFF,
+            max_outage_backoff: DEFAULT_MAX_OUTAGE_BACKOFF,
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
+            retention: DEFAULT_RETENTION,
+            trim_interval: DEFAULT_TRIM_INTERVAL,
+            observe_interval: DEFAULT_OBSERVE_INTERVAL,
         }
     }
 }
@@ -68,7 +103,7 @@ impl<S: Sink> RelayBuilder<S> {
         }
     }
 
-    /// Messages one round takes, publishes and marks in one transaction (256): more
+    /// Messages one round takes, publishes and marks in one transaction ([`DEFAULT_RELAY_BATCH_SIZE`], 256): more
     /// publish faster, and hold their rows and partition keys longer.
     ///
     /// # Panics
@@ -83,7 +118,7 @@ impl<S: Sink> RelayBuilder<S> {
         self
     }
 
-    /// How long an idle relay waits before looking again (100 ms): the most a committed
+    /// How long an idle relay waits before looking again ([`DEFAULT_RELAY_POLL_INTERVAL`], 100 ms): the most a committed
     /// message waits for its relay, when the relay has nothing else to do.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.settings.poll_interval = interval;
@@ -91,7 +126,7 @@ impl<S: Sink> RelayBuilder<S> {
     }
 
     /// Publications a message gets before it is dead-lettered, when the broker keeps
-    /// refusing it (10). Outages do not count.
+    /// refusing it ([`DEFAULT_MAX_ATTEMPTS`], 10). Outages do not count.
     ///
     /// # Panics
     ///
@@ -106,7 +141,7 @@ impl<S: Sink> RelayBuilder<S> {
     }
 
     /// After the broker refused a message, how long before it is tried again: `backoff`
-    /// (1 s), doubled per attempt up to `max` (5 min). Later messages of its partition
+    /// ([`DEFAULT_RETRY_BACKOFF`], 1 s), doubled per attempt up to `max` ([`DEFAULT_MAX_RETRY_BACKOFF`], 5 min). Later messages of its partition
     /// key wait for it.
     pub fn retry_backoff(mut self, backoff: Duration, max: Duration) -> Self {
         self.settings.retry_backoff = backoff;
@@ -114,7 +149,7 @@ impl<S: Sink> RelayBuilder<S> {
         self
     }
 
-    /// The longest wait between tries while the broker is unavailable (30 s): the relay
+    /// The longest wait between tries while the broker is unavailable ([`DEFAULT_MAX_OUTAGE_BACKOFF`], 30 s): the relay
     /// tries again after 100 ms, then doubles the wait up to this.
     pub fn max_outage_backoff(mut self, max: Duration) -> Self {
         self.settings.max_outage_backoff = max;
@@ -122,14 +157,15 @@ impl<S: Sink> RelayBuilder<S> {
     }
 
     /// How long one publication may take before the broker counts as unavailable
-    /// (10 s).
+    /// ([`DEFAULT_PUBLISH_TIMEOUT`], 10 s).
     pub fn publish_timeout(mut self, timeout: Duration) -> Self {
         self.settings.publish_timeout = timeout;
         self
     }
 
     /// How long published messages stay in the table before the relay removes them
-    /// (7 days), and how often it looks (every minute). Dead letters stay until you
+    /// ([`DEFAULT_RETENTION`], 7 days), and how often it looks ([`DEFAULT_TRIM_INTERVAL`], a
+    /// minute). Dead letters stay until you
     /// requeue or delete them.
     pub fn retention(mut self, retention: Duration, every: Duration) -> Self {
         self.settings.retention = retention;
@@ -137,7 +173,7 @@ impl<S: Sink> RelayBuilder<S> {
         self
     }
 
-    /// How often the relay measures the backlog for its gauges (10 s; with the
+    /// How often the relay measures the backlog for its gauges ([`DEFAULT_OBSERVE_INTERVAL`], 10 s; with the
     /// `metrics` feature).
     pub fn observe_interval(mut self, interval: Duration) -> Self {
         self.settings.observe_interval = interval;
