@@ -76,6 +76,8 @@ use std::{fmt, sync::Arc};
 
 use sqlx::PgPool;
 
+use crate::idempotency::store::postgres::{migrate_under_lock, valid_table};
+
 pub use enqueue::{Message, MessageId};
 pub use inspect::DeadLetter;
 pub use relay::{
@@ -206,7 +208,7 @@ impl Outbox {
     pub fn table(self, table: impl Into<String>) -> Self {
         let table = table.into();
         assert!(
-            plain_identifiers(&table),
+            valid_table(&table),
             "tower-ids: outbox table {table:?} must be `name` or `schema.name` of plain identifiers"
         );
         Self {
@@ -240,13 +242,9 @@ impl Outbox {
             )
             .replace(DEFAULT_OUTBOX_TABLE, table)
             .replace('\u{0}', "");
-        let locked =
-            format!("SELECT pg_advisory_xact_lock(hashtext('tower-ids migrate {table}'));\n{sql}");
-        sqlx::raw_sql(&locked)
-            .execute(&self.shared.pool)
+        migrate_under_lock(&self.shared.pool, table, &sql)
             .await
-            .map_err(|e| OutboxError::database("could not create the outbox table", e))?;
-        Ok(())
+            .map_err(|e| OutboxError::database("could not create the outbox table", e))
     }
 
     /// A relay that publishes this outbox's messages to `sink`; configure it, then
@@ -254,18 +252,6 @@ impl Outbox {
     pub fn relay<S: Sink>(&self, sink: S) -> RelayBuilder<S> {
         RelayBuilder::new(self.clone(), sink)
     }
-}
-
-fn plain_identifiers(table: &str) -> bool {
-    let parts: Vec<&str> = table.split('.').collect();
-    parts.len() <= 2
-        && parts.iter().all(|part| {
-            let mut chars = part.chars();
-            chars
-                .next()
-                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-                && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        })
 }
 
 /// The 32-bit lock key of a partition key: the first four bytes of its SHA-256. Two
@@ -288,14 +274,13 @@ const RELAY_LOCK_CLASS: i32 = 0x7478_6f72;
 mod tests {
     use super::*;
 
-    #[test]
-    fn table_names_are_plain_identifiers() {
-        assert!(plain_identifiers("tower_ids_outbox"));
-        assert!(plain_identifiers("app.outbox_2"));
-        assert!(!plain_identifiers("a.b.c"));
-        assert!(!plain_identifiers("outbox; DROP TABLE x"));
-        assert!(!plain_identifiers("1outbox"));
-        assert!(!plain_identifiers(""));
+    #[tokio::test]
+    #[should_panic(expected = "plain identifiers")]
+    async fn a_table_name_that_is_not_plain_identifiers_is_refused() {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://localhost/none")
+            .unwrap();
+        let _ = Outbox::new(pool).table("outbox; DROP TABLE x");
     }
 
     #[test]

@@ -7,7 +7,7 @@ mod codec;
 mod deadline;
 mod moka;
 #[cfg(feature = "postgres")]
-mod postgres;
+pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 

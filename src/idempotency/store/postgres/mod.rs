@@ -285,7 +285,9 @@ impl PostgresStoreBuilder {
     }
 }
 
-fn valid_table(table: &str) -> bool {
+/// Whether `table` is `name` or `schema.name` of plain identifiers (letters, digits,
+/// `_`, not starting with a digit): safe to write into SQL. The outbox's tables too.
+pub(crate) fn valid_table(table: &str) -> bool {
     let parts: Vec<&str> = table.split('.').collect();
     parts.len() <= 2
         && parts.iter().all(|part| {
@@ -295,6 +297,21 @@ fn valid_table(table: &str) -> bool {
                 .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
                 && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
         })
+}
+
+/// Runs a migration `sql` creating `table`, one replica at a time: replicas starting
+/// together would race on `CREATE ... IF NOT EXISTS` (it can fail on the catalog's
+/// unique index). One simple query is one transaction, so the lock on the name is held
+/// to its end. (`table` was checked to be plain identifiers, so it cannot close the
+/// literal.) The outbox's migration too.
+pub(crate) async fn migrate_under_lock(
+    pool: &PgPool,
+    table: &str,
+    sql: &str,
+) -> Result<(), sqlx::Error> {
+    let locked =
+        format!("SELECT pg_advisory_xact_lock(hashtext('tower-ids migrate {table}'));\n{sql}");
+    sqlx::raw_sql(&locked).execute(pool).await.map(|_| ())
 }
 
 impl PostgresStore {
@@ -353,17 +370,9 @@ impl PostgresStore {
             .replace(&default_index, "\u{0}")
             .replace(DEFAULT_POSTGRES_TABLE, table)
             .replace('\u{0}', &format!("{bare}_expires_at"));
-        // Replicas starting together would race on `CREATE ... IF NOT EXISTS` (it can
-        // fail on the catalog's unique index): one at a time, under a lock on the name.
-        // One simple query is one transaction, so the lock is held to its end. (The
-        // name was checked to be plain identifiers, so it cannot close the literal.)
-        let locked =
-            format!("SELECT pg_advisory_xact_lock(hashtext('tower-ids migrate {table}'));\n{sql}");
-        sqlx::raw_sql(&locked)
-            .execute(&self.shared.pool)
+        migrate_under_lock(&self.shared.pool, table, &sql)
             .await
-            .map_err(|e| StoreError::with_source("could not create the idempotency table", e))?;
-        Ok(())
+            .map_err(|e| StoreError::with_source("could not create the idempotency table", e))
     }
 
     /// Removes expired rows now, a batch at a time; returns how many.
