@@ -20,7 +20,9 @@ use super::{Outgoing, Sink, SinkError};
 /// - A message no queue takes (returned as unroutable), a nack, or a channel error
 ///   about the message (a missing exchange, a refused access) is
 ///   [rejected](SinkError::rejected): the relay tries it again later and dead-letters
-///   it after its attempts.
+///   it after its attempts. A channel the broker closes fails every confirm pending on
+///   it, so a message caught by another's channel error is first sent again alone on a
+///   new channel, and refused only if it fails there too.
 /// - A connection or channel that fails otherwise is
 ///   [unavailable](SinkError::unavailable): the next publication connects again.
 ///
@@ -64,6 +66,11 @@ impl AmqpSink {
     /// still open: a channel the broker closed for one message leaves it open).
     async fn channel(&self) -> Result<Channel, SinkError> {
         let mut open = self.open.lock().await;
+        self.ensure(&mut open).await
+    }
+
+    /// [`channel`](Self::channel) with the lock held.
+    async fn ensure(&self, open: &mut Option<Open>) -> Result<Channel, SinkError> {
         if let Some(current) = open.as_ref() {
             if current.channel.status().connected() {
                 return Ok(current.channel.clone());
@@ -97,9 +104,13 @@ impl AmqpSink {
     }
 }
 
-impl Sink for AmqpSink {
-    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
-        let channel = self.channel().await?;
+impl AmqpSink {
+    /// Publishes `message` on `channel` and waits for its confirm.
+    async fn send(
+        &self,
+        channel: &Channel,
+        message: &Outgoing<'_>,
+    ) -> Result<Confirmation, lapin::Error> {
         let mut headers = FieldTable::default();
         for (name, value) in message.headers() {
             headers.insert(
@@ -116,23 +127,44 @@ impl Sink for AmqpSink {
         let properties = BasicProperties::default()
             .with_delivery_mode(2)
             .with_headers(headers);
-        let confirmation = async {
-            channel
-                .basic_publish(
-                    ShortString::from(self.exchange.as_str()),
-                    ShortString::from(message.destination()),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    message.payload(),
-                    properties,
-                )
-                .await?
-                .await
-        }
-        .await
-        .map_err(classify)?;
+        channel
+            .basic_publish(
+                ShortString::from(self.exchange.as_str()),
+                ShortString::from(message.destination()),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                message.payload(),
+                properties,
+            )
+            .await?
+            .await
+    }
+}
+
+impl Sink for AmqpSink {
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+        let channel = self.channel().await?;
+        let confirmation = match self.send(&channel, message).await {
+            Ok(confirmation) => confirmation,
+            Err(error) if is_soft(&error) => {
+                // The broker closed the channel for one of the messages on it, not
+                // necessarily this one: every confirm pending on a closed channel fails
+                // with the same error. This one again, alone on a new channel (the lock
+                // keeps other publications off it), is refused only if it is the cause.
+                let mut open = self.open.lock().await;
+                let channel = self.ensure(&mut open).await?;
+                self.send(&channel, message).await.map_err(|error| {
+                    if is_soft(&error) {
+                        SinkError::rejected(error)
+                    } else {
+                        SinkError::unavailable(error)
+                    }
+                })?
+            }
+            Err(error) => return Err(SinkError::unavailable(error)),
+        };
         match confirmation {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => Err(SinkError::rejected(format!(
@@ -148,15 +180,11 @@ impl Sink for AmqpSink {
     }
 }
 
-/// A channel closed by the broker for this message (a soft error: no such exchange,
-/// access refused) is about the message; anything else is about the connection.
-fn classify(error: lapin::Error) -> SinkError {
-    match error.kind() {
-        ErrorKind::ProtocolError(amqp)
-            if matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(_)) =>
-        {
-            SinkError::rejected(error)
-        }
-        _ => SinkError::unavailable(error),
-    }
+/// Whether the broker closed the channel for a message (a soft error: no such
+/// exchange, access refused, a message too large), not the connection.
+fn is_soft(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::ProtocolError(amqp) if matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(_))
+    )
 }

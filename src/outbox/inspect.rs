@@ -82,8 +82,10 @@ impl Outbox {
     }
 
     /// Puts a dead letter back in line, with its attempts reset; `false` if `id` is not
-    /// a dead letter. It is published after the pending messages of its partition key
-    /// that are older than it, in ID order, as any other.
+    /// a dead letter. It keeps its ID, so it goes before its key's pending messages
+    /// that are younger than it; those of its key published while it was dead went
+    /// before it: a requeued message breaks its key's commit order, as its dead letter
+    /// did.
     pub async fn requeue(&self, id: MessageId) -> Result<bool, OutboxError> {
         let table = &self.shared.table;
         let done = sqlx::query(&format!(

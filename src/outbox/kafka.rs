@@ -26,7 +26,8 @@ use super::{Outgoing, Sink, SinkError};
 /// invalid topic, not authorised) is [rejected](SinkError::rejected); anything else
 /// (a timeout, brokers down) is [unavailable](SinkError::unavailable).
 ///
-/// After a record timed out, librdkafka's idempotent producer may keep failing every
+/// After a record timed out (`message.timeout.ms`, 5 s unless set, below the relay's
+/// publish timeout) or a fatal error, librdkafka's idempotent producer may keep failing every
 /// record of its partition at once, even when the broker is back: the sink then
 /// builds a new producer (a new producer ID) from the same configuration for the next
 /// publication. Order per key is the relay's to keep (one record of a key at a time),
@@ -47,9 +48,7 @@ impl KafkaSink {
     /// A sink to the brokers at `bootstrap_servers` (`host:port,...`).
     pub fn new(bootstrap_servers: &str) -> Result<Self, KafkaError> {
         let mut config = ClientConfig::new();
-        config
-            .set("bootstrap.servers", bootstrap_servers)
-            .set("message.timeout.ms", "10000");
+        config.set("bootstrap.servers", bootstrap_servers);
         Self::from_config(config)
     }
 
@@ -63,6 +62,12 @@ impl KafkaSink {
         config.set("enable.idempotence", "true");
         if config.get("linger.ms").is_none() {
             config.set("linger.ms", "0");
+        }
+        // Below the relay's publish timeout (10 s by default), so a record the broker
+        // does not take fails here, where the producer is replaced, rather than in
+        // the relay's timer.
+        if config.get("message.timeout.ms").is_none() {
+            config.set("message.timeout.ms", "5000");
         }
         let producer = Arc::new(config.create()?);
         Ok(Self {
@@ -116,7 +121,10 @@ impl Sink for KafkaSink {
             .send(record, Timeout::After(Duration::from_secs(1)))
             .await;
         sent.map(|_| ()).map_err(|(error, _)| {
-            if error.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageTimedOut) {
+            if matches!(
+                error.rdkafka_error_code(),
+                Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::Fatal)
+            ) {
                 self.replace(generation);
             }
             classify(error)

@@ -41,7 +41,7 @@ pub const DEFAULT_RELAY_BATCH_SIZE: usize = 256;
 /// second per relay.
 pub const DEFAULT_RELAY_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Publications a refused message gets by default before it is dead-lettered: with
-/// [`DEFAULT_RETRY_BACKOFF`] doubling, about 17 minutes of a broker refusing it, time
+/// [`DEFAULT_RETRY_BACKOFF`] doubling, about 8.5 minutes of a broker refusing it, time
 /// for an operator to fix a missing queue or topic before anything is given up.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
 /// The wait after a refusal by default, doubled per attempt: a message the broker
@@ -262,11 +262,13 @@ impl<S: Sink> Relay<S> {
                     outage
                 }
                 Ok((round, None)) => {
-                    if outage > Duration::ZERO && round.published > 0 {
-                        tracing::info!(
-                            event = "outbox.sink_recovered",
-                            "the broker takes messages again"
-                        );
+                    if outage > Duration::ZERO {
+                        if round.published > 0 {
+                            tracing::info!(
+                                event = "outbox.sink_recovered",
+                                "the broker takes messages again"
+                            );
+                        }
                         outage = Duration::ZERO;
                     }
                     if round.taken >= self.settings.batch_size {
@@ -310,7 +312,10 @@ impl<S: Sink> Relay<S> {
             .outbox
             .shared
             .pool
-            .begin()
+            // The keys' rows are read after their locks are granted, in a statement of
+            // its own: READ COMMITTED (whatever the database's default), so that
+            // statement sees what the key's previous holder marked.
+            .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await
             .map_err(|e| OutboxError::database("could not begin a relay round", e))?;
         let taken = take(&mut transaction, table, batch).await?;

@@ -37,7 +37,7 @@ impl<'a> Outgoing<'a> {
         self.partition_key
     }
 
-    /// Every header, in name order: the message's own, then `idempotency-key`,
+    /// Every header: the message's own in name order, then `idempotency-key`,
     /// `x-correlation-id` and the trace context, unless the message set them.
     pub fn headers(&self) -> impl Iterator<Item = (&'a str, &'a str)> {
         self.headers

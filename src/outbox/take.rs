@@ -32,9 +32,17 @@ pub(super) async fn take(
     batch: usize,
 ) -> Result<Vec<Pending>, OutboxError> {
     let limit = i64::try_from(batch).unwrap_or(i64::MAX);
-    // A window wider than a batch, so a relay finds keys another does not hold.
+    // A window wider than a batch, so a relay finds keys another does not hold; without
+    // the keys whose oldest message waits out a backoff (they are blocked until it is
+    // due, and must not fill the window and stall every other key), and without
+    // unkeyed messages that are not due.
     let window: Vec<Option<String>> = sqlx::query_scalar(&format!(
-        "SELECT partition_key FROM {table} WHERE published_at IS NULL AND dead_at IS NULL \
+        "SELECT partition_key FROM {table} \
+         WHERE published_at IS NULL AND dead_at IS NULL \
+           AND (CASE WHEN partition_key IS NULL THEN next_attempt_at <= now() \
+                ELSE partition_key NOT IN (SELECT partition_key FROM {table} \
+                  WHERE published_at IS NULL AND dead_at IS NULL \
+                    AND partition_key IS NOT NULL AND next_attempt_at > now()) END) \
          ORDER BY id LIMIT $1"
     ))
     .bind(limit.saturating_mul(4))

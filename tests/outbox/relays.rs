@@ -139,3 +139,60 @@ async fn three_relays_share_the_work_and_keep_each_keys_commit_order() {
     assert_eq!(last.len(), KEYS);
     assert_eq!(rows(&pool).await, (0, i64::try_from(total).unwrap(), 0));
 }
+
+/// Takes every message but those for `refused`.
+struct Refusing(Counting);
+
+impl Sink for Refusing {
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+        if message.destination() == "refused" {
+            return Err(SinkError::rejected("no such queue"));
+        }
+        self.0.publish(message).await
+    }
+}
+
+#[tokio::test]
+async fn a_key_waiting_out_a_backoff_holds_up_no_other_key() {
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let (pool, outbox, _store) = outbox(&db, 4).await;
+    let mut connection = pool.acquire().await.unwrap();
+    // Key `stuck`: a refused message, then more than a whole window of its own.
+    outbox
+        .enqueue_on(
+            &mut connection,
+            Message::new("refused", "0").partition_key("stuck"),
+        )
+        .await
+        .unwrap();
+    for n in 1..=20 {
+        let message = Message::new("events", n.to_string()).partition_key("stuck");
+        outbox.enqueue_on(&mut connection, message).await.unwrap();
+    }
+    outbox
+        .enqueue_on(
+            &mut connection,
+            Message::new("events", "free").partition_key("other"),
+        )
+        .await
+        .unwrap();
+    let sink = Counting::default();
+    let relay = outbox
+        .relay(Refusing(sink.clone()))
+        .batch_size(2)
+        .retry_backoff(Duration::from_secs(3600), Duration::from_secs(3600))
+        .build();
+    let first = relay.round().await.unwrap();
+    assert_eq!((first.rejected, first.published), (1, 0), "{first:?}");
+    for _ in 0..3 {
+        relay.round().await.unwrap();
+    }
+    let published = sink.published.lock().unwrap().clone();
+    assert_eq!(
+        published,
+        vec![("other".to_owned(), "free".to_owned())],
+        "the other key goes on; the stuck key's later messages wait for its head"
+    );
+}
