@@ -227,9 +227,9 @@ pub struct Round {
 }
 
 /// How one message's publication ended.
-enum Published {
+enum Published<'m> {
     Taken(i64),
-    Refused(i64, SinkError),
+    Refused(&'m Pending, SinkError),
     Unavailable(SinkError),
 }
 
@@ -358,7 +358,7 @@ impl<S: Sink> Relay<S> {
         for outcome in outcomes.into_iter().flatten() {
             match outcome {
                 Published::Taken(id) => published.push(id),
-                Published::Refused(id, error) => refused.push((id, error)),
+                Published::Refused(message, error) => refused.push((message, error)),
                 Published::Unavailable(error) => {
                     round.unavailable = true;
                     unavailable.get_or_insert(error);
@@ -378,23 +378,18 @@ impl<S: Sink> Relay<S> {
             .map_err(|e| OutboxError::database("could not mark messages published", e))?;
         }
         if !refused.is_empty() {
-            round.dead_lettered = self.refused(&mut transaction, &taken, refused).await?;
+            round.dead_lettered = self.refused(&mut transaction, refused).await?;
         }
         transaction
             .commit()
             .await
             .map_err(|e| OutboxError::database("could not end a relay round", e))?;
-        #[cfg(feature = "metrics")]
-        for message in taken.iter().filter(|m| published.contains(&m.id)) {
-            ::metrics::counter!(super::metrics::PUBLISHED, "destination" => message.destination.clone())
-                .increment(1);
-        }
         Ok((round, unavailable))
     }
 
     /// Publishes one partition key's messages in order, stopping at the first that
     /// fails.
-    async fn publish_chain(&self, chain: Vec<&Pending>) -> Vec<Published> {
+    async fn publish_chain<'m>(&self, chain: Vec<&'m Pending>) -> Vec<Published<'m>> {
         let mut outcomes = Vec::with_capacity(chain.len());
         for message in chain {
             let outcome = self.publish(message).await;
@@ -409,7 +404,7 @@ impl<S: Sink> Relay<S> {
 
     /// Publishes one message in a span that continues its request's trace, under a
     /// correlation ID extended from the request's for this publication.
-    async fn publish(&self, message: &Pending) -> Published {
+    async fn publish<'m>(&self, message: &'m Pending) -> Published<'m> {
         let stored = message
             .correlation_id
             .as_deref()
@@ -473,6 +468,9 @@ impl<S: Sink> Relay<S> {
             match result {
                 Ok(()) => {
                     tracing::debug!(event = "outbox.published", "message published");
+                    #[cfg(feature = "metrics")]
+                    ::metrics::counter!(super::metrics::PUBLISHED, "destination" => destination.to_owned())
+                        .increment(1);
                     Published::Taken(id)
                 }
                 Err(error) => {
@@ -490,7 +488,7 @@ impl<S: Sink> Relay<S> {
                             error = %error,
                             "the broker refused the message; it will be tried again"
                         );
-                        Published::Refused(id, error)
+                        Published::Refused(message, error)
                     } else {
                         tracing::debug!(event = "outbox.unavailable", error = %error, "the broker is unavailable");
                         Published::Unavailable(error)
@@ -506,34 +504,30 @@ impl<S: Sink> Relay<S> {
     async fn refused(
         &self,
         connection: &mut PgConnection,
-        taken: &[Pending],
-        refused: Vec<(i64, SinkError)>,
+        refused: Vec<(&Pending, SinkError)>,
     ) -> Result<usize, OutboxError> {
         let table = &self.outbox.shared.table;
         let mut ids = Vec::with_capacity(refused.len());
         let mut errors = Vec::with_capacity(refused.len());
         let mut delays = Vec::with_capacity(refused.len());
-        for (id, error) in refused {
-            let attempts = taken
-                .iter()
-                .find(|m| m.id == id)
-                .map_or(0, |m| u32::try_from(m.attempts).unwrap_or(0));
+        for (message, error) in refused {
+            let attempts = u32::try_from(message.attempts).unwrap_or(0);
             let delay = self
                 .settings
                 .retry_backoff
                 .saturating_mul(1 << attempts.min(16))
                 .min(self.settings.max_retry_backoff);
-            ids.push(id);
+            ids.push(message.id);
             errors.push(error.to_string());
             delays.push(delay.as_secs_f64());
         }
-        let dead = sqlx::query(&format!(
+        let counted = sqlx::query(&format!(
             "UPDATE {table} AS t SET attempts = t.attempts + 1, last_error = r.error, \
                next_attempt_at = now() + make_interval(secs => r.delay), \
                dead_at = CASE WHEN t.attempts + 1 >= $4 THEN now() END \
              FROM unnest($1::int8[], $2::text[], $3::float8[]) AS r(id, error, delay) \
-             WHERE t.id = r.id AND t.attempts + 1 >= $4 \
-             RETURNING t.id, t.destination, t.attempts"
+             WHERE t.id = r.id \
+             RETURNING t.id, t.destination, t.attempts, t.dead_at IS NOT NULL AS dead"
         ))
         .bind(&ids)
         .bind(&errors)
@@ -541,24 +535,13 @@ impl<S: Sink> Relay<S> {
         .bind(i32::try_from(self.settings.max_attempts).unwrap_or(i32::MAX))
         .fetch_all(&mut *connection)
         .await
-        .map_err(|e| OutboxError::database("could not dead-letter messages", e))?;
-        sqlx::query(&format!(
-            "UPDATE {table} AS t SET attempts = t.attempts + 1, last_error = r.error, \
-               next_attempt_at = now() + make_interval(secs => r.delay) \
-             FROM unnest($1::int8[], $2::text[], $3::float8[]) AS r(id, error, delay) \
-             WHERE t.id = r.id AND t.attempts + 1 < $4"
-        ))
-        .bind(&ids)
-        .bind(&errors)
-        .bind(&delays)
-        .bind(i32::try_from(self.settings.max_attempts).unwrap_or(i32::MAX))
-        .execute(&mut *connection)
-        .await
         .map_err(|e| OutboxError::database("could not count failed attempts", e))?;
-        for row in &dead {
-            let id: i64 = row.get(0);
-            let destination: String = row.get(1);
-            let attempts: i32 = row.get(2);
+        let mut dead = 0;
+        for row in counted.iter().filter(|row| row.get::<bool, _>("dead")) {
+            dead += 1;
+            let id: i64 = row.get("id");
+            let destination: String = row.get("destination");
+            let attempts: i32 = row.get("attempts");
             tracing::error!(
                 event = "outbox.dead_lettered",
                 message_id = id,
@@ -570,7 +553,7 @@ impl<S: Sink> Relay<S> {
             ::metrics::counter!(super::metrics::DEAD_LETTERED, "destination" => destination)
                 .increment(1);
         }
-        Ok(dead.len())
+        Ok(dead)
     }
 
     /// Removes published messages older than the retention, a batch at a time; returns
