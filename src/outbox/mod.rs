@@ -99,7 +99,8 @@ pub mod metrics {
     pub const BACKLOG: &str = "tower_ids_outbox_backlog";
     /// Gauge: how long the oldest pending message has waited, in seconds (0 when none).
     pub const OLDEST_PENDING_AGE: &str = "tower_ids_outbox_oldest_pending_age_seconds";
-    /// Counter: messages published, by `destination`.
+    /// Counter: publications the broker took, by `destination` (a message published
+    /// again after a relay died before marking it counts again).
     pub const PUBLISHED: &str = "tower_ids_outbox_published_total";
     /// Counter: failed publications, by `destination` and `reason` (`unavailable`: the
     /// broker could not be reached, the message is tried again without counting an
