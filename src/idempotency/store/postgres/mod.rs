@@ -389,18 +389,35 @@ impl PostgresStore {
     }
 
     /// Runs the statement `call` makes, given its deadline, under the timeout; the
-    /// statement refuses to act past the deadline (see [`Statements`]).
+    /// statement refuses to act past the deadline (see [`Statements`]). A statement
+    /// refused for a serialization failure is run again (see [`serialization_failure`]).
     async fn bounded_by_deadline<T, F>(
         &self,
         what: &'static str,
-        call: impl FnOnce(i64) -> F,
+        call: impl Fn(i64) -> F,
     ) -> Result<T, StoreError>
     where
         F: std::future::Future<Output = Result<T, sqlx::Error>>,
     {
         let (give_up, deadline) = self.shared.deadline().await?;
-        bounded_until(give_up, self.shared.timeout, what, call(deadline)).await
+        loop {
+            match tokio::time::timeout_at(give_up.into(), call(deadline)).await {
+                Ok(Err(error)) if serialization_failure(&error) => {
+                    tokio::task::yield_now().await;
+                }
+                answered => return within(answered, self.shared.timeout, what),
+            }
+        }
     }
+}
+
+/// Whether `error` is the database's refusal of a statement that met a concurrent
+/// change (SQLSTATE `40001`), which at READ COMMITTED it would have waited for and
+/// applied. The store's statements outside a transaction run at the database's default
+/// isolation: where that is REPEATABLE READ or SERIALIZABLE, a claim racing its
+/// duplicate is refused so, changes nothing, and is simply run again.
+fn serialization_failure(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e) if e.code().as_deref() == Some("40001"))
 }
 
 async fn bounded<T>(
@@ -417,7 +434,20 @@ async fn bounded_until<T>(
     what: &'static str,
     call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, StoreError> {
-    match tokio::time::timeout_at(give_up.into(), call).await {
+    within(
+        tokio::time::timeout_at(give_up.into(), call).await,
+        timeout,
+        what,
+    )
+}
+
+/// A call's answer, or its timeout, as the store's result.
+fn within<T>(
+    answered: Result<Result<T, sqlx::Error>, tokio::time::error::Elapsed>,
+    timeout: Duration,
+    what: &'static str,
+) -> Result<T, StoreError> {
+    match answered {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(error)) => Err(StoreError::with_source(what, error)),
         Err(_) => Err(StoreError::new(format!(

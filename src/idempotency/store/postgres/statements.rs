@@ -17,7 +17,7 @@ pub(super) struct Statements {
     pub(super) store_in_transaction: String,
     pub(super) complete_late: String,
     pub(super) completed_by: String,
-    pub(super) transaction_status: String,
+    pub(super) stored_by: String,
     pub(super) release: String,
     pub(super) poll: String,
     pub(super) remove_expired: String,
@@ -47,6 +47,29 @@ fn guarded(change: &str, n: u8, count: bool) -> String {
         in_time(n)
     )
 }
+
+/// Where the statement runs: its backend (process ID, and start in microseconds since
+/// the Unix epoch: together they name one backend of one server, as a process ID alone
+/// does not across restarts), and its server's lineage (the cluster's system identifier,
+/// shared by its streaming standbys, and the timeline, which a promotion moves on).
+/// `NULL` timeline on a standby, which has no WAL of its own.
+pub(super) const BACKEND: &str = "pg_backend_pid() AS pid,
+    (SELECT (extract(epoch FROM backend_start) * 1000000)::bigint
+       FROM pg_stat_get_activity(pg_backend_pid())) AS started,
+    (SELECT system_identifier FROM pg_control_system()) AS system,
+    CASE WHEN pg_is_in_recovery() THEN NULL
+         ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int
+    END AS timeline";
+
+/// Asked after a commit's answer was lost, on the server that answers now: its lineage,
+/// and whether the backend `$1` started at `$2` (microseconds) still runs there.
+pub(super) const BACKEND_RUNNING: &str = "SELECT
+    (SELECT system_identifier FROM pg_control_system()) AS system,
+    CASE WHEN pg_is_in_recovery() THEN NULL
+         ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int
+    END AS timeline,
+    EXISTS (SELECT 1 FROM pg_stat_get_activity($1)
+             WHERE (extract(epoch FROM backend_start) * 1000000)::bigint = $2) AS running";
 
 impl Statements {
     pub(super) fn for_table(t: &str) -> Self {
@@ -109,9 +132,9 @@ impl Statements {
              RETURNING completed, record, request_count, fingerprint, first_seen_ms, epoch"
         );
         // Transactional mode, under the scope's lock: the record, over nothing or an
-        // expired row only. Returns the transaction's ID, to ask its status if its
-        // commit's answer is lost. (The transaction began at the claim: its `now()` is
-        // that early, so the statement's own time is read.)
+        // expired row only. Returns where the transaction runs (`BACKEND`), to settle a
+        // commit whose answer is lost. (The transaction began at the claim: its `now()`
+        // is that early, so the statement's own time is read.)
         let store_in_transaction = format!(
             "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
                                     status, record, expires_at)
@@ -123,7 +146,7 @@ impl Statements {
                status = EXCLUDED.status, record = EXCLUDED.record,
                expires_at = EXCLUDED.expires_at, request_count = 1
              WHERE t.expires_at <= statement_timestamp()
-             RETURNING pg_current_xact_id()::text"
+             RETURNING {BACKEND}"
         );
         let complete_late = format!(
             "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
@@ -138,6 +161,11 @@ impl Statements {
              RETURNING 1"
         );
         let complete_late = guarded(&complete_late, 9, true);
+        // Whether the record of the transaction whose lease token is `$2` stands: read
+        // only once that transaction can no longer commit.
+        let stored_by = format!(
+            "SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND token = $2 AND completed)"
+        );
         let completed_by =
             format!("SELECT token = $2 AND completed AS ours, completed FROM {t} WHERE scope = $1");
         let release = guarded(
@@ -164,7 +192,7 @@ impl Statements {
             store_in_transaction,
             complete_late,
             completed_by,
-            transaction_status: "SELECT pg_xact_status($1::xid8)".to_owned(),
+            stored_by,
             release,
             poll,
             remove_expired,

@@ -9,7 +9,9 @@ use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use super::{
     bounded,
     commands::{epoch_i64, first_seen_ms, live_row, millis_i64, status_i16, token_bytes},
-    Shared,
+    serialization_failure,
+    statements::BACKEND_RUNNING,
+    within, Shared,
 };
 use crate::idempotency::{
     store::{
@@ -38,13 +40,20 @@ use crate::idempotency::{
 /// run again), and a handler that fails or panics roll it back.
 ///
 /// A `COMMIT` that gets no answer within the store's timeout (an fsync stall, a slow
-/// synchronous standby, a connection cut mid-commit) may still land. The layer then
-/// asks the database for the transaction's status (`pg_xact_status` of the ID it read
-/// in the transaction before committing; PostgreSQL 13 or later), every 100 ms for up
-/// to five of the store's timeouts: if it committed, the client gets the handler's
-/// answer; if it aborted, `503 idempotency.not_committed`; if the database cannot tell
-/// in that time, `503 idempotency.outcome_unknown`: a retry replays the outcome if it
-/// committed, and runs again once the transaction is over without a commit.
+/// synchronous standby, a connection cut mid-commit, the server's crash) may still land.
+/// The layer then finds out from what the transaction wrote, never from its transaction
+/// ID (a server that crashed before the ID reached its disk hands it to another
+/// transaction, and a promoted standby may never have seen it): every 100 ms, for up to
+/// five of the store's timeouts, it asks the server that answers whether the
+/// transaction's backend still runs there. While it does, the commit is under way; once
+/// it cannot commit any more (its backend gone, the server restarted, or a promoted
+/// standby on a later timeline of the same cluster answering), the record the
+/// transaction stored, marked with the request's random token, tells: there, the client
+/// gets the handler's answer; absent, `503 idempotency.not_committed`. A standby,
+/// another cluster or an older timeline cannot tell; if nothing tells in time, `503
+/// idempotency.outcome_unknown`, and the key stays held as long as the transaction may
+/// commit: a retry replays the outcome if it committed, and runs again once it is over
+/// without.
 ///
 /// The transaction holds one connection of the store's pool from the claim to the
 /// commit: see [`PostgresMode::Transactional`] for sizing the pool.
@@ -177,8 +186,8 @@ impl HandlerTransaction for Offered {
             match commit(&slot.shared, transaction, &scope, &self.lease, &record, ttl).await {
                 Ok(()) => Settlement::Committed,
                 Err(Uncommitted::Failed(error)) => Settlement::Failed(error),
-                Err(Uncommitted::Unanswered(xid, error)) => {
-                    find_out(&slot.shared, &xid, error).await
+                Err(Uncommitted::Unanswered(backend, error)) => {
+                    find_out(&slot.shared, &scope, &self.lease, backend, error).await
                 }
             }
         })
@@ -211,14 +220,17 @@ async fn find(
     scope: &ScopeKey,
     connection: &mut PgConnection,
 ) -> Result<Found, StoreError> {
-    let row = bounded(
-        shared.timeout,
-        "reading a key in PostgreSQL",
-        sqlx::query(&shared.sql.find)
+    let give_up = std::time::Instant::now() + shared.timeout;
+    let row = loop {
+        let read = sqlx::query(&shared.sql.find)
             .bind(&scope.as_bytes()[..])
-            .fetch_optional(connection),
-    )
-    .await?;
+            .fetch_optional(&mut *connection);
+        match tokio::time::timeout_at(give_up.into(), read).await {
+            // Outside a transaction, at a stricter default isolation: run again.
+            Ok(Err(error)) if serialization_failure(&error) => tokio::task::yield_now().await,
+            answered => break within(answered, shared.timeout, "reading a key in PostgreSQL")?,
+        }
+    };
     let Some(row) = row else {
         return Ok(Found::Free);
     };
@@ -521,15 +533,33 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// Where a transaction ran, read in it before its `COMMIT` (see [`BACKEND`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Backend {
+    pid: i32,
+    /// When the backend started, in microseconds since the Unix epoch.
+    started: i64,
+    server: Lineage,
+}
+
+/// A server's place in its cluster's history: the cluster's system identifier (a
+/// streaming standby has its primary's) and the timeline (a promotion starts a new one);
+/// `None` on a standby.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Lineage {
+    system: i64,
+    timeline: Option<i32>,
+}
+
 /// Why [`commit`] did not answer `Ok`.
 enum Uncommitted {
     /// Nothing committed: a statement before the commit failed, or the database
     /// refused the commit.
     Failed(StoreError),
     /// The commit was sent and its answer never came (a timeout, a broken
-    /// connection): it may have committed; the transaction's ID (`xid8`, as text)
-    /// tells.
-    Unanswered(String, StoreError),
+    /// connection): it may have committed. Where it ran, and the lease whose token its
+    /// record carries, tell.
+    Unanswered(Backend, StoreError),
 }
 
 /// Stores `record` in `transaction` and commits; rolls back if a row that holds the
@@ -547,7 +577,7 @@ async fn commit(
     let stored = bounded(
         shared.timeout,
         "storing a record in the request's transaction",
-        sqlx::query_scalar::<_, String>(&shared.sql.store_in_transaction)
+        sqlx::query_as::<_, (i32, Option<i64>, i64, Option<i32>)>(&shared.sql.store_in_transaction)
             .bind(&scope.as_bytes()[..])
             .bind(&token[..])
             .bind(&record.fingerprint.as_bytes()[..])
@@ -560,11 +590,18 @@ async fn commit(
     )
     .await
     .map_err(Uncommitted::Failed)?;
-    let Some(xid) = stored else {
+    let Some((pid, started, system, timeline)) = stored else {
         // Dropping the transaction rolls the handler's writes back.
         return Err(Uncommitted::Failed(StoreError::new(
             "another request holds this key: the request's writes were rolled back",
         )));
+    };
+    let backend = Backend {
+        pid,
+        // A backend always has a start time; a missing one matches none found later,
+        // so the commit is settled only by the record, once the server restarted.
+        started: started.unwrap_or(i64::MIN),
+        server: Lineage { system, timeline },
     };
     let timeout = shared.timeout;
     match tokio::time::timeout(timeout, transaction.commit()).await {
@@ -585,11 +622,11 @@ async fn commit(
             )))
         }
         Ok(Err(error)) => Err(Uncommitted::Unanswered(
-            xid,
+            backend,
             StoreError::with_source("committing the request's transaction", error),
         )),
         Err(_) => Err(Uncommitted::Unanswered(
-            xid,
+            backend,
             StoreError::new(format!(
                 "committing the request's transaction: no answer within {timeout:?}"
             )),
@@ -599,41 +636,82 @@ async fn commit(
 
 /// How long a commit whose answer was lost is looked into before the layer says it
 /// does not know: the store's timeout five times over, enough to outlast an fsync
-/// stall or a slow synchronous standby of a few seconds.
+/// stall, a slow synchronous standby of a few seconds, or a server's crash recovery.
 const FIND_OUT_TIMEOUTS: u32 = 5;
 
-/// Finds out whether a commit whose answer was lost committed: asks the database for
-/// the transaction's status (`pg_xact_status`, which takes no lock, and is final once
-/// the transaction has ended: `committed` or `aborted`), on another connection, every
-/// 100 ms while it is `in progress` or the database does not answer, within
-/// [`FIND_OUT_TIMEOUTS`] times the store's timeout.
-async fn find_out(shared: &Shared, xid: &str, unanswered: StoreError) -> Settlement {
+/// What the server that answers now can tell of a transaction whose commit's answer
+/// was lost.
+#[derive(Debug, PartialEq, Eq)]
+enum Seen {
+    /// The transaction can no longer commit there (its backend is gone, the server
+    /// restarted, or it is a promoted successor that never ran it): whether its record
+    /// stands is final.
+    Over,
+    /// Its backend still runs there: the commit is under way (an fsync, a wait for a
+    /// synchronous standby), and may yet land.
+    Running,
+    /// It cannot tell: a standby, another cluster, or an older timeline than the one the
+    /// transaction ran on.
+    Elsewhere(&'static str),
+}
+
+impl Backend {
+    /// What a server of `lineage`, on which a backend of this one's process ID and start
+    /// time is `running` or not, can tell of this backend's transaction.
+    fn seen_from(&self, lineage: Lineage, running: bool) -> Seen {
+        let (Some(now), Some(then)) = (lineage.timeline, self.server.timeline) else {
+            return Seen::Elsewhere("the server that answers is a standby");
+        };
+        if lineage.system != self.server.system {
+            return Seen::Elsewhere("the server that answers is of another cluster");
+        }
+        if now < then {
+            return Seen::Elsewhere(
+                "the server that answers is on an older timeline than the one the transaction ran on",
+            );
+        }
+        if now == then && running {
+            Seen::Running
+        } else {
+            Seen::Over
+        }
+    }
+}
+
+/// Finds out whether a commit whose answer was lost committed, by what it wrote, never
+/// by its transaction ID (a server that crashed before the ID reached its disk hands
+/// the same ID to another transaction, and a promoted standby may never have seen it):
+/// on one connection of the pool, asks the server that answers whether the
+/// transaction's backend still runs there; once it cannot commit the transaction any
+/// more ([`Seen::Over`]), reads whether the record carrying the lease's token stands.
+/// Every 100 ms, within [`FIND_OUT_TIMEOUTS`] times the store's timeout; past that,
+/// unknown, and the key stays held for as long as the transaction may commit (its
+/// advisory lock is the transaction's).
+async fn find_out(
+    shared: &Shared,
+    scope: &ScopeKey,
+    lease: &Lease,
+    backend: Backend,
+    unanswered: StoreError,
+) -> Settlement {
     let until = tokio::time::Instant::now() + shared.timeout * FIND_OUT_TIMEOUTS;
     loop {
-        let status = bounded(
-            shared.timeout,
-            "asking for the request's transaction status",
-            sqlx::query_scalar::<_, Option<String>>(&shared.sql.transaction_status)
-                .bind(xid)
-                .fetch_one(&shared.pool),
-        )
-        .await;
-        let last = match status.as_ref().map(|status| status.as_deref()) {
-            Ok(Some("committed")) => {
+        let last = match look(shared, scope, lease, &backend).await {
+            Ok(Some(true)) => {
                 tracing::info!(
                     event = "idempotency.commit_confirmed",
                     error = %Chain(&unanswered),
-                    "the commit's answer was lost, but the database says the transaction committed"
+                    "the commit's answer was lost, but its record stands: the transaction committed"
                 );
                 return Settlement::Committed;
             }
-            Ok(Some("aborted")) => {
+            Ok(Some(false)) => {
                 return Settlement::Failed(StoreError::with_source(
-                    "the request's transaction did not commit (the database says it aborted after its commit's answer was lost)",
+                    "the request's transaction did not commit (its commit's answer was lost, the transaction can no longer commit, and its record is not there)",
                     unanswered,
                 ))
             }
-            Ok(other) => format!("status {other:?}"),
+            Ok(None) => "the transaction's backend is still committing it".to_owned(),
             Err(error) => error.to_string(),
         };
         if tokio::time::Instant::now() >= until {
@@ -643,5 +721,102 @@ async fn find_out(shared: &Shared, xid: &str, unanswered: StoreError) -> Settlem
             ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One look: `Some(stored)` once the transaction can no longer commit, `None` while it
+/// may; an error if the server cannot tell (down, a standby, another cluster).
+async fn look(
+    shared: &Shared,
+    scope: &ScopeKey,
+    lease: &Lease,
+    backend: &Backend,
+) -> Result<Option<bool>, StoreError> {
+    let what = "finding out whether the request's transaction committed";
+    let mut connection = acquire(shared).await?;
+    let (system, timeline, running) = bounded(
+        shared.timeout,
+        what,
+        sqlx::query_as::<_, (i64, Option<i32>, bool)>(BACKEND_RUNNING)
+            .bind(backend.pid)
+            .bind(backend.started)
+            .fetch_one(&mut *connection),
+    )
+    .await?;
+    match backend.seen_from(Lineage { system, timeline }, running) {
+        Seen::Running => Ok(None),
+        Seen::Elsewhere(why) => Err(StoreError::new(format!("{what}: {why}"))),
+        // Read on the same connection, so of the same server, in a statement that
+        // began after the backend was seen gone: what it shows is final.
+        Seen::Over => bounded(
+            shared.timeout,
+            what,
+            sqlx::query_scalar::<_, bool>(&shared.sql.stored_by)
+                .bind(&scope.as_bytes()[..])
+                .bind(&token_bytes(lease)[..])
+                .fetch_one(&mut *connection),
+        )
+        .await
+        .map(Some),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PRIMARY: Lineage = Lineage {
+        system: 7,
+        timeline: Some(1),
+    };
+
+    fn backend() -> Backend {
+        Backend {
+            pid: 42,
+            started: 1_000,
+            server: PRIMARY,
+        }
+    }
+
+    #[test]
+    fn a_backend_still_running_on_its_own_server_may_yet_commit() {
+        assert_eq!(backend().seen_from(PRIMARY, true), Seen::Running);
+        assert_eq!(backend().seen_from(PRIMARY, false), Seen::Over);
+    }
+
+    #[test]
+    fn a_promoted_standby_can_no_longer_commit_what_its_old_primary_ran() {
+        let promoted = Lineage {
+            timeline: Some(2),
+            ..PRIMARY
+        };
+        // Even a backend of the same process ID and start: the promoted server's is
+        // another.
+        assert_eq!(backend().seen_from(promoted, true), Seen::Over);
+    }
+
+    #[test]
+    fn a_standby_another_cluster_or_an_older_timeline_cannot_tell() {
+        let standby = Lineage {
+            timeline: None,
+            ..PRIMARY
+        };
+        let other = Lineage {
+            system: 8,
+            ..PRIMARY
+        };
+        let older = Backend {
+            server: Lineage {
+                timeline: Some(3),
+                ..PRIMARY
+            },
+            ..backend()
+        };
+        for (backend, lineage) in [(backend(), standby), (backend(), other), (older, PRIMARY)] {
+            assert!(
+                matches!(backend.seen_from(lineage, false), Seen::Elsewhere(_)),
+                "{backend:?} seen from {lineage:?}"
+            );
+        }
     }
 }
