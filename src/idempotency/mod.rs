@@ -248,7 +248,10 @@
 //!   `idempotency.in_flight`, `idempotency.not_replayable`,
 //!   `idempotency.original_failed`.
 //! - INFO: `idempotency.commit_confirmed` (a commit whose answer was lost had landed:
-//!   its record was found once the transaction could no longer commit); `idempotency.detached` (the client went away before the
+//!   its record was found once the transaction could no longer commit);
+//!   `idempotency.lineage_untold` (once per PostgreSQL store: the database refuses the
+//!   functions that tell a server's system identifier and timeline, so a lost commit
+//!   is settled by its backend alone); `idempotency.detached` (the client went away before the
 //!   answer, and the work it claimed ran to its end in a task of its own, with
 //!   `finished_after_ms`: the request's own line, as no access line is written for an
 //!   answer no one took); `idempotency.drained` (a [`Drain`] saw everything settle).

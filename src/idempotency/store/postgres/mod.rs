@@ -166,6 +166,9 @@ struct Shared {
     clock: Arc<StoreClock>,
     /// Connections duplicates may hold while they wait in transactional mode.
     waiters: tokio::sync::Semaphore,
+    /// Whether the database tells a server's lineage (its system identifier and
+    /// timeline), asked by the first transaction to commit.
+    tells_lineage: tokio::sync::OnceCell<bool>,
 }
 
 impl Shared {
@@ -272,6 +275,7 @@ impl PostgresStoreBuilder {
             table: self.table,
             timeout: self.timeout,
             clock,
+            tells_lineage: tokio::sync::OnceCell::new(),
         });
         tokio::spawn(clean(
             Arc::downgrade(&shared),

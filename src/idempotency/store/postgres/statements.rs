@@ -14,7 +14,8 @@ pub(super) struct Statements {
     pub(super) restore: String,
     pub(super) complete: String,
     pub(super) find: String,
-    pub(super) store_in_transaction: String,
+    /// Where the server tells its lineage, and where it does not.
+    pub(super) store_in_transaction: [String; 2],
     pub(super) complete_late: String,
     pub(super) completed_by: String,
     pub(super) stored_by: String,
@@ -48,28 +49,51 @@ fn guarded(change: &str, n: u8, count: bool) -> String {
     )
 }
 
+/// The server's lineage, where it tells it: the cluster's system identifier (a
+/// streaming standby has its primary's) and its timeline (a promotion starts a new
+/// one). A managed service may refuse these functions: [`LINEAGE`] finds out.
+const SYSTEM: &str = "(SELECT system_identifier FROM pg_control_system())";
+const TIMELINE: &str = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int";
+
+/// Whether the server tells its lineage: run once, in a savepoint.
+pub(super) fn lineage() -> String {
+    format!("SELECT {SYSTEM}, {TIMELINE}")
+}
+
 /// Where the statement runs: its backend (process ID, and start in microseconds since
 /// the Unix epoch: together they name one backend of one server, as a process ID alone
-/// does not across restarts), and its server's lineage (the cluster's system identifier,
-/// shared by its streaming standbys, and the timeline, which a promotion moves on).
-/// `NULL` timeline on a standby, which has no WAL of its own.
-pub(super) const BACKEND: &str = "pg_backend_pid() AS pid,
-    (SELECT (extract(epoch FROM backend_start) * 1000000)::bigint
-       FROM pg_stat_get_activity(pg_backend_pid())) AS started,
-    (SELECT system_identifier FROM pg_control_system()) AS system,
-    CASE WHEN pg_is_in_recovery() THEN NULL
-         ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int
-    END AS timeline";
+/// does not across restarts), and, with `lineage`, its server's.
+fn backend(lineage: bool) -> String {
+    let (system, timeline) = if lineage {
+        (SYSTEM, TIMELINE)
+    } else {
+        ("NULL::bigint", "NULL::int")
+    };
+    format!(
+        "pg_backend_pid() AS pid,
+         (SELECT (extract(epoch FROM backend_start) * 1000000)::bigint
+            FROM pg_stat_get_activity(pg_backend_pid())) AS started,
+         {system} AS system, {timeline} AS timeline"
+    )
+}
 
-/// Asked after a commit's answer was lost, on the server that answers now: its lineage,
-/// and whether the backend `$1` started at `$2` (microseconds) still runs there.
-pub(super) const BACKEND_RUNNING: &str = "SELECT
-    (SELECT system_identifier FROM pg_control_system()) AS system,
-    CASE WHEN pg_is_in_recovery() THEN NULL
-         ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int
-    END AS timeline,
-    EXISTS (SELECT 1 FROM pg_stat_get_activity($1)
-             WHERE (extract(epoch FROM backend_start) * 1000000)::bigint = $2) AS running";
+/// Asked after a commit's answer was lost, of the server that answers now: whether it
+/// is a standby, whether the backend `$1` started at `$2` (microseconds) runs there,
+/// and, with `lineage`, the server's lineage (no timeline on a standby).
+pub(super) fn backend_running(lineage: bool) -> String {
+    let (system, timeline) = if lineage {
+        (SYSTEM, TIMELINE)
+    } else {
+        ("NULL::bigint", "NULL::int")
+    };
+    format!(
+        "SELECT pg_is_in_recovery() AS standby,
+           EXISTS (SELECT 1 FROM pg_stat_get_activity($1)
+                    WHERE (extract(epoch FROM backend_start) * 1000000)::bigint = $2) AS running,
+           {system} AS system,
+           CASE WHEN pg_is_in_recovery() THEN NULL ELSE {timeline} END AS timeline"
+    )
+}
 
 impl Statements {
     pub(super) fn for_table(t: &str) -> Self {
@@ -132,11 +156,12 @@ impl Statements {
              RETURNING completed, record, request_count, fingerprint, first_seen_ms, epoch"
         );
         // Transactional mode, under the scope's lock: the record, over nothing or an
-        // expired row only. Returns where the transaction runs (`BACKEND`), to settle a
+        // expired row only. Returns where the transaction runs ([`backend`]), to settle a
         // commit whose answer is lost. (The transaction began at the claim: its `now()`
         // is that early, so the statement's own time is read.)
-        let store_in_transaction = format!(
-            "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
+        let store_in_transaction = |lineage: bool| {
+            format!(
+                "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
                                     status, record, expires_at)
              VALUES ($1, $2, true, $3, $4, $5, $6, $7,
                      statement_timestamp() + $8 * interval '1 millisecond')
@@ -146,8 +171,10 @@ impl Statements {
                status = EXCLUDED.status, record = EXCLUDED.record,
                expires_at = EXCLUDED.expires_at, request_count = 1
              WHERE t.expires_at <= statement_timestamp()
-             RETURNING {BACKEND}"
-        );
+             RETURNING {}",
+                backend(lineage)
+            )
+        };
         let complete_late = format!(
             "INSERT INTO {t} AS t (scope, token, completed, fingerprint, first_seen_ms, epoch,
                                     status, record, expires_at)
@@ -189,7 +216,7 @@ impl Statements {
             restore,
             complete,
             find,
-            store_in_transaction,
+            store_in_transaction: [store_in_transaction(true), store_in_transaction(false)],
             complete_late,
             completed_by,
             stored_by,

@@ -10,7 +10,7 @@ use super::{
     bounded,
     commands::{epoch_i64, first_seen_ms, live_row, millis_i64, status_i16, token_bytes},
     serialization_failure,
-    statements::BACKEND_RUNNING,
+    statements::{backend_running, lineage},
     within, Shared,
 };
 use crate::idempotency::{
@@ -533,22 +533,74 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// Where a transaction ran, read in it before its `COMMIT` (see [`BACKEND`]).
+/// Where a transaction ran, read in it before its `COMMIT`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Backend {
     pid: i32,
     /// When the backend started, in microseconds since the Unix epoch.
     started: i64,
-    server: Lineage,
+    /// The server's, where the database tells it.
+    server: Option<Lineage>,
 }
 
-/// A server's place in its cluster's history: the cluster's system identifier (a
-/// streaming standby has its primary's) and the timeline (a promotion starts a new one);
-/// `None` on a standby.
+/// A primary's place in its cluster's history: the cluster's system identifier (a
+/// streaming standby has its primary's) and the timeline (a promotion starts a new one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Lineage {
     system: i64,
-    timeline: Option<i32>,
+    timeline: i32,
+}
+
+impl Lineage {
+    fn of(system: Option<i64>, timeline: Option<i32>) -> Option<Self> {
+        Some(Self {
+            system: system?,
+            timeline: timeline?,
+        })
+    }
+}
+
+/// Whether the database tells a server's lineage ([`Lineage`]): asked once, in a
+/// savepoint of the first transaction to commit, as a managed service may refuse the
+/// functions that tell it. Where it does not, a commit whose answer was lost is settled
+/// by its backend alone: a promoted standby still never runs it, but another cluster
+/// behind the same address, or an older timeline, is not told apart.
+async fn tells_lineage(shared: &Shared, connection: &mut PgConnection) -> Result<bool, StoreError> {
+    if let Some(tells) = shared.tells_lineage.get() {
+        return Ok(*tells);
+    }
+    let what = "asking whether PostgreSQL tells its lineage";
+    let mut savepoint = bounded(shared.timeout, what, sqlx::Connection::begin(connection)).await?;
+    let asked = tokio::time::timeout(
+        shared.timeout,
+        sqlx::query(&lineage()).execute(&mut *savepoint),
+    )
+    .await;
+    let tells = match asked {
+        Ok(Ok(_)) => {
+            bounded(shared.timeout, what, savepoint.commit()).await?;
+            true
+        }
+        // Refused (not supported, or not permitted): the savepoint takes the error back.
+        Ok(Err(sqlx::Error::Database(refused))) => {
+            bounded(shared.timeout, what, savepoint.rollback()).await?;
+            tracing::info!(
+                event = "idempotency.lineage_untold",
+                error = %refused,
+                "PostgreSQL does not tell its system identifier and timeline: a lost commit is settled by its backend alone"
+            );
+            false
+        }
+        Ok(Err(error)) => return Err(StoreError::with_source(what, error)),
+        Err(_) => {
+            return Err(StoreError::new(format!(
+                "{what}: timed out after {:?}",
+                shared.timeout
+            )))
+        }
+    };
+    let _ = shared.tells_lineage.set(tells);
+    Ok(tells)
 }
 
 /// Why [`commit`] did not answer `Ok`.
@@ -574,10 +626,14 @@ async fn commit(
 ) -> Result<(), Uncommitted> {
     let token = token_bytes(lease);
     let encoded = encode_record(record).map_err(Uncommitted::Failed)?;
+    let lineage = tells_lineage(shared, &mut transaction)
+        .await
+        .map_err(Uncommitted::Failed)?;
+    let statement = &shared.sql.store_in_transaction[usize::from(!lineage)];
     let stored = bounded(
         shared.timeout,
         "storing a record in the request's transaction",
-        sqlx::query_as::<_, (i32, Option<i64>, i64, Option<i32>)>(&shared.sql.store_in_transaction)
+        sqlx::query_as::<_, (i32, Option<i64>, Option<i64>, Option<i32>)>(statement)
             .bind(&scope.as_bytes()[..])
             .bind(&token[..])
             .bind(&record.fingerprint.as_bytes()[..])
@@ -601,7 +657,7 @@ async fn commit(
         // A backend always has a start time; a missing one matches none found later,
         // so the commit is settled only by the record, once the server restarted.
         started: started.unwrap_or(i64::MIN),
-        server: Lineage { system, timeline },
+        server: Lineage::of(system, timeline),
     };
     let timeout = shared.timeout;
     match tokio::time::timeout(timeout, transaction.commit()).await {
@@ -655,22 +711,35 @@ enum Seen {
     Elsewhere(&'static str),
 }
 
+/// What the server that answers now says of itself and of a backend.
+#[derive(Debug, Clone, Copy)]
+struct Answer {
+    standby: bool,
+    /// Whether a backend of the transaction's process ID and start time runs there.
+    running: bool,
+    lineage: Option<Lineage>,
+}
+
 impl Backend {
-    /// What a server of `lineage`, on which a backend of this one's process ID and start
-    /// time is `running` or not, can tell of this backend's transaction.
-    fn seen_from(&self, lineage: Lineage, running: bool) -> Seen {
-        let (Some(now), Some(then)) = (lineage.timeline, self.server.timeline) else {
+    /// What the server that gave `answer` can tell of this backend's transaction.
+    fn seen_from(&self, answer: Answer) -> Seen {
+        if answer.standby {
             return Seen::Elsewhere("the server that answers is a standby");
-        };
-        if lineage.system != self.server.system {
-            return Seen::Elsewhere("the server that answers is of another cluster");
         }
-        if now < then {
-            return Seen::Elsewhere(
-                "the server that answers is on an older timeline than the one the transaction ran on",
-            );
+        if let (Some(then), Some(now)) = (self.server, answer.lineage) {
+            if now.system != then.system {
+                return Seen::Elsewhere("the server that answers is of another cluster");
+            }
+            if now.timeline < then.timeline {
+                return Seen::Elsewhere(
+                    "the server that answers is on an older timeline than the one the transaction ran on",
+                );
+            }
+            if now.timeline > then.timeline {
+                return Seen::Over;
+            }
         }
-        if now == then && running {
+        if answer.running {
             Seen::Running
         } else {
             Seen::Over
@@ -734,16 +803,22 @@ async fn look(
 ) -> Result<Option<bool>, StoreError> {
     let what = "finding out whether the request's transaction committed";
     let mut connection = acquire(shared).await?;
-    let (system, timeline, running) = bounded(
+    let lineage = backend.server.is_some();
+    let (standby, running, system, timeline) = bounded(
         shared.timeout,
         what,
-        sqlx::query_as::<_, (i64, Option<i32>, bool)>(BACKEND_RUNNING)
+        sqlx::query_as::<_, (bool, bool, Option<i64>, Option<i32>)>(&backend_running(lineage))
             .bind(backend.pid)
             .bind(backend.started)
             .fetch_one(&mut *connection),
     )
     .await?;
-    match backend.seen_from(Lineage { system, timeline }, running) {
+    let answer = Answer {
+        standby,
+        running,
+        lineage: Lineage::of(system, timeline),
+    };
+    match backend.seen_from(answer) {
         Seen::Running => Ok(None),
         Seen::Elsewhere(why) => Err(StoreError::new(format!("{what}: {why}"))),
         // Read on the same connection, so of the same server, in a statement that
@@ -767,56 +842,87 @@ mod tests {
 
     const PRIMARY: Lineage = Lineage {
         system: 7,
-        timeline: Some(1),
+        timeline: 1,
     };
 
     fn backend() -> Backend {
         Backend {
             pid: 42,
             started: 1_000,
-            server: PRIMARY,
+            server: Some(PRIMARY),
+        }
+    }
+
+    fn answer(running: bool, lineage: Lineage) -> Answer {
+        Answer {
+            standby: false,
+            running,
+            lineage: Some(lineage),
         }
     }
 
     #[test]
     fn a_backend_still_running_on_its_own_server_may_yet_commit() {
-        assert_eq!(backend().seen_from(PRIMARY, true), Seen::Running);
-        assert_eq!(backend().seen_from(PRIMARY, false), Seen::Over);
+        assert_eq!(backend().seen_from(answer(true, PRIMARY)), Seen::Running);
+        assert_eq!(backend().seen_from(answer(false, PRIMARY)), Seen::Over);
     }
 
     #[test]
     fn a_promoted_standby_can_no_longer_commit_what_its_old_primary_ran() {
         let promoted = Lineage {
-            timeline: Some(2),
+            timeline: 2,
             ..PRIMARY
         };
         // Even a backend of the same process ID and start: the promoted server's is
         // another.
-        assert_eq!(backend().seen_from(promoted, true), Seen::Over);
+        assert_eq!(backend().seen_from(answer(true, promoted)), Seen::Over);
     }
 
     #[test]
     fn a_standby_another_cluster_or_an_older_timeline_cannot_tell() {
-        let standby = Lineage {
-            timeline: None,
-            ..PRIMARY
+        let standby = Answer {
+            standby: true,
+            running: false,
+            lineage: None,
         };
-        let other = Lineage {
-            system: 8,
-            ..PRIMARY
-        };
-        let older = Backend {
-            server: Lineage {
-                timeline: Some(3),
+        let other = answer(
+            false,
+            Lineage {
+                system: 8,
                 ..PRIMARY
             },
+        );
+        let older = Backend {
+            server: Some(Lineage {
+                timeline: 3,
+                ..PRIMARY
+            }),
             ..backend()
         };
-        for (backend, lineage) in [(backend(), standby), (backend(), other), (older, PRIMARY)] {
+        for (backend, answer) in [
+            (backend(), standby),
+            (backend(), other),
+            (older, answer(false, PRIMARY)),
+        ] {
             assert!(
-                matches!(backend.seen_from(lineage, false), Seen::Elsewhere(_)),
-                "{backend:?} seen from {lineage:?}"
+                matches!(backend.seen_from(answer), Seen::Elsewhere(_)),
+                "{backend:?} seen from {answer:?}"
             );
         }
+    }
+
+    #[test]
+    fn without_a_lineage_the_backend_alone_tells() {
+        let untold = Backend {
+            server: None,
+            ..backend()
+        };
+        let answer = |running| Answer {
+            standby: false,
+            running,
+            lineage: None,
+        };
+        assert_eq!(untold.seen_from(answer(true)), Seen::Running);
+        assert_eq!(untold.seen_from(answer(false)), Seen::Over);
     }
 }
