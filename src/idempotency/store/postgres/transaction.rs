@@ -581,8 +581,14 @@ async fn tells_lineage(shared: &Shared, connection: &mut PgConnection) -> Result
             bounded(shared.timeout, what, savepoint.commit()).await?;
             true
         }
-        // Refused (not supported, or not permitted): the savepoint takes the error back.
-        Ok(Err(sqlx::Error::Database(refused))) => {
+        // Refused (not permitted, no such function, not supported; a managed service's
+        // own refusal): the savepoint takes the error back. Any other error is this
+        // transaction's, and the next one asks again.
+        Ok(Err(sqlx::Error::Database(refused)))
+            if refused
+                .code()
+                .is_some_and(|code| ["42", "0A", "XX"].iter().any(|c| code.starts_with(c))) =>
+        {
             bounded(shared.timeout, what, savepoint.rollback()).await?;
             tracing::info!(
                 event = "idempotency.lineage_untold",
