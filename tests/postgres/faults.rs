@@ -6,7 +6,11 @@
 //!
 //! Each trial prints one line (`cargo test --test postgres faults -- --nocapture`).
 
-use std::time::{Duration, Instant};
+use std::{
+    collections::BTreeMap,
+    sync::Mutex,
+    time::{Duration, Instant},
+};
 use tower_ids::idempotency::Policy;
 
 use axum::{extract::State, http::HeaderMap, response::Response, routing::post};
@@ -31,7 +35,7 @@ const HANDLER: Duration = Duration::from_secs(1);
 const LEASE: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Mode {
+pub(super) enum Mode {
     /// A claim row with a lease: claim, run, store.
     Durable,
     /// The request's transaction holds the key; the handler inserts its command in it.
@@ -44,6 +48,18 @@ async fn durable(State(ledger): State<Ledger>, headers: HeaderMap) -> Response {
     created(&key, run)
 }
 
+/// The transaction ID (`xid8`, as text) and backend process ID of each key's latest
+/// transactional run, as its handler read them after its insert.
+static TRANSACTIONS: Mutex<BTreeMap<String, (String, i32)>> = Mutex::new(BTreeMap::new());
+
+/// The transaction ID and backend of `key`'s latest transactional run, once its
+/// handler has inserted its command.
+pub(super) fn transaction_of(key: &str) -> Option<(String, i32)> {
+    TRANSACTIONS.lock().unwrap().get(key).cloned()
+}
+
+/// Inserts the key's command in the request's transaction, then takes [`HANDLER`], or
+/// `x-delay-ms` if sent.
 async fn transactional(
     State(ledger): State<Ledger>,
     tx: Transaction,
@@ -57,19 +73,30 @@ async fn transactional(
                 .body(axum::body::Body::empty())
                 .unwrap();
         };
-        let inserted = sqlx::query("INSERT INTO commands (key, run) VALUES ($1, $2)")
-            .bind(&key)
-            .bind(run as i64)
-            .execute(&mut *connection)
-            .await;
-        if inserted.is_err() {
+        let inserted = sqlx::query_as::<_, (String, i32)>(
+            "INSERT INTO commands (key, run) VALUES ($1, $2)
+             RETURNING pg_current_xact_id()::text, pg_backend_pid()",
+        )
+        .bind(&key)
+        .bind(run as i64)
+        .fetch_one(&mut *connection)
+        .await;
+        let Ok(transaction) = inserted else {
             return Response::builder()
                 .status(503)
                 .body(axum::body::Body::empty())
                 .unwrap();
-        }
+        };
+        TRANSACTIONS
+            .lock()
+            .unwrap()
+            .insert(key.clone(), transaction);
     }
-    tokio::time::sleep(HANDLER).await;
+    let delay = headers
+        .get("x-delay-ms")
+        .and_then(|ms| ms.to_str().ok()?.parse().ok())
+        .map_or(HANDLER, Duration::from_millis);
+    tokio::time::sleep(delay).await;
     created(&key, run)
 }
 
@@ -79,7 +106,7 @@ fn count(ledger: &Ledger, headers: &HeaderMap) -> (String, usize) {
     (key, run)
 }
 
-async fn pool(url: &str) -> PgPool {
+pub(super) async fn pool(url: &str) -> PgPool {
     PgPoolOptions::new()
         .max_connections(8)
         .acquire_timeout(Duration::from_secs(1))
@@ -212,7 +239,7 @@ async fn transactional_mode_through_a_paused_and_a_killed_server() {
 
 /// What a client saw: `201 executed`, `201 replayed`, `503 idempotency.…`, or `none`
 /// (the connection failed).
-fn seen(reply: Option<&Reply>) -> String {
+pub(super) fn seen(reply: Option<&Reply>) -> String {
     match reply {
         None => "none".to_owned(),
         Some(reply) if reply.status == StatusCode::CREATED => {
@@ -235,7 +262,7 @@ fn seen(reply: Option<&Reply>) -> String {
 /// it out, or not (sqlx's default is to test it). Without the test, a
 /// command goes out on an idle connection at once, even to a server that does not
 /// answer.
-async fn replica(
+pub(super) async fn replica(
     database: &str,
     ledger: &Ledger,
     mode: Mode,
@@ -282,8 +309,17 @@ async fn replicas_with_timeout(
 ) -> Option<(PostgresServer, PgPool, Ledger, Replica, Replica)> {
     let server = PostgresServer::start()?;
     let setup = pool(&server.url()).await;
+    prepare(&setup).await;
+    let ledger = Ledger::default();
+    let a = replica(&server.url(), &ledger, mode, ping, timeout).await;
+    let b = replica(&server.url(), &ledger, mode, ping, timeout).await;
+    Some((server, setup, ledger, a, b))
+}
+
+/// Makes the `commands` table the handlers insert into, and the store's table.
+pub(super) async fn prepare(setup: &PgPool) {
     sqlx::raw_sql("CREATE TABLE commands (key text NOT NULL, run bigint NOT NULL)")
-        .execute(&setup)
+        .execute(setup)
         .await
         .unwrap();
     PostgresStore::builder(setup.clone())
@@ -292,10 +328,6 @@ async fn replicas_with_timeout(
         .migrate()
         .await
         .unwrap();
-    let ledger = Ledger::default();
-    let a = replica(&server.url(), &ledger, mode, ping, timeout).await;
-    let b = replica(&server.url(), &ledger, mode, ping, timeout).await;
-    Some((server, setup, ledger, a, b))
 }
 
 async fn committed_runs(pool: &PgPool, key: &str) -> Vec<i64> {
@@ -318,7 +350,7 @@ enum CommitFault {
 
 /// Makes the COMMIT of the first execution of a key listed in `commit_faults` sleep,
 /// and fail if asked: checked at commit, after the record is stored in the transaction.
-const COMMIT_FAULTS: &str = "
+pub(super) const COMMIT_FAULTS: &str = "
     CREATE TABLE commit_faults (key text PRIMARY KEY, sleep float8 NOT NULL, fail boolean NOT NULL);
     CREATE FUNCTION commit_fault() RETURNS trigger LANGUAGE plpgsql AS $$
     DECLARE fault commit_faults%ROWTYPE;

@@ -16,8 +16,11 @@ mod contract;
 #[path = "../support/replica.rs"]
 mod replica;
 
+mod crash;
 mod database;
+mod failover;
 mod faults;
+mod proxy;
 mod server;
 mod transactional;
 
@@ -31,7 +34,7 @@ use support::Reply;
 use tower_ids::idempotency::{
     store::Fingerprint,
     store::ScopeKey,
-    store::{Begin, Claim, IdempotencyStore, PostgresStore},
+    store::{Begin, Claim, IdempotencyStore, PostgresMode, PostgresStore},
     IdempotencyLayer,
 };
 
@@ -268,4 +271,73 @@ async fn the_expiry_header_is_the_rows_expiry_in_postgres() {
     );
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(replay.expires(), first.expires());
+}
+
+/// A database whose default isolation is stricter than READ COMMITTED answers
+/// concurrent duplicates as one at READ COMMITTED: the store's statements outside a
+/// transaction that meet a concurrent change ("could not serialize access due to
+/// concurrent update") run again instead of answering `503 store_unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_duplicates_are_answered_whatever_the_databases_isolation() {
+    for isolation in ["repeatable read", "serializable"] {
+        for mode in [PostgresMode::Durable, PostgresMode::Transactional] {
+            let Some(database) = TestDatabase::create().await else {
+                return;
+            };
+            let setup = database.pool(1).await;
+            let name: String = sqlx::query_scalar("SELECT current_database()")
+                .fetch_one(&setup)
+                .await
+                .unwrap();
+            sqlx::raw_sql(&format!(
+                "ALTER DATABASE {name} SET default_transaction_isolation = '{isolation}'"
+            ))
+            .execute(&setup)
+            .await
+            .unwrap();
+            setup.close().await;
+            let ledger = Ledger::default();
+            let mut replicas = Vec::new();
+            for _ in 0..2 {
+                let store = PostgresStore::builder(database.pool(10).await)
+                    .mode(mode)
+                    .build()
+                    .unwrap();
+                store.migrate().await.unwrap();
+                replicas.push(Replica::start(IdempotencyLayer::with_store(store), &ledger).await);
+            }
+            // 20 keys, 8 duplicates each at once over both replicas: every duplicate
+            // meets the others' claim or count on the key's row.
+            let burst: Vec<_> = (0..160)
+                .map(|i| {
+                    let replica = replicas[i % 2].clone();
+                    tokio::spawn(async move {
+                        let reply = replica
+                            .send(&format!("key-{}", i % 20), Some(HANDLER))
+                            .await
+                            .unwrap();
+                        (reply.status.as_u16(), reply.problem_code())
+                    })
+                })
+                .collect();
+            let mut answers: HashMap<(u16, Option<String>), usize> = HashMap::new();
+            for request in burst {
+                *answers.entry(request.await.unwrap()).or_default() += 1;
+            }
+            let runs = ledger.per_key();
+            eprintln!(
+                "default isolation {isolation}, {mode:?}: 160 requests over 20 keys: {answers:?}"
+            );
+            assert!(
+                answers
+                    .keys()
+                    .all(|(status, _)| [201, 409].contains(status)),
+                "only 201 and 409 (in flight), no store failure: {answers:?}"
+            );
+            assert!(
+                runs.values().all(|n| *n == 1),
+                "each key ran once: {runs:?}"
+            );
+        }
+    }
 }

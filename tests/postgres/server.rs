@@ -2,8 +2,11 @@
 //! with `initdb` in a temporary directory, started on a free loopback port in a process
 //! group of its own, so the whole server (postmaster and backends) can be paused
 //! (SIGSTOP), resumed (SIGCONT), or killed (SIGKILL) and restarted (crash recovery).
+//! A primary for streaming replication, a standby copied from it (`pg_basebackup`),
+//! and the standby's promotion, for failovers.
 
 use std::{
+    io::Write,
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -17,6 +20,8 @@ pub(crate) struct PostgresServer {
     /// The uid and gid to run as: `postgres` when the tests run as root (PostgreSQL
     /// refuses root), else our own.
     user: Option<(u32, u32)>,
+    /// `name=value` settings given with `-c` at every start, beside the defaults.
+    settings: Vec<String>,
     child: Option<Child>,
 }
 
@@ -24,6 +29,78 @@ impl PostgresServer {
     /// Makes and starts one, or returns `None` (after saying so loudly) when the
     /// PostgreSQL server binaries are not installed and this is not CI.
     pub(crate) fn start() -> Option<Self> {
+        let mut server = Self::initdb(Vec::new())?;
+        server.spawn();
+        Some(server)
+    }
+
+    /// A primary for streaming replication: WAL for a standby (`wal_level = replica`,
+    /// WAL senders) and replication connections from 127.0.0.1 trusted; `synchronous`,
+    /// every commit also waits until a standby has flushed it
+    /// (`synchronous_standby_names = '*'`, `synchronous_commit = on`). The settings are
+    /// given on the command line, not in the configuration files a standby copies: a
+    /// standby promoted commits alone. `None` as [`start`](Self::start).
+    pub(crate) fn primary(synchronous: bool) -> Option<Self> {
+        let mut settings = vec!["wal_level=replica", "max_wal_senders=4"];
+        if synchronous {
+            settings.extend(["synchronous_standby_names=*", "synchronous_commit=on"]);
+        }
+        let mut server = Self::initdb(settings.into_iter().map(str::to_owned).collect())?;
+        let hba = server.data().join("pg_hba.conf");
+        let rules = std::fs::read_to_string(&hba).expect("initdb writes pg_hba.conf");
+        let replication = "host replication all 127.0.0.1/32 trust";
+        if !rules
+            .lines()
+            .any(|rule| rule.split_whitespace().eq(replication.split(' ')))
+        {
+            let mut file = std::fs::OpenOptions::new().append(true).open(&hba).unwrap();
+            writeln!(file, "{replication}").unwrap();
+        }
+        server.spawn();
+        Some(server)
+    }
+
+    /// A hot standby of this server, copied with `pg_basebackup -R` through `link`, a
+    /// port that leads to this server (a proxy the test can cut): the copy's
+    /// `primary_conninfo` names that port, so it streams through the link. Started on a
+    /// port of its own.
+    pub(crate) fn standby(&self, link: u16) -> Self {
+        let mut standby = Self::new(self.bin.clone(), Vec::new());
+        let copied = standby
+            .command("pg_basebackup")
+            .args(["-R", "-X", "stream", "-c", "fast", "--no-sync", "-D"])
+            .arg(standby.data())
+            .args(["-h", "127.0.0.1", "-U", "postgres", "-p"])
+            .arg(link.to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("pg_basebackup runs");
+        assert!(copied.success(), "pg_basebackup failed");
+        standby.spawn();
+        standby
+    }
+
+    /// Promotes this standby (`pg_ctl promote`), waiting until it has left recovery.
+    pub(crate) fn promote(&self) {
+        let promoted = self
+            .command("pg_ctl")
+            .args(["promote", "-w", "-t", "30", "-D"])
+            .arg(self.data())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("pg_ctl runs");
+        assert!(promoted.success(), "pg_ctl promote failed");
+    }
+
+    /// The port it listens on, on 127.0.0.1.
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A cluster made with `initdb`, not started; `None` as [`start`](Self::start).
+    fn initdb(settings: Vec<String>) -> Option<Self> {
         let Some(bin) = binaries() else {
             if std::env::var_os("CI").is_some() {
                 panic!("no PostgreSQL server binaries (initdb, postgres), and CI is set");
@@ -31,6 +108,23 @@ impl PostgresServer {
             eprintln!("SKIPPED: no PostgreSQL server binaries (initdb); these tests did not run");
             return None;
         };
+        let server = Self::new(bin, settings);
+        let data = server.data();
+        let initdb = server
+            .command("initdb")
+            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
+            .arg(&data)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("initdb runs");
+        assert!(initdb.success(), "initdb failed");
+        Some(server)
+    }
+
+    /// A server with no data yet: a free port, and an empty temporary directory that
+    /// the server's user owns.
+    fn new(bin: PathBuf, settings: Vec<String>) -> Self {
         let user = running_as_root().then(postgres_user).flatten();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -46,30 +140,19 @@ impl PostgresServer {
                 .as_nanos()
         ));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut server = Self {
+        if let Some((uid, gid)) = user {
+            let owner = format!("{uid}:{gid}");
+            let chown = Command::new("chown").arg(&owner).arg(&dir).status();
+            assert!(chown.is_ok_and(|s| s.success()), "chown {owner}");
+        }
+        Self {
             bin,
             dir,
             port,
             user,
+            settings,
             child: None,
-        };
-        if let Some((uid, gid)) = user {
-            let owner = format!("{uid}:{gid}");
-            let chown = Command::new("chown").arg(&owner).arg(&server.dir).status();
-            assert!(chown.is_ok_and(|s| s.success()), "chown {owner}");
         }
-        let data = server.data();
-        let initdb = server
-            .command("initdb")
-            .args(["-A", "trust", "-U", "postgres", "--no-sync", "-D"])
-            .arg(&data)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .expect("initdb runs");
-        assert!(initdb.success(), "initdb failed");
-        server.spawn();
-        Some(server)
     }
 
     fn data(&self) -> PathBuf {
@@ -105,6 +188,7 @@ impl PostgresServer {
                 "-c",
                 "max_connections=50",
             ])
+            .args(self.settings.iter().flat_map(|setting| ["-c", setting]))
             // Its own process group: a signal to the group reaches every backend.
             .process_group(0)
             .stdout(Stdio::null())
@@ -149,23 +233,22 @@ impl PostgresServer {
     /// starts no child meanwhile), then its children, any of which may have exited
     /// since they were listed.
     fn signal(&self, signal: &str) {
-        let kill = |pid: u32| {
-            Command::new("kill")
-                .arg(format!("-{signal}"))
-                .arg(pid.to_string())
-                .stderr(Stdio::null())
-                .status()
-                .expect("kill(1) runs")
-                .success()
-        };
+        // One kill(1) for them all, microseconds apart: a child that outlived the
+        // postmaster by the milliseconds a kill(1) each takes would notice its death
+        // and exit in order (a backend aborting its transaction in the WAL), which a
+        // crash does not do.
         let processes = self.processes();
+        let killed = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .args(processes.iter().map(u32::to_string))
+            .output()
+            .expect("kill(1) runs");
+        let postmaster = processes[0].to_string();
+        let errors = String::from_utf8_lossy(&killed.stderr);
         assert!(
-            kill(processes[0]),
-            "kill -{signal} of the postmaster failed"
+            !errors.lines().any(|line| line.contains(&postmaster)),
+            "kill -{signal} of the postmaster failed: {errors}"
         );
-        for child in &processes[1..] {
-            kill(*child);
-        }
     }
 
     /// Freezes every process of the server: connections stay open, nothing answers.
