@@ -67,14 +67,15 @@ const CUT_LEAD: Duration = Duration::from_millis(200);
 
 /// The trials share two cores and time a failover to the tens of milliseconds: one at
 /// a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(super) static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn full() -> bool {
+/// Whether `TOWER_IDS_FULL_TRIALS` asks for the whole matrix.
+pub(super) fn full() -> bool {
     std::env::var_os("TOWER_IDS_FULL_TRIALS").is_some_and(|v| v != "0" && !v.is_empty())
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Replication {
+pub(super) enum Replication {
     /// Every commit waits until the standby has flushed it.
     Synchronous,
     /// Commits do not wait for the standby.
@@ -111,25 +112,19 @@ impl Plan {
     }
 }
 
-/// A primary streaming to a standby through `link`, the replicas' `endpoint` on the
-/// primary, and two transactional replicas on it.
-struct Cluster {
-    primary: PostgresServer,
-    standby: PostgresServer,
-    link: Proxy,
-    endpoint: Proxy,
+/// A primary streaming to a standby through `link`, a proxy the test can cut, the
+/// standby caught up (and, with synchronous replication, the synchronous one).
+pub(super) struct Streaming {
+    pub(super) primary: PostgresServer,
+    pub(super) standby: PostgresServer,
+    pub(super) link: Proxy,
     /// Straight to the primary, for the test's own statements.
-    primary_pool: PgPool,
-    /// Straight to the standby.
-    standby_pool: PgPool,
-    ledger: Ledger,
-    a: Replica,
-    b: Replica,
+    pub(super) primary_pool: PgPool,
 }
 
-impl Cluster {
+impl Streaming {
     /// `None` (after saying so) when the PostgreSQL server binaries are missing.
-    async fn start(replication: Replication) -> Option<Self> {
+    pub(super) async fn start(replication: Replication) -> Option<Self> {
         let synchronous = replication == Replication::Synchronous;
         let primary = block_in_place(|| PostgresServer::primary(synchronous))?;
         let link = Proxy::start(primary.port()).await;
@@ -151,6 +146,55 @@ impl Cluster {
             assert!(Instant::now() < deadline, "the standby never streamed");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        Some(Self {
+            primary,
+            standby,
+            link,
+            primary_pool,
+        })
+    }
+}
+
+/// Promotes `standby` and waits until it has left recovery, as read on `standby_pool`
+/// (a pool straight to it).
+pub(super) async fn promote(standby: &PostgresServer, standby_pool: &PgPool) {
+    block_in_place(|| standby.promote());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, bool>("SELECT pg_is_in_recovery()")
+        .fetch_one(standby_pool)
+        .await
+        .unwrap()
+    {
+        assert!(Instant::now() < deadline, "the standby never left recovery");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A primary streaming to a standby through `link`, the replicas' `endpoint` on the
+/// primary, and two transactional replicas on it.
+struct Cluster {
+    primary: PostgresServer,
+    standby: PostgresServer,
+    link: Proxy,
+    endpoint: Proxy,
+    /// Straight to the primary, for the test's own statements.
+    primary_pool: PgPool,
+    /// Straight to the standby.
+    standby_pool: PgPool,
+    ledger: Ledger,
+    a: Replica,
+    b: Replica,
+}
+
+impl Cluster {
+    /// `None` (after saying so) when the PostgreSQL server binaries are missing.
+    async fn start(replication: Replication) -> Option<Self> {
+        let Streaming {
+            primary,
+            standby,
+            link,
+            primary_pool,
+        } = Streaming::start(replication).await?;
         faults::prepare(&primary_pool).await;
         sqlx::raw_sql(COMMIT_FAULTS)
             .execute(&primary_pool)
@@ -274,7 +318,7 @@ async fn probe(node: Replica, name: &'static str, moved: Instant) -> (Duration, 
 
 /// What backend `pid` waits on (`pg_stat_activity.wait_event`), `running` if nothing,
 /// `gone` if it is not there.
-async fn waiting_on(pool: &PgPool, pid: i32) -> String {
+pub(super) async fn waiting_on(pool: &PgPool, pid: i32) -> String {
     sqlx::query_scalar::<_, Option<String>>(
         "SELECT coalesce(wait_event, 'running') FROM pg_stat_activity WHERE pid = $1",
     )
@@ -460,16 +504,7 @@ async fn trial(plan: Plan) {
     let killed = Instant::now();
     let cut = cut.expect("the link is cut before the kill");
 
-    block_in_place(|| standby.promote());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while sqlx::query_scalar::<_, bool>("SELECT pg_is_in_recovery()")
-        .fetch_one(&standby_pool)
-        .await
-        .unwrap()
-    {
-        assert!(Instant::now() < deadline, "the standby never left recovery");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    promote(&standby, &standby_pool).await;
     let next_at_promotion = next_xid(&standby_pool).await;
     endpoint.move_to(standby.port());
     let moved = Instant::now();

@@ -16,9 +16,13 @@ mod contract;
 #[path = "../support/replica.rs"]
 mod replica;
 
+#[path = "../support/rabbitmq.rs"]
+mod rabbitmq;
+
 mod crash;
 mod database;
 mod failover;
+mod failover_messages;
 mod faults;
 mod proxy;
 mod server;
