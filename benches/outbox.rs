@@ -1,6 +1,6 @@
 //! The outbox's throughput and cost, by measurement: its `Relay` draining committed
 //! messages beside a plain producer loop publishing the same messages, on RabbitMQ and
-//! on Kafka, in the same run; and what `Outbox::enqueue_on` adds to a request's
+//! on Kafka, in the same run; and what `Outbox::enqueue` adds to a request's
 //! transaction.
 //!
 //! Groups `outbox_amqp` and `outbox_kafka` (throughput in messages; `<shape>/<row>`):
@@ -8,7 +8,7 @@
 //!   round robin), and `keys_1`, 1,000 messages of one key, the relay's worst case
 //!   (it publishes a key's messages one at a time, each confirmed before the next).
 //!   Payloads are 200-byte JSON documents, with a `content-type` header. Each shape is
-//!   enqueued once at the start through `Outbox::enqueue_on`, each message in a
+//!   enqueued once at the start through `Outbox::enqueue`, each message in a
 //!   correlation scope of its own as a request would, into a template table.
 //! - `relay`: before each iteration (untimed) the bench's outbox table is emptied and
 //!   refilled from the template with the row's destination, all committed; the timing
@@ -48,7 +48,7 @@
 //! Group `outbox_enqueue`: one request's transaction on a pool connection, `BEGIN`, an
 //! `INSERT` of a domain row (a UUID and the 200-byte document), then `COMMIT`:
 //! - `commit_only`: nothing more;
-//! - `enqueue`: `Outbox::enqueue_on` of a message without a partition key before the
+//! - `enqueue`: `Outbox::enqueue` of a message without a partition key before the
 //!   commit (one `INSERT ... RETURNING`);
 //! - `enqueue_keyed`: with a partition key among 100 (a `pg_advisory_xact_lock` on the
 //!   key first, then the `INSERT`).
@@ -103,7 +103,10 @@ use rdkafka::{
 use sqlx::{PgPool, Row as _};
 use tower_ids::{
     correlation::CorrelationId,
-    outbox::{amqp::AmqpSink, kafka::KafkaSink, Message, Outbox, Outgoing, Relay, Sink, SinkError},
+    outbox::{
+        amqp::AmqpSink, kafka::KafkaSink, Confirm, Message, Outbox, Outgoing, Relay, Sink,
+        SinkError,
+    },
 };
 
 /// A backlog the relay drains.
@@ -161,7 +164,9 @@ fn main() {
         return;
     };
     let pool = runtime.block_on(database.pool(POOL_CONNECTIONS));
-    let outbox = Outbox::new(pool.clone()).table(OUTBOX_TABLE);
+    let outbox = Outbox::new(pool.clone())
+        .table(OUTBOX_TABLE)
+        .expect("a plain table name");
     let templates: Vec<(Shape, Template)> = runtime.block_on(async {
         outbox.migrate().await.expect("migrate");
         let mut templates = Vec::new();
@@ -246,7 +251,9 @@ struct Plain {
 impl Template {
     async fn enqueue(pool: &PgPool, shape: Shape) -> Self {
         let table = format!("bench_template_{}", shape.name);
-        let outbox = Outbox::new(pool.clone()).table(&table);
+        let outbox = Outbox::new(pool.clone())
+            .table(&table)
+            .expect("a plain table name");
         outbox.migrate().await.expect("migrate the template");
         let mut transaction = pool.begin().await.expect("begin");
         for n in 0..shape.messages {
@@ -254,7 +261,7 @@ impl Template {
                 .partition_key(format!("key-{}", n % shape.keys))
                 .header("content-type", "application/json");
             CorrelationId::new()
-                .task_local(outbox.enqueue_on(&mut transaction, message))
+                .task_local(outbox.enqueue(&mut transaction, message))
                 .await
                 .expect("enqueue");
         }
@@ -361,7 +368,7 @@ struct Clock {
 }
 
 impl<S: Sink> Sink for Clocked<S> {
-    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<Confirm, SinkError> {
         let started = Instant::now();
         {
             let mut clock = self.clock.lock().unwrap();
@@ -370,23 +377,37 @@ impl<S: Sink> Sink for Clocked<S> {
             }
             clock.in_flight += 1;
         }
-        let published = self.inner.publish(message).await;
-        let ended = Instant::now();
-        let all = {
-            let mut clock = self.clock.lock().unwrap();
-            clock.in_flight -= 1;
-            clock.latency += ended - started;
-            clock.publications += 1;
-            if clock.in_flight == 0 {
-                let since = clock.since.take().expect("a publication in flight");
-                clock.busy += ended - since;
+        let sent = self.inner.publish(message).await;
+        let (clock, done, target) = (self.clock.clone(), self.done.clone(), self.target);
+        // A publication ends with its acknowledgement (or a send that failed).
+        let ended = move || {
+            let ended = Instant::now();
+            let all = {
+                let mut clock = clock.lock().unwrap();
+                clock.in_flight -= 1;
+                clock.latency += ended - started;
+                clock.publications += 1;
+                if clock.in_flight == 0 {
+                    let since = clock.since.take().expect("a publication in flight");
+                    clock.busy += ended - since;
+                }
+                clock.publications >= target
+            };
+            if all {
+                done.send_replace(true);
             }
-            clock.publications >= self.target
         };
-        if all {
-            self.done.send_replace(true);
+        match sent {
+            Ok(confirm) => Ok(Confirm::later(async move {
+                let acknowledged = confirm.await;
+                ended();
+                acknowledged
+            })),
+            Err(error) => {
+                ended();
+                Err(error)
+            }
         }
-        published
     }
 }
 
@@ -395,8 +416,8 @@ impl<S: Sink> Sink for Clocked<S> {
 struct NullSink;
 
 impl Sink for NullSink {
-    async fn publish(&self, _: &Outgoing<'_>) -> Result<(), SinkError> {
-        Ok(())
+    async fn publish(&self, _: &Outgoing<'_>) -> Result<Confirm, SinkError> {
+        Ok(Confirm::taken())
     }
 }
 
@@ -438,7 +459,7 @@ struct AmqpUnconfirmed {
 }
 
 impl Sink for AmqpUnconfirmed {
-    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<Confirm, SinkError> {
         let properties = BasicProperties::default()
             .with_delivery_mode(2)
             .with_headers(amqp_headers(message));
@@ -457,7 +478,7 @@ impl Sink for AmqpUnconfirmed {
             .await
             .map_err(SinkError::unavailable)?;
         self.pending.lock().unwrap().push(confirm);
-        Ok(())
+        Ok(Confirm::taken())
     }
 }
 
@@ -482,7 +503,7 @@ struct KafkaUnconfirmed {
 }
 
 impl Sink for KafkaUnconfirmed {
-    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<Confirm, SinkError> {
         let mut headers = OwnedHeaders::new();
         for (name, value) in message.headers() {
             headers = headers.insert(Header {
@@ -501,7 +522,7 @@ impl Sink for KafkaUnconfirmed {
             .send_result(record)
             .map_err(|(error, _)| SinkError::unavailable(error))?;
         self.pending.lock().unwrap().push(delivery);
-        Ok(())
+        Ok(Confirm::taken())
     }
 }
 
@@ -1135,7 +1156,9 @@ fn enqueue_group(
     pool: &PgPool,
     kept: &mut Kept,
 ) {
-    let outbox = Outbox::new(pool.clone()).table(ENQUEUE_TABLE);
+    let outbox = Outbox::new(pool.clone())
+        .table(ENQUEUE_TABLE)
+        .expect("a plain table name");
     runtime.block_on(async {
         outbox.migrate().await.expect("migrate");
         sqlx::raw_sql("CREATE TABLE bench_orders (id text PRIMARY KEY, body bytea NOT NULL)")
@@ -1218,14 +1241,14 @@ async fn request(pool: &PgPool, outbox: &Outbox, enqueue: Enqueue, n: u64) {
         Enqueue::None => {}
         Enqueue::Unkeyed => {
             outbox
-                .enqueue_on(&mut transaction, message)
+                .enqueue(&mut transaction, message)
                 .await
                 .expect("enqueue");
         }
         Enqueue::Keyed => {
             let message = message.partition_key(format!("key-{}", n % ENQUEUE_KEYS));
             outbox
-                .enqueue_on(&mut transaction, message)
+                .enqueue(&mut transaction, message)
                 .await
                 .expect("enqueue");
         }

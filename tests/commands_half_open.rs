@@ -139,7 +139,7 @@ async fn the_demo_survives_20000_half_open_connections() {
         "the half-open connections were still open while the requests were answered"
     );
     let resident = resident_kib(demo.pid());
-    assert!(demo.logged("commands.accept_failed").is_empty());
+    assert!(demo.logged("http.accept_failed").is_empty());
 
     // The demo closes every one of them after its header-read timeout: a read returns
     // EOF. (They have sent all they will, so the close is a clean FIN.)

@@ -223,16 +223,18 @@ mod database;
 /// letters by destination.
 #[tokio::test]
 async fn the_outbox_relay_reports_its_backlog_publications_and_failures() {
-    use tower_ids::outbox::{metrics as names, Message, Outbox, Outgoing, Sink, SinkError};
+    use tower_ids::outbox::{
+        metrics as names, Confirm, Message, Outbox, Outgoing, Sink, SinkError,
+    };
 
     /// Takes every message but those for `refused`.
     struct Refusing;
     impl Sink for Refusing {
-        async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+        async fn publish(&self, message: &Outgoing<'_>) -> Result<Confirm, SinkError> {
             if message.destination() == "refused" {
                 return Err(SinkError::rejected("no such queue"));
             }
-            Ok(())
+            Ok(Confirm::taken())
         }
     }
 
@@ -247,12 +249,12 @@ async fn the_outbox_relay_reports_its_backlog_publications_and_failures() {
     let mut connection = pool.acquire().await.unwrap();
     for n in 0..3 {
         outbox
-            .enqueue_on(&mut connection, Message::new("orders", format!("{n}")))
+            .enqueue(&mut connection, Message::new("orders", format!("{n}")))
             .await
             .unwrap();
     }
     outbox
-        .enqueue_on(&mut connection, Message::new("refused", "x"))
+        .enqueue(&mut connection, Message::new("refused", "x"))
         .await
         .unwrap();
     sqlx::query("UPDATE tower_ids_outbox SET enqueued_at = now() - interval '90 seconds'")

@@ -164,7 +164,7 @@
 //!   head (a control byte in a header value, two `Content-Length`s) is `400`, more than
 //!   100 header lines or a head over hyper's read buffer (about 400 KiB) `431`, a path
 //!   over 65,534 bytes `414`, each with an empty body and `Connection: close` (and a
-//!   DEBUG `commands.connection_closed`); hyper has no hook to answer those otherwise.
+//!   DEBUG `http.connection_closed`); hyper has no hook to answer those otherwise.
 //!
 //! # Try it
 //!
@@ -237,7 +237,7 @@
 //! the same URL serves the same commands:
 //!
 //! - `POST /commands` inserts the command and enqueues its `command.created` event in
-//!   the library's outbox ([`Outbox::enqueue_on`], the device as partition key; the
+//!   the library's outbox ([`Outbox::enqueue`], the device as partition key; the
 //!   outbox keeps the request's correlation ID and trace context with it) on the
 //!   request's `Transaction`, which the idempotency layer commits with the response's
 //!   record after the handler has answered: the command, the outbox message and the
@@ -352,10 +352,10 @@
 //! | `commands.body_refused` | INFO | a request body stalled (`reason` = `timeout`) or grew past the limit (`too_large`) |
 //! | `commands.not_found` | INFO | an unknown command ID was asked for |
 //! | `commands.overloaded` | DEBUG | a request was shed (DEBUG: under overload, a line per request would add to it) |
-//! | `commands.connection_closed` | DEBUG | a connection ended in an error: the client hung up, or sent no request head within `--header-read-timeout-ms` |
+//! | `http.connection_closed` | DEBUG | a connection ended in an error: the client hung up, or sent no request head within `--header-read-timeout-ms` |
 //! | `commands.open_files_limit_failed` | WARN | the open-files limit could not be raised |
 //! | `commands.internal_error` | ERROR | an error reached the limits' error handler that was not a shed request (none is expected) |
-//! | `commands.accept_failed` | WARN | accepting a connection failed (for example out of file descriptors); the loop pauses 100 ms |
+//! | `http.accept_failed` | WARN | accepting a connection failed (for example out of file descriptors); the loop pauses 100 ms |
 //! | `commands.shutting_down` | INFO | Ctrl-C or SIGTERM (`signal`): the listener is closed, the requests in flight finish |
 //! | `shutdown.drained` | INFO | every connection is done and the idempotency layer owes its store nothing (`waited_ms`; `pending`: what it owed when the wait began) |
 //! | `shutdown.drain_incomplete` | WARN | `--drain-timeout-ms` passed with work still owed (`unsettled`); each piece was named in an `idempotency.drain_unsettled` WARN in its request's span |
@@ -376,7 +376,7 @@
 //! [`MokaStore`]: tower_ids::idempotency::MokaStore
 //! [`MessageCorrelation::inject_current`]: tower_ids::correlation::MessageCorrelation::inject_current
 //! [`IdempotencyKey::inject`]: tower_ids::idempotency::IdempotencyKey::inject
-//! [`Outbox::enqueue_on`]: tower_ids::outbox::Outbox::enqueue_on
+//! [`Outbox::enqueue`]: tower_ids::outbox::Outbox::enqueue
 //! [`Relay`]: tower_ids::outbox::Relay
 
 // glibc's malloc makes a thread that frees memory another thread allocated wait on that
@@ -389,6 +389,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod api;
 mod broker;
+#[path = "../support/http1.rs"]
+mod http1;
 mod load;
 mod memory;
 #[cfg(feature = "metrics")]
@@ -428,8 +430,8 @@ use crate::{
     publisher::{publish, QUEUE_CAPACITY},
     routes::{app, AppState, Storage},
     server::{
-        listen, raise_open_files_limit, serve, Limits, BODY_TIMEOUT_MS, HEADER_READ_TIMEOUT_MS,
-        MAX_BODY_BYTES, MAX_CONCURRENT_REQUESTS, REQUEST_TIMEOUT_MS,
+        listen, raise_open_files_limit, shutdown_signal, Limits, BODY_TIMEOUT_MS,
+        HEADER_READ_TIMEOUT_MS, MAX_BODY_BYTES, MAX_CONCURRENT_REQUESTS, REQUEST_TIMEOUT_MS,
     },
 };
 
@@ -693,7 +695,7 @@ async fn main() -> std::io::Result<()> {
     };
     #[cfg(not(feature = "redis"))]
     let (app, drain) = app_with(state, MokaStore::new(), "memory", &args, limits);
-    serve(listener, app, limits.header_read_timeout).await;
+    http1::serve(listener, app, limits.header_read_timeout, shutdown_signal()).await;
     // Every connection is done; what the idempotency layer still owes the store (an
     // outcome kept while Redis was away, a handler whose client hung up) is not.
     shutdown::drain(&[drain], args.drain.timeout()).await;
@@ -729,7 +731,7 @@ async fn run_on_database(
 
     let listener = listen_logged(args.addr)?;
     let (app, drain) = app_with(app_state(database, args), store, "postgres", args, limits);
-    serve(listener, app, limits.header_read_timeout).await;
+    http1::serve(listener, app, limits.header_read_timeout, shutdown_signal()).await;
     shutdown::drain(&[drain], args.drain.timeout()).await;
 
     // The requests in flight have finished: the relay ends its round and stops.

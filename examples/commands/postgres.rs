@@ -4,7 +4,7 @@
 //! A `POST` writes in the request's [`Transaction`], which the idempotency layer (over a
 //! [`PostgresStore`] on the same pool) commits together with the response's record once
 //! the handler has answered: a create's command row, its `command.created` message in
-//! the library's outbox ([`Outbox::enqueue_on`], table `tower_ids_outbox`) and the
+//! the library's outbox ([`Outbox::enqueue`], table `tower_ids_outbox`) and the
 //! record commit together or not at all. The same transaction holds the key (the
 //! store's transactional mode), so a process that dies before the commit leaves nothing
 //! at all, and a retry runs at once; one that dies after it leaves the record, and a
@@ -213,7 +213,7 @@ impl Storage for Database {
         .expect("an event serialises");
         let message = Message::new("command.created", event).partition_key(&command.device_id);
         self.outbox
-            .enqueue_on(writes.connection(), message)
+            .enqueue(writes.connection(), message)
             .await
             .map_err(|error| ApiError::database(&error, "enqueueing the event"))?;
         writes.finish().await?;

@@ -28,7 +28,7 @@ use tokio::{
 };
 use tower_ids::{
     correlation::Carrier as _,
-    outbox::{Outgoing, Relay, Sink, SinkError},
+    outbox::{Confirm, Outgoing, Relay, Sink, SinkError},
 };
 
 use crate::{broker::Broker, postgres::Database};
@@ -117,7 +117,14 @@ struct Created {
 }
 
 impl Sink for CommandSink {
-    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+    // Waits for the broker in `publish`: a command's event is published one at a time.
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<Confirm, SinkError> {
+        self.deliver(message).await.map(|()| Confirm::taken())
+    }
+}
+
+impl CommandSink {
+    async fn deliver(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
         // Enqueued by `Database::create`: not expected to fail.
         let event: Created = serde_json::from_slice(message.payload())
             .map_err(|error| SinkError::rejected(format!("not a command event: {error}")))?;

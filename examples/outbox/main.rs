@@ -37,6 +37,8 @@
 
 #[path = "../support/database.rs"]
 mod database;
+#[path = "../support/http1.rs"]
+mod http1;
 #[path = "../support/shutdown.rs"]
 mod shutdown;
 
@@ -64,6 +66,19 @@ use tower_ids::{
 /// Payments one request may carry: enough for a batch, few enough that a request holds
 /// its accounts' locks for milliseconds.
 const MAX_PAYMENTS: usize = 100;
+
+/// The largest amount one payment may carry (in cents: 1,000,000.00): the inbox adds
+/// amounts into a `bigint` balance, so a payment it could never apply is refused here,
+/// with a `400`, rather than accepted with a `201` and left to fail at the consumer.
+const MAX_AMOUNT: i64 = 100_000_000;
+
+/// The longest account name, in characters.
+const MAX_ACCOUNT_CHARS: usize = 64;
+
+/// How long a connection may take to send a request's head (and stay idle between
+/// requests): as the `commands` demo, so a client that holds a half-sent head open
+/// never holds up a stop.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest a relay waits between tries while the broker is away (the library's
 /// default is 30 s): a broker back, or a connection the broker closed, is used again
@@ -276,20 +291,14 @@ async fn serve(
     let listener = tokio::net::TcpListener::bind(cli.listen).await?;
     let url = format!("http://{}", listener.local_addr()?);
     tracing::info!(event = "outbox.ready", url = %url, broker = ?cli.broker, "listening on {url}");
-    let signal = tokio::sync::watch::channel(None::<&'static str>);
-    let (stop, mut stopping) = signal;
-    tokio::spawn(async move {
-        let _ = stop.send(Some(shutdown::signal().await));
-    });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let _ = stopping.wait_for(Option::is_some).await;
-            tracing::info!(
-                event = "outbox.stopping",
-                "stopping: no new requests, finishing those in flight"
-            );
-        })
-        .await?;
+    http1::serve(listener, app, HEADER_READ_TIMEOUT, async {
+        shutdown::signal().await;
+        tracing::info!(
+            event = "outbox.stopping",
+            "stopping: no new requests, finishing those in flight"
+        );
+    })
+    .await;
     shutdown::drain(&[drain], args.drain.timeout()).await;
     tracing::info!(event = "outbox.stopped", "stopped");
     Ok(())
@@ -321,6 +330,15 @@ async fn schema(pool: &PgPool) -> Result<(), sqlx::Error> {
     transaction.commit().await
 }
 
+/// Whether the inbox can apply `payment`: an account it can store and an amount its
+/// balances can add.
+fn applicable(payment: &Payment) -> bool {
+    let chars = payment.account.chars().count();
+    (1..=MAX_ACCOUNT_CHARS).contains(&chars)
+        && !payment.account.chars().any(char::is_control)
+        && (1..=MAX_AMOUNT).contains(&payment.amount)
+}
+
 /// `POST /payments`: each payment numbered, written and enqueued in the request's
 /// transaction, which the layer commits with the `201`.
 async fn pay(
@@ -334,12 +352,9 @@ async fn pay(
             "a request carries 1 to {MAX_PAYMENTS} payments"
         )));
     }
-    if let Some(bad) = payments
-        .iter()
-        .find(|p| p.account.is_empty() || p.amount <= 0)
-    {
+    if let Some(bad) = payments.iter().find(|p| !applicable(p)) {
         return Err(Problem::invalid(format!(
-            "a payment needs an account and an amount above 0: {bad:?}"
+            "a payment needs an account of 1 to {MAX_ACCOUNT_CHARS} printable characters and an amount of 1 to {MAX_AMOUNT}: {bad:?}"
         )));
     }
     // Account order: two requests lock the accounts they share in the same order, so
@@ -347,11 +362,12 @@ async fn pay(
     let mut order: Vec<usize> = (0..payments.len()).collect();
     order.sort_by(|&a, &b| payments[a].account.cmp(&payments[b].account));
     let mut keys = vec![String::new(); payments.len()];
+    // The transaction's connection, for the payments' writes and their messages alike.
+    let mut connection = tx.lock().await.map_err(Problem::internal)?;
     for index in order {
         let payment = &payments[index];
         let key = format!("pay-{}", uuid::Uuid::now_v7());
         {
-            let mut connection = tx.lock().await.map_err(Problem::internal)?;
             // The next number of the account: the row stays locked to the commit, so
             // numbers follow commit order.
             sqlx::query(
@@ -368,7 +384,7 @@ async fn pay(
             .execute(&mut *connection)
             .await
             .map_err(Problem::internal)?;
-        } // the connection goes back to the transaction before the enqueue takes it
+        }
         let body = serde_json::to_vec(&Sent {
             idempotency_key: &key,
             account: &payment.account,
@@ -380,7 +396,7 @@ async fn pay(
             .header("content-type", "application/json")
             .idempotency_key(IdempotencyKey::new(&key).map_err(Problem::internal)?);
         app.outbox
-            .enqueue(&tx, message)
+            .enqueue(&mut connection, message)
             .await
             .map_err(Problem::internal)?;
         keys[index] = key;

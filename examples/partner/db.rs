@@ -268,8 +268,7 @@ impl PlannerDb {
                 .execute(&mut *connection)
                 .await
                 .map_err(failed)?;
-                drop(writes);
-                if let (Some(kafka), Some(transaction)) = (kafka, transaction) {
+                if let (Some(kafka), Some(_)) = (kafka, transaction) {
                     // In the request's transaction, after the feed's lock: the record
                     // commits with the event, and the outbox keeps each warehouse's
                     // records in commit order, which is feed order.
@@ -279,7 +278,7 @@ impl PlannerDb {
                         .idempotency_key(record.idempotency_key);
                     kafka
                         .outbox
-                        .enqueue(transaction, message)
+                        .enqueue(connection, message)
                         .await
                         .map_err(|error| Problem::database(&error, "enqueuing the Kafka record"))?;
                 }

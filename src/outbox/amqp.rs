@@ -1,35 +1,48 @@
 //! [`AmqpSink`]: the outbox's messages to a RabbitMQ exchange (lapin), with publisher
 //! confirms.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use lapin::{
     options::{BasicPublishOptions, ConfirmSelectOptions},
     types::{AMQPValue, FieldTable, LongString, ShortString},
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind,
+    PublisherConfirm,
 };
 use tokio::sync::Mutex;
 
-use super::{Outgoing, Sink, SinkError};
+use super::{Confirm, Outgoing, Sink, SinkError};
 
 /// Publishes each message to one exchange with its destination as the routing key,
-/// persistent, `mandatory`, and waits for the broker's confirm.
+/// persistent, `mandatory`, on one channel in confirm mode.
 ///
 /// - Its headers go into the message's header table, its partition key into the
 ///   `x-partition-key` header.
-/// - A message no queue takes (returned as unroutable), a nack, or a channel error
-///   about the message (a missing exchange, a refused access) is
+/// - A key's messages are in flight together: RabbitMQ handles a channel's publications
+///   in the order sent, and the relay awaits their confirms in that order.
+/// - A message no queue takes (returned as unroutable), or a channel error about the
+///   message (a missing exchange, a refused access, too large) is
 ///   [rejected](SinkError::rejected): the relay tries it again later and dead-letters
 ///   it after its attempts. A channel the broker closes fails every confirm pending on
 ///   it, so a message caught by another's channel error is first sent again alone on a
 ///   new channel, and refused only if it fails there too.
-/// - A connection or channel that fails otherwise is
-///   [unavailable](SinkError::unavailable): the next publication connects again.
+/// - A nack (a queue at its `x-max-length` with `x-overflow: reject-publish` refuses
+///   so), and a connection or channel that fails otherwise, are
+///   [unavailable](SinkError::unavailable): the relay backs off without counting an
+///   attempt, and the next publication connects again if it must. A key's messages
+///   sent after a nacked one may have been taken before room ran out: they are sent
+///   again after it, so a consumer sees them before it and again after it (the inbox
+///   absorbs the repeats).
 ///
 /// The exchange must exist (declare it, and bind the consumers' queues, at the
 /// application's start).
 #[derive(Debug)]
 pub struct AmqpSink {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
     uri: String,
     exchange: String,
     connect_timeout: Duration,
@@ -42,26 +55,40 @@ struct Open {
     channel: Channel,
 }
 
+/// One message as it goes on the wire, kept to send it again alone.
+struct Publication {
+    routing_key: ShortString,
+    payload: Vec<u8>,
+    properties: BasicProperties,
+}
+
 impl AmqpSink {
     /// A sink to `exchange` on the broker at `uri` (`amqp://user:pass@host:port/vhost`);
     /// `""` is the default exchange, where the destination is a queue's name. It
     /// connects at its first publication.
     pub fn new(uri: impl Into<String>, exchange: impl Into<String>) -> Self {
         Self {
-            uri: uri.into(),
-            exchange: exchange.into(),
-            connect_timeout: Duration::from_secs(5),
-            open: Mutex::new(None),
+            inner: Arc::new(Inner {
+                uri: uri.into(),
+                exchange: exchange.into(),
+                connect_timeout: Duration::from_secs(5),
+                open: Mutex::new(None),
+            }),
         }
     }
 
     /// How long connecting may take before the broker counts as unavailable (5 s).
     #[must_use]
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        // Only a publication under way shares `inner`, and it borrows the sink.
+        Arc::get_mut(&mut self.inner)
+            .expect("no publication is under way")
+            .connect_timeout = timeout;
         self
     }
+}
 
+impl Inner {
     /// The channel, opening one first if there is none (on the connection, when it is
     /// still open: a channel the broker closed for one message leaves it open).
     async fn channel(&self) -> Result<Channel, SinkError> {
@@ -102,15 +129,70 @@ impl AmqpSink {
         *open = Some(opened);
         Ok(channel)
     }
-}
 
-impl AmqpSink {
-    /// Publishes `message` on `channel` and waits for its confirm.
+    /// Sends `publication` on `channel`: what to await for its confirm.
     async fn send(
         &self,
         channel: &Channel,
-        message: &Outgoing<'_>,
-    ) -> Result<Confirmation, lapin::Error> {
+        publication: &Publication,
+    ) -> Result<PublisherConfirm, lapin::Error> {
+        channel
+            .basic_publish(
+                ShortString::from(self.exchange.as_str()),
+                publication.routing_key.clone(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &publication.payload,
+                publication.properties.clone(),
+            )
+            .await
+    }
+
+    /// Sends `publication` again alone on a new channel (the lock keeps other
+    /// publications off it) and waits for its confirm: after the broker closed a channel
+    /// for one of the messages on it, not necessarily this one. Refused only if it is
+    /// the cause.
+    async fn alone(&self, publication: &Publication) -> Result<(), SinkError> {
+        let mut open = self.open.lock().await;
+        let channel = self.ensure(&mut open).await?;
+        let confirmed = match self.send(&channel, publication).await {
+            Ok(confirm) => confirm.await,
+            Err(error) => Err(error),
+        };
+        match confirmed {
+            Ok(confirmation) => self.taken(confirmation, publication),
+            Err(error) if is_soft(&error) => Err(SinkError::rejected(error)),
+            Err(error) => Err(SinkError::unavailable(error)),
+        }
+    }
+
+    /// What the broker's confirmation says of `publication`.
+    fn taken(
+        &self,
+        confirmation: Confirmation,
+        publication: &Publication,
+    ) -> Result<(), SinkError> {
+        match confirmation {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(SinkError::rejected(format!(
+                "no queue is bound to routing key {:?} on exchange {:?} (returned unroutable)",
+                publication.routing_key.as_str(),
+                self.exchange
+            ))),
+            Confirmation::Nack(_) => Err(SinkError::unavailable(
+                "the broker nacked the message (a full queue with reject-publish refuses so)",
+            )),
+            Confirmation::NotRequested => {
+                Err(SinkError::unavailable("the channel is not in confirm mode"))
+            }
+        }
+    }
+}
+
+impl Sink for AmqpSink {
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<Confirm, SinkError> {
         let mut headers = FieldTable::default();
         for (name, value) in message.headers() {
             headers.insert(
@@ -124,59 +206,31 @@ impl AmqpSink {
                 AMQPValue::LongString(LongString::from(key)),
             );
         }
-        let properties = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_headers(headers);
-        channel
-            .basic_publish(
-                ShortString::from(self.exchange.as_str()),
-                ShortString::from(message.destination()),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                message.payload(),
-                properties,
-            )
-            .await?
-            .await
-    }
-}
-
-impl Sink for AmqpSink {
-    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
-        let channel = self.channel().await?;
-        let confirmation = match self.send(&channel, message).await {
-            Ok(confirmation) => confirmation,
+        let publication = Publication {
+            routing_key: ShortString::from(message.destination()),
+            payload: message.payload().to_vec(),
+            properties: BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_headers(headers),
+        };
+        let inner = self.inner.clone();
+        let channel = inner.channel().await?;
+        let confirm = match inner.send(&channel, &publication).await {
+            Ok(confirm) => confirm,
+            // The channel was closed for an earlier message.
             Err(error) if is_soft(&error) => {
-                // The broker closed the channel for one of the messages on it, not
-                // necessarily this one: every confirm pending on a closed channel fails
-                // with the same error. This one again, alone on a new channel (the lock
-                // keeps other publications off it), is refused only if it is the cause.
-                let mut open = self.open.lock().await;
-                let channel = self.ensure(&mut open).await?;
-                self.send(&channel, message).await.map_err(|error| {
-                    if is_soft(&error) {
-                        SinkError::rejected(error)
-                    } else {
-                        SinkError::unavailable(error)
-                    }
-                })?
+                inner.alone(&publication).await?;
+                return Ok(Confirm::taken());
             }
             Err(error) => return Err(SinkError::unavailable(error)),
         };
-        match confirmation {
-            Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(_)) => Err(SinkError::rejected(format!(
-                "no queue is bound to routing key {:?} on exchange {:?} (returned unroutable)",
-                message.destination(),
-                self.exchange
-            ))),
-            Confirmation::Nack(_) => Err(SinkError::rejected("the broker nacked the message")),
-            Confirmation::NotRequested => {
-                Err(SinkError::unavailable("the channel is not in confirm mode"))
+        Ok(Confirm::later(async move {
+            match confirm.await {
+                Ok(confirmation) => inner.taken(confirmation, &publication),
+                Err(error) if is_soft(&error) => inner.alone(&publication).await,
+                Err(error) => Err(SinkError::unavailable(error)),
             }
-        }
+        }))
     }
 }
 

@@ -5,10 +5,7 @@ use std::collections::BTreeMap;
 use sqlx::PgConnection;
 
 use super::{partition_lock, Outbox, OutboxError, ENQUEUE_LOCK_CLASS};
-use crate::{
-    correlation::CorrelationId,
-    idempotency::{store::Transaction, IdempotencyKey},
-};
+use crate::{correlation::CorrelationId, idempotency::IdempotencyKey};
 
 /// A message to publish once the transaction that enqueues it commits.
 ///
@@ -87,33 +84,19 @@ impl Message {
 pub struct MessageId(pub i64);
 
 impl Outbox {
-    /// Enqueues `message` in the request's transaction: it is published once the
-    /// transaction commits, and never if it rolls back. Records the current correlation
-    /// ID and, with `opentelemetry`, the current span's trace context.
+    /// Enqueues `message` on `connection`, in the transaction it is in: the message is
+    /// published once that transaction commits, and never if it rolls back. Records the
+    /// current correlation ID and, with `opentelemetry`, the current span's trace
+    /// context.
+    ///
+    /// `connection` is what the handler already holds for its own writes: the guard of
+    /// the request's [`Transaction`](crate::idempotency::store::Transaction)
+    /// (`&mut guard`), or a sqlx transaction of your own (`&mut tx`). (On a connection
+    /// in autocommit the message is committed at once.)
     ///
     /// With a partition key, waits for other open transactions that enqueued with the
     /// same key to end (see [`Message::partition_key`]).
-    ///
-    /// It locks the transaction for its statements: a handler that holds the
-    /// transaction's guard (from [`Transaction::lock`]) drops it first, or calls
-    /// [`enqueue_on`](Self::enqueue_on)`(&mut guard, message)` instead (it would wait
-    /// for itself otherwise).
     pub async fn enqueue(
-        &self,
-        transaction: &Transaction,
-        message: Message,
-    ) -> Result<MessageId, OutboxError> {
-        let mut connection = transaction
-            .lock()
-            .await
-            .map_err(|_| OutboxError::new("the request's transaction is over"))?;
-        self.enqueue_on(&mut connection, message).await
-    }
-
-    /// [`enqueue`](Self::enqueue) on a connection in a transaction of your own (the
-    /// message commits with it). On a connection in autocommit, the message is
-    /// committed at once.
-    pub async fn enqueue_on(
         &self,
         connection: &mut PgConnection,
         message: Message,
@@ -125,14 +108,6 @@ impl Outbox {
             payload,
             idempotency_key,
         } = message;
-        if let Some(key) = &partition_key {
-            sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
-                .bind(ENQUEUE_LOCK_CLASS)
-                .bind(partition_lock(key))
-                .execute(&mut *connection)
-                .await
-                .map_err(|e| OutboxError::database("could not lock the partition key", e))?;
-        }
         let idempotency_key = match idempotency_key {
             Some(key) => key,
             None => IdempotencyKey::new(&uuid::Uuid::now_v7().to_string())
@@ -140,13 +115,14 @@ impl Outbox {
         };
         let (traceparent, tracestate) = trace_context();
         let headers = serde_json::to_string(&headers).expect("a map of strings serialises");
-        let sql = format!(
-            "INSERT INTO {} (destination, partition_key, idempotency_key, headers, payload, \
-               correlation_id, traceparent, tracestate) \
-             VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8) RETURNING id",
-            self.shared.table
-        );
-        let id: i64 = sqlx::query_scalar(&sql)
+        let sql = &self.shared.sql;
+        let lock = partition_key.as_deref().map(partition_lock);
+        let statement = if lock.is_some() {
+            &sql.enqueue_keyed
+        } else {
+            &sql.enqueue
+        };
+        let mut query = sqlx::query_scalar::<_, i64>(statement)
             .bind(destination)
             .bind(partition_key)
             .bind(idempotency_key.as_str())
@@ -154,7 +130,11 @@ impl Outbox {
             .bind(payload)
             .bind(CorrelationId::current().map(|id| id.as_str().to_owned()))
             .bind(traceparent)
-            .bind(tracestate)
+            .bind(tracestate);
+        if let Some(lock) = lock {
+            query = query.bind(ENQUEUE_LOCK_CLASS).bind(lock);
+        }
+        let id = query
             .fetch_one(&mut *connection)
             .await
             .map_err(|e| OutboxError::database("could not enqueue the message", e))?;

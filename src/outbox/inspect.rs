@@ -35,14 +35,10 @@ impl Outbox {
     /// How many messages are pending (committed, neither published nor dead), and how
     /// long the oldest has waited.
     pub async fn backlog(&self) -> Result<(u64, Option<Duration>), OutboxError> {
-        let table = &self.shared.table;
-        let row = sqlx::query(&format!(
-            "SELECT count(*), EXTRACT(EPOCH FROM now() - min(enqueued_at))::float8 \
-             FROM {table} WHERE published_at IS NULL AND dead_at IS NULL"
-        ))
-        .fetch_one(&self.shared.pool)
-        .await
-        .map_err(|e| OutboxError::database("could not measure the backlog", e))?;
+        let row = sqlx::query(&self.shared.sql.backlog)
+            .fetch_one(&self.shared.pool)
+            .await
+            .map_err(|e| OutboxError::database("could not measure the backlog", e))?;
         let count: i64 = row.get(0);
         let age: Option<f64> = row.get(1);
         Ok((
@@ -53,17 +49,11 @@ impl Outbox {
 
     /// The dead letters, oldest first, up to `limit`.
     pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>, OutboxError> {
-        let table = &self.shared.table;
-        let rows = sqlx::query(&format!(
-            "SELECT id, destination, partition_key, idempotency_key, payload, attempts, last_error, \
-               EXTRACT(EPOCH FROM enqueued_at)::float8 AS enqueued_at, \
-               EXTRACT(EPOCH FROM dead_at)::float8 AS dead_at \
-             FROM {table} WHERE dead_at IS NOT NULL ORDER BY id LIMIT $1"
-        ))
-        .bind(limit)
-        .fetch_all(&self.shared.pool)
-        .await
-        .map_err(|e| OutboxError::database("could not read the dead letters", e))?;
+        let rows = sqlx::query(&self.shared.sql.dead_letters)
+            .bind(limit)
+            .fetch_all(&self.shared.pool)
+            .await
+            .map_err(|e| OutboxError::database("could not read the dead letters", e))?;
         let at = |seconds: f64| SystemTime::UNIX_EPOCH + Duration::from_secs_f64(seconds.max(0.0));
         Ok(rows
             .iter()
@@ -87,15 +77,11 @@ impl Outbox {
     /// before it: a requeued message breaks its key's commit order, as its dead letter
     /// did.
     pub async fn requeue(&self, id: MessageId) -> Result<bool, OutboxError> {
-        let table = &self.shared.table;
-        let done = sqlx::query(&format!(
-            "UPDATE {table} SET dead_at = NULL, attempts = 0, next_attempt_at = now() \
-             WHERE id = $1 AND dead_at IS NOT NULL"
-        ))
-        .bind(id.0)
-        .execute(&self.shared.pool)
-        .await
-        .map_err(|e| OutboxError::database("could not requeue the message", e))?;
+        let done = sqlx::query(&self.shared.sql.requeue)
+            .bind(id.0)
+            .execute(&self.shared.pool)
+            .await
+            .map_err(|e| OutboxError::database("could not requeue the message", e))?;
         Ok(done.rows_affected() == 1)
     }
 }

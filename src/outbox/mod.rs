@@ -31,16 +31,14 @@
 //!     Json(order): Json<serde_json::Value>,
 //! ) -> Result<&'static str, String> {
 //!     let id = order["id"].as_str().unwrap_or_default().to_owned();
-//!     {
-//!         let mut connection = tx.lock().await.map_err(|e| e.to_string())?;
-//!         sqlx::query("INSERT INTO orders (id) VALUES ($1)")
-//!             .bind(&id)
-//!             .execute(&mut *connection)
-//!             .await
-//!             .map_err(|e| e.to_string())?;
-//!     }
+//!     let mut connection = tx.lock().await.map_err(|e| e.to_string())?;
+//!     sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+//!         .bind(&id)
+//!         .execute(&mut *connection)
+//!         .await
+//!         .map_err(|e| e.to_string())?;
 //!     let message = Message::new("order.created", order.to_string()).partition_key(id);
-//!     outbox.enqueue(&tx, message).await.map_err(|e| e.to_string())?;
+//!     outbox.enqueue(&mut connection, message).await.map_err(|e| e.to_string())?;
 //!     Ok("created")
 //! }
 //!
@@ -63,8 +61,10 @@
 
 mod enqueue;
 mod inspect;
+mod publish;
 mod relay;
 mod sink;
+mod sql;
 mod take;
 
 #[cfg(feature = "amqp")]
@@ -76,7 +76,8 @@ use std::{fmt, sync::Arc};
 
 use sqlx::PgPool;
 
-use crate::idempotency::store::postgres::{migrate_under_lock, valid_table};
+use self::sql::Statements;
+use crate::idempotency::store::postgres::{migrate_from_template, valid_table};
 
 pub use enqueue::{Message, MessageId};
 pub use inspect::DeadLetter;
@@ -86,7 +87,7 @@ pub use relay::{
     DEFAULT_RELAY_BATCH_SIZE, DEFAULT_RELAY_POLL_INTERVAL, DEFAULT_RETENTION,
     DEFAULT_RETRY_BACKOFF, DEFAULT_TRIM_INTERVAL,
 };
-pub use sink::{Outgoing, Sink, SinkError};
+pub use sink::{Confirm, Outgoing, Sink, SinkError};
 
 /// The table [`Outbox::new`] uses.
 pub const DEFAULT_OUTBOX_TABLE: &str = "tower_ids_outbox";
@@ -144,6 +145,7 @@ pub struct Outbox {
 struct Shared {
     pool: PgPool,
     table: String,
+    sql: Statements,
 }
 
 impl fmt::Debug for Outbox {
@@ -192,32 +194,29 @@ impl std::error::Error for OutboxError {
 impl Outbox {
     /// The outbox in [`DEFAULT_OUTBOX_TABLE`] on `pool`.
     pub fn new(pool: PgPool) -> Self {
+        Self::on(pool, DEFAULT_OUTBOX_TABLE.to_owned())
+    }
+
+    fn on(pool: PgPool, table: String) -> Self {
         Self {
             shared: Arc::new(Shared {
                 pool,
-                table: DEFAULT_OUTBOX_TABLE.to_owned(),
+                sql: Statements::for_table(&table),
+                table,
             }),
         }
     }
 
-    /// The same outbox in another table (`name` or `schema.name`, plain identifiers).
-    ///
-    /// # Panics
-    ///
-    /// If `table` is not one or two plain identifiers (letters, digits, `_`, not
-    /// starting with a digit): it is written into SQL.
-    pub fn table(self, table: impl Into<String>) -> Self {
+    /// The same outbox in another table (`name` or `schema.name`, plain identifiers:
+    /// letters, digits, `_`, not starting with a digit; it is written into SQL).
+    pub fn table(self, table: impl Into<String>) -> Result<Self, OutboxError> {
         let table = table.into();
-        assert!(
-            valid_table(&table),
-            "tower-ids: outbox table {table:?} must be `name` or `schema.name` of plain identifiers"
-        );
-        Self {
-            shared: Arc::new(Shared {
-                pool: self.shared.pool.clone(),
-                table,
-            }),
+        if !valid_table(&table) {
+            return Err(OutboxError::new(
+                "the outbox table must be `name` or `schema.name` of plain identifiers",
+            ));
         }
+        Ok(Self::on(self.shared.pool.clone(), table))
     }
 
     /// The pool the outbox uses.
@@ -225,27 +224,17 @@ impl Outbox {
         &self.shared.pool
     }
 
-    /// The outbox's table.
-    pub fn get_table(&self) -> &str {
-        &self.shared.table
-    }
-
     /// Creates the table and its indexes if they do not exist; replicas that start
     /// together may all call it (they take turns, under an advisory lock).
     pub async fn migrate(&self) -> Result<(), OutboxError> {
-        let table = &self.shared.table;
-        let bare = table.rsplit('.').next().unwrap_or(table);
-        // Index names first (they contain the table's default name), then the table.
-        let sql = MIGRATION
-            .replace(
-                &format!("{DEFAULT_OUTBOX_TABLE}_"),
-                &format!("\u{0}{bare}_"),
-            )
-            .replace(DEFAULT_OUTBOX_TABLE, table)
-            .replace('\u{0}', "");
-        migrate_under_lock(&self.shared.pool, table, &sql)
-            .await
-            .map_err(|e| OutboxError::database("could not create the outbox table", e))
+        migrate_from_template(
+            &self.shared.pool,
+            MIGRATION,
+            DEFAULT_OUTBOX_TABLE,
+            &self.shared.table,
+        )
+        .await
+        .map_err(|e| OutboxError::database("could not create the outbox table", e))
     }
 
     /// A relay that publishes this outbox's messages to `sink`; configure it, then
@@ -276,28 +265,12 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    #[should_panic(expected = "plain identifiers")]
     async fn a_table_name_that_is_not_plain_identifiers_is_refused() {
         let pool = sqlx::postgres::PgPoolOptions::new()
             .connect_lazy("postgres://localhost/none")
             .unwrap();
-        let _ = Outbox::new(pool).table("outbox; DROP TABLE x");
-    }
-
-    #[test]
-    fn the_migration_renames_every_index_with_its_table() {
-        let renamed = MIGRATION
-            .replace(&format!("{DEFAULT_OUTBOX_TABLE}_"), "\u{0}events_")
-            .replace(DEFAULT_OUTBOX_TABLE, "app.events")
-            .replace('\u{0}', "");
-        assert!(renamed.contains("CREATE TABLE IF NOT EXISTS app.events ("));
-        assert!(renamed.contains("INDEX IF NOT EXISTS events_pending\n    ON app.events"));
-        assert!(!renamed.contains(DEFAULT_OUTBOX_TABLE));
-    }
-
-    #[test]
-    fn lock_classes_differ() {
-        assert_ne!(ENQUEUE_LOCK_CLASS, RELAY_LOCK_CLASS);
-        assert_eq!(partition_lock("w-1"), partition_lock("w-1"));
+        let refused = Outbox::new(pool.clone()).table("outbox; DROP TABLE x");
+        assert!(refused.is_err_and(|e| e.to_string().contains("plain identifiers")));
+        assert!(Outbox::new(pool).table("app.events").is_ok());
     }
 }

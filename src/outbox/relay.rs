@@ -4,17 +4,13 @@
 use std::{collections::HashMap, future::Future, time::Duration};
 
 use futures_util::FutureExt as _;
-use sqlx::{PgConnection, Row as _};
+use sqlx::{postgres::PgListener, PgConnection, Row as _};
 use tokio::time::Instant;
-use tracing::Instrument as _;
 
 use super::{
+    publish::{Publication, Published},
     take::{take, Pending},
-    Outbox, OutboxError, Outgoing, Sink, SinkError,
-};
-use crate::{
-    correlation::{Carrier, CorrelationId, MessageCorrelation},
-    idempotency::header::IDEMPOTENCY_KEY,
+    Outbox, OutboxError, Sink, SinkError,
 };
 
 /// Settings of a [`Relay`], with their defaults.
@@ -36,10 +32,11 @@ struct Settings {
 /// rounds (each costs a handful of statements), few enough that a round holds its rows
 /// and partition keys for milliseconds, and its memory stays small.
 pub const DEFAULT_RELAY_BATCH_SIZE: usize = 256;
-/// How long an idle relay waits before looking again by default: a committed message
-/// waits at most this for an idle relay, and the database sees ten cheap index scans a
-/// second per relay.
-pub const DEFAULT_RELAY_POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// How often an idle relay looks anyway by default: only a fallback, since a commit
+/// wakes it at once. It bounds the wait of a message whose notification was missed (a
+/// relay that died in its round, the listening connection lost), and costs an idle
+/// relay four cheap statements every 5 s.
+pub const DEFAULT_RELAY_POLL_INTERVAL: Duration = Duration::from_secs(5);
 /// Publications a refused message gets by default before it is dead-lettered: with
 /// [`DEFAULT_RETRY_BACKOFF`] doubling, about 8.5 minutes of a broker refusing it, time
 /// for an operator to fix a missing queue or topic before anything is given up.
@@ -118,8 +115,9 @@ impl<S: Sink> RelayBuilder<S> {
         self
     }
 
-    /// How long an idle relay waits before looking again ([`DEFAULT_RELAY_POLL_INTERVAL`], 100 ms): the most a committed
-    /// message waits for its relay, when the relay has nothing else to do.
+    /// How often an idle relay looks anyway ([`DEFAULT_RELAY_POLL_INTERVAL`], 5 s): a
+    /// commit wakes it at once, so this only bounds the wait of a message whose
+    /// notification was missed.
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.settings.poll_interval = interval;
         self
@@ -226,19 +224,91 @@ pub struct Round {
     pub unavailable: bool,
 }
 
-/// How one message's publication ended.
-enum Published<'m> {
-    Taken(i64),
-    Refused(&'m Pending, SinkError),
-    Unavailable(SinkError),
-}
-
 impl<S: Sink> Relay<S> {
-    /// Runs rounds until `shutdown` completes (a round under way finishes first), and
-    /// trims and observes the backlog as configured.
+    /// Runs rounds until `shutdown` completes (a round under way finishes first); beside
+    /// them, trims and observes the backlog as configured.
+    ///
+    /// Between rounds an idle relay waits for a message to be committed: every
+    /// [`enqueue`](Outbox::enqueue) notifies the table's channel at its commit
+    /// (`LISTEN`/`NOTIFY`, on one connection of the relay's own), so it publishes
+    /// within milliseconds and does nothing meanwhile. It also wakes when a message's
+    /// backoff ends, and polls every [`poll_interval`](RelayBuilder::poll_interval) in
+    /// case a notification was missed (the listening connection lost, a relay that died
+    /// with messages in its round).
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
         let mut shutdown = std::pin::pin!(shutdown);
+        tokio::select! {
+            biased;
+            () = self.publish_until(shutdown.as_mut()) => {}
+            () = self.maintain() => {}
+        }
+    }
+
+    /// Rounds until `shutdown`, waiting between them as [`run`](Self::run) says.
+    async fn publish_until(&self, mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>) {
+        let mut wakeup = Wakeup::new(&self.outbox);
+        wakeup.listen().await;
         let mut outage = Duration::ZERO;
+        loop {
+            let wait = match self.round_with_error().await {
+                Ok((_, Some(error))) => {
+                    if outage.is_zero() {
+                        tracing::warn!(event = "outbox.sink_unavailable", error = %error, "the broker is unavailable; backing off");
+                    }
+                    outage = next_outage_wait(outage, self.settings.max_outage_backoff);
+                    Wait::For(outage)
+                }
+                Ok((round, None)) => {
+                    if outage > Duration::ZERO {
+                        if round.published > 0 {
+                            tracing::info!(
+                                event = "outbox.sink_recovered",
+                                "the broker takes messages again"
+                            );
+                        }
+                        outage = Duration::ZERO;
+                    }
+                    if round.taken >= self.settings.batch_size {
+                        Wait::Not
+                    } else {
+                        Wait::Idle
+                    }
+                }
+                Err(error) => {
+                    outage = next_outage_wait(outage, self.settings.max_outage_backoff);
+                    tracing::warn!(event = "outbox.round_failed", error = %error, "could not read or mark the outbox; backing off");
+                    Wait::For(outage)
+                }
+            };
+            let waiting = async {
+                match wait {
+                    Wait::Not => {}
+                    Wait::For(wait) => tokio::time::sleep(wait).await,
+                    Wait::Idle => {
+                        let until_due = self.next_due().await;
+                        let at_most = until_due.map_or(self.settings.poll_interval, |due| {
+                            due.min(self.settings.poll_interval)
+                        });
+                        wakeup.wait(at_most).await;
+                    }
+                }
+            };
+            if matches!(wait, Wait::Not) {
+                if shutdown.as_mut().now_or_never().is_some() {
+                    return;
+                }
+                continue;
+            }
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return,
+                () = waiting => {}
+            }
+        }
+    }
+
+    /// Trims and observes the backlog, each at its interval, off the publishing path.
+    async fn maintain(&self) {
         let mut next_trim = Instant::now();
         let mut next_observe = Instant::now();
         loop {
@@ -253,48 +323,18 @@ impl<S: Sink> Relay<S> {
                 next_observe = now + self.settings.observe_interval;
                 self.observe().await;
             }
-            let wait = match self.round_with_error().await {
-                Ok((_, Some(error))) => {
-                    if outage.is_zero() {
-                        tracing::warn!(event = "outbox.sink_unavailable", error = %error, "the broker is unavailable; backing off");
-                    }
-                    outage = next_outage_wait(outage, self.settings.max_outage_backoff);
-                    outage
-                }
-                Ok((round, None)) => {
-                    if outage > Duration::ZERO {
-                        if round.published > 0 {
-                            tracing::info!(
-                                event = "outbox.sink_recovered",
-                                "the broker takes messages again"
-                            );
-                        }
-                        outage = Duration::ZERO;
-                    }
-                    if round.taken >= self.settings.batch_size {
-                        Duration::ZERO
-                    } else {
-                        self.settings.poll_interval
-                    }
-                }
-                Err(error) => {
-                    outage = next_outage_wait(outage, self.settings.max_outage_backoff);
-                    tracing::warn!(event = "outbox.round_failed", error = %error, "could not read or mark the outbox; backing off");
-                    outage
-                }
-            };
-            if wait.is_zero() {
-                if shutdown.as_mut().now_or_never().is_some() {
-                    return;
-                }
-                continue;
-            }
-            tokio::select! {
-                biased;
-                () = shutdown.as_mut() => return,
-                () = tokio::time::sleep(wait) => {}
-            }
+            tokio::time::sleep_until(next_trim.min(next_observe)).await;
         }
+    }
+
+    /// How long until the next message waiting out a backoff is due, if one is.
+    async fn next_due(&self) -> Option<Duration> {
+        let seconds: Option<f64> = sqlx::query_scalar(&self.outbox.shared.sql.next_due)
+            .fetch_one(&self.outbox.shared.pool)
+            .await
+            .ok()
+            .flatten();
+        seconds.map(|s| Duration::from_secs_f64(s.max(0.0)))
     }
 
     /// One round: takes, publishes and marks up to a batch of messages, in one
@@ -306,7 +346,7 @@ impl<S: Sink> Relay<S> {
 
     /// A round, and the first error of a broker that was unavailable.
     async fn round_with_error(&self) -> Result<(Round, Option<SinkError>), OutboxError> {
-        let table = &self.outbox.shared.table;
+        let sql = &self.outbox.shared.sql;
         let batch = self.settings.batch_size;
         let mut transaction = self
             .outbox
@@ -318,7 +358,7 @@ impl<S: Sink> Relay<S> {
             .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await
             .map_err(|e| OutboxError::database("could not begin a relay round", e))?;
-        let taken = take(&mut transaction, table, batch).await?;
+        let taken = take(&mut transaction, sql, batch).await?;
         let mut round = Round {
             taken: taken.len(),
             ..Round::default()
@@ -368,14 +408,11 @@ impl<S: Sink> Relay<S> {
         round.published = published.len();
         round.rejected = refused.len();
         if !published.is_empty() {
-            sqlx::query(&format!(
-                "UPDATE {table} SET published_at = now(), attempts = attempts + 1, last_error = NULL \
-                 WHERE id = ANY($1)"
-            ))
-            .bind(&published)
-            .execute(&mut *transaction)
-            .await
-            .map_err(|e| OutboxError::database("could not mark messages published", e))?;
+            sqlx::query(&sql.mark)
+                .bind(&published)
+                .execute(&mut *transaction)
+                .await
+                .map_err(|e| OutboxError::database("could not mark messages published", e))?;
         }
         if !refused.is_empty() {
             round.dead_lettered = self.refused(&mut transaction, refused).await?;
@@ -387,116 +424,40 @@ impl<S: Sink> Relay<S> {
         Ok((round, unavailable))
     }
 
-    /// Publishes one partition key's messages in order, stopping at the first that
-    /// fails.
+    /// Publishes one partition key's messages: sends them in order, then awaits their
+    /// confirms in order, stopping at the first that fails (the key's later messages,
+    /// sent or not, stay pending and go again in a later round).
     async fn publish_chain<'m>(&self, chain: Vec<&'m Pending>) -> Vec<Published<'m>> {
         let mut outcomes = Vec::with_capacity(chain.len());
+        let mut sent = Vec::with_capacity(chain.len());
+        let mut unsent = None;
         for message in chain {
-            let outcome = self.publish(message).await;
+            let publication = Publication::of(message);
+            match publication
+                .send(&self.sink, self.settings.publish_timeout)
+                .await
+            {
+                Ok(confirm) => sent.push((publication, confirm)),
+                Err(error) => {
+                    unsent = Some((publication, error));
+                    break;
+                }
+            }
+        }
+        for (publication, confirm) in sent {
+            let outcome = publication
+                .confirmed(confirm, self.settings.publish_timeout)
+                .await;
             let stop = !matches!(outcome, Published::Taken(_));
             outcomes.push(outcome);
             if stop {
-                break;
+                return outcomes;
             }
+        }
+        if let Some((publication, error)) = unsent {
+            outcomes.push(publication.failed(error));
         }
         outcomes
-    }
-
-    /// Publishes one message in a span that continues its request's trace, under a
-    /// correlation ID extended from the request's for this publication.
-    async fn publish<'m>(&self, message: &'m Pending) -> Published<'m> {
-        let stored = message
-            .correlation_id
-            .as_deref()
-            .and_then(|id| CorrelationId::parse(id).ok());
-        let publication = match &stored {
-            Some(id) => id.extend_redelivery(),
-            None => CorrelationId::new(),
-        };
-        let span = tracing::info_span!(
-            "outbox.publish",
-            correlation_id = %publication,
-            message_id = message.id,
-            destination = message.destination.as_str(),
-            trace_id = tracing::field::Empty,
-            otel.kind = "producer",
-        );
-        #[cfg(feature = "opentelemetry")]
-        if let Some(trace) = message.traceparent.as_deref().and_then(|traceparent| {
-            crate::correlation::TraceContext::parse(traceparent, message.tracestate.as_deref())
-        }) {
-            trace.continue_in(&span);
-        }
-        #[cfg(not(feature = "opentelemetry"))]
-        let _ = (&message.traceparent, &message.tracestate);
-        let id = message.id;
-        let destination = message.destination.as_str();
-        // The sink finds the publication's ID as `CorrelationId::current()`.
-        let current = publication.clone();
-        let publishing = async move {
-            let mut headers = HeaderList(
-                serde_json::from_str::<std::collections::BTreeMap<String, String>>(
-                    &message.headers,
-                )
-                .unwrap_or_default()
-                .into_iter()
-                .collect(),
-            );
-            if headers.get(IDEMPOTENCY_KEY.as_str()).is_none() {
-                headers.set(IDEMPOTENCY_KEY.as_str(), &message.idempotency_key);
-            }
-            MessageCorrelation::new().inject(&mut headers, &publication);
-            #[cfg(feature = "opentelemetry")]
-            if let Some(trace) = crate::correlation::TraceContext::current() {
-                trace.inject(&mut headers);
-            }
-            let outgoing = Outgoing {
-                destination,
-                partition_key: message.partition_key.as_deref(),
-                headers: &headers.0,
-                payload: &message.payload,
-            };
-            let result =
-                tokio::time::timeout(self.settings.publish_timeout, self.sink.publish(&outgoing))
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(SinkError::unavailable(format!(
-                            "no acknowledgement within {:?}",
-                            self.settings.publish_timeout
-                        )))
-                    });
-            match result {
-                Ok(()) => {
-                    tracing::debug!(event = "outbox.published", "message published");
-                    #[cfg(feature = "metrics")]
-                    ::metrics::counter!(super::metrics::PUBLISHED, "destination" => destination.to_owned())
-                        .increment(1);
-                    Published::Taken(id)
-                }
-                Err(error) => {
-                    #[cfg(feature = "metrics")]
-                    ::metrics::counter!(
-                        super::metrics::FAILURES,
-                        "destination" => destination.to_owned(),
-                        "reason" => if error.is_rejected() { "rejected" } else { "unavailable" },
-                    )
-                    .increment(1);
-                    if error.is_rejected() {
-                        tracing::warn!(
-                            event = "outbox.rejected",
-                            attempt = message.attempts + 1,
-                            error = %error,
-                            "the broker refused the message; it will be tried again"
-                        );
-                        Published::Refused(message, error)
-                    } else {
-                        tracing::debug!(event = "outbox.unavailable", error = %error, "the broker is unavailable");
-                        Published::Unavailable(error)
-                    }
-                }
-            }
-        };
-        current.task_local(publishing).instrument(span).await
     }
 
     /// Counts an attempt for each refused message, schedules its next one or
@@ -506,7 +467,6 @@ impl<S: Sink> Relay<S> {
         connection: &mut PgConnection,
         refused: Vec<(&Pending, SinkError)>,
     ) -> Result<usize, OutboxError> {
-        let table = &self.outbox.shared.table;
         let mut ids = Vec::with_capacity(refused.len());
         let mut errors = Vec::with_capacity(refused.len());
         let mut delays = Vec::with_capacity(refused.len());
@@ -521,21 +481,14 @@ impl<S: Sink> Relay<S> {
             errors.push(error.to_string());
             delays.push(delay.as_secs_f64());
         }
-        let counted = sqlx::query(&format!(
-            "UPDATE {table} AS t SET attempts = t.attempts + 1, last_error = r.error, \
-               next_attempt_at = now() + make_interval(secs => r.delay), \
-               dead_at = CASE WHEN t.attempts + 1 >= $4 THEN now() END \
-             FROM unnest($1::int8[], $2::text[], $3::float8[]) AS r(id, error, delay) \
-             WHERE t.id = r.id \
-             RETURNING t.id, t.destination, t.attempts, t.dead_at IS NOT NULL AS dead"
-        ))
-        .bind(&ids)
-        .bind(&errors)
-        .bind(&delays)
-        .bind(i32::try_from(self.settings.max_attempts).unwrap_or(i32::MAX))
-        .fetch_all(&mut *connection)
-        .await
-        .map_err(|e| OutboxError::database("could not count failed attempts", e))?;
+        let counted = sqlx::query(&self.outbox.shared.sql.refused)
+            .bind(&ids)
+            .bind(&errors)
+            .bind(&delays)
+            .bind(i32::try_from(self.settings.max_attempts).unwrap_or(i32::MAX))
+            .fetch_all(&mut *connection)
+            .await
+            .map_err(|e| OutboxError::database("could not count failed attempts", e))?;
         let mut dead = 0;
         for row in counted.iter().filter(|row| row.get::<bool, _>("dead")) {
             dead += 1;
@@ -559,19 +512,14 @@ impl<S: Sink> Relay<S> {
     /// Removes published messages older than the retention, a batch at a time; returns
     /// how many.
     pub async fn trim(&self) -> Result<u64, OutboxError> {
-        let table = &self.outbox.shared.table;
         let mut removed = 0;
         loop {
-            let done = sqlx::query(&format!(
-                "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} \
-                   WHERE published_at < now() - make_interval(secs => $1) \
-                   ORDER BY published_at LIMIT 1000 FOR UPDATE SKIP LOCKED)"
-            ))
-            .bind(self.settings.retention.as_secs_f64())
-            .execute(&self.outbox.shared.pool)
-            .await
-            .map_err(|e| OutboxError::database("could not trim the outbox", e))?
-            .rows_affected();
+            let done = sqlx::query(&self.outbox.shared.sql.trim)
+                .bind(self.settings.retention.as_secs_f64())
+                .execute(&self.outbox.shared.pool)
+                .await
+                .map_err(|e| OutboxError::database("could not trim the outbox", e))?
+                .rows_affected();
             removed += done;
             if done < 1000 {
                 return Ok(removed);
@@ -604,21 +552,80 @@ fn next_outage_wait(previous: Duration, max: Duration) -> Duration {
     }
 }
 
-/// Headers as the relay builds them, in order.
-struct HeaderList(Vec<(String, String)>);
+/// What a relay does after a round.
+#[derive(Clone, Copy)]
+enum Wait {
+    /// A full batch: the next round at once.
+    Not,
+    /// A backoff after a failure.
+    For(Duration),
+    /// Until a message is committed or due.
+    Idle,
+}
 
-impl Carrier for HeaderList {
-    fn get(&self, name: &str) -> Option<&[u8]> {
-        self.0
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, value)| value.as_bytes())
+/// What wakes an idle relay: a notification on its table's channel, from a connection
+/// of its own (outside the pool's count).
+struct Wakeup<'a> {
+    outbox: &'a Outbox,
+    listener: Option<PgListener>,
+}
+
+/// How long connecting the listening connection may take before the relay polls.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl<'a> Wakeup<'a> {
+    fn new(outbox: &'a Outbox) -> Self {
+        Self {
+            outbox,
+            listener: None,
+        }
     }
 
-    fn set(&mut self, name: &str, value: &str) {
-        match self.0.iter_mut().find(|(n, _)| n == name) {
-            Some((_, old)) => *old = value.to_owned(),
-            None => self.0.push((name.to_owned(), value.to_owned())),
+    /// Listens on the table's channel, unless it does already; if the database cannot
+    /// be reached, the relay polls until it can.
+    async fn listen(&mut self) {
+        if self.listener.is_some() {
+            return;
+        }
+        let shared = &self.outbox.shared;
+        let listening = tokio::time::timeout(LISTEN_TIMEOUT, async {
+            let mut listener = PgListener::connect_with(&shared.pool).await?;
+            listener.listen(&shared.table).await?;
+            Ok::<_, sqlx::Error>(listener)
+        })
+        .await;
+        match listening {
+            Ok(Ok(listener)) => self.listener = Some(listener),
+            Ok(Err(error)) => {
+                tracing::debug!(event = "outbox.listen_failed", error = %error, "could not listen for commits; polling");
+            }
+            Err(_) => {
+                tracing::debug!(
+                    event = "outbox.listen_failed",
+                    "could not listen for commits in time; polling"
+                );
+            }
+        }
+    }
+
+    /// Waits for a commit's notification, or `at_most`.
+    async fn wait(&mut self, at_most: Duration) {
+        self.listen().await;
+        let Some(listener) = self.listener.as_mut() else {
+            tokio::time::sleep(at_most).await;
+            return;
+        };
+        match tokio::time::timeout(at_most, listener.try_recv()).await {
+            // Every notification so far wakes one round.
+            Ok(Ok(Some(_))) => while listener.next_buffered().is_some() {},
+            // The connection was lost (notifications meanwhile with it): a round now;
+            // the listener connects again at its next wait.
+            Ok(Ok(None)) => {}
+            Ok(Err(error)) => {
+                tracing::debug!(event = "outbox.listen_failed", error = %error, "lost the connection that listens for commits; polling");
+                self.listener = None;
+            }
+            Err(_) => {}
         }
     }
 }

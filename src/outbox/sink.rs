@@ -1,19 +1,77 @@
-//! Where a relay publishes: the [`Sink`] trait, a message as a sink sees it, and how a
-//! sink says it failed.
+//! Where a relay publishes: the [`Sink`] trait, a message as a sink sees it, the
+//! broker's acknowledgement to come, and how a sink says it failed.
 
-use std::{error::Error, fmt, future::Future};
+use std::{
+    error::Error,
+    fmt,
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+};
 
 /// A broker a [`Relay`](super::Relay) publishes to. Implement it for a broker the crate
 /// has no sink for.
 ///
-/// `publish` returns once the broker has taken the message for good (a publisher
-/// confirm, an acknowledged produce): the relay then marks it published. The relay
-/// calls it concurrently for messages of different partition keys, and one at a time,
-/// in order, for the messages of one key.
+/// `publish` sends a message and returns its [`Confirm`], which resolves once the broker
+/// has taken the message for good (a publisher confirm, an acknowledged produce): the
+/// relay then marks it published. The relay calls `publish` concurrently for messages
+/// of different partition keys; for the messages of one key, one after the other in
+/// commit order, each once the previous call has returned, and awaits their confirms
+/// in that order. When one fails, the key stops there: that message and the key's
+/// later ones are published again in a later round.
+///
+/// So a sink whose broker keeps the order of what it is sent (one AMQP channel, one
+/// Kafka producer's partition) returns [`Confirm::later`] as soon as the message is on
+/// its way, and a key's messages are in flight together. A sink that cannot promise
+/// that order waits for the acknowledgement in `publish` and returns
+/// [`Confirm::taken`]: the key's messages then go one at a time.
 pub trait Sink: Send + Sync + 'static {
-    /// Publishes `message`, waiting for the broker's acknowledgement.
-    fn publish(&self, message: &Outgoing<'_>)
-        -> impl Future<Output = Result<(), SinkError>> + Send;
+    /// Sends `message`; its [`Confirm`] tells when the broker has taken it.
+    fn publish(
+        &self,
+        message: &Outgoing<'_>,
+    ) -> impl Future<Output = Result<Confirm, SinkError>> + Send;
+}
+
+/// The broker's acknowledgement of a message a [`Sink`] sent: awaited by the relay
+/// before it marks the message published.
+#[must_use = "the message is published only once its Confirm has resolved"]
+pub struct Confirm(Option<Acknowledgement>);
+
+type Acknowledgement = Pin<Box<dyn Future<Output = Result<(), SinkError>> + Send>>;
+
+impl Confirm {
+    /// The broker has taken the message already: the sink waited for it.
+    pub fn taken() -> Self {
+        Self(None)
+    }
+
+    /// The broker's acknowledgement, still to come: the relay may send the key's next
+    /// message before it awaits this one.
+    pub fn later(
+        acknowledgement: impl Future<Output = Result<(), SinkError>> + Send + 'static,
+    ) -> Self {
+        Self(Some(Box::pin(acknowledgement)))
+    }
+}
+
+impl Future for Confirm {
+    type Output = Result<(), SinkError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.0.as_mut() {
+            None => Poll::Ready(Ok(())),
+            Some(acknowledgement) => acknowledgement.as_mut().poll(cx),
+        }
+    }
+}
+
+impl fmt::Debug for Confirm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Confirm")
+            .field("pending", &self.0.is_some())
+            .finish()
+    }
 }
 
 /// A message as the relay hands it to a [`Sink`]: the enqueued message with the
@@ -59,9 +117,10 @@ pub struct SinkError {
 }
 
 impl SinkError {
-    /// The broker could not be reached, or did not answer in time: nothing is wrong
-    /// with the message. The relay backs off and tries again, without counting an
-    /// attempt against the message.
+    /// The broker could not take the message now: it could not be reached, did not
+    /// answer in time, or refused for capacity (a full queue's `reject-publish`, a
+    /// producer's full queue). Nothing is wrong with the message: the relay backs off
+    /// and tries again, without counting an attempt against it.
     pub fn unavailable(source: impl Into<Box<dyn Error + Send + Sync>>) -> Self {
         Self {
             rejected: false,

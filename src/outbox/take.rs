@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use sqlx::{PgConnection, Row as _};
 
-use super::{partition_lock, OutboxError, RELAY_LOCK_CLASS};
+use super::{partition_lock, sql::Statements, OutboxError, RELAY_LOCK_CLASS};
 
 /// A pending message, as a round reads it.
 pub(super) struct Pending {
@@ -28,27 +28,16 @@ pub(super) struct Pending {
 /// due messages that have no key.
 pub(super) async fn take(
     connection: &mut PgConnection,
-    table: &str,
+    sql: &Statements,
     batch: usize,
 ) -> Result<Vec<Pending>, OutboxError> {
     let limit = i64::try_from(batch).unwrap_or(i64::MAX);
-    // A window wider than a batch, so a relay finds keys another does not hold; without
-    // the keys whose oldest message waits out a backoff (they are blocked until it is
-    // due, and must not fill the window and stall every other key), and without
-    // unkeyed messages that are not due.
-    let window: Vec<Option<String>> = sqlx::query_scalar(&format!(
-        "SELECT partition_key FROM {table} \
-         WHERE published_at IS NULL AND dead_at IS NULL \
-           AND (CASE WHEN partition_key IS NULL THEN next_attempt_at <= now() \
-                ELSE partition_key NOT IN (SELECT partition_key FROM {table} \
-                  WHERE published_at IS NULL AND dead_at IS NULL \
-                    AND partition_key IS NOT NULL AND next_attempt_at > now()) END) \
-         ORDER BY id LIMIT $1"
-    ))
-    .bind(limit.saturating_mul(4))
-    .fetch_all(&mut *connection)
-    .await
-    .map_err(|e| OutboxError::database("could not read the outbox", e))?;
+    // A window wider than a batch, so a relay finds keys another does not hold.
+    let window: Vec<Option<String>> = sqlx::query_scalar(&sql.window)
+        .bind(limit.saturating_mul(4))
+        .fetch_all(&mut *connection)
+        .await
+        .map_err(|e| OutboxError::database("could not read the outbox", e))?;
     if window.is_empty() {
         return Ok(Vec::new());
     }
@@ -80,36 +69,27 @@ pub(super) async fn take(
             break;
         }
         let tried: Vec<i32> = chunk.iter().map(|(lock, _, _)| *lock).collect();
-        let granted: Vec<i32> = sqlx::query_scalar(
-            "SELECT k FROM unnest($2::int4[]) WITH ORDINALITY AS l(k, n) \
-             WHERE pg_try_advisory_xact_lock($1, k) ORDER BY n",
-        )
-        .bind(RELAY_LOCK_CLASS)
-        .bind(&tried)
-        .fetch_all(&mut *connection)
-        .await
-        .map_err(|e| OutboxError::database("could not lock partition keys", e))?;
+        let granted: Vec<i32> = sqlx::query_scalar(sql.lock_keys)
+            .bind(RELAY_LOCK_CLASS)
+            .bind(&tried)
+            .fetch_all(&mut *connection)
+            .await
+            .map_err(|e| OutboxError::database("could not lock partition keys", e))?;
         for lock in granted {
             let (_, keys, count) = &locks[slot[&lock]];
             expected += count;
             held.extend(keys.iter().copied());
         }
     }
-    let columns = "id, destination, partition_key, idempotency_key, headers::text AS headers, payload, \
-                   correlation_id, traceparent, tracestate, attempts, next_attempt_at <= now() AS due";
     let mut taken = Vec::new();
     if !held.is_empty() {
         // Read after the locks were granted: what a previous holder marked is seen.
-        let keyed = sqlx::query(&format!(
-            "SELECT {columns} FROM {table} \
-             WHERE published_at IS NULL AND dead_at IS NULL AND partition_key = ANY($1) \
-             ORDER BY id LIMIT $2 FOR UPDATE"
-        ))
-        .bind(&held)
-        .bind(limit)
-        .fetch_all(&mut *connection)
-        .await
-        .map_err(|e| OutboxError::database("could not read the outbox", e))?;
+        let keyed = sqlx::query(&sql.keyed)
+            .bind(&held)
+            .bind(limit)
+            .fetch_all(&mut *connection)
+            .await
+            .map_err(|e| OutboxError::database("could not read the outbox", e))?;
         let mut blocked: Vec<String> = Vec::new();
         for row in &keyed {
             let message = pending(row)?;
@@ -125,16 +105,11 @@ pub(super) async fn take(
         }
     }
     if unkeyed > 0 && taken.len() < batch {
-        let rows = sqlx::query(&format!(
-            "SELECT {columns} FROM {table} \
-             WHERE published_at IS NULL AND dead_at IS NULL AND partition_key IS NULL \
-               AND next_attempt_at <= now() \
-             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
-        ))
-        .bind(i64::try_from(batch - taken.len()).unwrap_or(i64::MAX))
-        .fetch_all(&mut *connection)
-        .await
-        .map_err(|e| OutboxError::database("could not read the outbox", e))?;
+        let rows = sqlx::query(&sql.unkeyed)
+            .bind(i64::try_from(batch - taken.len()).unwrap_or(i64::MAX))
+            .fetch_all(&mut *connection)
+            .await
+            .map_err(|e| OutboxError::database("could not read the outbox", e))?;
         for row in &rows {
             taken.push(pending(row)?);
         }

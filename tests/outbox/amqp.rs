@@ -103,7 +103,7 @@ async fn a_broker_that_cannot_be_reached_is_backed_off_from_and_nothing_is_lost(
             for n in from..to {
                 let message =
                     Message::new(&queue, n.to_string()).partition_key(format!("k{}", n % 5));
-                outbox.enqueue_on(&mut connection, message).await.unwrap();
+                outbox.enqueue(&mut connection, message).await.unwrap();
             }
         }
     };

@@ -48,7 +48,7 @@ async fn records_keep_each_keys_order_and_headers_through_a_paused_broker() {
         let message = Message::new(&topic, n.to_string())
             .partition_key(format!("w{}", n % KEYS))
             .header("content-type", "text/plain");
-        outbox.enqueue_on(&mut connection, message).await.unwrap();
+        outbox.enqueue(&mut connection, message).await.unwrap();
     }
     let mut config = ClientConfig::new();
     config
@@ -88,7 +88,7 @@ async fn records_keep_each_keys_order_and_headers_through_a_paused_broker() {
         let message = Message::new(&topic, n.to_string())
             .partition_key(format!("w{}", n % KEYS))
             .header("content-type", "text/plain");
-        outbox.enqueue_on(&mut connection, message).await.unwrap();
+        outbox.enqueue(&mut connection, message).await.unwrap();
     }
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(std::process::Command::new("kill")

@@ -183,18 +183,19 @@ fn app(store: PostgresStore, outbox: Outbox, queue: String) -> Router {
         axum::extract::Path(id): axum::extract::Path<String>,
     ) -> Result<(StatusCode, String), (StatusCode, String)> {
         let failed = |e: &dyn std::fmt::Display| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
-        {
-            let mut connection = tx.lock().await.map_err(|e| failed(&e))?;
-            sqlx::query("INSERT INTO orders (id) VALUES ($1)")
-                .bind(&id)
-                .execute(&mut *connection)
-                .await
-                .map_err(|e| failed(&e))?;
-        }
+        let mut connection = tx.lock().await.map_err(|e| failed(&e))?;
+        sqlx::query("INSERT INTO orders (id) VALUES ($1)")
+            .bind(&id)
+            .execute(&mut *connection)
+            .await
+            .map_err(|e| failed(&e))?;
         let message = Message::new(queue, format!(r#"{{"order":"{id}"}}"#))
             .partition_key(id.clone())
             .header("content-type", "application/json");
-        let enqueued = outbox.enqueue(&tx, message).await.map_err(|e| failed(&e))?;
+        let enqueued = outbox
+            .enqueue(&mut connection, message)
+            .await
+            .map_err(|e| failed(&e))?;
         Ok((
             StatusCode::CREATED,
             format!("order {id}, message {}", enqueued.0),
@@ -324,14 +325,14 @@ async fn a_refused_message_is_dead_lettered_stays_readable_and_does_not_hold_its
     // No queue is bound to this routing key: the broker returns the message.
     let nowhere = format!("{}-nowhere", queue.name);
     outbox
-        .enqueue_on(
+        .enqueue(
             &mut connection,
             Message::new(&nowhere, "lost?").partition_key("p"),
         )
         .await
         .unwrap();
     outbox
-        .enqueue_on(
+        .enqueue(
             &mut connection,
             Message::new(&queue.name, "after").partition_key("p"),
         )
@@ -388,7 +389,7 @@ async fn published_messages_are_trimmed_after_the_retention_and_dead_letters_sta
     let mut connection = pool.acquire().await.unwrap();
     for n in 0..3 {
         outbox
-            .enqueue_on(&mut connection, Message::new("d", format!("{n}")))
+            .enqueue(&mut connection, Message::new("d", format!("{n}")))
             .await
             .unwrap();
     }

@@ -8,7 +8,7 @@ use std::{
     time::Duration,
 };
 
-use tower_ids::outbox::{Message, Outgoing, Sink, SinkError};
+use tower_ids::outbox::{Confirm, Message, Outgoing, Sink, SinkError};
 
 use crate::{database::TestDatabase, outbox, rows};
 
@@ -19,7 +19,7 @@ pub(crate) struct Counting {
 }
 
 impl Sink for Counting {
-    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<Confirm, SinkError> {
         // The publication's correlation ID is the task's, as its header says.
         let current = tower_ids::correlation::CorrelationId::current().expect("a correlation ID");
         let header = message
@@ -31,7 +31,7 @@ impl Sink for Counting {
             message.partition_key().unwrap_or_default().to_owned(),
             String::from_utf8(message.payload().to_vec()).unwrap(),
         ));
-        Ok(())
+        Ok(Confirm::taken())
     }
 }
 
@@ -84,7 +84,7 @@ async fn three_relays_share_the_work_and_keep_each_keys_commit_order() {
                 let mut tx = pool.begin().await.unwrap();
                 let message = Message::new("events", String::new()).partition_key(&key);
                 // Enqueue first: the enqueue's lock on the key orders the transactions.
-                let id = outbox.enqueue_on(&mut tx, message).await.unwrap();
+                let id = outbox.enqueue(&mut tx, message).await.unwrap();
                 let seq: i64 = sqlx::query_scalar(
                     "INSERT INTO sequences (key, last) VALUES ($1, 1) \
                      ON CONFLICT (key) DO UPDATE SET last = sequences.last + 1 RETURNING last",
@@ -144,7 +144,7 @@ async fn three_relays_share_the_work_and_keep_each_keys_commit_order() {
 struct Refusing(Counting);
 
 impl Sink for Refusing {
-    async fn publish(&self, message: &Outgoing<'_>) -> Result<(), SinkError> {
+    async fn publish(&self, message: &Outgoing<'_>) -> Result<Confirm, SinkError> {
         if message.destination() == "refused" {
             return Err(SinkError::rejected("no such queue"));
         }
@@ -161,7 +161,7 @@ async fn a_key_waiting_out_a_backoff_holds_up_no_other_key() {
     let mut connection = pool.acquire().await.unwrap();
     // Key `stuck`: a refused message, then more than a whole window of its own.
     outbox
-        .enqueue_on(
+        .enqueue(
             &mut connection,
             Message::new("refused", "0").partition_key("stuck"),
         )
@@ -169,10 +169,10 @@ async fn a_key_waiting_out_a_backoff_holds_up_no_other_key() {
         .unwrap();
     for n in 1..=20 {
         let message = Message::new("events", n.to_string()).partition_key("stuck");
-        outbox.enqueue_on(&mut connection, message).await.unwrap();
+        outbox.enqueue(&mut connection, message).await.unwrap();
     }
     outbox
-        .enqueue_on(
+        .enqueue(
             &mut connection,
             Message::new("events", "free").partition_key("other"),
         )

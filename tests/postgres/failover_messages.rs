@@ -392,7 +392,7 @@ async fn enqueue(outbox: &Outbox, message: Message) -> Result<(), Failed> {
         .await
         .map_err(|_| Failed::BeforeCommit)?;
     outbox
-        .enqueue_on(&mut transaction, message)
+        .enqueue(&mut transaction, message)
         .await
         .map_err(|_| Failed::BeforeCommit)?;
     transaction.commit().await.map_err(|_| Failed::Commit)

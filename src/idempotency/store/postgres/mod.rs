@@ -303,19 +303,32 @@ pub(crate) fn valid_table(table: &str) -> bool {
         })
 }
 
-/// Runs a migration `sql` creating `table`, one replica at a time: replicas starting
-/// together would race on `CREATE ... IF NOT EXISTS` (it can fail on the catalog's
-/// unique index). One simple query is one transaction, so the lock on the name is held
-/// to its end. (`table` was checked to be plain identifiers, so it cannot close the
-/// literal.) The outbox's migration too.
-pub(crate) async fn migrate_under_lock(
+/// Runs the migration `template`, written for `default_table`, for `table`: the table
+/// and every index named after it (`{default_table}_...`) renamed. One replica at a
+/// time: replicas starting together would race on `CREATE ... IF NOT EXISTS` (it can
+/// fail on the catalog's unique index). One simple query is one transaction, so the
+/// lock on the name is held to its end. (`table` was checked to be plain identifiers,
+/// so it cannot close the literal.) The outbox's migration too.
+pub(crate) async fn migrate_from_template(
     pool: &PgPool,
+    template: &str,
+    default_table: &str,
     table: &str,
-    sql: &str,
 ) -> Result<(), sqlx::Error> {
+    let sql = for_table(template, default_table, table);
     let locked =
         format!("SELECT pg_advisory_xact_lock(hashtext('tower-ids migrate {table}'));\n{sql}");
     sqlx::raw_sql(&locked).execute(pool).await.map(|_| ())
+}
+
+/// `template` for `table`: index names first (they contain the default table's name,
+/// and take the bare table name, without its schema), then the table.
+fn for_table(template: &str, default_table: &str, table: &str) -> String {
+    let bare = table.rsplit('.').next().unwrap_or(table);
+    template
+        .replace(&format!("{default_table}_"), &format!("\u{0}{bare}_"))
+        .replace(default_table, table)
+        .replace('\u{0}', "")
 }
 
 impl PostgresStore {
@@ -368,13 +381,7 @@ impl PostgresStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let table = &self.shared.table;
         // An index lives in its table's schema, so its name is never qualified.
-        let bare = table.rsplit('.').next().unwrap_or(table);
-        let default_index = format!("{DEFAULT_POSTGRES_TABLE}_expires_at");
-        let sql = MIGRATION
-            .replace(&default_index, "\u{0}")
-            .replace(DEFAULT_POSTGRES_TABLE, table)
-            .replace('\u{0}', &format!("{bare}_expires_at"));
-        migrate_under_lock(&self.shared.pool, table, &sql)
+        migrate_from_template(&self.shared.pool, MIGRATION, DEFAULT_POSTGRES_TABLE, table)
             .await
             .map_err(|e| StoreError::with_source("could not create the idempotency table", e))
     }
@@ -519,5 +526,21 @@ mod tests {
         for bad in ["", "1t", "a.b.c", "t; drop table x", "t-1", "\"t\"", "a."] {
             assert!(!valid_table(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_migration_renames_its_table_and_every_index_of_it() {
+        let store = for_table(MIGRATION, DEFAULT_POSTGRES_TABLE, "app.idem");
+        assert!(store.contains("CREATE TABLE IF NOT EXISTS app.idem ("));
+        assert!(store.contains("INDEX IF NOT EXISTS idem_expires_at\n    ON app.idem"));
+        assert!(!store.contains(DEFAULT_POSTGRES_TABLE));
+        let outbox = for_table(
+            include_str!("../../../../migrations/20261126000000_tower_ids_outbox.sql"),
+            "tower_ids_outbox",
+            "app.events",
+        );
+        assert!(outbox.contains("CREATE TABLE IF NOT EXISTS app.events ("));
+        assert!(outbox.contains("INDEX IF NOT EXISTS events_pending\n    ON app.events"));
+        assert!(!outbox.contains("tower_ids_outbox"));
     }
 }
