@@ -268,7 +268,9 @@ impl<S: Sink> Relay<S> {
                         }
                         outage = Duration::ZERO;
                     }
-                    if round.taken >= self.settings.batch_size {
+                    // A full batch, or a refusal whose backoff may be over already:
+                    // the next round at once (an idle wait would miss a zero backoff).
+                    if round.taken >= self.settings.batch_size || round.rejected > 0 {
                         Wait::Not
                     } else {
                         Wait::Idle
