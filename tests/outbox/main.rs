@@ -57,6 +57,11 @@ pub(crate) struct Queue {
 impl Queue {
     /// Declares one, or `None` (said loudly) without RabbitMQ outside CI.
     pub(crate) async fn declare(prefix: &str) -> Option<Self> {
+        Self::declare_with(prefix, FieldTable::default()).await
+    }
+
+    /// [`declare`](Self::declare) with `arguments` (`x-max-length`, ...).
+    pub(crate) async fn declare_with(prefix: &str, arguments: FieldTable) -> Option<Self> {
         let connection = rabbitmq::connect().await?;
         let channel = connection.create_channel().await.unwrap();
         let name = format!(
@@ -67,7 +72,7 @@ impl Queue {
             .queue_declare(
                 name.as_str().into(),
                 QueueDeclareOptions::default(),
-                FieldTable::default(),
+                arguments,
             )
             .await
             .unwrap();

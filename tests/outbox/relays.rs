@@ -196,3 +196,76 @@ async fn a_key_waiting_out_a_backoff_holds_up_no_other_key() {
         "the other key goes on; the stuck key's later messages wait for its head"
     );
 }
+
+/// An idle relay is woken by a commit, not by its poll: with the fallback poll an hour
+/// away, a message committed after the relay went idle is published at once, and so is
+/// one whose backoff ends while it waits. (The latency itself is measured in
+/// `benches/outbox.rs`.)
+#[tokio::test]
+async fn an_idle_relay_is_woken_by_a_commit_and_by_a_backoff_that_ends() {
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let (pool, outbox, _store) = outbox(&db, 4).await;
+    let sink = Counting::default();
+    let relay = outbox
+        .relay(Refusing(sink.clone()))
+        .poll_interval(Duration::from_secs(3600))
+        .retry_backoff(Duration::from_millis(300), Duration::from_millis(300))
+        .max_attempts(2)
+        .build();
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(async move {
+        relay
+            .run(async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            })
+            .await;
+    });
+    let published = |count: usize| {
+        let sink = sink.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while sink.published.lock().unwrap().len() < count {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "not woken: {:?}",
+                    sink.published.lock().unwrap()
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    // Idle by now; then one commit at a time.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut transaction = pool.begin().await.unwrap();
+    outbox
+        .enqueue(&mut transaction, Message::new("events", "1"))
+        .await
+        .unwrap();
+    transaction.commit().await.unwrap();
+    published(1).await;
+    // Refused once, its backoff ends while the relay is idle: its second attempt is
+    // dead-lettered without waiting for the poll.
+    let mut connection = pool.acquire().await.unwrap();
+    outbox
+        .enqueue(&mut connection, Message::new("refused", "x"))
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while rows(&pool).await.2 == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the backoff's end did not wake the relay"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    outbox
+        .enqueue(&mut connection, Message::new("events", "2"))
+        .await
+        .unwrap();
+    published(2).await;
+    stop.send(true).unwrap();
+    running.await.unwrap();
+    assert_eq!(rows(&pool).await, (0, 2, 1));
+}
