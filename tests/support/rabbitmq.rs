@@ -39,3 +39,76 @@ pub async fn connect() -> Option<Connection> {
         }
     }
 }
+
+/// A vhost of the test's own (`rabbitmqctl add_vhost`, the URL's user allowed
+/// everything), deleted on drop.
+pub struct Vhost {
+    pub name: String,
+    /// The URL of the vhost.
+    pub url: String,
+}
+
+impl Vhost {
+    /// Makes one, or `None` (said loudly; a failure under CI) when no RabbitMQ answers
+    /// or `rabbitmqctl` cannot make it.
+    pub async fn create(prefix: &str) -> Option<Self> {
+        let connection = connect().await?;
+        let _ = connection.close(200, "found".into()).await;
+        let base = url();
+        let user = base
+            .split_once("://")
+            .and_then(|(_, rest)| rest.split([':', '@']).next())
+            .unwrap_or("guest")
+            .to_owned();
+        let name = format!("tower-ids-{prefix}-{}", uuid::Uuid::now_v7());
+        let made = rabbitmqctl(&["add_vhost", &name])
+            .and_then(|()| rabbitmqctl(&["set_permissions", "-p", &name, &user, ".*", ".*", ".*"]));
+        if let Err(error) = made {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "rabbitmqctl could not make a vhost ({error}), and CI is set"
+            );
+            eprintln!(
+                "SKIPPED: rabbitmqctl could not make a vhost ({error}); this test did not run"
+            );
+            return None;
+        }
+        let (server, _) = base.rsplit_once('/').expect("an AMQP URL with a vhost");
+        Some(Self {
+            url: format!("{server}/{name}"),
+            name,
+        })
+    }
+
+    /// Closes every connection to the vhost, as a broker restart or a network cut does.
+    pub fn close_all_connections(&self) {
+        rabbitmqctl(&[
+            "close_all_connections",
+            "-p",
+            &self.name,
+            "closed by the test",
+        ])
+        .expect("rabbitmqctl close_all_connections");
+    }
+}
+
+impl Drop for Vhost {
+    fn drop(&mut self) {
+        if let Err(error) = rabbitmqctl(&["delete_vhost", &self.name]) {
+            eprintln!("could not delete the vhost {}: {error}", self.name);
+        }
+    }
+}
+
+/// Runs `rabbitmqctl` with `args`.
+pub fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
+    let output = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .map_err(|e| format!("rabbitmqctl: {e}"))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&output.stderr).into_owned())
+    }
+}

@@ -129,6 +129,8 @@
 //! `idempotency.outcome_undecodable` and `idempotency.outcome_unserialisable` for
 //! outcomes that do not round-trip through JSON.
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
 mod key;
 mod layer;
 mod service;

@@ -1,0 +1,569 @@
+//! [`AmqpConsumer`]: a RabbitMQ queue driven through a message handler behind the
+//! [`MessageIdempotencyLayer`](super::MessageIdempotencyLayer), as `axum::serve` drives
+//! an HTTP router: the consume loop, the acknowledgements, poison messages, reconnects
+//! and the drain are the crate's; the handler and the wiring are yours.
+//!
+//! ```no_run
+//! use serde::{Deserialize, Serialize};
+//! use tower::{service_fn, ServiceBuilder};
+//! use tower_ids::idempotency::{
+//!     message::{amqp::{AmqpConsumer, Received}, MessageIdempotencyLayer, MessageKey},
+//!     IdempotencyKey,
+//! };
+//!
+//! #[derive(Deserialize)]
+//! struct Payment { account: String, amount: i64 }
+//! #[derive(Serialize, Deserialize)]
+//! struct Receipt { balance: i64 }
+//!
+//! # async fn run() {
+//! let handler = service_fn(|payment: Received<Payment>| async move {
+//!     let payment = payment.into_message();
+//!     Ok::<_, std::io::Error>(Receipt { balance: payment.amount })
+//! });
+//! let service = ServiceBuilder::new()
+//!     .layer(MessageIdempotencyLayer::new().require_key(true).key(|r: &Received<Payment>| {
+//!         Ok(IdempotencyKey::from_carrier(r)?.map(MessageKey::new))
+//!     }))
+//!     .service(handler);
+//! AmqpConsumer::new("amqp://guest:guest@127.0.0.1:5672/%2f", "payments")
+//!     .run(service, async { let _ = tokio::signal::ctrl_c().await; })
+//!     .await;
+//! # }
+//! ```
+
+use std::{fmt::Display, future::Future, time::Duration};
+
+use futures_util::future::poll_fn;
+
+use futures_util::StreamExt as _;
+use lapin::{
+    message::Delivery,
+    options::{
+        BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+        BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    },
+    types::{AMQPValue, FieldTable, LongString, ShortString},
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
+};
+use serde::de::DeserializeOwned;
+use tokio::task::JoinSet;
+use tower_service::Service;
+
+use super::Handled;
+use crate::correlation::{Carrier, MessageCorrelation};
+
+/// Deliveries handled at once by default (the channel's prefetch).
+pub const DEFAULT_PREFETCH: u16 = 16;
+/// Deliveries a message's handler may fail by default before it is dead-lettered: a
+/// passing fault gets a few more tries, a message that always fails stops costing
+/// after five.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+/// How long a delivery refused for a passing reason (the store unavailable, a duplicate
+/// in flight) waits before it goes back to the queue, by default.
+pub const DEFAULT_RETRY_PAUSE: Duration = Duration::from_millis(500);
+/// How long a stop waits for the deliveries in flight by default.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest wait between connection attempts while RabbitMQ cannot be reached.
+const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
+
+/// The header that counts a message's failed deliveries, carried by the copy the
+/// consumer publishes again.
+pub const ATTEMPTS_HEADER: &str = "x-tower-ids-attempts";
+/// The header a dead letter carries its reason in.
+pub const ERROR_HEADER: &str = "x-tower-ids-error";
+
+/// Consumes a RabbitMQ queue through a message handler: see the
+/// [module docs](self).
+///
+/// Each delivery's body is decoded from JSON into the handler's message type, handed
+/// to the service as a [`Received`] (with the message's headers, so the layer reads its
+/// key and the correlation ID from them), and settled by what the service answers:
+///
+/// | The service answered | The delivery |
+/// |---|---|
+/// | `Handled::Ran`, `Handled::Replayed` | acknowledged: after the outcome is stored (over a transactional store, after its commit) |
+/// | `Handled::InFlight { retry_after }` | back to the queue after `retry_after` (nack, requeue) |
+/// | `Handled::Refused(r)`, `r.retryable()` (the store unavailable, a commit not known) | back to the queue after the [retry pause](Self::retry_pause): a passing fault, not counted |
+/// | `Handled::Refused(r)`, not retryable (a key missing or invalid, another payload under the key) | dead-lettered at once |
+/// | the handler failed (`Err`) | published again at the back of the queue with its attempt counted ([`ATTEMPTS_HEADER`]), then acknowledged; dead-lettered at its [last attempt](Self::max_attempts) |
+/// | a body that does not decode | dead-lettered at once |
+///
+/// A dead letter is published, confirmed, to the [dead-letter queue](Self::dead_letter_queue)
+/// (declared durable) with the message's headers and body and its reason in
+/// [`ERROR_HEADER`], then the delivery is acknowledged; it is logged once at ERROR.
+/// So a poison message never blocks the messages behind it, and its attempts are
+/// counted in the message itself, across redeliveries and restarts.
+///
+/// A lost connection or channel is reconnected with backoff (100 ms doubling to 5 s):
+/// the deliveries not yet acknowledged come back from the broker, and the layer replays
+/// those that ran. On shutdown the consumer stops taking deliveries, finishes and
+/// settles those in flight within the [drain timeout](Self::drain_timeout), and names,
+/// at WARN, those it left (they go back to the queue with the connection).
+///
+/// Every delivery ends in one line, event `message.settled`, with its `outcome`
+/// (`handled`, `replayed`, `in_flight`, `retried`, `requeued`, `dead_lettered`), the
+/// `correlation_id` and the idempotency `key`, inside the delivery's correlation span.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct AmqpConsumer {
+    uri: String,
+    queue: String,
+    dead_letter_queue: String,
+    prefetch: u16,
+    max_attempts: u32,
+    retry_pause: Duration,
+    drain_timeout: Duration,
+}
+
+/// A delivery as the handler gets it: the decoded message and its headers.
+#[derive(Debug)]
+pub struct Received<T> {
+    message: T,
+    headers: FieldTable,
+    attempts: u32,
+}
+
+impl<T> Received<T> {
+    /// The message.
+    pub fn message(&self) -> &T {
+        &self.message
+    }
+
+    /// The message, taken.
+    pub fn into_message(self) -> T {
+        self.message
+    }
+
+    /// A header's text, if it has one.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.get(name)
+            .and_then(|value| std::str::from_utf8(value).ok())
+    }
+
+    /// How many deliveries of this message failed in its handler before this one.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+}
+
+impl<T> Carrier for Received<T> {
+    fn get(&self, name: &str) -> Option<&[u8]> {
+        Carrier::get(&self.headers, name)
+    }
+
+    fn set(&mut self, name: &str, value: &str) {
+        Carrier::set(&mut self.headers, name, value);
+    }
+}
+
+/// What a stop left: the deliveries still in flight at the drain's deadline.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stopped {
+    /// Deliveries left unsettled: they go back to the queue.
+    pub left: usize,
+}
+
+impl AmqpConsumer {
+    /// A consumer of `queue` on the broker at `uri` (`amqp://user:pass@host:port/vhost`).
+    /// The queue must exist; its dead letters go to `{queue}.dead` unless set.
+    pub fn new(uri: impl Into<String>, queue: impl Into<String>) -> Self {
+        let queue = queue.into();
+        Self {
+            uri: uri.into(),
+            dead_letter_queue: format!("{queue}.dead"),
+            queue,
+            prefetch: DEFAULT_PREFETCH,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            retry_pause: DEFAULT_RETRY_PAUSE,
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+        }
+    }
+
+    /// Deliveries handled at once ([`DEFAULT_PREFETCH`]): the channel's prefetch.
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch.max(1);
+        self
+    }
+
+    /// Deliveries a message's handler may fail before it is dead-lettered
+    /// ([`DEFAULT_MAX_ATTEMPTS`]).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// Where dead letters go (`{queue}.dead` by default), declared durable at start.
+    pub fn dead_letter_queue(mut self, queue: impl Into<String>) -> Self {
+        self.dead_letter_queue = queue.into();
+        self
+    }
+
+    /// How long a delivery refused for a passing reason waits before it goes back to
+    /// the queue ([`DEFAULT_RETRY_PAUSE`]).
+    pub fn retry_pause(mut self, pause: Duration) -> Self {
+        self.retry_pause = pause;
+        self
+    }
+
+    /// How long a stop waits for the deliveries in flight ([`DEFAULT_DRAIN_TIMEOUT`]).
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// Consumes the queue through `service` until `shutdown` resolves, then drains.
+    pub async fn run<T, R, S>(self, service: S, shutdown: impl Future<Output = ()>) -> Stopped
+    where
+        T: DeserializeOwned + Send + 'static,
+        R: Send + 'static,
+        S: Service<Received<T>, Response = Handled<R>> + Clone + Send + 'static,
+        S::Error: Display + Send,
+        S::Future: Send,
+    {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut in_flight = JoinSet::new();
+        let mut backoff = Duration::ZERO;
+        let mut session = None;
+        'connect: loop {
+            if !backoff.is_zero() {
+                tokio::select! {
+                    () = shutdown.as_mut() => break 'connect,
+                    () = tokio::time::sleep(backoff) => {}
+                }
+            }
+            let opened = tokio::select! {
+                () = shutdown.as_mut() => break 'connect,
+                opened = self.open() => opened,
+            };
+            let (connection, consuming, publisher, mut deliveries) = match opened {
+                Ok(opened) => opened,
+                Err(error) => {
+                    if backoff.is_zero() {
+                        tracing::warn!(event = "message.broker_unavailable", queue = %self.queue, error = %error, "cannot consume from RabbitMQ; trying again");
+                    }
+                    backoff =
+                        (backoff * 2).clamp(Duration::from_millis(100), MAX_RECONNECT_BACKOFF);
+                    continue;
+                }
+            };
+            if !backoff.is_zero() {
+                tracing::info!(event = "message.broker_recovered", queue = %self.queue, "consuming again");
+            }
+            tracing::info!(event = "message.consuming", queue = %self.queue, prefetch = self.prefetch, "consuming");
+            loop {
+                tokio::select! {
+                    biased;
+                    () = shutdown.as_mut() => {
+                        let _ = consuming
+                            .basic_cancel(deliveries.tag(), BasicCancelOptions::default())
+                            .await;
+                        session = Some(connection);
+                        break 'connect;
+                    }
+                    Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
+                    delivery = deliveries.next() => match delivery {
+                        Some(Ok(delivery)) => {
+                            let settle = self.clone().settle(delivery, service.clone(), publisher.clone());
+                            in_flight.spawn(settle);
+                        }
+                        ended => {
+                            let error = match ended {
+                                Some(Err(error)) => error.to_string(),
+                                _ => "the consumer was cancelled".to_owned(),
+                            };
+                            tracing::warn!(event = "message.connection_lost", queue = %self.queue, error, "lost the consumer; reconnecting (unacknowledged deliveries come back)");
+                            backoff = Duration::from_millis(100);
+                            continue 'connect;
+                        }
+                    }
+                }
+            }
+        }
+        let left = self.drain(&mut in_flight).await;
+        if let Some(connection) = session {
+            // Deliveries prefetched and never started go back to the queue now.
+            let _ = connection.close(200, "stopped".into()).await;
+        }
+        Stopped { left }
+    }
+
+    /// Waits for the deliveries in flight, up to the drain timeout; says how many it
+    /// left.
+    async fn drain(&self, in_flight: &mut JoinSet<()>) -> usize {
+        let waiting = in_flight.len();
+        let drained = tokio::time::timeout(self.drain_timeout, async {
+            while in_flight.join_next().await.is_some() {}
+        })
+        .await;
+        let left = in_flight.len();
+        if drained.is_err() {
+            tracing::warn!(event = "message.drain_unsettled", queue = %self.queue, in_flight = waiting, left, "stopped with deliveries unsettled: they go back to the queue");
+            in_flight.abort_all();
+        } else {
+            tracing::info!(event = "message.drained", queue = %self.queue, settled = waiting, "every delivery in flight settled");
+        }
+        left
+    }
+
+    /// A connection, its consuming channel, its publishing channel in confirm mode (for
+    /// copies and dead letters), and the queue's deliveries at the prefetch.
+    async fn open(&self) -> Result<(Connection, Channel, Channel, lapin::Consumer), lapin::Error> {
+        let connection = Connection::connect(&self.uri, ConnectionProperties::default()).await?;
+        let publisher = connection.create_channel().await?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        publisher
+            .queue_declare(
+                self.dead_letter_queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .basic_qos(self.prefetch, BasicQosOptions::default())
+            .await?;
+        let deliveries = channel
+            .basic_consume(
+                self.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(), // manual acknowledgements
+                FieldTable::default(),
+            )
+            .await?;
+        Ok((connection, channel, publisher, deliveries))
+    }
+
+    /// One delivery: decoded, handled under its correlation ID, settled.
+    async fn settle<T, R, S>(self, delivery: Delivery, mut service: S, publisher: Channel)
+    where
+        T: DeserializeOwned,
+        S: Service<Received<T>, Response = Handled<R>>,
+        S::Error: Display,
+    {
+        let headers = delivery.properties.headers().clone().unwrap_or_default();
+        let attempts = attempts_of(&headers);
+        let correlation = MessageCorrelation::new();
+        let id = correlation.for_delivery(&headers);
+        let scoped_headers = headers.clone();
+        let settling = async move {
+            let key = IdempotencyKeyText::of(&headers);
+            let Ok(message) = serde_json::from_slice::<T>(&delivery.data) else {
+                let outcome = self
+                    .dead_letter(
+                        &delivery,
+                        &publisher,
+                        "undecodable",
+                        "the body is not the handler's message (JSON)",
+                    )
+                    .await;
+                return settled(outcome, &key, "undecodable");
+            };
+            let received = Received {
+                message,
+                headers,
+                attempts,
+            };
+            let answer = match poll_fn(|cx| service.poll_ready(cx)).await {
+                Ok(()) => service.call(received).await,
+                Err(error) => Err(error),
+            };
+            let (outcome, reason) = match answer {
+                Ok(Handled::Ran(_)) => (ack(&delivery, "handled").await, None),
+                Ok(Handled::Replayed { .. }) => (ack(&delivery, "replayed").await, None),
+                Ok(Handled::InFlight { retry_after }) => {
+                    (requeue(&delivery, retry_after, "in_flight").await, None)
+                }
+                Ok(Handled::Refused(refusal)) if refusal.retryable() => (
+                    requeue(&delivery, self.retry_pause, "requeued").await,
+                    Some(refusal.code().to_owned()),
+                ),
+                Ok(Handled::Refused(refusal)) => (
+                    self.dead_letter(&delivery, &publisher, refusal.code(), &refusal.to_string())
+                        .await,
+                    Some(refusal.code().to_owned()),
+                ),
+                Err(error) => {
+                    let error = error.to_string();
+                    let outcome = if attempts + 1 >= self.max_attempts {
+                        self.dead_letter(&delivery, &publisher, "handler_failed", &error)
+                            .await
+                    } else {
+                        self.again(&delivery, &publisher, attempts + 1).await
+                    };
+                    (outcome, Some(error))
+                }
+            };
+            settled(outcome, &key, reason.as_deref().unwrap_or(""))
+        };
+        correlation.scope(id, &scoped_headers, settling).await;
+    }
+
+    /// Publishes the message again at the back of the queue with `attempts` counted,
+    /// then acknowledges the delivery; if the copy is not confirmed, the delivery goes
+    /// back to the queue instead.
+    async fn again(&self, delivery: &Delivery, publisher: &Channel, attempts: u32) -> &'static str {
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        headers.insert(
+            ATTEMPTS_HEADER.into(),
+            AMQPValue::LongLongInt(i64::from(attempts)),
+        );
+        match publish(publisher, &self.queue, delivery, headers).await {
+            Ok(()) => ack(delivery, "retried").await,
+            Err(error) => {
+                tracing::warn!(event = "message.republish_failed", error = %error, "could not publish the message again; it goes back to the queue");
+                requeue(delivery, self.retry_pause, "requeued").await
+            }
+        }
+    }
+
+    /// Publishes the delivery to the dead-letter queue with `reason`, then acknowledges
+    /// it; logs it once at ERROR. If the dead letter is not confirmed, the delivery goes
+    /// back to the queue instead.
+    async fn dead_letter(
+        &self,
+        delivery: &Delivery,
+        publisher: &Channel,
+        code: &str,
+        reason: &str,
+    ) -> &'static str {
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        headers.insert(
+            ERROR_HEADER.into(),
+            AMQPValue::LongString(LongString::from(if reason.starts_with(code) {
+                reason.to_owned()
+            } else {
+                format!("{code}: {reason}")
+            })),
+        );
+        match publish(publisher, &self.dead_letter_queue, delivery, headers).await {
+            Ok(()) => {
+                tracing::error!(event = "message.dead_lettered", queue = %self.queue, dead_letter_queue = %self.dead_letter_queue, code, reason, "a message that cannot be handled went to the dead-letter queue; the messages behind it go on");
+                ack(delivery, "dead_lettered").await
+            }
+            Err(error) => {
+                tracing::warn!(event = "message.republish_failed", error = %error, "could not dead-letter the message; it goes back to the queue");
+                requeue(delivery, self.retry_pause, "requeued").await
+            }
+        }
+    }
+}
+
+/// The message's `idempotency-key` header, as text for the log line (the layer checks
+/// it; an invalid one is logged as refused by it, not here).
+struct IdempotencyKeyText(String);
+
+impl IdempotencyKeyText {
+    fn of(headers: &FieldTable) -> Self {
+        let key = headers
+            .inner()
+            .get(crate::idempotency::header::IDEMPOTENCY_KEY.as_str())
+            .and_then(|value| match value {
+                AMQPValue::LongString(text) => Some(text.as_bytes()),
+                _ => None,
+            })
+            .and_then(|key| std::str::from_utf8(key).ok())
+            .filter(|key| key.len() <= 255 && key.bytes().all(|b| b.is_ascii_graphic()))
+            .unwrap_or("");
+        Self(key.to_owned())
+    }
+}
+
+/// The delivery's one line.
+fn settled(outcome: &'static str, key: &IdempotencyKeyText, reason: &str) {
+    let correlation_id = crate::correlation::CorrelationId::current()
+        .map(|id| id.as_str().to_owned())
+        .unwrap_or_default();
+    tracing::info!(
+        event = "message.settled",
+        outcome,
+        key = %key.0,
+        correlation_id,
+        reason,
+        "delivery settled"
+    );
+    #[cfg(feature = "metrics")]
+    ::metrics::counter!(DELIVERIES, "outcome" => outcome).increment(1);
+}
+
+/// The metric of settled deliveries, by `outcome` (feature `metrics`).
+pub const DELIVERIES: &str = "tower_ids_consumer_deliveries_total";
+
+async fn ack(delivery: &Delivery, outcome: &'static str) -> &'static str {
+    if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
+        // The channel is gone: the broker delivers it again, and the layer replays it.
+        tracing::debug!(event = "message.ack_failed", error = %error, "could not acknowledge; the broker delivers it again");
+    }
+    outcome
+}
+
+async fn requeue(delivery: &Delivery, after: Duration, outcome: &'static str) -> &'static str {
+    tokio::time::sleep(after).await;
+    let _ = delivery
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        })
+        .await;
+    outcome
+}
+
+/// Publishes the delivery's body and properties, with `headers`, to `queue` on the
+/// default exchange, persistent, and waits for the broker's confirm.
+async fn publish(
+    publisher: &Channel,
+    queue: &str,
+    delivery: &Delivery,
+    headers: FieldTable,
+) -> Result<(), String> {
+    let properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    let properties = match delivery.properties.content_type() {
+        Some(content_type) => properties.with_content_type(content_type.clone()),
+        None => properties,
+    };
+    let properties = match delivery.properties.message_id() {
+        Some(id) => properties.with_message_id(id.clone()),
+        None => properties,
+    };
+    let confirm = publisher
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(queue),
+            BasicPublishOptions::default(),
+            &delivery.data,
+            properties,
+        )
+        .await
+        .map_err(|e| e.to_string())?
+        .await
+        .map_err(|e| e.to_string())?;
+    match confirm {
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+        Confirmation::Ack(Some(_)) => Err(format!("no queue {queue:?}")),
+        Confirmation::Nack(_) => Err("the broker nacked it".to_owned()),
+    }
+}
+
+/// The failed deliveries a message's headers count ([`ATTEMPTS_HEADER`]), whatever
+/// integer type a broker or a publisher gave it.
+fn attempts_of(headers: &FieldTable) -> u32 {
+    let count = match headers.inner().get(ATTEMPTS_HEADER) {
+        Some(AMQPValue::ShortShortUInt(n)) => i64::from(*n),
+        Some(AMQPValue::ShortUInt(n)) => i64::from(*n),
+        Some(AMQPValue::LongUInt(n)) => i64::from(*n),
+        Some(AMQPValue::ShortShortInt(n)) => i64::from(*n),
+        Some(AMQPValue::ShortInt(n)) => i64::from(*n),
+        Some(AMQPValue::LongInt(n)) => i64::from(*n),
+        Some(AMQPValue::LongLongInt(n)) => *n,
+        _ => 0,
+    };
+    u32::try_from(count.max(0)).unwrap_or(u32::MAX)
+}
