@@ -1,12 +1,15 @@
-//! `AmqpConsumer` against a real RabbitMQ (a vhost of each test's own) and a
-//! transactional inbox on PostgreSQL (a database of each test's own): poison messages
-//! go to the dead-letter queue while the messages behind them are applied; every
-//! connection closed mid-stream loses and doubles nothing; a stop drains what is in
-//! flight. Without a server (and outside CI) the tests say SKIPPED and pass.
+//! The broker drivers against real brokers and a transactional inbox on PostgreSQL (a
+//! database of each test's own): `AmqpConsumer` on RabbitMQ (a vhost of each test's
+//! own) and `KafkaConsumer` on a Tansu broker of the test's own. Poison messages go to
+//! the dead-letter queue or topic while the messages behind them are applied; every
+//! RabbitMQ connection closed mid-stream loses and doubles nothing; a stop drains what
+//! is in flight. Without a server (and outside CI) the tests say SKIPPED and pass.
 #![allow(missing_docs)]
 
 #[path = "postgres/database.rs"]
 mod database;
+#[path = "support/kafka.rs"]
+mod kafka_broker;
 #[path = "support/rabbitmq.rs"]
 mod rabbitmq;
 
@@ -28,8 +31,9 @@ use sqlx::PgPool;
 use tower::{service_fn, ServiceBuilder};
 use tower_ids::idempotency::{
     message::{
-        amqp::{AmqpConsumer, Received, ERROR_HEADER},
-        MessageIdempotencyLayer, MessageKey,
+        amqp::{AmqpConsumer, Received},
+        kafka::{KafkaConsumer, Received as KafkaReceived},
+        MessageIdempotencyLayer, MessageKey, ERROR_HEADER,
     },
     store::{PostgresMode, PostgresStore, Transaction},
     IdempotencyKey,
@@ -83,6 +87,54 @@ fn inbox(
                 }),
         )
         .service(service_fn(move |received: Received<Payment>| {
+            let runs = runs.clone();
+            async move {
+                let key = received.header("idempotency-key").unwrap_or("").to_owned();
+                *runs.0.lock().unwrap().entry(key.clone()).or_default() += 1;
+                let payment = received.into_message();
+                let transaction = Transaction::current().ok_or("no delivery transaction")?;
+                let mut connection = transaction.lock().await?;
+                let id: i64 = sqlx::query_scalar(
+                    "INSERT INTO payments (key, account, amount) VALUES ($1, $2, $3) RETURNING id",
+                )
+                .bind(&key)
+                .bind(&payment.account)
+                .bind(payment.amount)
+                .fetch_one(&mut *connection)
+                .await?;
+                if payment.amount < 0 {
+                    return Err("a negative amount cannot be applied".into());
+                }
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Receipt { id })
+            }
+        }))
+}
+
+/// [`inbox`] for Kafka records.
+fn kafka_inbox(
+    pool: PgPool,
+    runs: Runs,
+) -> impl tower::Service<
+    KafkaReceived<Payment>,
+    Response = tower_ids::idempotency::message::Handled<Receipt>,
+    Error = Box<dyn std::error::Error + Send + Sync>,
+    Future = impl Send,
+> + Clone
+       + Send
+       + 'static {
+    let store = PostgresStore::builder(pool)
+        .mode(PostgresMode::Transactional)
+        .build()
+        .unwrap();
+    ServiceBuilder::new()
+        .layer(
+            MessageIdempotencyLayer::with_store(store)
+                .require_key(true)
+                .key(|r: &KafkaReceived<Payment>| {
+                    Ok(IdempotencyKey::from_carrier(r)?.map(MessageKey::new))
+                }),
+        )
+        .service(service_fn(move |received: KafkaReceived<Payment>| {
             let runs = runs.clone();
             async move {
                 let key = received.header("idempotency-key").unwrap_or("").to_owned();
@@ -351,4 +403,166 @@ async fn every_connection_closed_mid_stream_loses_and_doubles_nothing() {
         rows.values().all(|n| *n == 1),
         "each payment applied once: {rows:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_are_applied() {
+    use rdkafka::{
+        admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+        consumer::{Consumer as _, StreamConsumer},
+        message::{Header, Headers as _, OwnedHeaders},
+        producer::{FutureProducer, FutureRecord},
+        ClientConfig, Message as _,
+    };
+
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let Some(broker) = kafka_broker::Broker::start() else {
+        return;
+    };
+    let pool = db.pool(16).await;
+    PostgresStore::builder(pool.clone())
+        .build()
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE payments (id bigserial PRIMARY KEY, key text NOT NULL, account text NOT NULL, amount bigint NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let topic = format!("payments-{}", uuid::Uuid::now_v7().simple());
+    let dead = format!("{topic}.dead");
+    let admin: AdminClient<_> = ClientConfig::new()
+        .set("bootstrap.servers", &broker.addr)
+        .create()
+        .unwrap();
+    admin
+        .create_topics(
+            [
+                &NewTopic::new(&topic, 2, TopicReplication::Fixed(1)),
+                &NewTopic::new(&dead, 1, TopicReplication::Fixed(1)),
+            ],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap();
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &broker.addr)
+        .create()
+        .unwrap();
+    let send = |key: Option<String>, account: String, body: Vec<u8>| {
+        let (producer, topic) = (producer.clone(), topic.clone());
+        async move {
+            let mut headers = OwnedHeaders::new();
+            if let Some(key) = &key {
+                headers = headers.insert(Header {
+                    key: "idempotency-key",
+                    value: Some(key.as_str()),
+                });
+            }
+            producer
+                .send(
+                    FutureRecord::to(&topic)
+                        .key(&account)
+                        .payload(&body)
+                        .headers(headers),
+                    Duration::from_secs(5),
+                )
+                .await
+                .unwrap();
+        }
+    };
+    send(
+        Some("undecodable".into()),
+        "acct-0".into(),
+        b"not json".to_vec(),
+    )
+    .await;
+    send(Some("fails".into()), "acct-1".into(), payment(-1)).await;
+    send(None, "acct-2".into(), payment(5)).await;
+    for n in 0..30 {
+        send(
+            Some(format!("good-{n}")),
+            format!("acct-{}", n % 4),
+            payment(n),
+        )
+        .await;
+    }
+    let runs = Runs::default();
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", &broker.addr)
+        .set("group.id", format!("g-{}", uuid::Uuid::now_v7()))
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "1000");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = KafkaConsumer::new(config, [topic.clone()]).max_attempts(3);
+    let running = tokio::spawn(
+        consumer.run(kafka_inbox(pool.clone(), runs.clone()), async {
+            let _ = stopped.await;
+        }),
+    );
+    until(&pool, "every good payment applied", |rows| {
+        (0..30).all(|n| rows.contains_key(&format!("good-{n}")))
+    })
+    .await;
+    let reader: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &broker.addr)
+        .set("group.id", format!("g-{}", uuid::Uuid::now_v7()))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "1000")
+        .create()
+        .unwrap();
+    reader.subscribe(&[&dead]).unwrap();
+    let mut letters = Vec::new();
+    while letters.len() < 3 {
+        let record = tokio::time::timeout(Duration::from_secs(30), reader.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{} of 3 dead letters", letters.len()))
+            .unwrap();
+        let headers = record.headers().map(|h| h.detach()).unwrap_or_default();
+        let text = |name: &str| {
+            headers
+                .iter()
+                .find(|h| h.key == name)
+                .and_then(|h| h.value)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default()
+        };
+        letters.push((text("idempotency-key"), text(ERROR_HEADER)));
+    }
+    letters.sort();
+    stop.send(()).unwrap();
+    let stopped = running.await.unwrap().unwrap();
+    let rows = rows(&pool).await;
+    eprintln!(
+        "Kafka dead letters {letters:?}; handler runs of the failing one {}",
+        runs.of("fails")
+    );
+    assert_eq!(stopped.left, 0);
+    assert!(
+        rows.values().all(|n| *n == 1) && rows.len() == 30,
+        "each good payment once, nothing of the poison: {rows:?}"
+    );
+    assert_eq!(
+        runs.of("fails"),
+        3,
+        "the failing record had its three attempts"
+    );
+    assert_eq!(letters[0].0, "");
+    assert!(
+        letters[0].1.starts_with("idempotency.key_missing"),
+        "{letters:?}"
+    );
+    assert_eq!(letters[1].0, "fails");
+    assert!(letters[1].1.starts_with("handler_failed"), "{letters:?}");
+    assert_eq!(letters[2].0, "undecodable");
+    assert!(letters[2].1.starts_with("undecodable"), "{letters:?}");
 }

@@ -50,29 +50,19 @@ use serde::de::DeserializeOwned;
 use tokio::task::JoinSet;
 use tower_service::Service;
 
-use super::Handled;
+use super::{
+    drive::{
+        settled_line, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS,
+        DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+    },
+    Handled,
+};
 use crate::correlation::{Carrier, MessageCorrelation};
 
 /// Deliveries handled at once by default (the channel's prefetch).
 pub const DEFAULT_PREFETCH: u16 = 16;
-/// Deliveries a message's handler may fail by default before it is dead-lettered: a
-/// passing fault gets a few more tries, a message that always fails stops costing
-/// after five.
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
-/// How long a delivery refused for a passing reason (the store unavailable, a duplicate
-/// in flight) waits before it goes back to the queue, by default.
-pub const DEFAULT_RETRY_PAUSE: Duration = Duration::from_millis(500);
-/// How long a stop waits for the deliveries in flight by default.
-pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest wait between connection attempts while RabbitMQ cannot be reached.
 const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
-
-/// The header that counts a message's failed deliveries, carried by the copy the
-/// consumer publishes again.
-pub const ATTEMPTS_HEADER: &str = "x-tower-ids-attempts";
-/// The header a dead letter carries its reason in.
-pub const ERROR_HEADER: &str = "x-tower-ids-error";
-
 /// Consumes a RabbitMQ queue through a message handler: see the
 /// [module docs](self).
 ///
@@ -155,14 +145,6 @@ impl<T> Carrier for Received<T> {
     fn set(&mut self, name: &str, value: &str) {
         Carrier::set(&mut self.headers, name, value);
     }
-}
-
-/// What a stop left: the deliveries still in flight at the drain's deadline.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Stopped {
-    /// Deliveries left unsettled: they go back to the queue.
-    pub left: usize,
 }
 
 impl AmqpConsumer {
@@ -363,7 +345,7 @@ impl AmqpConsumer {
                         "the body is not the handler's message (JSON)",
                     )
                     .await;
-                return settled(outcome, &key, "undecodable");
+                return settled_line(outcome, &key.0, "undecodable");
             };
             let received = Received {
                 message,
@@ -400,7 +382,7 @@ impl AmqpConsumer {
                     (outcome, Some(error))
                 }
             };
-            settled(outcome, &key, reason.as_deref().unwrap_or(""))
+            settled_line(outcome, &key.0, reason.as_deref().unwrap_or(""))
         };
         correlation.scope(id, &scoped_headers, settling).await;
     }
@@ -474,26 +456,6 @@ impl IdempotencyKeyText {
         Self(key.to_owned())
     }
 }
-
-/// The delivery's one line.
-fn settled(outcome: &'static str, key: &IdempotencyKeyText, reason: &str) {
-    let correlation_id = crate::correlation::CorrelationId::current()
-        .map(|id| id.as_str().to_owned())
-        .unwrap_or_default();
-    tracing::info!(
-        event = "message.settled",
-        outcome,
-        key = %key.0,
-        correlation_id,
-        reason,
-        "delivery settled"
-    );
-    #[cfg(feature = "metrics")]
-    ::metrics::counter!(DELIVERIES, "outcome" => outcome).increment(1);
-}
-
-/// The metric of settled deliveries, by `outcome` (feature `metrics`).
-pub const DELIVERIES: &str = "tower_ids_consumer_deliveries_total";
 
 async fn ack(delivery: &Delivery, outcome: &'static str) -> &'static str {
     if let Err(error) = delivery.ack(BasicAckOptions::default()).await {

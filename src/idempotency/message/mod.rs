@@ -131,10 +131,19 @@
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+#[cfg(any(feature = "amqp", feature = "kafka"))]
+mod drive;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 mod key;
 mod layer;
 mod service;
 
+#[cfg(any(feature = "amqp", feature = "kafka"))]
+pub use self::drive::{
+    Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE,
+    DELIVERIES, ERROR_HEADER,
+};
 pub use self::{
     key::{ExtractMessageKey, MessageKey, NoMessageKey},
     layer::MessageIdempotencyLayer,

@@ -1,0 +1,527 @@
+//! [`KafkaConsumer`]: Kafka topics driven through a message handler behind the
+//! [`MessageIdempotencyLayer`](super::MessageIdempotencyLayer), as
+//! [`AmqpConsumer`](super::amqp::AmqpConsumer) drives a RabbitMQ queue: the consume
+//! loop, the offsets, poison messages and the drain are the crate's.
+//!
+//! ```no_run
+//! use rdkafka::ClientConfig;
+//! use serde::{Deserialize, Serialize};
+//! use tower::{service_fn, ServiceBuilder};
+//! use tower_ids::idempotency::{
+//!     message::{kafka::{KafkaConsumer, Received}, MessageIdempotencyLayer, MessageKey},
+//!     IdempotencyKey,
+//! };
+//!
+//! #[derive(Deserialize)]
+//! struct Payment { account: String, amount: i64 }
+//! #[derive(Serialize, Deserialize)]
+//! struct Receipt { balance: i64 }
+//!
+//! # async fn run() -> Result<(), rdkafka::error::KafkaError> {
+//! let service = ServiceBuilder::new()
+//!     .layer(MessageIdempotencyLayer::new().require_key(true).key(|r: &Received<Payment>| {
+//!         Ok(IdempotencyKey::from_carrier(r)?.map(MessageKey::new))
+//!     }))
+//!     .service(service_fn(|payment: Received<Payment>| async move {
+//!         Ok::<_, std::io::Error>(Receipt { balance: payment.into_message().amount })
+//!     }));
+//! let mut config = ClientConfig::new();
+//! config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "payments");
+//! KafkaConsumer::new(config, ["payments"])
+//!     .run(service, async { let _ = tokio::signal::ctrl_c().await; })
+//!     .await?;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::{collections::HashMap, fmt::Display, future::Future, sync::Arc, time::Duration};
+
+use futures_util::future::poll_fn;
+use rdkafka::{
+    consumer::{Consumer as _, StreamConsumer},
+    error::KafkaError,
+    message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage},
+    producer::{FutureProducer, FutureRecord},
+    util::Timeout,
+    ClientConfig,
+};
+use serde::de::DeserializeOwned;
+use tokio::{sync::mpsc, task::JoinSet};
+use tower_service::Service;
+
+use super::{
+    drive::{
+        settled_line, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS,
+        DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+    },
+    Handled,
+};
+use crate::correlation::{Carrier, MessageCorrelation};
+
+/// Partitions handled at once by default: each partition's messages one after the
+/// other, in order.
+pub const DEFAULT_PARTITIONS_AT_ONCE: usize = 16;
+
+/// Consumes Kafka topics through a message handler: see the [module docs](self).
+///
+/// The consumer group is the configuration's `group.id`; the driver sets
+/// `enable.auto.offset.store=false`: an offset is stored, and committed with the next
+/// automatic commit, only once its message is settled. Each partition's messages are
+/// handled one after the other, in order (so a partition key's messages stay in
+/// order), up to [`partitions_at_once`](Self::partitions_at_once) partitions at a time;
+/// so the offset committed is always the first message not yet settled.
+///
+/// | The service answered | The message |
+/// |---|---|
+/// | `Handled::Ran`, `Handled::Replayed` | settled: its offset stored (after the outcome is durable) |
+/// | `Handled::InFlight { retry_after }` | handled again after `retry_after`, in place |
+/// | `Handled::Refused(r)`, `r.retryable()` | handled again after the [retry pause](Self::retry_pause), in place: a passing fault, not counted |
+/// | `Handled::Refused(r)`, not retryable | dead-lettered, then settled |
+/// | the handler failed (`Err`) | produced again at the end of its partition with its attempt counted (the `x-tower-ids-attempts` header), then settled; dead-lettered at its [last attempt](Self::max_attempts) |
+/// | a body that does not decode | dead-lettered, then settled |
+///
+/// Dead letters go to `{topic}.dead` (which must exist, or the broker must create
+/// topics), with the message's key, headers and body and the reason in the
+/// `x-tower-ids-error` header; each is logged once at ERROR. A partition revoked in a
+/// rebalance is abandoned: the message in flight runs to its end, but its offset is
+/// not stored (the partition is no longer this consumer's), so its new owner gets it
+/// again and the layer replays it. Connections are librdkafka's to keep. On shutdown
+/// the consumer stops fetching, settles what is in flight within the
+/// [drain timeout](Self::drain_timeout), commits, and names at WARN what it left.
+///
+/// Every message ends in one line, event `message.settled`, as for RabbitMQ.
+#[must_use]
+pub struct KafkaConsumer {
+    config: ClientConfig,
+    topics: Vec<String>,
+    partitions_at_once: usize,
+    max_attempts: u32,
+    retry_pause: Duration,
+    drain_timeout: Duration,
+}
+
+impl std::fmt::Debug for KafkaConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaConsumer")
+            .field("topics", &self.topics)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A message as the handler gets it: the decoded message and its headers.
+#[derive(Debug)]
+pub struct Received<T> {
+    message: T,
+    headers: Vec<(String, Vec<u8>)>,
+    attempts: u32,
+}
+
+impl<T> Received<T> {
+    /// The message.
+    pub fn message(&self) -> &T {
+        &self.message
+    }
+
+    /// The message, taken.
+    pub fn into_message(self) -> T {
+        self.message
+    }
+
+    /// A header's text, if it has one.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.get(name)
+            .and_then(|value| std::str::from_utf8(value).ok())
+    }
+
+    /// How many deliveries of this message failed in its handler before this one.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+}
+
+impl<T> Carrier for Received<T> {
+    fn get(&self, name: &str) -> Option<&[u8]> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, value)| value.as_slice())
+    }
+
+    fn set(&mut self, name: &str, value: &str) {
+        self.headers.retain(|(n, _)| n != name);
+        self.headers
+            .push((name.to_owned(), value.as_bytes().to_vec()));
+    }
+}
+
+impl KafkaConsumer {
+    /// A consumer of `topics` with `config` (`bootstrap.servers`, `group.id`, and any
+    /// other librdkafka setting).
+    pub fn new<I: IntoIterator<Item = impl Into<String>>>(config: ClientConfig, topics: I) -> Self {
+        Self {
+            config,
+            topics: topics.into_iter().map(Into::into).collect(),
+            partitions_at_once: DEFAULT_PARTITIONS_AT_ONCE,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            retry_pause: DEFAULT_RETRY_PAUSE,
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+        }
+    }
+
+    /// Partitions handled at once ([`DEFAULT_PARTITIONS_AT_ONCE`]).
+    pub fn partitions_at_once(mut self, partitions: usize) -> Self {
+        self.partitions_at_once = partitions.max(1);
+        self
+    }
+
+    /// Deliveries a message's handler may fail before it is dead-lettered
+    /// ([`DEFAULT_MAX_ATTEMPTS`]).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// How long a message refused for a passing reason waits before it is handled
+    /// again ([`DEFAULT_RETRY_PAUSE`]).
+    pub fn retry_pause(mut self, pause: Duration) -> Self {
+        self.retry_pause = pause;
+        self
+    }
+
+    /// How long a stop waits for the messages in flight ([`DEFAULT_DRAIN_TIMEOUT`]).
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// Consumes the topics through `service` until `shutdown` resolves, then drains.
+    ///
+    /// # Errors
+    ///
+    /// If the consumer or the producer (for copies and dead letters) cannot be created
+    /// from the configuration, or the topics cannot be subscribed to.
+    pub async fn run<T, R, S>(
+        self,
+        service: S,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<Stopped, KafkaError>
+    where
+        T: DeserializeOwned + Send + 'static,
+        R: Send + 'static,
+        S: Service<Received<T>, Response = Handled<R>> + Clone + Send + 'static,
+        S::Error: Display + Send,
+        S::Future: Send,
+    {
+        let mut consumer_config = self.config.clone();
+        consumer_config.set("enable.auto.offset.store", "false");
+        if consumer_config.get("enable.auto.commit").is_none() {
+            consumer_config.set("enable.auto.commit", "true");
+        }
+        let consumer: Arc<StreamConsumer> = Arc::new(consumer_config.create()?);
+        let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topics)?;
+        let mut producer_config = self.config.clone();
+        producer_config.remove("group.id");
+        producer_config.set("enable.idempotence", "true");
+        let producer: FutureProducer = producer_config.create()?;
+        let settings = Arc::new(Settings {
+            max_attempts: self.max_attempts,
+            retry_pause: self.retry_pause,
+            producer,
+            consumer: consumer.clone(),
+        });
+        tracing::info!(event = "message.consuming", topics = ?self.topics, "consuming");
+
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut partitions: HashMap<(String, i32), mpsc::Sender<OwnedMessage>> = HashMap::new();
+        let mut workers = JoinSet::new();
+        let slots = Arc::new(tokio::sync::Semaphore::new(self.partitions_at_once));
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => break,
+                Some(_) = workers.join_next(), if !workers.is_empty() => {}
+                received = consumer.recv() => match received {
+                    Ok(message) => {
+                        let message = message.detach();
+                        let slot = (message.topic().to_owned(), message.partition());
+                        let sender = partitions.entry(slot).or_insert_with(|| {
+                            // A partition's own worker, in order; the buffer bounds what
+                            // is fetched ahead of it.
+                            let (sender, receiver) = mpsc::channel(64);
+                            workers.spawn(partition_worker(
+                                receiver,
+                                service.clone(),
+                                settings.clone(),
+                                slots.clone(),
+                            ));
+                            sender
+                        });
+                        if sender.send(message).await.is_err() {
+                            tracing::debug!(event = "message.worker_gone", "a partition's worker ended");
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(event = "message.broker_unavailable", error = %error, "Kafka consumer error; librdkafka reconnects");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }
+        // No more fetching: each worker finishes what it was handed.
+        drop(partitions);
+        let waiting = workers.len();
+        let drained = tokio::time::timeout(self.drain_timeout, async {
+            while workers.join_next().await.is_some() {}
+        })
+        .await;
+        let left = workers.len();
+        if drained.is_err() {
+            tracing::warn!(
+                event = "message.drain_unsettled",
+                partitions = waiting,
+                left,
+                "stopped with messages unsettled: their offsets are not committed"
+            );
+            workers.abort_all();
+        } else {
+            tracing::info!(
+                event = "message.drained",
+                partitions = waiting,
+                "every message in flight settled"
+            );
+        }
+        // The settled offsets, committed before leaving the group.
+        if let Err(error) = consumer.commit_consumer_state(rdkafka::consumer::CommitMode::Sync) {
+            tracing::debug!(event = "message.commit_failed", error = %error, "could not commit the settled offsets at stop");
+        }
+        consumer.unsubscribe();
+        Ok(Stopped { left })
+    }
+}
+
+struct Settings {
+    max_attempts: u32,
+    retry_pause: Duration,
+    producer: FutureProducer,
+    consumer: Arc<StreamConsumer>,
+}
+
+/// One partition's messages, one after the other, each under a slot of the partitions
+/// handled at once.
+async fn partition_worker<T, R, S>(
+    mut receiver: mpsc::Receiver<OwnedMessage>,
+    mut service: S,
+    settings: Arc<Settings>,
+    slots: Arc<tokio::sync::Semaphore>,
+) where
+    T: DeserializeOwned,
+    S: Service<Received<T>, Response = Handled<R>>,
+    S::Error: Display,
+{
+    while let Some(message) = receiver.recv().await {
+        let Ok(_slot) = slots.acquire().await else {
+            return;
+        };
+        settle(&message, &mut service, &settings).await;
+        // Stored, it is committed with the next commit; for a partition revoked
+        // meanwhile the store is refused, and its new owner gets the message again.
+        if let Err(error) =
+            settings
+                .consumer
+                .store_offset(message.topic(), message.partition(), message.offset())
+        {
+            tracing::debug!(event = "message.offset_not_stored", error = %error, "the partition is no longer this consumer's: its new owner handles the message again");
+        }
+    }
+}
+
+/// One message: decoded, handled under its correlation ID until it is settled.
+async fn settle<T, R, S>(message: &OwnedMessage, service: &mut S, settings: &Settings)
+where
+    T: DeserializeOwned,
+    S: Service<Received<T>, Response = Handled<R>>,
+    S::Error: Display,
+{
+    let headers: Vec<(String, Vec<u8>)> = message
+        .headers()
+        .map(|headers| {
+            headers
+                .iter()
+                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let attempts = headers
+        .iter()
+        .find(|(n, _)| n == ATTEMPTS_HEADER)
+        .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok())
+        .unwrap_or(0u32);
+    let carrier = Received {
+        message: (),
+        headers: headers.clone(),
+        attempts,
+    };
+    let correlation = MessageCorrelation::new();
+    let id = correlation.for_delivery(&carrier);
+    let key = carrier.header("idempotency-key").unwrap_or("").to_owned();
+    let settling = async {
+        let payload = message.payload().unwrap_or_default();
+        let Ok(decoded) = serde_json::from_slice::<T>(payload) else {
+            let outcome = dead_letter(
+                message,
+                &headers,
+                settings,
+                "undecodable",
+                "undecodable: the body is not the handler's message (JSON)",
+            )
+            .await;
+            return settled_line(outcome, &key, "undecodable");
+        };
+        let mut decoded = Some(decoded);
+        loop {
+            let received = Received {
+                message: decoded.take().expect("a message to hand over"),
+                headers: headers.clone(),
+                attempts,
+            };
+            let answer = match poll_fn(|cx| service.poll_ready(cx)).await {
+                Ok(()) => service.call(received).await,
+                Err(error) => Err(error),
+            };
+            let (outcome, reason, again) = match answer {
+                Ok(Handled::Ran(_)) => ("handled", String::new(), None),
+                Ok(Handled::Replayed { .. }) => ("replayed", String::new(), None),
+                Ok(Handled::InFlight { retry_after }) => {
+                    ("in_flight", String::new(), Some(retry_after))
+                }
+                Ok(Handled::Refused(refusal)) if refusal.retryable() => (
+                    "requeued",
+                    refusal.code().to_owned(),
+                    Some(settings.retry_pause),
+                ),
+                Ok(Handled::Refused(refusal)) => (
+                    dead_letter(
+                        message,
+                        &headers,
+                        settings,
+                        refusal.code(),
+                        &refusal.to_string(),
+                    )
+                    .await,
+                    refusal.code().to_owned(),
+                    None,
+                ),
+                Err(error) => {
+                    let error = error.to_string();
+                    let outcome = if attempts + 1 >= settings.max_attempts {
+                        let reason = format!("handler_failed: {error}");
+                        dead_letter(message, &headers, settings, "handler_failed", &reason).await
+                    } else {
+                        produce_again(message, &headers, settings, attempts + 1).await
+                    };
+                    (outcome, error, None)
+                }
+            };
+            settled_line(outcome, &key, &reason);
+            let Some(pause) = again else {
+                return;
+            };
+            // Handled again in place: the partition waits, in order.
+            tokio::time::sleep(pause).await;
+            match serde_json::from_slice::<T>(payload) {
+                Ok(message) => decoded = Some(message),
+                Err(_) => return,
+            }
+        }
+    };
+    correlation.scope(id, &carrier, settling).await;
+}
+
+/// Produces the message again to its topic and partition key with `attempts`
+/// counted, and waits for the acknowledgement; `"retried"`, or, if it is not taken,
+/// `"requeued"` after the retry pause (the message is then settled only by being handled
+/// again: the offset is stored anyway, so the copy must land: it is retried until it
+/// does).
+async fn produce_again(
+    message: &OwnedMessage,
+    headers: &[(String, Vec<u8>)],
+    settings: &Settings,
+    attempts: u32,
+) -> &'static str {
+    let attempts = attempts.to_string();
+    let extra = [(ATTEMPTS_HEADER, attempts.as_bytes())];
+    loop {
+        match produce(message.topic(), message, headers, &extra, settings).await {
+            Ok(()) => return "retried",
+            Err(error) => {
+                tracing::warn!(event = "message.republish_failed", error = %error, "could not produce the message again; trying again");
+                tokio::time::sleep(settings.retry_pause).await;
+            }
+        }
+    }
+}
+
+/// Produces the message to `{topic}.dead` with `reason`, waiting until it is taken;
+/// logs it once at ERROR.
+async fn dead_letter(
+    message: &OwnedMessage,
+    headers: &[(String, Vec<u8>)],
+    settings: &Settings,
+    code: &str,
+    reason: &str,
+) -> &'static str {
+    let topic = format!("{}.dead", message.topic());
+    let extra = [(ERROR_HEADER, reason.as_bytes())];
+    loop {
+        match produce(&topic, message, headers, &extra, settings).await {
+            Ok(()) => {
+                tracing::error!(event = "message.dead_lettered", topic = message.topic(), dead_letter_topic = %topic, code, reason, "a message that cannot be handled went to the dead-letter topic; the messages behind it go on");
+                return "dead_lettered";
+            }
+            Err(error) => {
+                tracing::warn!(event = "message.republish_failed", error = %error, "could not dead-letter the message; trying again");
+                tokio::time::sleep(settings.retry_pause).await;
+            }
+        }
+    }
+}
+
+/// Produces the message's key and body to `topic` with its headers and `extra` ones
+/// (replacing those of the same name), and waits for the acknowledgement.
+async fn produce(
+    topic: &str,
+    message: &OwnedMessage,
+    headers: &[(String, Vec<u8>)],
+    extra: &[(&str, &[u8])],
+    settings: &Settings,
+) -> Result<(), KafkaError> {
+    let mut record_headers = OwnedHeaders::new();
+    for (name, value) in headers {
+        if extra.iter().any(|(n, _)| n == name) {
+            continue;
+        }
+        record_headers = record_headers.insert(Header {
+            key: name,
+            value: Some(value.as_slice()),
+        });
+    }
+    for (name, value) in extra {
+        record_headers = record_headers.insert(Header {
+            key: name,
+            value: Some(*value),
+        });
+    }
+    let mut record = FutureRecord::<[u8], [u8]>::to(topic)
+        .payload(message.payload().unwrap_or_default())
+        .headers(record_headers);
+    if let Some(key) = message.key() {
+        record = record.key(key);
+    }
+    settings
+        .producer
+        .send(record, Timeout::After(Duration::from_secs(5)))
+        .await
+        .map(|_| ())
+        .map_err(|(error, _)| error)
+}
