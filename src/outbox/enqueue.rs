@@ -41,8 +41,8 @@ impl Message {
     }
 
     /// Messages with the same partition key are published in the order their
-    /// transactions committed, one at a time, whatever the number of relays; a Kafka
-    /// record's key. Without one, a message is published in no particular order.
+    /// transactions committed, by one relay at a time, whatever the number of relays; a
+    /// Kafka record's key. Without one, a message is published in no particular order.
     ///
     /// The price: transactions that enqueue with the same partition key commit one after
     /// the other (the enqueue takes a lock on the key, held to the commit). Use the

@@ -4,7 +4,10 @@
 use std::{collections::HashMap, future::Future, time::Duration};
 
 use futures_util::FutureExt as _;
-use sqlx::{postgres::PgListener, PgConnection, Row as _};
+use sqlx::{
+    postgres::{PgListener, PgPoolOptions},
+    PgConnection, Row as _,
+};
 use tokio::time::Instant;
 
 use super::{
@@ -197,8 +200,9 @@ impl<S: Sink> RelayBuilder<S> {
 /// Each round, in one transaction: take up to a batch of pending messages (the oldest
 /// first) whose partition keys no other relay holds (a transaction-scoped advisory
 /// lock per key; messages without a key with `FOR UPDATE SKIP LOCKED`), publish them
-/// (the keys concurrently, each key's messages one after the other, each confirmed
-/// before the next), mark what the broker took, commit. A relay that dies mid-round
+/// (the keys concurrently; each key's messages sent in order and their confirms awaited
+/// in that order, the first failure stopping the key), mark what the broker took,
+/// commit. A relay that dies mid-round
 /// leaves its messages pending: they are published again, with the same idempotency
 /// key.
 #[derive(Debug)]
@@ -591,7 +595,12 @@ impl<'a> Wakeup<'a> {
         }
         let shared = &self.outbox.shared;
         let listening = tokio::time::timeout(LISTEN_TIMEOUT, async {
-            let mut listener = PgListener::connect_with(&shared.pool).await?;
+            // A pool of its own, of one connection: a listener made from the relay's
+            // pool would hold one of its connections for good.
+            let own = PgPoolOptions::new()
+                .max_connections(1)
+                .connect_lazy_with((*shared.pool.connect_options()).clone());
+            let mut listener = PgListener::connect_with(&own).await?;
             listener.listen(&shared.table).await?;
             Ok::<_, sqlx::Error>(listener)
         })

@@ -269,3 +269,40 @@ async fn an_idle_relay_is_woken_by_a_commit_and_by_a_backoff_that_ends() {
     running.await.unwrap();
     assert_eq!(rows(&pool).await, (0, 2, 1));
 }
+
+/// The relay listens on a connection of its own: on a pool of one connection, an idle
+/// relay still has it for its rounds.
+#[tokio::test]
+async fn a_relay_on_a_pool_of_one_connection_listens_and_still_publishes() {
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let (pool, outbox, _store) = outbox(&db, 4).await;
+    let one = tower_ids::outbox::Outbox::new(db.pool(1).await);
+    let sink = Counting::default();
+    let relay = one.relay(sink.clone()).build();
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(async move {
+        relay
+            .run(async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            })
+            .await;
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut connection = pool.acquire().await.unwrap();
+    outbox
+        .enqueue(&mut connection, Message::new("events", "1"))
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sink.published.lock().unwrap().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the relay never published: its one connection is taken"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(true).unwrap();
+    running.await.unwrap();
+}
