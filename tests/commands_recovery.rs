@@ -430,7 +430,8 @@ async fn watch_for(observer: &mut PgConnection, placement: Placement) -> Option<
             let (state, query) = (state.unwrap_or_default(), query.unwrap_or_default());
             let seen = match state.as_str() {
                 "active" if query == "COMMIT" => Seen::Committing,
-                "idle in transaction" if query.starts_with("INSERT INTO tower_ids_outbox") => {
+                // The enqueue's one statement: its `INSERT` inside a `WITH`.
+                "idle in transaction" if query.contains("INSERT INTO tower_ids_outbox") => {
                     Seen::Written
                 }
                 "idle in transaction" if query.starts_with("UPDATE") => Seen::Held,
