@@ -39,6 +39,9 @@ use tower_ids::idempotency::{
     IdempotencyKey,
 };
 
+/// How long the handler takes for the account `slow`.
+const SLOW: Duration = Duration::from_millis(1500);
+
 #[derive(Serialize, Deserialize, Clone, Debug)]
 struct Payment {
     account: String,
@@ -92,6 +95,9 @@ fn inbox(
                 let key = received.header("idempotency-key").unwrap_or("").to_owned();
                 *runs.0.lock().unwrap().entry(key.clone()).or_default() += 1;
                 let payment = received.into_message();
+                if payment.account == "slow" {
+                    tokio::time::sleep(SLOW).await;
+                }
                 let transaction = Transaction::current().ok_or("no delivery transaction")?;
                 let mut connection = transaction.lock().await?;
                 let id: i64 = sqlx::query_scalar(
@@ -140,6 +146,9 @@ fn kafka_inbox(
                 let key = received.header("idempotency-key").unwrap_or("").to_owned();
                 *runs.0.lock().unwrap().entry(key.clone()).or_default() += 1;
                 let payment = received.into_message();
+                if payment.account == "slow" {
+                    tokio::time::sleep(SLOW).await;
+                }
                 let transaction = Transaction::current().ok_or("no delivery transaction")?;
                 let mut connection = transaction.lock().await?;
                 let id: i64 = sqlx::query_scalar(
@@ -565,4 +574,84 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
     assert!(letters[1].1.starts_with("handler_failed"), "{letters:?}");
     assert_eq!(letters[2].0, "undecodable");
     assert!(letters[2].1.starts_with("undecodable"), "{letters:?}");
+}
+
+/// A stop finishes what is in flight within the drain timeout; past it, the consumer
+/// says how many it left, they go back to the queue, and the next consumer settles
+/// them: each payment once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_drains_what_is_in_flight_and_what_it_leaves_comes_back() {
+    let Some(setup) = setup("consumer-drain").await else {
+        return;
+    };
+    let Setup {
+        pool,
+        vhost,
+        channel,
+        queue,
+        ..
+    } = &setup;
+    let slow = |n: i64| {
+        serde_json::to_vec(&Payment {
+            account: "slow".into(),
+            amount: n,
+        })
+        .unwrap()
+    };
+    let runs = Runs::default();
+    let started = |count: usize| {
+        let runs = runs.clone();
+        async move {
+            while runs.0.lock().unwrap().values().sum::<usize>() < count {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let run = |drain: Duration| {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let consumer = AmqpConsumer::new(&vhost.url, queue.as_str())
+            .prefetch(4)
+            .drain_timeout(drain);
+        let running = tokio::spawn(consumer.run(inbox(pool.clone(), runs.clone()), async {
+            let _ = stopped.await;
+        }));
+        (stop, running)
+    };
+
+    // Drained in time: all four in flight settle before the consumer returns.
+    for n in 0..4 {
+        publish(channel, queue, Some(&format!("d-{n}")), &slow(n)).await;
+    }
+    let (stop, running) = run(Duration::from_secs(10));
+    started(4).await;
+    stop.send(()).unwrap();
+    let stopped = running.await.unwrap();
+    assert_eq!(stopped.left, 0);
+    assert_eq!(
+        rows(pool).await.len(),
+        4,
+        "all four committed before the stop returned"
+    );
+
+    // Past a 100 ms drain: four left, named; they come back to the next consumer.
+    for n in 4..8 {
+        publish(channel, queue, Some(&format!("d-{n}")), &slow(n)).await;
+    }
+    let (stop, running) = run(Duration::from_millis(100));
+    started(8).await;
+    stop.send(()).unwrap();
+    let stopped = running.await.unwrap();
+    assert_eq!(stopped.left, 4, "the four in flight were left");
+    let (stop, running) = run(Duration::from_secs(10));
+    until(pool, "the left ones settled by the next consumer", |rows| {
+        rows.len() == 8
+    })
+    .await;
+    stop.send(()).unwrap();
+    running.await.unwrap();
+    let rows = rows(pool).await;
+    assert!(
+        rows.values().all(|n| *n == 1),
+        "each payment once: {rows:?}"
+    );
 }

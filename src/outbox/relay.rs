@@ -241,6 +241,8 @@ impl<S: Sink> Relay<S> {
     /// with messages in its round).
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
         let mut shutdown = std::pin::pin!(shutdown);
+        // The gauges from the start: one count, before the first round moves them.
+        self.observe().await;
         tokio::select! {
             biased;
             () = self.publish_until(shutdown.as_mut()) => {}
@@ -316,7 +318,7 @@ impl<S: Sink> Relay<S> {
     /// Trims and observes the backlog, each at its interval, off the publishing path.
     async fn maintain(&self) {
         let mut next_trim = Instant::now();
-        let mut next_observe = Instant::now();
+        let mut next_observe = Instant::now() + self.settings.observe_interval;
         loop {
             let now = Instant::now();
             if now >= next_trim {
