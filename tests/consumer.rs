@@ -31,9 +31,8 @@ use sqlx::PgPool;
 use tower::{service_fn, ServiceBuilder};
 use tower_ids::idempotency::{
     message::{
-        amqp::{AmqpConsumer, Received},
-        kafka::{KafkaConsumer, Received as KafkaReceived},
-        MessageIdempotencyLayer, MessageKey, ERROR_HEADER,
+        amqp::AmqpConsumer, kafka::KafkaConsumer, MessageIdempotencyLayer, MessageKey, Received,
+        ERROR_HEADER,
     },
     store::{PostgresMode, PostgresStore, Transaction},
     IdempotencyKey,
@@ -90,57 +89,6 @@ fn inbox(
                 }),
         )
         .service(service_fn(move |received: Received<Payment>| {
-            let runs = runs.clone();
-            async move {
-                let key = received.header("idempotency-key").unwrap_or("").to_owned();
-                *runs.0.lock().unwrap().entry(key.clone()).or_default() += 1;
-                let payment = received.into_message();
-                if payment.account == "slow" {
-                    tokio::time::sleep(SLOW).await;
-                }
-                let transaction = Transaction::current().ok_or("no delivery transaction")?;
-                let mut connection = transaction.lock().await?;
-                let id: i64 = sqlx::query_scalar(
-                    "INSERT INTO payments (key, account, amount) VALUES ($1, $2, $3) RETURNING id",
-                )
-                .bind(&key)
-                .bind(&payment.account)
-                .bind(payment.amount)
-                .fetch_one(&mut *connection)
-                .await?;
-                if payment.amount < 0 {
-                    return Err("a negative amount cannot be applied".into());
-                }
-                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Receipt { id })
-            }
-        }))
-}
-
-/// [`inbox`] for Kafka records.
-fn kafka_inbox(
-    pool: PgPool,
-    runs: Runs,
-) -> impl tower::Service<
-    KafkaReceived<Payment>,
-    Response = tower_ids::idempotency::message::Handled<Receipt>,
-    Error = Box<dyn std::error::Error + Send + Sync>,
-    Future = impl Send,
-> + Clone
-       + Send
-       + 'static {
-    let store = PostgresStore::builder(pool)
-        .mode(PostgresMode::Transactional)
-        .build()
-        .unwrap();
-    ServiceBuilder::new()
-        .layer(
-            MessageIdempotencyLayer::with_store(store)
-                .require_key(true)
-                .key(|r: &KafkaReceived<Payment>| {
-                    Ok(IdempotencyKey::from_carrier(r)?.map(MessageKey::new))
-                }),
-        )
-        .service(service_fn(move |received: KafkaReceived<Payment>| {
             let runs = runs.clone();
             async move {
                 let key = received.header("idempotency-key").unwrap_or("").to_owned();
@@ -511,11 +459,9 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
         .set("heartbeat.interval.ms", "1000");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let consumer = KafkaConsumer::new(config, [topic.clone()]).max_attempts(3);
-    let running = tokio::spawn(
-        consumer.run(kafka_inbox(pool.clone(), runs.clone()), async {
-            let _ = stopped.await;
-        }),
-    );
+    let running = tokio::spawn(consumer.run(inbox(pool.clone(), runs.clone()), async {
+        let _ = stopped.await;
+    }));
     until(&pool, "every good payment applied", |rows| {
         (0..30).all(|n| rows.contains_key(&format!("good-{n}")))
     })

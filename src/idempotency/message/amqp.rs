@@ -7,7 +7,7 @@
 //! use serde::{Deserialize, Serialize};
 //! use tower::{service_fn, ServiceBuilder};
 //! use tower_ids::idempotency::{
-//!     message::{amqp::{AmqpConsumer, Received}, MessageIdempotencyLayer, MessageKey},
+//!     message::{amqp::AmqpConsumer, MessageIdempotencyLayer, MessageKey, Received},
 //!     IdempotencyKey,
 //! };
 //!
@@ -52,12 +52,12 @@ use tower_service::Service;
 
 use super::{
     drive::{
-        settled_line, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS,
-        DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        settled_line, Received, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
+        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
     },
     Handled,
 };
-use crate::correlation::{Carrier, MessageCorrelation};
+use crate::correlation::MessageCorrelation;
 
 /// Deliveries handled at once by default (the channel's prefetch).
 pub const DEFAULT_PREFETCH: u16 = 16;
@@ -104,47 +104,6 @@ pub struct AmqpConsumer {
     max_attempts: u32,
     retry_pause: Duration,
     drain_timeout: Duration,
-}
-
-/// A delivery as the handler gets it: the decoded message and its headers.
-#[derive(Debug)]
-pub struct Received<T> {
-    message: T,
-    headers: FieldTable,
-    attempts: u32,
-}
-
-impl<T> Received<T> {
-    /// The message.
-    pub fn message(&self) -> &T {
-        &self.message
-    }
-
-    /// The message, taken.
-    pub fn into_message(self) -> T {
-        self.message
-    }
-
-    /// A header's text, if it has one.
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.get(name)
-            .and_then(|value| std::str::from_utf8(value).ok())
-    }
-
-    /// How many deliveries of this message failed in its handler before this one.
-    pub fn attempts(&self) -> u32 {
-        self.attempts
-    }
-}
-
-impl<T> Carrier for Received<T> {
-    fn get(&self, name: &str) -> Option<&[u8]> {
-        Carrier::get(&self.headers, name)
-    }
-
-    fn set(&mut self, name: &str, value: &str) {
-        Carrier::set(&mut self.headers, name, value);
-    }
 }
 
 impl AmqpConsumer {
@@ -349,7 +308,7 @@ impl AmqpConsumer {
             };
             let received = Received {
                 message,
-                headers,
+                headers: text_headers(&headers),
                 attempts,
             };
             let answer = match poll_fn(|cx| service.poll_ready(cx)).await {
@@ -528,4 +487,16 @@ fn attempts_of(headers: &FieldTable) -> u32 {
         _ => 0,
     };
     u32::try_from(count.max(0)).unwrap_or(u32::MAX)
+}
+
+/// The headers whose values are text (AMQP long strings), as a driver hands them over.
+fn text_headers(headers: &FieldTable) -> Vec<(String, Vec<u8>)> {
+    headers
+        .inner()
+        .iter()
+        .filter_map(|(name, value)| match value {
+            AMQPValue::LongString(text) => Some((name.to_string(), text.as_bytes().to_vec())),
+            _ => None,
+        })
+        .collect()
 }

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use crate::correlation::Carrier;
+
 /// Deliveries a message's handler may fail by default before it is dead-lettered: a
 /// passing fault gets a few more tries, a message that always fails stops costing
 /// after five.
@@ -47,4 +49,52 @@ pub(super) fn settled_line(outcome: &'static str, key: &str, reason: &str) {
     );
     #[cfg(feature = "metrics")]
     ::metrics::counter!(DELIVERIES, "outcome" => outcome).increment(1);
+}
+
+/// A message as a driver hands it to the handler: the decoded message, its headers
+/// (so the layer reads its key and the correlation ID from them, through [`Carrier`]),
+/// and its failed attempts so far.
+#[derive(Debug)]
+pub struct Received<T> {
+    pub(super) message: T,
+    pub(super) headers: Vec<(String, Vec<u8>)>,
+    pub(super) attempts: u32,
+}
+
+impl<T> Received<T> {
+    /// The message.
+    pub fn message(&self) -> &T {
+        &self.message
+    }
+
+    /// The message, taken.
+    pub fn into_message(self) -> T {
+        self.message
+    }
+
+    /// A header's text, if it has one.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.get(name)
+            .and_then(|value| std::str::from_utf8(value).ok())
+    }
+
+    /// How many deliveries of this message failed in its handler before this one.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+}
+
+impl<T> Carrier for Received<T> {
+    fn get(&self, name: &str) -> Option<&[u8]> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, value)| value.as_slice())
+    }
+
+    fn set(&mut self, name: &str, value: &str) {
+        self.headers.retain(|(n, _)| n != name);
+        self.headers
+            .push((name.to_owned(), value.as_bytes().to_vec()));
+    }
 }

@@ -8,7 +8,7 @@
 //! use serde::{Deserialize, Serialize};
 //! use tower::{service_fn, ServiceBuilder};
 //! use tower_ids::idempotency::{
-//!     message::{kafka::{KafkaConsumer, Received}, MessageIdempotencyLayer, MessageKey},
+//!     message::{kafka::KafkaConsumer, MessageIdempotencyLayer, MessageKey, Received},
 //!     IdempotencyKey,
 //! };
 //!
@@ -51,12 +51,12 @@ use tower_service::Service;
 
 use super::{
     drive::{
-        settled_line, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS,
-        DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        settled_line, Received, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
+        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
     },
     Handled,
 };
-use crate::correlation::{Carrier, MessageCorrelation};
+use crate::correlation::MessageCorrelation;
 
 /// Partitions handled at once by default: each partition's messages one after the
 /// other, in order.
@@ -105,52 +105,6 @@ impl std::fmt::Debug for KafkaConsumer {
         f.debug_struct("KafkaConsumer")
             .field("topics", &self.topics)
             .finish_non_exhaustive()
-    }
-}
-
-/// A message as the handler gets it: the decoded message and its headers.
-#[derive(Debug)]
-pub struct Received<T> {
-    message: T,
-    headers: Vec<(String, Vec<u8>)>,
-    attempts: u32,
-}
-
-impl<T> Received<T> {
-    /// The message.
-    pub fn message(&self) -> &T {
-        &self.message
-    }
-
-    /// The message, taken.
-    pub fn into_message(self) -> T {
-        self.message
-    }
-
-    /// A header's text, if it has one.
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.get(name)
-            .and_then(|value| std::str::from_utf8(value).ok())
-    }
-
-    /// How many deliveries of this message failed in its handler before this one.
-    pub fn attempts(&self) -> u32 {
-        self.attempts
-    }
-}
-
-impl<T> Carrier for Received<T> {
-    fn get(&self, name: &str) -> Option<&[u8]> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, value)| value.as_slice())
-    }
-
-    fn set(&mut self, name: &str, value: &str) {
-        self.headers.retain(|(n, _)| n != name);
-        self.headers
-            .push((name.to_owned(), value.as_bytes().to_vec()));
     }
 }
 

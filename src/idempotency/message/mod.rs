@@ -141,8 +141,8 @@ mod service;
 
 #[cfg(any(feature = "amqp", feature = "kafka"))]
 pub use self::drive::{
-    Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE,
-    DELIVERIES, ERROR_HEADER,
+    Received, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_RETRY_PAUSE, DELIVERIES, ERROR_HEADER,
 };
 pub use self::{
     key::{ExtractMessageKey, MessageKey, NoMessageKey},
