@@ -34,8 +34,6 @@
 
 use std::{fmt::Display, future::Future, time::Duration};
 
-use futures_util::future::poll_fn;
-
 use futures_util::StreamExt as _;
 use lapin::{
     message::Delivery,
@@ -52,8 +50,8 @@ use tower_service::Service;
 
 use super::{
     drive::{
-        settled_line, Received, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
-        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        handle, key_of, settled_line, Next, Received, Stopped, ATTEMPTS_HEADER,
+        DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
     },
     Handled,
 };
@@ -293,55 +291,26 @@ impl AmqpConsumer {
         let correlation = MessageCorrelation::new();
         let id = correlation.for_delivery(&headers);
         let scoped_headers = headers.clone();
+        let key = key_of(&headers);
         let settling = async move {
-            let key = IdempotencyKeyText::of(&headers);
-            let Ok(message) = serde_json::from_slice::<T>(&delivery.data) else {
-                let outcome = self
-                    .dead_letter(
-                        &delivery,
-                        &publisher,
-                        "undecodable",
-                        "the body is not the handler's message (JSON)",
-                    )
-                    .await;
-                return settled_line(outcome, &key.0, "undecodable");
-            };
-            let received = Received {
-                message,
-                headers: text_headers(&headers),
+            let (next, reason) = handle(
+                &mut service,
+                &delivery.data,
+                text_headers(&headers),
                 attempts,
-            };
-            let answer = match poll_fn(|cx| service.poll_ready(cx)).await {
-                Ok(()) => service.call(received).await,
-                Err(error) => Err(error),
-            };
-            let (outcome, reason) = match answer {
-                Ok(Handled::Ran(_)) => (ack(&delivery, "handled").await, None),
-                Ok(Handled::Replayed { .. }) => (ack(&delivery, "replayed").await, None),
-                Ok(Handled::InFlight { retry_after }) => {
-                    (requeue(&delivery, retry_after, "in_flight").await, None)
-                }
-                Ok(Handled::Refused(refusal)) if refusal.retryable() => (
-                    requeue(&delivery, self.retry_pause, "requeued").await,
-                    Some(refusal.code().to_owned()),
-                ),
-                Ok(Handled::Refused(refusal)) => (
-                    self.dead_letter(&delivery, &publisher, refusal.code(), &refusal.to_string())
-                        .await,
-                    Some(refusal.code().to_owned()),
-                ),
-                Err(error) => {
-                    let error = error.to_string();
-                    let outcome = if attempts + 1 >= self.max_attempts {
-                        self.dead_letter(&delivery, &publisher, "handler_failed", &error)
-                            .await
-                    } else {
-                        self.again(&delivery, &publisher, attempts + 1).await
-                    };
-                    (outcome, Some(error))
+                self.max_attempts,
+                self.retry_pause,
+            )
+            .await;
+            let outcome = match next {
+                Next::Settle(outcome) => ack(&delivery, outcome).await,
+                Next::Retry(after, outcome) => requeue(&delivery, after, outcome).await,
+                Next::Again(attempts) => self.again(&delivery, &publisher, attempts).await,
+                Next::DeadLetter(code, reason) => {
+                    self.dead_letter(&delivery, &publisher, code, &reason).await
                 }
             };
-            settled_line(outcome, &key.0, reason.as_deref().unwrap_or(""))
+            settled_line(outcome, &key, &reason);
         };
         correlation.scope(id, &scoped_headers, settling).await;
     }
@@ -377,11 +346,7 @@ impl AmqpConsumer {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         headers.insert(
             ERROR_HEADER.into(),
-            AMQPValue::LongString(LongString::from(if reason.starts_with(code) {
-                reason.to_owned()
-            } else {
-                format!("{code}: {reason}")
-            })),
+            AMQPValue::LongString(LongString::from(reason)),
         );
         match publish(publisher, &self.dead_letter_queue, delivery, headers).await {
             Ok(()) => {
@@ -393,26 +358,6 @@ impl AmqpConsumer {
                 requeue(delivery, self.retry_pause, "requeued").await
             }
         }
-    }
-}
-
-/// The message's `idempotency-key` header, as text for the log line (the layer checks
-/// it; an invalid one is logged as refused by it, not here).
-struct IdempotencyKeyText(String);
-
-impl IdempotencyKeyText {
-    fn of(headers: &FieldTable) -> Self {
-        let key = headers
-            .inner()
-            .get(crate::idempotency::header::IDEMPOTENCY_KEY.as_str())
-            .and_then(|value| match value {
-                AMQPValue::LongString(text) => Some(text.as_bytes()),
-                _ => None,
-            })
-            .and_then(|key| std::str::from_utf8(key).ok())
-            .filter(|key| key.len() <= 255 && key.bytes().all(|b| b.is_ascii_graphic()))
-            .unwrap_or("");
-        Self(key.to_owned())
     }
 }
 

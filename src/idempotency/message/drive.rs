@@ -2,9 +2,14 @@
 //! their defaults, the headers they write, what a stop reports, and the one line a
 //! settled delivery gets.
 
-use std::time::Duration;
+use std::{fmt::Display, time::Duration};
 
-use crate::correlation::Carrier;
+use futures_util::future::poll_fn;
+use serde::de::DeserializeOwned;
+use tower_service::Service;
+
+use super::Handled;
+use crate::{correlation::Carrier, idempotency::IdempotencyKey};
 
 /// Deliveries a message's handler may fail by default before it is dead-lettered: a
 /// passing fault gets a few more tries, a message that always fails stops costing
@@ -32,6 +37,88 @@ pub struct Stopped {
     /// Deliveries left unsettled: they come back (RabbitMQ requeues them; Kafka's
     /// offsets were not committed past them).
     pub left: usize,
+}
+
+/// What a driver does with a delivery, from what its handler answered: the table on
+/// each driver's page, decided here once for both.
+pub(super) enum Next {
+    /// Done: acknowledge it, or store its offset (`handled`, `replayed`).
+    Settle(&'static str),
+    /// A passing reason: handed over again after the pause, not counted (`in_flight`,
+    /// `requeued`).
+    Retry(Duration, &'static str),
+    /// The handler failed before its last attempt: published again with this attempt
+    /// counted.
+    Again(u32),
+    /// Dead-lettered, with its code and the reason it carries.
+    DeadLetter(&'static str, String),
+}
+
+/// Decodes `body` (JSON) and hands it, with its `headers`, to `service`: what to do
+/// with the delivery, and the reason for its line.
+pub(super) async fn handle<T, R, S>(
+    service: &mut S,
+    body: &[u8],
+    headers: Vec<(String, Vec<u8>)>,
+    attempts: u32,
+    max_attempts: u32,
+    retry_pause: Duration,
+) -> (Next, String)
+where
+    T: DeserializeOwned,
+    S: Service<Received<T>, Response = Handled<R>>,
+    S::Error: Display,
+{
+    let Ok(message) = serde_json::from_slice::<T>(body) else {
+        let reason = "undecodable: the body is not the handler's message (JSON)";
+        return (
+            Next::DeadLetter("undecodable", reason.to_owned()),
+            "undecodable".to_owned(),
+        );
+    };
+    let received = Received {
+        message,
+        headers,
+        attempts,
+    };
+    let answer = match poll_fn(|cx| service.poll_ready(cx)).await {
+        Ok(()) => service.call(received).await,
+        Err(error) => Err(error),
+    };
+    match answer {
+        Ok(Handled::Ran(_)) => (Next::Settle("handled"), String::new()),
+        Ok(Handled::Replayed { .. }) => (Next::Settle("replayed"), String::new()),
+        Ok(Handled::InFlight { retry_after }) => {
+            (Next::Retry(retry_after, "in_flight"), String::new())
+        }
+        Ok(Handled::Refused(refusal)) if refusal.retryable() => (
+            Next::Retry(retry_pause, "requeued"),
+            refusal.code().to_owned(),
+        ),
+        Ok(Handled::Refused(refusal)) => (
+            Next::DeadLetter(refusal.code(), refusal.to_string()),
+            refusal.code().to_owned(),
+        ),
+        Err(error) => {
+            let error = error.to_string();
+            let next = if attempts + 1 >= max_attempts {
+                Next::DeadLetter("handler_failed", format!("handler_failed: {error}"))
+            } else {
+                Next::Again(attempts + 1)
+            };
+            (next, error)
+        }
+    }
+}
+
+/// The delivery's idempotency key for its line, checked as the layer checks it: an
+/// invalid one is not logged (the layer refuses it, with its code).
+pub(super) fn key_of(carrier: &impl Carrier) -> String {
+    IdempotencyKey::from_carrier(carrier)
+        .ok()
+        .flatten()
+        .map(|key| key.as_str().to_owned())
+        .unwrap_or_default()
 }
 
 /// A settled delivery's one line: its outcome, idempotency key and correlation ID.

@@ -36,7 +36,6 @@
 
 use std::{collections::HashMap, fmt::Display, future::Future, sync::Arc, time::Duration};
 
-use futures_util::future::poll_fn;
 use rdkafka::{
     consumer::{Consumer as _, StreamConsumer},
     error::KafkaError,
@@ -51,8 +50,8 @@ use tower_service::Service;
 
 use super::{
     drive::{
-        settled_line, Received, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
-        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        handle, key_of, settled_line, Next, Received, Stopped, ATTEMPTS_HEADER,
+        DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
     },
     Handled,
 };
@@ -318,75 +317,37 @@ where
     };
     let correlation = MessageCorrelation::new();
     let id = correlation.for_delivery(&carrier);
-    let key = carrier.header("idempotency-key").unwrap_or("").to_owned();
+    let key = key_of(&carrier);
     let settling = async {
         let payload = message.payload().unwrap_or_default();
-        let Ok(decoded) = serde_json::from_slice::<T>(payload) else {
-            let outcome = dead_letter(
-                message,
-                &headers,
-                settings,
-                "undecodable",
-                "undecodable: the body is not the handler's message (JSON)",
+        loop {
+            let (next, reason) = handle(
+                service,
+                payload,
+                headers.clone(),
+                attempts,
+                settings.max_attempts,
+                settings.retry_pause,
             )
             .await;
-            return settled_line(outcome, &key, "undecodable");
-        };
-        let mut decoded = Some(decoded);
-        loop {
-            let received = Received {
-                message: decoded.take().expect("a message to hand over"),
-                headers: headers.clone(),
-                attempts,
-            };
-            let answer = match poll_fn(|cx| service.poll_ready(cx)).await {
-                Ok(()) => service.call(received).await,
-                Err(error) => Err(error),
-            };
-            let (outcome, reason, again) = match answer {
-                Ok(Handled::Ran(_)) => ("handled", String::new(), None),
-                Ok(Handled::Replayed { .. }) => ("replayed", String::new(), None),
-                Ok(Handled::InFlight { retry_after }) => {
-                    ("in_flight", String::new(), Some(retry_after))
-                }
-                Ok(Handled::Refused(refusal)) if refusal.retryable() => (
-                    "requeued",
-                    refusal.code().to_owned(),
-                    Some(settings.retry_pause),
-                ),
-                Ok(Handled::Refused(refusal)) => (
-                    dead_letter(
-                        message,
-                        &headers,
-                        settings,
-                        refusal.code(),
-                        &refusal.to_string(),
-                    )
-                    .await,
-                    refusal.code().to_owned(),
+            let (outcome, again) = match next {
+                Next::Settle(outcome) => (outcome, None),
+                // Handled again in place: the partition waits, in order.
+                Next::Retry(pause, outcome) => (outcome, Some(pause)),
+                Next::Again(attempts) => (
+                    produce_again(message, &headers, settings, attempts).await,
                     None,
                 ),
-                Err(error) => {
-                    let error = error.to_string();
-                    let outcome = if attempts + 1 >= settings.max_attempts {
-                        let reason = format!("handler_failed: {error}");
-                        dead_letter(message, &headers, settings, "handler_failed", &reason).await
-                    } else {
-                        produce_again(message, &headers, settings, attempts + 1).await
-                    };
-                    (outcome, error, None)
-                }
+                Next::DeadLetter(code, reason) => (
+                    dead_letter(message, &headers, settings, code, &reason).await,
+                    None,
+                ),
             };
             settled_line(outcome, &key, &reason);
             let Some(pause) = again else {
                 return;
             };
-            // Handled again in place: the partition waits, in order.
             tokio::time::sleep(pause).await;
-            match serde_json::from_slice::<T>(payload) {
-                Ok(message) => decoded = Some(message),
-                Err(_) => return,
-            }
         }
     };
     correlation.scope(id, &carrier, settling).await;
