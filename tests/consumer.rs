@@ -124,10 +124,8 @@ struct Setup {
     queue: String,
 }
 
-async fn setup(name: &str) -> Option<Setup> {
-    let db = TestDatabase::create().await?;
-    let vhost = rabbitmq::Vhost::create(name).await?;
-    let pool = db.pool(16).await;
+/// The store's table and the inbox's `payments`.
+async fn tables(pool: &PgPool) {
     PostgresStore::builder(pool.clone())
         .build()
         .unwrap()
@@ -137,9 +135,16 @@ async fn setup(name: &str) -> Option<Setup> {
     sqlx::raw_sql(
         "CREATE TABLE payments (id bigserial PRIMARY KEY, key text NOT NULL, account text NOT NULL, amount bigint NOT NULL)",
     )
-    .execute(&pool)
+    .execute(pool)
     .await
     .unwrap();
+}
+
+async fn setup(name: &str) -> Option<Setup> {
+    let db = TestDatabase::create().await?;
+    let vhost = rabbitmq::Vhost::create(name).await?;
+    let pool = db.pool(16).await;
+    tables(&pool).await;
     let connection = Connection::connect(&vhost.url, ConnectionProperties::default())
         .await
         .unwrap();
@@ -379,18 +384,7 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
         return;
     };
     let pool = db.pool(16).await;
-    PostgresStore::builder(pool.clone())
-        .build()
-        .unwrap()
-        .migrate()
-        .await
-        .unwrap();
-    sqlx::raw_sql(
-        "CREATE TABLE payments (id bigserial PRIMARY KEY, key text NOT NULL, account text NOT NULL, amount bigint NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    tables(&pool).await;
     let topic = format!("payments-{}", uuid::Uuid::now_v7().simple());
     let dead = format!("{topic}.dead");
     let admin: AdminClient<_> = ClientConfig::new()
