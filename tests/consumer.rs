@@ -542,10 +542,23 @@ async fn a_stop_drains_what_is_in_flight_and_what_it_leaves_comes_back() {
     let started = |count: usize| {
         let runs = runs.clone();
         async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
             while runs.0.lock().unwrap().values().sum::<usize>() < count {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{count} handler runs within 30 s: {:?}",
+                    runs.0.lock().unwrap()
+                );
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
+    };
+    // A stop returns within its drain and the broker's answers, or the test fails.
+    let stopped = |running: tokio::task::JoinHandle<tower_ids::idempotency::message::Stopped>| async move {
+        tokio::time::timeout(Duration::from_secs(30), running)
+            .await
+            .expect("the consumer stops within 30 s")
+            .unwrap()
     };
     let run = |drain: Duration| {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -565,8 +578,8 @@ async fn a_stop_drains_what_is_in_flight_and_what_it_leaves_comes_back() {
     let (stop, running) = run(Duration::from_secs(10));
     started(4).await;
     stop.send(()).unwrap();
-    let stopped = running.await.unwrap();
-    assert_eq!(stopped.left, 0);
+    let left = stopped(running).await.left;
+    assert_eq!(left, 0);
     assert_eq!(
         rows(pool).await.len(),
         4,
@@ -580,15 +593,15 @@ async fn a_stop_drains_what_is_in_flight_and_what_it_leaves_comes_back() {
     let (stop, running) = run(Duration::from_millis(100));
     started(8).await;
     stop.send(()).unwrap();
-    let stopped = running.await.unwrap();
-    assert_eq!(stopped.left, 4, "the four in flight were left");
+    let left = stopped(running).await.left;
+    assert_eq!(left, 4, "the four in flight were left");
     let (stop, running) = run(Duration::from_secs(10));
     until(pool, "the left ones settled by the next consumer", |rows| {
         rows.len() == 8
     })
     .await;
     stop.send(()).unwrap();
-    running.await.unwrap();
+    stopped(running).await;
     let rows = rows(pool).await;
     assert!(
         rows.values().all(|n| *n == 1),

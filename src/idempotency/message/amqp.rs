@@ -59,6 +59,10 @@ use crate::correlation::MessageCorrelation;
 
 /// Deliveries handled at once by default (the channel's prefetch).
 pub const DEFAULT_PREFETCH: u16 = 16;
+/// How long a stop waits for RabbitMQ to confirm the consumer's cancel and the
+/// connection's close: a broker that does not answer must not hold the stop (an
+/// unanswered close still gives the deliveries back once the socket goes).
+const BROKER_ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest wait between connection attempts while RabbitMQ cannot be reached.
 const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
 /// Consumes a RabbitMQ queue through a message handler: see the
@@ -195,9 +199,9 @@ impl AmqpConsumer {
                 tokio::select! {
                     biased;
                     () = shutdown.as_mut() => {
-                        let _ = consuming
-                            .basic_cancel(deliveries.tag(), BasicCancelOptions::default())
-                            .await;
+                        let cancel = consuming
+                            .basic_cancel(deliveries.tag(), BasicCancelOptions::default());
+                        let _ = tokio::time::timeout(BROKER_ANSWER_TIMEOUT, cancel).await;
                         session = Some(connection);
                         break 'connect;
                     }
@@ -223,7 +227,8 @@ impl AmqpConsumer {
         let left = self.drain(&mut in_flight).await;
         if let Some(connection) = session {
             // Deliveries prefetched and never started go back to the queue now.
-            let _ = connection.close(200, "stopped".into()).await;
+            let close = connection.close(200, "stopped".into());
+            let _ = tokio::time::timeout(BROKER_ANSWER_TIMEOUT, close).await;
         }
         Stopped { left }
     }
