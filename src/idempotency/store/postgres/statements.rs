@@ -60,9 +60,11 @@ pub(super) fn lineage() -> String {
     format!("SELECT {SYSTEM}, {TIMELINE}")
 }
 
-/// Where the statement runs: its backend (process ID, and start in microseconds since
-/// the Unix epoch: together they name one backend of one server, as a process ID alone
-/// does not across restarts), and, with `lineage`, its server's.
+/// Where the statement's transaction runs: its backend's process ID and the
+/// transaction's start, in microseconds since the Unix epoch (together they name one
+/// transaction of one server: a process ID alone does not across restarts, and a
+/// backend outlives its transaction, back in the pool), and, with `lineage`, its
+/// server's.
 fn backend(lineage: bool) -> String {
     let (system, timeline) = if lineage {
         (SYSTEM, TIMELINE)
@@ -71,14 +73,15 @@ fn backend(lineage: bool) -> String {
     };
     format!(
         "pg_backend_pid() AS pid,
-         (SELECT (extract(epoch FROM backend_start) * 1000000)::bigint
+         (SELECT (extract(epoch FROM xact_start) * 1000000)::bigint
             FROM pg_stat_get_activity(pg_backend_pid())) AS started,
          {system} AS system, {timeline} AS timeline"
     )
 }
 
 /// Asked after a commit's answer was lost, of the server that answers now: whether it
-/// is a standby, whether the backend `$1` started at `$2` (microseconds) runs there,
+/// is a standby, whether the transaction begun at `$2` (microseconds) still runs in
+/// the backend `$1` there,
 /// and, with `lineage`, the server's lineage (no timeline on a standby).
 pub(super) fn backend_running(lineage: bool) -> String {
     let (system, timeline) = if lineage {
@@ -89,7 +92,7 @@ pub(super) fn backend_running(lineage: bool) -> String {
     format!(
         "SELECT pg_is_in_recovery() AS standby,
            EXISTS (SELECT 1 FROM pg_stat_get_activity($1)
-                    WHERE (extract(epoch FROM backend_start) * 1000000)::bigint = $2) AS running,
+                    WHERE (extract(epoch FROM xact_start) * 1000000)::bigint = $2) AS running,
            {system} AS system,
            CASE WHEN pg_is_in_recovery() THEN NULL ELSE {timeline} END AS timeline"
     )

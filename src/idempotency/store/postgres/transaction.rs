@@ -45,8 +45,8 @@ use crate::idempotency::{
 /// ID (a server that crashed before the ID reached its disk hands it to another
 /// transaction, and a promoted standby may never have seen it): every 100 ms, for up to
 /// five of the store's timeouts, it asks the server that answers whether the
-/// transaction's backend still runs there. While it does, the commit is under way; once
-/// it cannot commit any more (its backend gone, the server restarted, or a promoted
+/// transaction still runs in its backend there. While it does, the commit is under way;
+/// once it cannot commit any more (it ended, its backend gone, the server restarted, or a promoted
 /// standby on a later timeline of the same cluster answering), the record the
 /// transaction stored, marked with the request's random token, tells: there, the client
 /// gets the handler's answer; absent, `503 idempotency.not_committed`. A standby,
@@ -537,7 +537,7 @@ impl Drop for CancelOnDrop {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Backend {
     pid: i32,
-    /// When the backend started, in microseconds since the Unix epoch.
+    /// When its transaction started, in microseconds since the Unix epoch.
     started: i64,
     /// The server's, where the database tells it.
     server: Option<Lineage>,
@@ -705,11 +705,11 @@ const FIND_OUT_TIMEOUTS: u32 = 5;
 /// was lost.
 #[derive(Debug, PartialEq, Eq)]
 enum Seen {
-    /// The transaction can no longer commit there (its backend is gone, the server
+    /// The transaction can no longer commit there (it ended, its backend is gone, the server
     /// restarted, or it is a promoted successor that never ran it): whether its record
     /// stands is final.
     Over,
-    /// Its backend still runs there: the commit is under way (an fsync, a wait for a
+    /// It still runs in its backend there: the commit is under way (an fsync, a wait for a
     /// synchronous standby), and may yet land.
     Running,
     /// It cannot tell: a standby, another cluster, or an older timeline than the one the
@@ -757,7 +757,7 @@ impl Backend {
 /// by its transaction ID (a server that crashed before the ID reached its disk hands
 /// the same ID to another transaction, and a promoted standby may never have seen it):
 /// on one connection of the pool, asks the server that answers whether the
-/// transaction's backend still runs there; once it cannot commit the transaction any
+/// transaction still runs in its backend there; once it cannot commit the transaction any
 /// more ([`Seen::Over`]), reads whether the record carrying the lease's token stands.
 /// Every 100 ms, within [`FIND_OUT_TIMEOUTS`] times the store's timeout; past that,
 /// unknown, and the key stays held for as long as the transaction may commit (its
