@@ -97,6 +97,11 @@ fn inbox(
                 if payment.account == "slow" {
                     tokio::time::sleep(SLOW).await;
                 }
+                if payment.account.starts_with("ordered") {
+                    // Some take longer than the ones behind them.
+                    let pause = payment.amount.rem_euclid(4).unsigned_abs() * 15;
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
+                }
                 let transaction = Transaction::current().ok_or("no delivery transaction")?;
                 let mut connection = transaction.lock().await?;
                 let id: i64 = sqlx::query_scalar(
@@ -173,11 +178,28 @@ async fn setup(name: &str) -> Option<Setup> {
 
 /// Publishes `body` with `key` (if any) as its `idempotency-key` header.
 async fn publish(channel: &Channel, queue: &str, key: Option<&str>, body: &[u8]) {
+    publish_with(channel, queue, key, &[], body).await;
+}
+
+/// Publishes `body` with `key` (if any) and the `extra` headers.
+async fn publish_with(
+    channel: &Channel,
+    queue: &str,
+    key: Option<&str>,
+    extra: &[(&str, &str)],
+    body: &[u8],
+) {
     let mut headers = FieldTable::default();
     if let Some(key) = key {
         headers.insert(
             "idempotency-key".into(),
             AMQPValue::LongString(LongString::from(key)),
+        );
+    }
+    for (name, value) in extra {
+        headers.insert(
+            (*name).into(),
+            AMQPValue::LongString(LongString::from(*value)),
         );
     }
     channel
@@ -519,6 +541,74 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
 /// A stop finishes what is in flight within the drain timeout; past it, the consumer
 /// says how many it left, they go back to the queue, and the next consumer settles
 /// them: each payment once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_sharing_a_partition_key_are_applied_in_the_queues_order() {
+    let Some(setup) = setup("consumer-ordered").await else {
+        return;
+    };
+    let Setup {
+        pool,
+        vhost,
+        channel,
+        queue,
+        ..
+    } = &setup;
+    const ACCOUNTS: i64 = 3;
+    const MESSAGES: i64 = 60;
+    for n in 0..MESSAGES {
+        let account = format!("ordered-{}", n % ACCOUNTS);
+        let body = serde_json::to_vec(&Payment {
+            account: account.clone(),
+            amount: n,
+        })
+        .unwrap();
+        let key = format!("o-{n}");
+        publish_with(
+            channel,
+            queue,
+            Some(&key),
+            &[("x-partition-key", &account)],
+            &body,
+        )
+        .await;
+    }
+    let runs = Runs::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = AmqpConsumer::new(&vhost.url, queue.as_str())
+        .prefetch(12)
+        .ordered_by("x-partition-key");
+    let running = tokio::spawn(consumer.run(inbox(pool.clone(), runs.clone()), async {
+        let _ = stopped.await;
+    }));
+    until(pool, "every payment applied", |rows| {
+        rows.len() == MESSAGES as usize
+    })
+    .await;
+    stop.send(()).unwrap();
+    assert_eq!(running.await.unwrap().left, 0);
+    // Each account's payments in the order their rows were written.
+    let written: Vec<(String, i64)> =
+        sqlx::query_as("SELECT account, amount FROM payments ORDER BY id")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    let mut interleaved = false;
+    for account in 0..ACCOUNTS {
+        let amounts: Vec<i64> = written
+            .iter()
+            .filter(|(a, _)| *a == format!("ordered-{account}"))
+            .map(|(_, amount)| *amount)
+            .collect();
+        let published: Vec<i64> = (0..MESSAGES).filter(|n| n % ACCOUNTS == account).collect();
+        assert_eq!(amounts, published, "ordered-{account} in the queue's order");
+    }
+    // The accounts went on beside each other (not one message at a time).
+    for pair in written.windows(2) {
+        interleaved |= pair[0].1 > pair[1].1;
+    }
+    assert!(interleaved, "the accounts were handled side by side");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_drains_what_is_in_flight_and_what_it_leaves_comes_back() {
     let Some(setup) = setup("consumer-drain").await else {

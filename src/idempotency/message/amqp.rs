@@ -32,7 +32,7 @@
 //! # }
 //! ```
 
-use std::{fmt::Display, future::Future, time::Duration};
+use std::{collections::HashMap, fmt::Display, future::Future, time::Duration};
 
 use futures_util::StreamExt as _;
 use lapin::{
@@ -45,7 +45,7 @@ use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
 };
 use serde::de::DeserializeOwned;
-use tokio::task::JoinSet;
+use tokio::{sync::oneshot, task::JoinSet};
 use tower_service::Service;
 
 use super::{
@@ -55,7 +55,7 @@ use super::{
     },
     Handled,
 };
-use crate::correlation::MessageCorrelation;
+use crate::correlation::{Carrier, MessageCorrelation};
 
 /// Deliveries handled at once by default (the channel's prefetch).
 pub const DEFAULT_PREFETCH: u16 = 16;
@@ -103,6 +103,7 @@ pub struct AmqpConsumer {
     queue: String,
     dead_letter_queue: String,
     prefetch: u16,
+    ordered_by: Option<String>,
     max_attempts: u32,
     retry_pause: Duration,
     drain_timeout: Duration,
@@ -118,6 +119,7 @@ impl AmqpConsumer {
             dead_letter_queue: format!("{queue}.dead"),
             queue,
             prefetch: DEFAULT_PREFETCH,
+            ordered_by: None,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             retry_pause: DEFAULT_RETRY_PAUSE,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
@@ -127,6 +129,18 @@ impl AmqpConsumer {
     /// Deliveries handled at once ([`DEFAULT_PREFETCH`]): the channel's prefetch.
     pub fn prefetch(mut self, prefetch: u16) -> Self {
         self.prefetch = prefetch.max(1);
+        self
+    }
+
+    /// Keeps the order of the messages that share this header's value (the outbox's
+    /// `x-partition-key`, say): each is handled only once the one delivered before it
+    /// has settled, while messages of other values (or without the header) go on
+    /// beside them, up to the prefetch. Unset by default: every delivery at once.
+    ///
+    /// The order is the queue's, kept until a message is retried: one published again
+    /// for another attempt goes to the back of the queue.
+    pub fn ordered_by(mut self, header: impl Into<String>) -> Self {
+        self.ordered_by = Some(header.into());
         self
     }
 
@@ -167,6 +181,7 @@ impl AmqpConsumer {
     {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut in_flight = JoinSet::new();
+        let mut chains = HashMap::new();
         let mut backoff = Duration::ZERO;
         let mut session = None;
         'connect: loop {
@@ -208,8 +223,20 @@ impl AmqpConsumer {
                     Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
                     delivery = deliveries.next() => match delivery {
                         Some(Ok(delivery)) => {
+                            let after = self.predecessor(&delivery, &mut chains);
                             let settle = self.clone().settle(delivery, service.clone(), publisher.clone());
-                            in_flight.spawn(settle);
+                            in_flight.spawn(async move {
+                                if let Some(Waiting { before, done }) = after {
+                                    // Ended either way: settled, or its task gone.
+                                    if let Some(before) = before {
+                                        let _ = before.await;
+                                    }
+                                    settle.await;
+                                    let _ = done.send(());
+                                } else {
+                                    settle.await;
+                                }
+                            });
                         }
                         ended => {
                             let error = match ended {
@@ -231,6 +258,24 @@ impl AmqpConsumer {
             let _ = tokio::time::timeout(BROKER_ANSWER_TIMEOUT, close).await;
         }
         Stopped { left }
+    }
+
+    /// With [`ordered_by`](Self::ordered_by), the delivery's place in its value's
+    /// chain: the settling of the one delivered before it (if not settled yet), and
+    /// the signal of its own. Settled links are pruned as the chains grow past the
+    /// prefetch, so they stay as many as the deliveries in hand.
+    fn predecessor(&self, delivery: &Delivery, chains: &mut Chains) -> Option<Waiting> {
+        let header = self.ordered_by.as_deref()?;
+        let headers = delivery.properties.headers().as_ref()?;
+        let value = Carrier::get(headers, header)?.to_vec();
+        if chains.len() > 2 * usize::from(self.prefetch) {
+            chains.retain(|_, settled| {
+                matches!(settled.try_recv(), Err(oneshot::error::TryRecvError::Empty))
+            });
+        }
+        let (done, settled) = oneshot::channel();
+        let before = chains.insert(value, settled);
+        Some(Waiting { before, done })
     }
 
     /// Waits for the deliveries in flight, up to the drain timeout; says how many it
@@ -297,12 +342,20 @@ impl AmqpConsumer {
         let id = correlation.for_delivery(&headers);
         let scoped_headers = headers.clone();
         let key = key_of(&headers);
+        let envelope = Received {
+            message: (),
+            headers: text_headers(&headers),
+            attempts,
+            delivery: match delivery.properties.message_id() {
+                Some(id) => id.to_string(),
+                None => format!("tag-{}", delivery.delivery_tag),
+            },
+        };
         let settling = async move {
             let (next, reason) = handle(
                 &mut service,
                 &delivery.data,
-                text_headers(&headers),
-                attempts,
+                &envelope,
                 self.max_attempts,
                 self.retry_pause,
             )
@@ -315,7 +368,7 @@ impl AmqpConsumer {
                     self.dead_letter(&delivery, &publisher, code, &reason).await
                 }
             };
-            settled_line(outcome, &key, &reason);
+            settled_line(outcome, &envelope, &key, &reason);
         };
         correlation.scope(id, &scoped_headers, settling).await;
     }
@@ -364,6 +417,15 @@ impl AmqpConsumer {
             }
         }
     }
+}
+
+/// For each header value, the signal that its latest delivery has settled.
+type Chains = HashMap<Vec<u8>, oneshot::Receiver<()>>;
+
+/// A delivery's link in its chain: what it waits for, and what it signals.
+struct Waiting {
+    before: Option<oneshot::Receiver<()>>,
+    done: oneshot::Sender<()>,
 }
 
 async fn ack(delivery: &Delivery, outcome: &'static str) -> &'static str {

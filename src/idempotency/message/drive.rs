@@ -54,13 +54,12 @@ pub(super) enum Next {
     DeadLetter(&'static str, String),
 }
 
-/// Decodes `body` (JSON) and hands it, with its `headers`, to `service`: what to do
-/// with the delivery, and the reason for its line.
+/// Decodes `body` (JSON) and hands it, with its `envelope` (headers, attempts,
+/// delivery), to `service`: what to do with the delivery, and the reason for its line.
 pub(super) async fn handle<T, R, S>(
     service: &mut S,
     body: &[u8],
-    headers: Vec<(String, Vec<u8>)>,
-    attempts: u32,
+    envelope: &Received<()>,
     max_attempts: u32,
     retry_pause: Duration,
 ) -> (Next, String)
@@ -76,10 +75,12 @@ where
             "undecodable".to_owned(),
         );
     };
+    let attempts = envelope.attempts;
     let received = Received {
         message,
-        headers,
+        headers: envelope.headers.clone(),
         attempts,
+        delivery: envelope.delivery.clone(),
     };
     let answer = match poll_fn(|cx| service.poll_ready(cx)).await {
         Ok(()) => service.call(received).await,
@@ -121,14 +122,19 @@ pub(super) fn key_of(carrier: &impl Carrier) -> String {
         .unwrap_or_default()
 }
 
-/// A settled delivery's one line: its outcome, idempotency key and correlation ID.
-pub(super) fn settled_line(outcome: &'static str, key: &str, reason: &str) {
-    let correlation_id = crate::correlation::CorrelationId::current()
-        .map(|id| id.as_str().to_owned())
-        .unwrap_or_default();
+/// A settled delivery's one line: its outcome, delivery, idempotency key and
+/// correlation ID.
+pub(super) fn settled_line(
+    outcome: &'static str,
+    envelope: &Received<()>,
+    key: &str,
+    reason: &str,
+) {
+    let correlation_id = super::current_correlation_id();
     tracing::info!(
         event = "message.settled",
         outcome,
+        delivery = envelope.delivery,
         key,
         correlation_id,
         reason,
@@ -140,12 +146,13 @@ pub(super) fn settled_line(outcome: &'static str, key: &str, reason: &str) {
 
 /// A message as a driver hands it to the handler: the decoded message, its headers
 /// (so the layer reads its key and the correlation ID from them, through [`Carrier`]),
-/// and its failed attempts so far.
+/// its failed attempts so far, and where it came from.
 #[derive(Debug)]
 pub struct Received<T> {
     pub(super) message: T,
     pub(super) headers: Vec<(String, Vec<u8>)>,
     pub(super) attempts: u32,
+    pub(super) delivery: String,
 }
 
 impl<T> Received<T> {
@@ -168,6 +175,14 @@ impl<T> Received<T> {
     /// How many deliveries of this message failed in its handler before this one.
     pub fn attempts(&self) -> u32 {
         self.attempts
+    }
+
+    /// Where this delivery came from, for logs and audit columns: on RabbitMQ the
+    /// message's `message_id` (`tag-N`, its delivery tag, without one); on Kafka
+    /// `topic:partition:offset`. A redelivery of a RabbitMQ message keeps its ID; a copy
+    /// published again for another attempt is at another Kafka offset.
+    pub fn delivery(&self) -> &str {
+        &self.delivery
     }
 }
 

@@ -34,7 +34,16 @@
 //! # }
 //! ```
 
-use std::{collections::HashMap, fmt::Display, future::Future, sync::Arc, time::Duration};
+use std::{
+    collections::{HashMap, VecDeque},
+    fmt::Display,
+    future::Future,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use rdkafka::{
     consumer::{Consumer as _, StreamConsumer},
@@ -42,7 +51,7 @@ use rdkafka::{
     message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage},
     producer::{FutureProducer, FutureRecord},
     util::Timeout,
-    ClientConfig,
+    ClientConfig, TopicPartitionList,
 };
 use serde::de::DeserializeOwned;
 use tokio::{sync::mpsc, task::JoinSet};
@@ -84,9 +93,13 @@ pub const DEFAULT_PARTITIONS_AT_ONCE: usize = 16;
 /// `x-tower-ids-error` header; each is logged once at ERROR. A partition revoked in a
 /// rebalance is abandoned: the message in flight runs to its end, but its offset is
 /// not stored (the partition is no longer this consumer's), so its new owner gets it
-/// again and the layer replays it. Connections are librdkafka's to keep. On shutdown
-/// the consumer stops fetching, settles what is in flight within the
-/// [drain timeout](Self::drain_timeout), commits, and names at WARN what it left.
+/// again and the layer replays it. A partition whose handler is behind (64 messages
+/// fetched ahead of it, a message retried in place while its store is down) is paused
+/// until it catches up: the other partitions go on. Connections are librdkafka's to
+/// keep. On shutdown the consumer stops fetching, settles the message each partition
+/// has in hand within the [drain timeout](Self::drain_timeout) (one retried in place
+/// is left), commits, and names at WARN what it left; the messages fetched behind them
+/// come again from the committed offsets.
 ///
 /// Every message ends in one line, event `message.settled`, as for RabbitMQ.
 #[must_use]
@@ -182,36 +195,40 @@ impl KafkaConsumer {
             retry_pause: self.retry_pause,
             producer,
             consumer: consumer.clone(),
+            stopping: AtomicBool::new(false),
         });
         tracing::info!(event = "message.consuming", topics = ?self.topics, "consuming");
 
         let mut shutdown = std::pin::pin!(shutdown);
-        let mut partitions: HashMap<(String, i32), mpsc::Sender<OwnedMessage>> = HashMap::new();
+        let mut partitions: HashMap<Slot, Partition> = HashMap::new();
         let mut workers = JoinSet::new();
+        let mut reserving: JoinSet<Reserved> = JoinSet::new();
         let slots = Arc::new(tokio::sync::Semaphore::new(self.partitions_at_once));
         loop {
             tokio::select! {
                 biased;
                 () = shutdown.as_mut() => break,
                 Some(_) = workers.join_next(), if !workers.is_empty() => {}
+                Some(Ok(reserved)) = reserving.join_next(), if !reserving.is_empty() => {
+                    let slot = reserved.0.clone();
+                    let Some(partition) = partitions.get_mut(&slot) else { continue };
+                    if let Some(next) = partition.unheld(reserved) {
+                        reserving.spawn(next);
+                    } else {
+                        pause(&consumer, &slot, false);
+                    }
+                }
                 received = consumer.recv() => match received {
                     Ok(message) => {
                         let message = message.detach();
                         let slot = (message.topic().to_owned(), message.partition());
-                        let sender = partitions.entry(slot).or_insert_with(|| {
-                            // A partition's own worker, in order; the buffer bounds what
-                            // is fetched ahead of it.
-                            let (sender, receiver) = mpsc::channel(64);
-                            workers.spawn(partition_worker(
-                                receiver,
-                                service.clone(),
-                                settings.clone(),
-                                slots.clone(),
-                            ));
-                            sender
+                        let partition = partitions.entry(slot.clone()).or_insert_with(|| {
+                            Partition::new(&mut workers, service.clone(), &settings, &slots)
                         });
-                        if sender.send(message).await.is_err() {
-                            tracing::debug!(event = "message.worker_gone", "a partition's worker ended");
+                        if let Some(reserve) = partition.hand(slot.clone(), message) {
+                            // Its worker is behind: the partition waits, the others go on.
+                            pause(&consumer, &slot, true);
+                            reserving.spawn(reserve);
                         }
                     }
                     Err(error) => {
@@ -221,8 +238,11 @@ impl KafkaConsumer {
                 }
             }
         }
-        // No more fetching: each worker finishes what it was handed.
+        // No more fetching: each worker settles the message in its hands and stops;
+        // those it was handed and had not begun come again from the committed offset.
+        settings.stopping.store(true, Ordering::Release);
         drop(partitions);
+        reserving.abort_all();
         let waiting = workers.len();
         let drained = tokio::time::timeout(self.drain_timeout, async {
             while workers.join_next().await.is_some() {}
@@ -258,6 +278,113 @@ struct Settings {
     retry_pause: Duration,
     producer: FutureProducer,
     consumer: Arc<StreamConsumer>,
+    /// Set at a stop: workers take no more messages and stop retrying in place.
+    stopping: AtomicBool,
+}
+
+/// A partition's topic and number.
+type Slot = (String, i32);
+
+/// Messages the recv loop fetched ahead of a partition's worker, at most
+/// [`FETCHED_AHEAD`]; past that the partition is paused, so one slow partition never
+/// holds the others back.
+const FETCHED_AHEAD: usize = 64;
+
+/// A room in a partition's buffer, once its worker has taken a message.
+type Reserved = (Slot, Option<mpsc::OwnedPermit<OwnedMessage>>);
+
+/// One partition's worker, and the messages held back while its buffer is full (in
+/// order, handed over before any newer one).
+struct Partition {
+    sender: mpsc::Sender<OwnedMessage>,
+    held: VecDeque<OwnedMessage>,
+}
+
+impl Partition {
+    fn new<T, R, S>(
+        workers: &mut JoinSet<()>,
+        service: S,
+        settings: &Arc<Settings>,
+        slots: &Arc<tokio::sync::Semaphore>,
+    ) -> Self
+    where
+        T: DeserializeOwned + Send + 'static,
+        R: Send + 'static,
+        S: Service<Received<T>, Response = Handled<R>> + Send + 'static,
+        S::Error: Display + Send,
+        S::Future: Send,
+    {
+        let (sender, receiver) = mpsc::channel(FETCHED_AHEAD);
+        workers.spawn(partition_worker(
+            receiver,
+            service,
+            settings.clone(),
+            slots.clone(),
+        ));
+        Self {
+            sender,
+            held: VecDeque::new(),
+        }
+    }
+
+    /// Hands `message` to the worker, or holds it back; a held one gets the future
+    /// that waits for room (the caller pauses the partition meanwhile).
+    fn hand(
+        &mut self,
+        slot: Slot,
+        message: OwnedMessage,
+    ) -> Option<impl Future<Output = Reserved> + Send + 'static> {
+        if !self.held.is_empty() {
+            self.held.push_back(message);
+            return None;
+        }
+        match self.sender.try_send(message) {
+            Ok(()) => None,
+            Err(mpsc::error::TrySendError::Full(message)) => {
+                self.held.push_back(message);
+                Some(reserve(slot, self.sender.clone()))
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                tracing::debug!(event = "message.worker_gone", "a partition's worker ended");
+                None
+            }
+        }
+    }
+
+    /// Hands the first held message over in the room `permit` made; the wait for the
+    /// next room if more are held (`None`: the partition may fetch again).
+    fn unheld(
+        &mut self,
+        (slot, permit): Reserved,
+    ) -> Option<impl Future<Output = Reserved> + Send + 'static> {
+        match (permit, self.held.pop_front()) {
+            (Some(permit), Some(message)) => {
+                permit.send(message);
+            }
+            // The worker ended: nothing it was handed would run.
+            (None, _) => self.held.clear(),
+            (Some(_), None) => {}
+        }
+        (!self.held.is_empty()).then(|| reserve(slot, self.sender.clone()))
+    }
+}
+
+async fn reserve(slot: Slot, sender: mpsc::Sender<OwnedMessage>) -> Reserved {
+    (slot, sender.reserve_owned().await.ok())
+}
+
+/// Pauses (or resumes) fetching a partition; one no longer assigned is left alone.
+fn pause(consumer: &StreamConsumer, (topic, partition): &Slot, pause: bool) {
+    let mut list = TopicPartitionList::new();
+    list.add_partition(topic, *partition);
+    let paused = if pause {
+        consumer.pause(&list)
+    } else {
+        consumer.resume(&list)
+    };
+    if let Err(error) = paused {
+        tracing::debug!(event = "message.pause_failed", error = %error, pause, "could not pause or resume a partition");
+    }
 }
 
 /// One partition's messages, one after the other, each under a slot of the partitions
@@ -276,7 +403,11 @@ async fn partition_worker<T, R, S>(
         let Ok(_slot) = slots.acquire().await else {
             return;
         };
-        settle(&message, &mut service, &settings).await;
+        if settings.stopping.load(Ordering::Acquire)
+            || !settle(&message, &mut service, &settings).await
+        {
+            return;
+        }
         // Stored, it is committed with the next commit; for a partition revoked
         // meanwhile the store is refused, and its new owner gets the message again.
         if let Err(error) =
@@ -289,8 +420,9 @@ async fn partition_worker<T, R, S>(
     }
 }
 
-/// One message: decoded, handled under its correlation ID until it is settled.
-async fn settle<T, R, S>(message: &OwnedMessage, service: &mut S, settings: &Settings)
+/// One message: decoded, handled under its correlation ID until it is settled (`true`)
+/// or a stop ends its retries in place (`false`).
+async fn settle<T, R, S>(message: &OwnedMessage, service: &mut S, settings: &Settings) -> bool
 where
     T: DeserializeOwned,
     S: Service<Received<T>, Response = Handled<R>>,
@@ -310,22 +442,27 @@ where
         .find(|(n, _)| n == ATTEMPTS_HEADER)
         .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok())
         .unwrap_or(0u32);
-    let carrier = Received {
+    let envelope = Received {
         message: (),
         headers: headers.clone(),
         attempts,
+        delivery: format!(
+            "{}:{}:{}",
+            message.topic(),
+            message.partition(),
+            message.offset()
+        ),
     };
     let correlation = MessageCorrelation::new();
-    let id = correlation.for_delivery(&carrier);
-    let key = key_of(&carrier);
+    let id = correlation.for_delivery(&envelope);
+    let key = key_of(&envelope);
     let settling = async {
         let payload = message.payload().unwrap_or_default();
         loop {
             let (next, reason) = handle(
                 service,
                 payload,
-                headers.clone(),
-                attempts,
+                &envelope,
                 settings.max_attempts,
                 settings.retry_pause,
             )
@@ -343,14 +480,17 @@ where
                     None,
                 ),
             };
-            settled_line(outcome, &key, &reason);
+            settled_line(outcome, &envelope, &key, &reason);
             let Some(pause) = again else {
-                return;
+                return true;
             };
+            if settings.stopping.load(Ordering::Acquire) {
+                return false;
+            }
             tokio::time::sleep(pause).await;
         }
     };
-    correlation.scope(id, &carrier, settling).await;
+    correlation.scope(id, &envelope, settling).await
 }
 
 /// Produces the message again to its topic and partition key with `attempts`

@@ -259,8 +259,11 @@ where
                 ));
             }
         };
+        // The correlation ID again, so a formatter that prints only the current span
+        // still ties the layer's lines to the delivery.
         let span = tracing::info_span!(
             "idempotency",
+            correlation_id = super::current_correlation_id(),
             idempotency_key = key.key().as_str(),
             idempotency_scope = %key.scope_key(),
             idempotency_outcome = tracing::field::Empty,
@@ -292,7 +295,11 @@ fn ready<R: Send + 'static, E: Send + 'static>(handled: Handled<R>) -> ResponseF
 /// keyed message's events are, which records the outcome as the HTTP layer's request
 /// span does.
 fn refuse<R>(code: &'static str, reason: &'static str, detail: String) -> Handled<R> {
-    let span = tracing::info_span!("idempotency", idempotency_outcome = tracing::field::Empty);
+    let span = tracing::info_span!(
+        "idempotency",
+        correlation_id = super::current_correlation_id(),
+        idempotency_outcome = tracing::field::Empty
+    );
     span.in_scope(|| core::refusal::rejected(reason, code, &detail, None));
     Handled::Refused(Refusal::new(code, detail, false))
 }
