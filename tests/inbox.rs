@@ -8,6 +8,9 @@
 //! the test proved nothing) and each of those messages must have come again and been
 //! replayed, not applied again.
 //!
+//! Every fifth stop is a SIGTERM instead, mid-stream: the consumer must acknowledge
+//! every commit it made, log `message.drained` and exit 0.
+//!
 //! Each kill picks its victim at random, once the consumer restarted last has received
 //! a message (on Kafka, once the group has rebalanced), after a random pause (none
 //! while the kills lag behind the progress, so that a fast run still gets its kills).
@@ -62,6 +65,10 @@ const MIN_KILLS: usize = 15;
 /// messages acknowledged, each comes as early as its pacing allows.
 const TARGET_KILLS: usize = 24;
 
+/// Every this many stops of a consumer, the stop is a SIGTERM, mid-stream: the
+/// consumer must settle what it holds and exit 0.
+const GRACEFUL_EVERY: usize = 5;
+
 /// The longest a trial may run, kills and all, before it fails.
 const TRIAL_LIMIT: Duration = Duration::from_secs(150);
 
@@ -108,7 +115,7 @@ fn payments() -> (Vec<Value>, Vec<Value>) {
 struct Published {
     payments: Vec<Value>,
     /// Every message's delivery ID (the AMQP `message_id`, or the Kafka
-    /// `partition:offset`), in the order they were published.
+    /// `topic:partition:offset`), in the order they were published.
     deliveries: Vec<String>,
     /// The delivery IDs of the second copies.
     second_copies: HashSet<String>,
@@ -213,9 +220,11 @@ impl Consumer {
             reader: Some(reader),
         };
         let ready = consumer.wait(Duration::from_secs(30), |seen| {
-            seen.lines.iter().any(|line| event(line) == "inbox.ready")
+            seen.lines
+                .iter()
+                .any(|line| event(line) == "message.consuming")
         });
-        assert!(ready, "{} logged no inbox.ready", consumer.name);
+        assert!(ready, "{} logged no message.consuming", consumer.name);
         consumer
     }
 
@@ -291,6 +300,8 @@ type Left = Box<dyn Fn() -> BoxFuture<'static, usize> + Send + Sync>;
 struct Trial {
     runs: Vec<Run>,
     kills: usize,
+    /// Consumers stopped mid-stream with SIGTERM (and started again).
+    terminations: usize,
     took: Duration,
     /// Runs of a lone consumer after the kills, for messages whose acknowledgement a
     /// kill lost after it was sent.
@@ -309,7 +320,7 @@ async fn trial(
     let began = Instant::now();
     let expected: HashSet<String> = publications.iter().cloned().collect();
     let args = Arc::new(args);
-    let (mut runs, kills) = {
+    let (mut runs, kills, terminations) = {
         let args = args.clone();
         tokio::task::spawn_blocking(move || kill_loop(&args, &expected, pacing))
             .await
@@ -344,13 +355,19 @@ async fn trial(
     Trial {
         runs,
         kills,
+        terminations,
         took: began.elapsed(),
         sweeps,
     }
 }
 
-/// The kills: returns every run and how many were killed.
-fn kill_loop(args: &[String], expected: &HashSet<String>, pacing: &Pacing) -> (Vec<Run>, usize) {
+/// The kills, and every `GRACEFUL_EVERY`th stop a SIGTERM instead: returns every run,
+/// how many were killed and how many terminated mid-stream.
+fn kill_loop(
+    args: &[String],
+    expected: &HashSet<String>,
+    pacing: &Pacing,
+) -> (Vec<Run>, usize, usize) {
     let began = Instant::now();
     let acked = Arc::new(Mutex::new(HashSet::new()));
     let done = || expected.is_subset(&acked.lock().unwrap());
@@ -362,6 +379,7 @@ fn kill_loop(args: &[String], expected: &HashSet<String>, pacing: &Pacing) -> (V
     let mut generations = [0, 0];
     let mut runs = Vec::new();
     let mut kills = 0;
+    let mut terminations = 0;
     let mut restarted = 0;
     while !done() {
         assert!(
@@ -397,8 +415,13 @@ fn kill_loop(args: &[String], expected: &HashSet<String>, pacing: &Pacing) -> (V
                 )));
             }
         }
-        runs.push(consumer.kill());
-        kills += 1;
+        if (kills + terminations) % GRACEFUL_EVERY == GRACEFUL_EVERY - 1 {
+            runs.push(consumer.terminate());
+            terminations += 1;
+        } else {
+            runs.push(consumer.kill());
+            kills += 1;
+        }
         generations[victim] += 1;
         live[victim] = Some(start(victim, generations[victim]));
         restarted = victim;
@@ -406,7 +429,7 @@ fn kill_loop(args: &[String], expected: &HashSet<String>, pacing: &Pacing) -> (V
     for consumer in live.into_iter().flatten() {
         runs.push(consumer.terminate());
     }
-    (runs, kills)
+    (runs, kills, terminations)
 }
 
 /// Starts, kills and counts; asserts the database and the logs; prints the figures.
@@ -506,6 +529,32 @@ async fn run_trial(
         cutting_kills += usize::from(!pending.is_empty());
         cut.extend(pending.into_iter().map(|d| (run.name.as_str(), d)));
     }
+    // A SIGTERM, mid-stream or at the end: every commit acknowledged, the drain whole.
+    for run in trial.runs.iter().filter(|run| !run.killed) {
+        let of_run = |code: &'static str| {
+            run.lines
+                .iter()
+                .filter(move |line| event(line) == code)
+                .filter_map(delivery)
+                .collect::<HashSet<&str>>()
+        };
+        let unacked: Vec<&str> = of_run("inbox.handled")
+            .difference(&of_run("inbox.acking"))
+            .copied()
+            .collect();
+        assert!(
+            unacked.is_empty(),
+            "{} stopped by SIGTERM with commits not acknowledged: {unacked:?}",
+            run.name
+        );
+        assert!(
+            run.lines
+                .iter()
+                .any(|line| event(line) == "message.drained"),
+            "{} stopped by SIGTERM without draining",
+            run.name
+        );
+    }
     let not_replayed: Vec<_> = cut
         .iter()
         .filter(|(_, d)| !replayed_set.contains(d))
@@ -519,16 +568,22 @@ async fn run_trial(
         .iter()
         .filter(|d| published.second_copies.contains(**d))
         .count();
-    let rejected = of("inbox.rejected").count();
-    assert_eq!(rejected, 0, "no payment refused for good");
+    let settled = |outcome: &str| {
+        of("message.settled")
+            .filter(|line| line["fields"]["outcome"] == outcome)
+            .count()
+    };
+    assert_eq!(settled("dead_lettered"), 0, "no payment refused for good");
 
     eprintln!(
         "inbox over {broker}: {} messages ({PAYMENTS} payments, {} sent twice), total {total} \
-         over {ACCOUNTS} accounts; {} kills (SIGKILL, each restarted) in {:.1} s, {} sweeps; \
+         over {ACCOUNTS} accounts; {} kills (SIGKILL) and {} SIGTERMs mid-stream, each \
+         restarted, in {:.1} s, {} sweeps; \
          test runtime {:.1} s (of which building the example {:.1} s)",
         published.deliveries.len(),
         published.second_copies.len(),
         trial.kills,
+        trial.terminations,
         trial.took.as_secs_f64(),
         trial.sweeps,
         started.elapsed().as_secs_f64(),
@@ -541,8 +596,8 @@ async fn run_trial(
         committed.len(),
         replayed.len(),
         replayed.len() - redeliveries_replayed - copies_replayed,
-        of("inbox.requeued").count(),
-        of("inbox.failed").count(),
+        settled("requeued") + settled("in_flight"),
+        settled("retried"),
     );
     eprintln!(
         "  kills between a commit and its ack: {cutting_kills} of {} (commits cut from their \
@@ -574,7 +629,7 @@ static AMQP_PACING: Pacing = Pacing {
     kill_after_ms: 100..700,
 };
 
-/// Deletes the test's queue when dropped (from a thread of its own: the test's
+/// Deletes the test's queues when dropped (from a thread of its own: the test's
 /// runtime may be gone).
 struct Queue(String);
 
@@ -589,9 +644,12 @@ impl Drop for Queue {
             runtime.block_on(async {
                 if let Some(connection) = rabbitmq::connect().await {
                     if let Ok(channel) = connection.create_channel().await {
-                        let _ = channel
-                            .queue_delete(name.as_str().into(), Default::default())
-                            .await;
+                        // With the dead-letter queue the driver declares beside it.
+                        for queue in [name.clone(), format!("{name}.dead")] {
+                            let _ = channel
+                                .queue_delete(queue.as_str().into(), Default::default())
+                                .await;
+                        }
                     }
                     let _ = connection.close(200, "done".into()).await;
                 }
@@ -722,7 +780,7 @@ async fn over_rabbitmq_consumers_killed_at_random_apply_each_payment_once() {
 /// partitions go to the others once its session times out (1 s), and the restarted one
 /// joins in another rebalance.
 static KAFKA_PACING: Pacing = Pacing {
-    handler_delay_ms: 15,
+    handler_delay_ms: 30,
     ack_delay_ms: 35,
     kill_after_ms: 200..1500,
 };
@@ -779,7 +837,7 @@ async fn over_kafka_consumers_killed_at_random_apply_each_payment_once() {
         .into_iter()
         .map(|delivered| {
             let delivered = delivered.map_err(|(error, _)| error).unwrap();
-            format!("{}:{}", delivered.partition, delivered.offset)
+            format!("{topic}:{}:{}", delivered.partition, delivered.offset)
         })
         .collect();
 
@@ -810,7 +868,7 @@ async fn over_kafka_consumers_killed_at_random_apply_each_payment_once() {
     // producer was told it).
     let mut ends = [0_i64; PARTITIONS as usize];
     for delivery in &deliveries {
-        let (partition, offset) = delivery.split_once(':').unwrap();
+        let (partition, offset) = delivery[topic.len() + 1..].split_once(':').unwrap();
         let end = &mut ends[partition.parse::<usize>().unwrap()];
         *end = (*end).max(offset.parse::<i64>().unwrap() + 1);
     }

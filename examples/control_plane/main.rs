@@ -19,27 +19,30 @@
 //!
 //! # Controller (`controller`)
 //!
-//! Consumes `sig.#` from its queue with manual acks. Per delivery: the correlation ID
-//! from the `x-correlation-id` header (or the envelope's `correlationId`), extended for
-//! the delivery (`attempt-001.Aq9`), in the span of every log line; the signal through
-//! the [`MessageIdempotencyLayer`], keyed on `(swarmId, type, idempotencyKey)` with the
-//! signal's `data` as fingerprint; the handler sleeps `--handler-ms`, appends one line
-//! to `--executions-file` (if given) and builds the outcome. The outcome (the stored
-//! one, unchanged, on a duplicate) is published to `ev.outcome.<type>.<swarmId>` with a
-//! publisher confirm, then the delivery is acked. A duplicate of a signal in flight is
-//! requeued after a second (`--in-flight requeue`, the default) or waits for the outcome
-//! (`--in-flight wait`). With `--redis-url` (feature `redis`) the records are in Redis,
+//! Consumes `sig.#` from its queue through the library's driver, [`AmqpConsumer`]
+//! (manual acks, a prefetch of `--prefetch`). Per delivery: the correlation ID from the
+//! `x-correlation-id` header, extended for the delivery (`attempt-001.Aq9`), in the span
+//! of every log line; the signal through the [`MessageIdempotencyLayer`], keyed on
+//! `(swarmId, type, idempotencyKey)` with the signal's `data` as fingerprint; the
+//! handler sleeps `--handler-ms`, appends one line to `--executions-file` (if given) and
+//! builds the outcome. The outcome (the stored one, unchanged, on a duplicate) is
+//! published to `ev.outcome.<type>.<swarmId>` with a publisher confirm, and only then
+//! does the driver ack the delivery. A duplicate of a signal in flight is requeued after
+//! a second (`--in-flight requeue`, the default) or waits for the outcome
+//! (`--in-flight wait`). A signal that is not an envelope, or whose key is refused, goes
+//! to the dead-letter queue `<queue>.dead`; an outcome that cannot be published counts
+//! as a failed attempt. With `--redis-url` (feature `redis`) the records are in Redis,
 //! shared by every controller on the queue and kept across their restarts; otherwise
 //! in memory.
 //!
 //! `--ack-delay-ms` sleeps between publishing the outcome and acking: the window in
 //! which the tests kill it.
 //!
-//! On Ctrl-C or SIGTERM the controller cancels its consumer (no new deliveries; those
-//! prefetched but not started go back to the queue when it closes the connection), lets
-//! the deliveries in flight publish and ack, then waits up to `--drain-timeout-ms`
-//! (default 10 s) for what its idempotency layer still owes the store (an outcome kept
-//! while Redis was away, a handler whose delivery task was cancelled) and exits 0.
+//! On Ctrl-C or SIGTERM the driver stops taking deliveries (those prefetched but not
+//! started go back to the queue), lets those in flight publish and ack within
+//! `--drain-timeout-ms` (default 10 s), then the controller waits up to as long for what
+//! its idempotency layer still owes the store (an outcome kept while Redis was away)
+//! and exits 0.
 //!
 //! # Topology
 //!
@@ -53,10 +56,10 @@
 //! # Events (the `event` field)
 //!
 //! `controller.ready`, `controller.received`, `controller.executed` (the handler ran),
-//! `controller.outcome_published` (with `replayed`), `controller.acked`,
-//! `controller.requeued`, `controller.rejected`, `controller.stopping` (with `signal`
-//! and `in_flight`), `shutdown.drained` or `shutdown.drain_incomplete`,
-//! `controller.stopped`; `orchestrator.sent`,
+//! `controller.outcome_published` (with `replayed`), the driver's `message.settled` (with
+//! its `outcome`: `handled`, `replayed`, `in_flight`, `requeued`, `retried`,
+//! `dead_lettered`), `controller.stopping` (with `signal`), `message.drained`,
+//! `shutdown.drained` or `shutdown.drain_incomplete`, `controller.stopped`; `orchestrator.sent`,
 //! `orchestrator.timeout`, `orchestrator.outcome`; and the idempotency layer's
 //! (`idempotency.replayed`, `idempotency.stored`, ... at DEBUG: `RUST_LOG=info,tower_ids::idempotency=debug`).
 
@@ -75,24 +78,21 @@ mod shutdown;
 use clap::{Parser, Subcommand, ValueEnum};
 use futures_util::StreamExt as _;
 use lapin::{
-    message::Delivery,
     options::{
-        BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-        BasicPublishOptions, BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
-        ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+        BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+        QueueBindOptions, QueueDeclareOptions,
     },
     types::FieldTable,
     BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::task::JoinSet;
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt as _};
 use tower_ids::{
     correlation::{CorrelationId, MessageCorrelation},
     idempotency::{
         extract::KeyRejection,
-        message::{Handled, MessageIdempotencyLayer, MessageKey},
+        message::{amqp::AmqpConsumer, Handled, MessageIdempotencyLayer, MessageKey, Received},
         store::IdempotencyStore,
         IdempotencyKey, InFlight, MokaStore,
     },
@@ -269,7 +269,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .await?;
     match cli.role {
         Role::Controller(args) => {
-            let stopped = controller(channel, cli.exchange, args).await;
+            let stopped = controller(channel, cli.exchange, cli.amqp_url, args).await;
             // Deliveries prefetched but never started go back to the queue now.
             let _ = connection.close(200, "stopped".into()).await;
             stopped
@@ -292,12 +292,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 // Controller
 // ----------------------------------------------------------------------------------
 
-/// What the handler gets: the signal's envelope.
-struct Signal(Envelope);
-
 /// `(swarmId, type, idempotencyKey)`, the data as fingerprint.
-fn signal_key(signal: &Signal) -> Result<Option<MessageKey>, KeyRejection> {
-    let envelope = &signal.0;
+fn signal_key(envelope: &Envelope) -> Result<Option<MessageKey>, KeyRejection> {
     let Some(key) = &envelope.idempotency_key else {
         return Ok(None);
     };
@@ -313,6 +309,7 @@ fn signal_key(signal: &Signal) -> Result<Option<MessageKey>, KeyRejection> {
 async fn controller(
     channel: Channel,
     exchange: String,
+    amqp_url: String,
     args: ControllerArgs,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     #[cfg(feature = "redis")]
@@ -320,18 +317,19 @@ async fn controller(
         let store = tower_ids::idempotency::store::RedisStore::builder(url.as_str())
             .build()
             .await?;
-        return consume(channel, exchange, args, store).await;
+        return consume(channel, exchange, amqp_url, args, store).await;
     }
     #[cfg(not(feature = "redis"))]
     if args.redis_url.is_some() {
         return Err("--redis-url needs the redis feature".into());
     }
-    consume(channel, exchange, args, MokaStore::new()).await
+    consume(channel, exchange, amqp_url, args, MokaStore::new()).await
 }
 
 async fn consume<St: IdempotencyStore>(
     channel: Channel,
     exchange: String,
+    amqp_url: String,
     args: ControllerArgs,
     store: St,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -351,17 +349,6 @@ async fn consume<St: IdempotencyStore>(
             exchange.as_str().into(),
             "sig.#".into(),
             QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-    channel
-        .basic_qos(args.prefetch, BasicQosOptions::default())
-        .await?;
-    let mut deliveries = channel
-        .basic_consume(
-            args.queue.as_str().into(),
-            args.instance.as_str().into(),
-            BasicConsumeOptions::default(), // manual acks
             FieldTable::default(),
         )
         .await?;
@@ -388,10 +375,11 @@ async fn consume<St: IdempotencyStore>(
     let instance = args.instance.clone();
     let handler_time = Duration::from_millis(args.handler_ms);
     // The command itself: runs once per (swarmId, type, idempotencyKey).
-    let execute = service_fn(move |Signal(signal): Signal| {
+    let execute = service_fn(move |signal: Received<Envelope>| {
         let executions = executions.clone();
         let instance = instance.clone();
         async move {
+            let signal = signal.into_message();
             tokio::time::sleep(handler_time).await;
             let (status, retryable) = match signal.kind_of.as_str() {
                 "swarm-start" => ("Running", false),
@@ -429,7 +417,7 @@ async fn consume<St: IdempotencyStore>(
         }
     });
     let idempotency = MessageIdempotencyLayer::with_store(store)
-        .key(signal_key as fn(&Signal) -> _)
+        .key(|signal: &Received<Envelope>| signal_key(signal.message()))
         .require_key(true)
         .policy(
             Policy::new()
@@ -440,63 +428,32 @@ async fn consume<St: IdempotencyStore>(
     let drain = idempotency.drain();
     let service = ServiceBuilder::new().layer(idempotency).service(execute);
     let context = Arc::new(Context {
-        channel: channel.clone(),
+        channel,
         exchange,
         ack_delay: Duration::from_millis(args.ack_delay_ms),
         correlation: MessageCorrelation::new(),
     });
+    // Each answer's outcome published before the driver acknowledges the signal.
+    let controller = service_fn(move |signal: Received<Envelope>| {
+        answer(service.clone(), signal, context.clone())
+    });
     tracing::info!(event = "controller.ready", queue = %args.queue, instance = %args.instance, "consuming");
-
-    // The deliveries being handled, so that a graceful stop can wait for them.
-    let mut handling = JoinSet::new();
-    let stop = shutdown::signal();
-    tokio::pin!(stop);
-    let signal = loop {
-        let delivery = tokio::select! {
-            delivery = deliveries.next() => delivery,
-            Some(_) = handling.join_next() => continue,
-            signal = &mut stop => break Some(signal),
-        };
-        let Some(delivery) = delivery else { break None };
-        let delivery = delivery?;
-        let context = context.clone();
-        let service = service.clone();
-        handling.spawn(async move {
-            // The delivery's ID: the publisher's, extended for this delivery.
-            let headers = delivery.properties.headers();
-            let id = match context.correlation.read(headers) {
-                Ok(Some(_)) | Err(_) => context.correlation.for_delivery(headers),
-                Ok(None) => {
-                    let envelope: Option<Envelope> = serde_json::from_slice(&delivery.data).ok();
-                    let from_envelope = envelope.and_then(|e| e.correlation_id);
-                    context.correlation.for_envelope(from_envelope.as_deref())
-                }
-            };
-            // In the delivery's ID, and (feature `opentelemetry`) in the trace of the
-            // signal's `traceparent`.
-            let correlation = context.correlation.clone();
-            let headers = delivery.properties.headers().clone();
-            correlation
-                .scope(id, &headers, handle(delivery, service, context))
-                .await;
-        });
+    let stop = async {
+        let signal = shutdown::signal().await;
+        tracing::info!(
+            event = "controller.stopping",
+            signal,
+            "stopping: no new deliveries, finishing those in flight"
+        );
     };
-    // No new deliveries; those in flight publish their outcome and ack.
-    tracing::info!(
-        event = "controller.stopping",
-        signal,
-        in_flight = handling.len(),
-        "stopping: no new deliveries, finishing those in flight"
-    );
-    if let Err(error) = channel
-        .basic_cancel(deliveries.tag(), BasicCancelOptions::default())
-        .await
-    {
-        tracing::warn!(event = "controller.cancel_failed", error = %error, "could not cancel the consumer");
-    }
-    while handling.join_next().await.is_some() {}
+    let stopped = AmqpConsumer::new(amqp_url, &args.queue)
+        .prefetch(args.prefetch)
+        .retry_pause(Duration::from_secs(1))
+        .drain_timeout(args.drain.timeout())
+        .run(controller, stop)
+        .await;
     shutdown::drain(&[drain], args.drain.timeout()).await;
-    tracing::info!(event = "controller.stopped", "stopped");
+    tracing::info!(event = "controller.stopped", left = stopped.left, "stopped");
     Ok(())
 }
 
@@ -507,118 +464,53 @@ struct Context {
     correlation: MessageCorrelation,
 }
 
-async fn handle<S>(delivery: Delivery, mut service: S, context: Arc<Context>)
+/// The outcome could not be published: the driver counts the signal's attempt and
+/// publishes it again (dead-lettered after five).
+#[derive(Debug)]
+struct NotPublished(lapin::Error);
+
+impl std::fmt::Display for NotPublished {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the outcome was not published: {}", self.0)
+    }
+}
+
+/// One signal: handled behind the idempotency layer; a first run's outcome or a
+/// replayed one published (confirmed), then handed back for the driver to acknowledge.
+/// A controller killed between the two gets the signal again and publishes the same
+/// outcome.
+async fn answer<S>(
+    mut service: S,
+    signal: Received<Envelope>,
+    context: Arc<Context>,
+) -> Result<Handled<Envelope>, NotPublished>
 where
-    S: Service<Signal, Response = Handled<Envelope>, Error = Infallible>,
+    S: Service<Received<Envelope>, Response = Handled<Envelope>, Error = Infallible>,
 {
-    let envelope: Envelope = match serde_json::from_slice(&delivery.data) {
-        Ok(envelope) => envelope,
-        Err(error) => {
-            tracing::warn!(event = "controller.rejected", reason = "not_an_envelope", error = %error, "not a signal envelope; rejected");
-            let _ = delivery.reject(BasicRejectOptions { requeue: false }).await;
-            return;
-        }
-    };
+    let envelope = signal.message();
     tracing::info!(
         event = "controller.received",
         signal = %envelope.kind_of,
         swarm = %envelope.scope.swarm_id,
         idempotency_key = envelope.idempotency_key.as_deref(),
-        redelivered = delivery.redelivered,
+        attempts = signal.attempts(),
         "signal received"
     );
     let handled = match service.ready().await {
-        Ok(ready) => ready.call(Signal(envelope)).await,
+        Ok(ready) => ready.call(signal).await,
         Err(never) => match never {},
     };
     let handled = match handled {
         Ok(handled) => handled,
         Err(never) => match never {},
     };
-    match handled {
-        Handled::Ran(outcome) => publish_and_ack(&delivery, &outcome, false, &context).await,
-        Handled::Replayed { outcome, .. } => {
-            publish_and_ack(&delivery, &outcome, true, &context).await;
-        }
-        Handled::InFlight { retry_after } => requeue(&delivery, retry_after, "in_flight").await,
-        Handled::Refused(refusal) if refusal.retryable() => {
-            requeue(&delivery, Duration::from_secs(1), refusal.code()).await;
-        }
-        Handled::Refused(refusal) => {
-            tracing::warn!(
-                event = "controller.rejected",
-                reason = refusal.code(),
-                "signal refused; rejected"
-            );
-            let _ = delivery.reject(BasicRejectOptions { requeue: false }).await;
-        }
-        // An answer a later version adds: requeue, which never loses the signal.
-        _ => requeue(&delivery, Duration::from_secs(1), "unknown").await,
-    }
-}
-
-async fn requeue(delivery: &Delivery, after: Duration, reason: &str) {
-    tracing::info!(
-        event = "controller.requeued",
-        reason,
-        after_ms = after.as_millis() as u64,
-        "requeueing the signal"
-    );
-    tokio::time::sleep(after).await;
-    let _ = delivery
-        .nack(BasicNackOptions {
-            requeue: true,
-            ..BasicNackOptions::default()
-        })
-        .await;
-}
-
-/// Publishes the outcome (confirmed by the broker), then acks the signal: a controller
-/// killed between the two gets the signal again and publishes the same outcome.
-async fn publish_and_ack(
-    delivery: &Delivery,
-    outcome: &Envelope,
-    replayed: bool,
-    context: &Context,
-) {
-    let routing = format!("ev.outcome.{}.{}", outcome.kind_of, outcome.scope.swarm_id);
-    let mut headers = FieldTable::default();
-    // This delivery's ID in the header; the envelope echoes the attempt that ran.
-    context.correlation.inject_current(&mut headers);
-    if let Some(key) = outcome
-        .idempotency_key
-        .as_deref()
-        .and_then(|key| IdempotencyKey::new(key).ok())
-    {
-        key.inject(&mut headers);
-    }
-    let body = match serde_json::to_vec(outcome) {
-        Ok(body) => body,
-        Err(_) => return,
+    let (outcome, replayed) = match &handled {
+        Handled::Ran(outcome) => (outcome, false),
+        Handled::Replayed { outcome, .. } => (outcome, true),
+        // Requeued or dead-lettered: the driver's `message.settled` line says which.
+        _ => return Ok(handled),
     };
-    let properties = BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
-        .with_headers(headers);
-    let confirmed = async {
-        context
-            .channel
-            .basic_publish(
-                context.exchange.as_str().into(),
-                routing.as_str().into(),
-                BasicPublishOptions::default(),
-                &body,
-                properties,
-            )
-            .await?
-            .await
-    }
-    .await;
-    if let Err(error) = confirmed {
-        tracing::warn!(event = "controller.publish_failed", error = %error, "could not publish the outcome; requeueing");
-        requeue(delivery, Duration::from_secs(1), "publish_failed").await;
-        return;
-    }
+    publish(outcome, &context).await.map_err(NotPublished)?;
     tracing::info!(
         event = "controller.outcome_published",
         replayed,
@@ -631,12 +523,40 @@ async fn publish_and_ack(
     if !context.ack_delay.is_zero() {
         tokio::time::sleep(context.ack_delay).await;
     }
-    match delivery.ack(BasicAckOptions::default()).await {
-        Ok(_) => tracing::info!(event = "controller.acked", "signal acked"),
-        Err(error) => {
-            tracing::warn!(event = "controller.ack_failed", error = %error, "could not ack; the signal will be redelivered")
-        }
+    Ok(handled)
+}
+
+/// Publishes the outcome to `ev.outcome.<type>.<swarmId>` and waits for the broker's
+/// confirm.
+async fn publish(outcome: &Envelope, context: &Context) -> Result<(), lapin::Error> {
+    let routing = format!("ev.outcome.{}.{}", outcome.kind_of, outcome.scope.swarm_id);
+    let mut headers = FieldTable::default();
+    // This delivery's ID in the header; the envelope echoes the attempt that ran.
+    context.correlation.inject_current(&mut headers);
+    if let Some(key) = outcome
+        .idempotency_key
+        .as_deref()
+        .and_then(|key| IdempotencyKey::new(key).ok())
+    {
+        key.inject(&mut headers);
     }
+    let body = serde_json::to_vec(outcome).unwrap_or_default();
+    let properties = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    context
+        .channel
+        .basic_publish(
+            context.exchange.as_str().into(),
+            routing.as_str().into(),
+            BasicPublishOptions::default(),
+            &body,
+            properties,
+        )
+        .await?
+        .await?;
+    Ok(())
 }
 
 // ----------------------------------------------------------------------------------

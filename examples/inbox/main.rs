@@ -9,34 +9,26 @@
 //! ```
 //!
 //! Each message is a payment, `{"idempotency_key": "...", "account": "...", "amount":
-//! 125}`. It goes through a [`MessageIdempotencyLayer`] over a [`PostgresStore`] in
-//! [`PostgresMode::Transactional`]: the layer opens the delivery's transaction (which
-//! holds the key), the handler writes the payment and the balance in it
-//! ([`Transaction::current`]), and the layer stores the receipt in it and commits. Only
-//! then does the layer's future return, and only then is the message acknowledged: a
-//! basic ack on RabbitMQ, the offset commit on Kafka. A consumer killed between the
-//! commit and the acknowledgement gets the message again, and the redelivery is
-//! replayed: the handler does not run, the stored receipt comes back.
-//!
-//! | [`Handled`] | The consumer |
-//! |---|---|
-//! | `Ran(receipt)` | logs `inbox.handled`, acks |
-//! | `Replayed { receipt, .. }` | logs `inbox.replayed`, acks |
-//! | `InFlight { retry_after }` | requeues after `retry_after` (Kafka: tries again) |
-//! | `Refused(r)`, `r.retryable()` | requeues after a second (Kafka: tries again) |
-//! | `Refused(r)` otherwise | rejects, no requeue (Kafka: logs and commits past it) |
-//! | the handler failed | the layer rolled its writes back; requeues after a second |
+//! 125}`. The consume loop is the library's ([`AmqpConsumer`], [`KafkaConsumer`]): it
+//! decodes each delivery, hands it to a [`MessageIdempotencyLayer`] over a
+//! [`PostgresStore`] in [`PostgresMode::Transactional`], and acknowledges it only once
+//! the layer has answered. The layer opens the delivery's transaction (which holds the
+//! key), the handler writes the payment and the balance in it
+//! ([`Transaction::current`]), and the layer stores the receipt in it and commits. A
+//! consumer killed between the commit and the acknowledgement gets the message again,
+//! and the redelivery is replayed: the handler does not run, the stored receipt comes
+//! back. What becomes of each answer (acknowledged, requeued, published again with its
+//! attempt counted, dead-lettered) is the driver's table.
 //!
 //! # Events (the `event` field)
 //!
-//! `inbox.ready`; per delivery `inbox.received`, then `inbox.handled` (the handler ran
+//! This example's, per delivery: `inbox.received`, then `inbox.handled` (the handler ran
 //! and its transaction committed) or `inbox.replayed` (a duplicate: nothing ran), then
-//! `inbox.acking` (DEBUG, just before the ack is sent) and `inbox.acked`; or
-//! `inbox.requeued`, `inbox.rejected`, `inbox.failed`, `inbox.ack_failed`
-//! (`inbox.consume_failed` when Kafka fails to hand a record over). At a stop
-//! `inbox.stopping`, `shutdown.drained` and `inbox.stopped`; `inbox.published` from
-//! `publish`. Every event of a delivery carries `delivery` (the AMQP `message_id`, or
-//! the Kafka `partition:offset`) and `key`.
+//! `inbox.acking` (DEBUG, just before the driver acknowledges); at a stop
+//! `inbox.stopped`, and `inbox.published` from `publish`. Each carries `delivery` (the
+//! AMQP `message_id`, or the Kafka `topic:partition:offset`) and `key`. The driver's:
+//! `message.consuming`, one `message.settled` per delivery with its `outcome`, and
+//! `message.dead_lettered`, `message.drained` or `message.drain_unsettled`.
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -44,9 +36,11 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde::{Deserialize, Serialize};
 use sqlx::{postgres::PgPoolOptions, PgPool};
 use tower::{service_fn, util::BoxCloneService, Service, ServiceBuilder, ServiceExt as _};
+#[cfg(doc)]
+use tower_ids::idempotency::message::{amqp::AmqpConsumer, kafka::KafkaConsumer};
 use tower_ids::idempotency::{
     extract::KeyRejection,
-    message::{Handled, MessageIdempotencyLayer, MessageKey},
+    message::{Handled, MessageIdempotencyLayer, MessageKey, Received},
     store::{PostgresMode, PostgresStore, Transaction},
     Drain, IdempotencyKey, InFlight, Policy,
 };
@@ -59,8 +53,8 @@ mod kafka;
 mod shutdown;
 
 /// How long a delivery waits before it is requeued (or, on Kafka, tried again) after
-/// a retryable refusal or a failed handler: 1 s, long enough for a store or a database
-/// that failed to come back, short enough that a payment is not held up for long.
+/// a retryable refusal: 1 s, long enough for a store or a database that failed to come
+/// back, short enough that a payment is not held up for long.
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
 
 #[derive(Parser, Debug)]
@@ -143,13 +137,6 @@ struct Payment {
     amount: i64,
 }
 
-/// What the handler gets: the payment and the delivery it came in.
-struct Delivered {
-    payment: Payment,
-    /// The AMQP `message_id`, or the Kafka `partition:offset`.
-    delivery: String,
-}
-
 /// The handler's outcome, stored with the payment and handed back to a redelivery.
 #[derive(Serialize, Deserialize, Debug, Clone)]
 struct Receipt {
@@ -160,26 +147,9 @@ struct Receipt {
 
 type HandlerError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The handler behind its idempotency layer.
-type Inbox = BoxCloneService<Delivered, Handled<Receipt>, HandlerError>;
-
-/// What the broker adapter does with the delivery.
-enum Next {
-    /// Acknowledge it: the payment is in the database.
-    Ack,
-    /// Give it back, to come again after this pause.
-    Retry(Duration),
-    /// Drop it for good (dead-letter it).
-    Reject,
-}
-
-/// The parts of a consumer both brokers share.
-struct Consumer {
-    inbox: Inbox,
-    drain: Drain,
-    ack_delay: Duration,
-    drain_timeout: Duration,
-}
+/// The handler behind its idempotency layer, and this example's lines around it: what
+/// a driver runs.
+type Inbox = BoxCloneService<Received<Payment>, Handled<Receipt>, HandlerError>;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -208,13 +178,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Command::Consume(args) => {
             let concurrency = match cli.broker {
                 BrokerKind::Amqp => usize::from(cli.amqp.prefetch),
-                BrokerKind::Kafka => 1,
+                BrokerKind::Kafka => cli.kafka.partitions_at_once,
             };
-            let consumer = consumer(&args, concurrency).await?;
-            match cli.broker {
-                BrokerKind::Amqp => amqp::consume(&cli.amqp, consumer).await,
-                BrokerKind::Kafka => kafka::consume(&cli.kafka, consumer).await,
-            }
+            let (inbox, layer) = inbox(&args, concurrency).await?;
+            let drain = args.drain.timeout();
+            let left = match cli.broker {
+                BrokerKind::Amqp => amqp::consume(&cli.amqp, inbox, drain).await,
+                BrokerKind::Kafka => kafka::consume(&cli.kafka, inbox, drain).await?,
+            };
+            // A transactional store owes nothing once a delivery is answered; another
+            // store may (an outcome kept while it was away).
+            shutdown::drain(&[layer], drain).await;
+            tracing::info!(event = "inbox.stopped", left, "stopped");
+            Ok(())
         }
     }
 }
@@ -231,12 +207,9 @@ fn payments(args: &PublishArgs) -> Vec<Payment> {
         .collect()
 }
 
-/// The database (with its tables), the store in transactional mode, and the handler
-/// behind the layer.
-async fn consumer(
-    args: &ConsumeArgs,
-    concurrency: usize,
-) -> Result<Consumer, Box<dyn std::error::Error + Send + Sync>> {
+/// The database (with its tables), the store in transactional mode, the handler behind
+/// the layer, and the lines around it.
+async fn inbox(args: &ConsumeArgs, concurrency: usize) -> Result<(Inbox, Drain), HandlerError> {
     // A delivery holds one connection from its claim to its commit; one more for the
     // claim's first read and the store's cleaner.
     let connections = u32::try_from(concurrency + 2).unwrap_or(u32::MAX);
@@ -251,7 +224,7 @@ async fn consumer(
         .build()?;
     store.migrate().await?;
     let layer = MessageIdempotencyLayer::with_store(store)
-        .key(payment_key)
+        .key(|received: &Received<Payment>| payment_key(received.message()))
         .require_key(true)
         .policy(Policy::new().in_flight(InFlight::Reject {
             retry_after: Duration::from_millis(args.in_flight_retry_ms),
@@ -259,14 +232,13 @@ async fn consumer(
     let drain = layer.drain();
     let handler_delay = Duration::from_millis(args.handler_delay_ms);
     let instance: Arc<str> = args.instance.as_str().into();
-    let handler =
-        service_fn(move |delivered: Delivered| apply(delivered, handler_delay, instance.clone()));
-    Ok(Consumer {
-        inbox: BoxCloneService::new(ServiceBuilder::new().layer(layer).service(handler)),
-        drain,
-        ack_delay: Duration::from_millis(args.ack_delay_ms),
-        drain_timeout: args.drain.timeout(),
-    })
+    let handler = service_fn(move |received: Received<Payment>| {
+        apply(received, handler_delay, instance.clone())
+    });
+    let inbox = ServiceBuilder::new().layer(layer).service(handler);
+    let ack_delay = Duration::from_millis(args.ack_delay_ms);
+    let observed = service_fn(move |received| observed(inbox.clone(), received, ack_delay));
+    Ok((BoxCloneService::new(observed), drain))
 }
 
 /// The payments and the balances; created once, whoever starts first (concurrent
@@ -297,8 +269,7 @@ async fn schema(pool: &PgPool) -> Result<(), sqlx::Error> {
 
 /// The payment's key, scoped to payments; the account and the amount are the
 /// fingerprint, so a key sent again with another amount is refused, never applied.
-fn payment_key(delivered: &Delivered) -> Result<Option<MessageKey>, KeyRejection> {
-    let payment = &delivered.payment;
+fn payment_key(payment: &Payment) -> Result<Option<MessageKey>, KeyRejection> {
     let key = IdempotencyKey::new(&payment.idempotency_key)?;
     Ok(Some(MessageKey::new(key).scope("payments").fingerprint(
         format!("{}\n{}", payment.account, payment.amount),
@@ -308,7 +279,7 @@ fn payment_key(delivered: &Delivered) -> Result<Option<MessageKey>, KeyRejection
 /// The handler: the payment's row and the account's new balance, both written in the
 /// delivery's transaction, which the layer commits with the receipt.
 async fn apply(
-    delivered: Delivered,
+    received: Received<Payment>,
     delay: Duration,
     instance: Arc<str>,
 ) -> Result<Receipt, HandlerError> {
@@ -317,7 +288,8 @@ async fn apply(
     }
     let transaction = Transaction::current().ok_or(NoTransaction)?;
     let mut connection = transaction.lock().await?;
-    let Delivered { payment, delivery } = delivered;
+    let delivery = received.delivery().to_owned();
+    let payment = received.into_message();
     let payment_id: i64 = sqlx::query_scalar(
         "INSERT INTO payments (key, account, amount, delivery, handled_by)
          VALUES ($1, $2, $3, $4, $5) RETURNING id",
@@ -357,107 +329,54 @@ impl fmt::Display for NoTransaction {
 
 impl std::error::Error for NoTransaction {}
 
-/// Runs one delivery through the inbox and says what to do with it; logs what became
-/// of it. Called in the delivery's span.
-async fn handle(inbox: &mut Inbox, delivered: Delivered) -> Next {
-    let key = delivered.payment.idempotency_key.clone();
-    let delivery = delivered.delivery.clone();
-    let handled = match inbox.ready().await {
-        Ok(ready) => ready.call(delivered).await,
-        Err(error) => Err(error),
-    };
-    match handled {
-        Ok(Handled::Ran(receipt)) => {
-            tracing::info!(
-                event = "inbox.handled",
-                delivery,
-                key,
-                payment_id = receipt.payment_id,
-                balance = receipt.balance,
-                "payment applied and committed"
-            );
-            Next::Ack
-        }
-        Ok(Handled::Replayed { outcome, replay }) => {
-            tracing::info!(
-                event = "inbox.replayed",
-                delivery,
-                key,
-                payment_id = outcome.payment_id,
-                request_count = replay.request_count(),
-                "payment applied before: its receipt replayed, nothing written"
-            );
-            Next::Ack
-        }
-        Ok(Handled::InFlight { retry_after }) => {
-            requeued(&delivery, &key, "in_flight", retry_after);
-            Next::Retry(retry_after)
-        }
-        Ok(Handled::Refused(refusal)) if refusal.retryable() => {
-            requeued(&delivery, &key, refusal.code(), RETRY_PAUSE);
-            Next::Retry(RETRY_PAUSE)
-        }
-        Ok(Handled::Refused(refusal)) => {
-            tracing::warn!(
-                event = "inbox.rejected",
-                delivery,
-                key,
-                reason = refusal.code(),
-                "payment refused for good"
-            );
-            Next::Reject
-        }
-        Err(error) => {
-            tracing::warn!(
-                event = "inbox.failed",
-                delivery,
-                key,
-                error = %error,
-                "the handler failed: its writes were rolled back"
-            );
-            requeued(&delivery, &key, "handler_failed", RETRY_PAUSE);
-            Next::Retry(RETRY_PAUSE)
-        }
-        // An answer a later version adds: trying again never loses a payment.
-        Ok(_) => {
-            requeued(&delivery, &key, "unknown", RETRY_PAUSE);
-            Next::Retry(RETRY_PAUSE)
-        }
-    }
-}
-
-fn requeued(delivery: &str, key: &str, reason: &str, after: Duration) {
+/// One delivery through the inbox, in the lines the example logs around it; the
+/// driver settles it by the answer. `ack_delay` holds a settled one back: a window for
+/// the tests' kills between the commit and the acknowledgement. `inbox.acking` comes
+/// last: a process killed after it may or may not have acknowledged, one killed before
+/// it has not.
+async fn observed<S>(
+    mut inbox: S,
+    received: Received<Payment>,
+    ack_delay: Duration,
+) -> Result<Handled<Receipt>, HandlerError>
+where
+    S: Service<Received<Payment>, Response = Handled<Receipt>, Error = HandlerError>,
+{
+    let delivery = received.delivery().to_owned();
+    let key = received.message().idempotency_key.clone();
     tracing::info!(
-        event = "inbox.requeued",
+        event = "inbox.received",
         delivery,
         key,
-        reason,
-        after_ms = u64::try_from(after.as_millis()).unwrap_or(u64::MAX),
-        "payment not applied yet; it comes again"
+        attempts = received.attempts(),
+        "payment received"
     );
-}
-
-/// Waits `delay`, then sends the acknowledgement `ack` (an AMQP ack, a Kafka offset
-/// commit) and logs it. `inbox.acking` comes first: a process killed after it may or
-/// may not have acknowledged, one killed before it has not.
-async fn acknowledge<E: fmt::Display>(
-    delay: Duration,
-    delivery: &str,
-    ack: impl std::future::Future<Output = Result<(), E>>,
-) {
-    if !delay.is_zero() {
-        tokio::time::sleep(delay).await;
-    }
-    tracing::debug!(event = "inbox.acking", delivery, "acknowledging");
-    match ack.await {
-        Ok(()) => tracing::info!(event = "inbox.acked", delivery, "acknowledged"),
-        Err(error) => tracing::warn!(
-            event = "inbox.ack_failed",
+    let handled = inbox.ready().await?.call(received).await?;
+    match &handled {
+        Handled::Ran(receipt) => tracing::info!(
+            event = "inbox.handled",
             delivery,
-            error = %error,
-            "could not acknowledge; the payment comes again and is replayed"
+            key,
+            payment_id = receipt.payment_id,
+            balance = receipt.balance,
+            "payment applied and committed"
         ),
+        Handled::Replayed { outcome, replay } => tracing::info!(
+            event = "inbox.replayed",
+            delivery,
+            key,
+            payment_id = outcome.payment_id,
+            request_count = replay.request_count(),
+            "payment applied before: its receipt replayed, nothing written"
+        ),
+        // Requeued, or dead-lettered: the driver's line says which.
+        _ => return Ok(handled),
     }
+    if !ack_delay.is_zero() {
+        tokio::time::sleep(ack_delay).await;
+    }
+    tracing::debug!(event = "inbox.acking", delivery, key, "acknowledging");
+    Ok(handled)
 }
 
 fn init_tracing(format: LogFormat) {

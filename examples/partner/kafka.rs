@@ -1,11 +1,11 @@
 //! The dispatch feed on Kafka (`--kafka-brokers`): the planner publishes each event of
 //! the feed, keyed by `warehouse_frn` so that one warehouse's events stay on one
 //! partition, in feed order (on PostgreSQL through the library's outbox and relay, in
-//! memory from a channel); the executor consumes them through a
-//! `MessageIdempotencyLayer` keyed by (`planner_id`, `correlation_id`), and commits a
-//! record's offset only once it stored the event. On a stop it polls no more records:
-//! the one in hand is handled (or, if it is still waiting on another's claim, left
-//! uncommitted for the group) and the consumer returns.
+//! memory from a channel); the executor consumes them through the library's driver,
+//! `KafkaConsumer`, and a `MessageIdempotencyLayer` keyed by (`planner_id`,
+//! `correlation_id`): a record's offset is committed only once it is settled. On a stop
+//! it polls no more records: the ones in hand are settled (or, if still waiting on
+//! another's claim, left uncommitted for the group) and the consumer returns.
 
 use std::{sync::Arc, time::Duration};
 use tower_ids::idempotency::Policy;
@@ -13,10 +13,9 @@ use tower_ids::idempotency::Policy;
 use rdkafka::{
     admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
     client::DefaultClientContext,
-    consumer::{CommitMode, Consumer, StreamConsumer},
     message::OwnedHeaders,
     producer::{FutureProducer, FutureRecord},
-    ClientConfig, Message,
+    ClientConfig,
 };
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -24,12 +23,12 @@ use tokio::{
     sync::mpsc::{self, UnboundedSender},
     task::JoinHandle,
 };
-use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
+use tower::{service_fn, Service, ServiceBuilder, ServiceExt as _};
 use tower_ids::{
     correlation::{CorrelationId, MessageCorrelation},
     idempotency::{
         extract::KeyRejection,
-        message::{Handled, MessageIdempotencyLayer, MessageKey},
+        message::{kafka::KafkaConsumer, Handled, MessageIdempotencyLayer, MessageKey, Received},
         store::PostgresStore,
         Drain, IdempotencyKey, IdempotencyStore, MokaStore,
     },
@@ -130,28 +129,24 @@ pub(crate) fn spawn_producer(
     Ok(send)
 }
 
-/// One record as the layer sees it: its headers and its JSON payload.
-struct Delivery {
-    headers: OwnedHeaders,
-    payload: Value,
-}
-
 /// (planner, correlation ID) from the record: the key from its `idempotency-key`
 /// header, scoped by the payload's `planner_id`; the payload is the fingerprint.
-fn delivery_key(delivery: &Delivery) -> Result<Option<MessageKey>, KeyRejection> {
-    let Some(key) = IdempotencyKey::from_carrier(&delivery.headers)? else {
+fn delivery_key(record: &Received<Value>) -> Result<Option<MessageKey>, KeyRejection> {
+    let Some(key) = IdempotencyKey::from_carrier(record)? else {
         return Ok(None);
     };
-    let planner = delivery.payload["planner_id"].as_str().unwrap_or_default();
+    let payload = record.message();
+    let planner = payload["planner_id"].as_str().unwrap_or_default();
     Ok(Some(
         MessageKey::new(key)
             .scope(planner)
-            .fingerprint(delivery.payload.to_string()),
+            .fingerprint(payload.to_string()),
     ))
 }
 
-/// Starts the consumer; returns its task, which ends once a stop is asked for, and the
-/// [`Drain`] of its idempotency layer.
+/// Starts the consumer (the library's driver); returns its task, which ends once a
+/// stop is asked for and the records in hand are settled, and the [`Drain`] of its
+/// idempotency layer.
 pub(crate) fn spawn_consumer(
     db: ExecutorDb,
     brokers: &str,
@@ -159,17 +154,18 @@ pub(crate) fn spawn_consumer(
     common: &Common,
     stopping: Stopping,
 ) -> Result<(JoinHandle<()>, Drain), Box<dyn std::error::Error + Send + Sync>> {
-    let consumer: StreamConsumer = config(brokers)
+    let mut config = config(brokers);
+    config
         .set("group.id", &options.kafka_group)
-        .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest")
         // A group forms in seconds, not the default 45 s session.
         .set("session.timeout.ms", "6000")
-        .set("heartbeat.interval.ms", "1000")
-        .create()?;
-    consumer.subscribe(&[&options.kafka_topic])?;
+        .set("heartbeat.interval.ms", "1000");
+    let consumer = KafkaConsumer::new(config, [&options.kafka_topic])
+        .retry_pause(Duration::from_secs(1))
+        .drain_timeout(common.drain.timeout());
     let retention = options.webhook_retention;
-    let executor_id = options.executor_id.clone();
+    let executor_id: Arc<str> = options.executor_id.as_str().into();
     let started = match (&db, &common.database_url) {
         (ExecutorDb::Postgres(pool), Some(_)) => {
             let store = PostgresStore::builder(pool.clone()).build()?;
@@ -188,19 +184,19 @@ pub(crate) fn spawn_consumer(
 }
 
 fn start<St: IdempotencyStore>(
-    consumer: StreamConsumer,
+    consumer: KafkaConsumer,
     db: ExecutorDb,
     store: St,
     retention: Duration,
-    executor_id: String,
+    executor_id: Arc<str>,
     stopping: Stopping,
 ) -> (JoinHandle<()>, Drain) {
-    // A database failure is an error, not an outcome: the layer releases the key and the
-    // record is handled again, never committed unstored.
-    let handler = service_fn(move |delivery: Delivery| {
+    // A database failure is an error, not an outcome: the layer releases the key, and
+    // the driver hands the record over again (its attempt counted).
+    let handler = service_fn(move |record: Received<Value>| {
         let db = db.clone();
         async move {
-            let stored = match received("kafka", &delivery.payload) {
+            let stored = match received("kafka", record.message()) {
                 Ok(event) => Some(
                     db.store(&[event])
                         .await
@@ -227,124 +223,53 @@ fn start<St: IdempotencyStore>(
         .policy(Policy::new().ttl(retention));
     let drain = layer.drain();
     let service = ServiceBuilder::new().layer(layer).service(handler);
-    let consumer = tokio::spawn(consume(consumer, service, executor_id, stopping));
-    (consumer, drain)
-}
-
-async fn consume<S>(
-    consumer: StreamConsumer,
-    mut service: S,
-    executor_id: String,
-    mut stopping: Stopping,
-) where
-    S: Service<Delivery, Response = Handled<Value>>,
-    S::Error: std::fmt::Display,
-{
-    let correlation = MessageCorrelation::new();
-    loop {
-        let received = tokio::select! {
-            received = consumer.recv() => received,
-            _ = stopping.wait_for(|stop| *stop) => break,
-        };
-        let message = match received {
-            Ok(message) => message,
+    let executor = service_fn(move |record: Received<Value>| {
+        own_record(service.clone(), record, executor_id.clone())
+    });
+    let task = tokio::spawn(async move {
+        match consumer.run(executor, stop_asked(stopping)).await {
+            Ok(stopped) => tracing::info!(
+                event = "partner.kafka_stopped",
+                left = stopped.left,
+                "the consumer polls no more records"
+            ),
             Err(error) => {
-                tracing::warn!(event = "partner.consume_failed", error = %error, "consume failed");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                continue;
+                tracing::error!(event = "partner.kafka_failed", error = %error, "cannot consume the feed");
             }
-        };
-        let headers = message
-            .headers()
-            .map(|headers| headers.detach())
-            .unwrap_or_default();
-        let payload = message
-            .payload()
-            .and_then(|bytes| serde_json::from_slice(bytes).ok())
-            .unwrap_or(Value::Null);
-        // The topic carries every partner's feed: this executor handles its own.
-        if payload["executor_id"].as_str() != Some(executor_id.as_str()) {
-            commit(&consumer, &message);
-            continue;
         }
-        let id = correlation.for_delivery(&headers);
-        // For the replay's line; the layer reads and checks the key itself.
-        let key = IdempotencyKey::from_carrier(&headers)
-            .ok()
-            .flatten()
-            .map(|key| key.as_str().to_owned());
-        // A record is committed once it is handled or can never be: a claim held
-        // elsewhere, or a store that cannot answer, is waited out here, as Kafka
-        // redelivers nothing that was read.
-        let commit = loop {
-            // Stopping (the record not started, or waiting on another's claim or on
-            // the store): left uncommitted, for the group to deliver again.
-            if *stopping.borrow() {
-                break false;
-            }
-            let delivery = Delivery {
-                headers: headers.clone(),
-                payload: payload.clone(),
-            };
-            let handled = correlation
-                .scope(id.clone(), &headers, async {
-                    let handled = service.ready().await?.call(delivery).await;
-                    // A first handling has its line from the handler, in the record's
-                    // spans; a replay has this one, in its delivery's span, with the key.
-                    if let Ok(Handled::Replayed { replay, .. }) = &handled {
-                        tracing::info!(
-                            event = "partner.kafka_duplicate",
-                            idempotency_key = key.as_deref(),
-                            idempotency_outcome = "replayed",
-                            idempotency_request_count = replay.request_count(),
-                            original_correlation_id =
-                                replay.original_attempt().map(|attempt| attempt.as_str()),
-                            "duplicate record: stored outcome replayed, not handled again"
-                        );
-                    }
-                    handled
-                })
-                .await;
-            match handled {
-                Ok(Handled::Ran(_) | Handled::Replayed { .. }) => break true,
-                Ok(Handled::InFlight { retry_after }) => tokio::time::sleep(retry_after).await,
-                Ok(Handled::Refused(refusal)) if refusal.retryable() => {
-                    tracing::warn!(
-                        event = "partner.kafka_retrying",
-                        code = refusal.code(),
-                        "record not handled yet; retrying"
-                    );
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-                Ok(Handled::Refused(refusal)) => {
-                    tracing::warn!(
-                        event = "partner.kafka_refused",
-                        code = refusal.code(),
-                        "record refused for good"
-                    );
-                    break true;
-                }
-                Ok(_) => break true,
-                Err(error) => {
-                    tracing::warn!(event = "partner.kafka_retrying", error = %error, "record not stored; retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-            }
-        };
-        if commit {
-            self::commit(&consumer, &message);
-        }
-    }
-    tracing::info!(
-        event = "partner.kafka_stopped",
-        "the consumer polls no more records"
-    );
+    });
+    (task, drain)
 }
 
-/// Commits past `message` without waiting for the broker: a later commit covers an
-/// earlier one that failed.
-fn commit(consumer: &StreamConsumer, message: &rdkafka::message::BorrowedMessage<'_>) {
-    if let Err(error) = consumer.commit_message(message, CommitMode::Async) {
-        tracing::warn!(event = "partner.commit_failed", error = %error, "offset commit failed");
+/// The topic carries every partner's feed: this executor hands its own records to the
+/// layer, and settles the others untouched. A replay gets its own line, in its
+/// delivery's span, with the key.
+async fn own_record<S>(
+    mut service: S,
+    record: Received<Value>,
+    executor_id: Arc<str>,
+) -> Result<Handled<Value>, S::Error>
+where
+    S: Service<Received<Value>, Response = Handled<Value>>,
+{
+    if record.message()["executor_id"].as_str() != Some(&*executor_id) {
+        return Ok(Handled::Ran(json!({ "stored": null })));
     }
+    // For the replay's line; the layer reads and checks the key itself.
+    let key = IdempotencyKey::from_carrier(&record)
+        .ok()
+        .flatten()
+        .map(|key| key.as_str().to_owned());
+    let handled = service.ready().await?.call(record).await?;
+    if let Handled::Replayed { replay, .. } = &handled {
+        tracing::info!(
+            event = "partner.kafka_duplicate",
+            idempotency_key = key.as_deref(),
+            idempotency_outcome = "replayed",
+            idempotency_request_count = replay.request_count(),
+            original_correlation_id = replay.original_attempt().map(|attempt| attempt.as_str()),
+            "duplicate record: stored outcome replayed, not handled again"
+        );
+    }
+    Ok(handled)
 }

@@ -221,9 +221,12 @@ impl Topology {
 }
 
 async fn delete(channel: &Channel, queue: &str, exchange: &str) {
-    let _ = channel
-        .queue_delete(queue.into(), QueueDeleteOptions::default())
-        .await;
+    // The queue, and the dead-letter queue the controller's driver declares beside it.
+    for queue in [queue.to_owned(), format!("{queue}.dead")] {
+        let _ = channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
     let _ = channel
         .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
         .await;
