@@ -20,7 +20,7 @@
 //! - `relay`: before each iteration (untimed) the bench's outbox table is emptied and
 //!   refilled from the template with the row's destination, all committed; the timing
 //!   is `Relay::round` in a loop, as `Relay::run` does with a backlog, until every
-//!   message is published and marked. Default settings (batch of 256); `KafkaSink::new`
+//!   message is published and marked. Default settings (batch of 1,024); `KafkaSink::new`
 //!   (`linger.ms=0`).
 //! - `plain`: the same messages, with the same headers (`content-type`,
 //!   `idempotency-key`, `x-correlation-id`, and `x-partition-key` on AMQP) and keys,
@@ -46,9 +46,10 @@
 //! publication. Each setting gets three drains, each beside a plain loop (in turn
 //! first), and the ratio is the median of the three pairs', so that the VM's speed
 //! moving between rows does not move it. Settings:
-//! - `batch_size` 256 and 1,024; on 100 keys, 2 and 4 relays side by side, and 4 relays
-//!   of 1,024; on Kafka, each with `linger.ms` 0 (the sink's) and 5 (librdkafka's
-//!   default);
+//! - `batch_size` 256 and 1,024 (the default); `retention 0`, a relay that deletes what
+//!   it publishes instead of marking it (batch 1,024); on 100 keys, 2 relays of 256 and 4
+//!   of 1,024 side by side; on Kafka, each with `linger.ms` 0 (the sink's) and 5
+//!   (librdkafka's default);
 //! - broker `none`: a sink that takes every message at once, which leaves the relay's
 //!   floor (its SQL, its per-message work);
 //! - `UNCONFIRMED (bound)`: NOT a safe sink. It sends as `AmqpSink` or `KafkaSink` does
@@ -639,7 +640,7 @@ async fn trials<T: Target, S: Sink + Finish>(
     target: &T,
     outbox: &Outbox,
     sink: &Arc<S>,
-    (batch, relays): Setting,
+    setting: Setting,
     template: &Template,
 ) -> Vec<Trial> {
     let messages = template.messages.len();
@@ -651,7 +652,7 @@ async fn trials<T: Target, S: Sink + Finish>(
             plain = target.time_plain(&template.messages).await;
         }
         template.refill(outbox.pool(), target.destination()).await;
-        let (relay, clock) = sweep_one(outbox, sink, batch, relays, messages).await;
+        let (relay, clock) = sweep_one(outbox, sink, setting, messages).await;
         target.settle(messages).await;
         if !plain_first {
             plain = target.time_plain(&template.messages).await;
@@ -665,21 +666,20 @@ async fn trials<T: Target, S: Sink + Finish>(
     trials
 }
 
-/// Drains the outbox of `messages` with `relays` relays of `batch` on `sink`, each run
-/// by `Relay::run` in a task of its own until every message is published (a round under
+/// Drains the outbox of `messages` with the setting's relays on `sink`, each run by
+/// `Relay::run` in a task of its own until every message is published (a round under
 /// way finishes, so its marks are committed); clocked.
 async fn sweep_one<S: Sink + Finish>(
     outbox: &Outbox,
     sink: &Arc<S>,
-    batch: usize,
-    relays: usize,
+    setting: Setting,
     messages: usize,
 ) -> (Duration, Clock) {
     let clock = Arc::new(Mutex::new(Clock::default()));
     let (done, _) = tokio::sync::watch::channel(false);
     let done = Arc::new(done);
     let started = Instant::now();
-    let running: Vec<_> = (0..relays)
+    let running: Vec<_> = (0..setting.relays)
         .map(|_| {
             let relay = outbox
                 .relay(Clocked {
@@ -688,8 +688,13 @@ async fn sweep_one<S: Sink + Finish>(
                     target: messages as u64,
                     done: done.clone(),
                 })
-                .batch_size(batch)
-                .build();
+                .batch_size(setting.batch);
+            let relay = if setting.forget {
+                relay.retention(Duration::ZERO, Duration::from_secs(60))
+            } else {
+                relay
+            }
+            .build();
             let mut stop = done.subscribe();
             tokio::spawn(async move {
                 relay
@@ -717,24 +722,46 @@ async fn sweep_one<S: Sink + Finish>(
     (elapsed, clock)
 }
 
-/// One drain of the sweep: `(batch, relays)`.
-type Setting = (usize, usize);
+/// One drain of the sweep: relays of a batch size, marking (the default) or deleting
+/// (a retention of zero) what they publish.
+#[derive(Clone, Copy)]
+struct Setting {
+    batch: usize,
+    relays: usize,
+    forget: bool,
+}
 
-/// The settings tried on a shape: batch sizes, and for many keys several relays.
-fn settings(shape: Shape) -> Vec<Setting> {
-    if shape.keys > 1 {
-        vec![(256, 1), (1024, 1), (256, 2), (256, 4), (1024, 4)]
-    } else {
-        vec![(256, 1), (1024, 1)]
+const fn setting(batch: usize, relays: usize, forget: bool) -> Setting {
+    Setting {
+        batch,
+        relays,
+        forget,
     }
 }
 
-fn describe((batch, relays): Setting) -> String {
-    if relays == 1 {
-        format!("batch_size {batch}")
-    } else {
-        format!("batch_size {batch}, {relays} relays")
+/// The settings tried on a shape: batch sizes, deleting at publish, and for many keys
+/// several relays.
+fn settings(shape: Shape) -> Vec<Setting> {
+    let mut settings = vec![
+        setting(256, 1, false),
+        setting(1024, 1, false),
+        setting(1024, 1, true),
+    ];
+    if shape.keys > 1 {
+        settings.extend([setting(256, 2, false), setting(1024, 4, false)]);
     }
+    settings
+}
+
+fn describe(setting: Setting) -> String {
+    let mut text = format!("batch_size {}", setting.batch);
+    if setting.relays > 1 {
+        text.push_str(&format!(", {} relays", setting.relays));
+    }
+    if setting.forget {
+        text.push_str(", retention 0");
+    }
+    text
 }
 
 /// The relay's floor on a broker that answers at once.
@@ -967,7 +994,7 @@ async fn amqp_sweep(amqp: &Amqp, outbox: &Outbox, templates: &[(Shape, Template)
         pending: Mutex::new(Vec::new()),
     });
     for (shape, template) in templates {
-        for setting in [(256, 1), (1024, 1)] {
+        for setting in [setting(256, 1, false), setting(1024, 1, false)] {
             swept.push(Swept {
                 broker: "amqp",
                 shape: *shape,
@@ -1162,7 +1189,7 @@ async fn kafka_sweep(
         // Connects the producer; not kept.
         let (shape, template) = &templates[0];
         template.refill(outbox.pool(), &kafka.topic).await;
-        sweep_one(outbox, &sink, 256, 1, shape.messages).await;
+        sweep_one(outbox, &sink, setting(1024, 1, false), shape.messages).await;
         for (shape, template) in templates {
             for setting in settings(*shape) {
                 swept.push(Swept {
@@ -1181,7 +1208,7 @@ async fn kafka_sweep(
         pending: Mutex::new(Vec::new()),
     });
     for (shape, template) in templates {
-        for setting in [(256, 1), (1024, 1)] {
+        for setting in [setting(256, 1, false), setting(1024, 1, false)] {
             swept.push(Swept {
                 broker: "kafka",
                 shape: *shape,

@@ -18,6 +18,8 @@ pub(super) struct Statements {
     pub(super) unkeyed: String,
     /// Marks the messages `$1` published.
     pub(super) mark: String,
+    /// Deletes the messages `$1`, published (a retention of zero).
+    pub(super) forget: String,
     /// Counts an attempt for each message refused, and dead-letters those at the last.
     pub(super) refused: String,
     /// When the next pending message waiting out a backoff is due, in seconds from now
@@ -86,6 +88,7 @@ impl Statements {
                 "UPDATE {t} SET published_at = now(), attempts = attempts + 1, last_error = NULL
                  WHERE id = ANY($1)"
             ),
+            forget: format!("DELETE FROM {t} WHERE id = ANY($1)"),
             refused: format!(
                 "UPDATE {t} AS t SET attempts = t.attempts + 1, last_error = r.error,
                    next_attempt_at = now() + make_interval(secs => r.delay),

@@ -413,3 +413,33 @@ async fn published_messages_are_trimmed_after_the_retention_and_dead_letters_sta
     assert_eq!(relay.trim().await.unwrap(), 1);
     assert_eq!(rows(&pool).await, (0, 1, 1));
 }
+
+#[tokio::test]
+async fn a_retention_of_zero_deletes_each_message_as_it_is_published() {
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let (pool, outbox, _store) = outbox(&db, 4).await;
+    let mut connection = pool.acquire().await.unwrap();
+    for n in 0..3 {
+        let message = Message::new("d", format!("{n}")).partition_key("k");
+        outbox.enqueue(&mut connection, message).await.unwrap();
+    }
+    let sink = relays::Counting::default();
+    let relay = outbox
+        .relay(sink.clone())
+        .retention(Duration::ZERO, Duration::from_secs(60))
+        .build();
+    let round = relay.round().await.unwrap();
+    assert_eq!(round.published, 3);
+    let published: Vec<String> = sink
+        .published
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, payload)| payload.clone())
+        .collect();
+    assert_eq!(published, ["0", "1", "2"], "published once each, in order");
+    assert_eq!(rows(&pool).await, (0, 0, 0), "no row left behind");
+    assert_eq!(relay.trim().await.unwrap(), 0);
+}
