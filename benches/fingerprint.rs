@@ -1,13 +1,13 @@
-//! The request fingerprint's hash, by measurement: version 1, SHA-256
-//! (`Fingerprint::new_v1`, with the CPU's SHA extensions where `sha2` finds them),
-//! against version 2, XXH3-128 (`Fingerprint::new`, a fast, stable, non-cryptographic
-//! 128-bit hash), over the same fields, for request bodies of 64 bytes, 1 KiB and
-//! 64 KiB.
+//! The request fingerprint's two hashes, by measurement: SHA-256
+//! (`Fingerprint::collision_resistant`, with the CPU's SHA extensions where `sha2` finds
+//! them), against XXH3-128 (`Fingerprint::new`, a fast, stable, non-cryptographic 128-bit
+//! hash), over the same fields, for request bodies of 64 bytes, 1 KiB and 64 KiB.
 //!
 //! Rows (`fingerprint/<hash>/<size>`), each over method, path, query, content type and
 //! body, length-prefixed, under a domain tag:
-//! - `sha256`: `Fingerprint::new_v1`, what records written before version 2 hold.
-//! - `xxh3_128`: `Fingerprint::new`, what the layer computes now.
+//! - `sha256`: `Fingerprint::collision_resistant`, what the layers compute where every
+//!   caller shares the scope.
+//! - `xxh3_128`: `Fingerprint::new`, what they compute where the scope is one client's.
 //!
 //! Run: `cargo bench --bench fingerprint`
 #![allow(missing_docs)]
@@ -25,7 +25,7 @@ fn fingerprint(c: &mut Criterion) {
         let body = vec![b'x'; size];
         group.bench_function(format!("sha256/{label}"), |b| {
             b.iter(|| {
-                black_box(Fingerprint::new_v1(
+                black_box(Fingerprint::collision_resistant(
                     "POST",
                     PATH,
                     None,

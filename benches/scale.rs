@@ -181,7 +181,7 @@ async fn fill(store: &MokaStore, n: u64, body: &[u8]) {
     let method = "POST";
     // Version 1 (SHA-256), as the layer computes it for a scope every caller shares
     // (`NoClient`, below).
-    let fingerprint = Fingerprint::new_v1(
+    let fingerprint = Fingerprint::collision_resistant(
         method,
         PATH,
         None,

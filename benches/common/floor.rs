@@ -104,7 +104,7 @@ where
                 .headers
                 .get(header::CONTENT_TYPE)
                 .map(HeaderValue::as_bytes);
-            let fingerprint = Fingerprint::new_v1(
+            let fingerprint = Fingerprint::collision_resistant(
                 parts.method.as_str(),
                 parts.uri.path(),
                 query,

@@ -244,7 +244,7 @@
 //! `idempotency.body_unreadable`, which come before its key is known).
 //!
 //! - DEBUG: `idempotency.accepted`, `idempotency.replayed`, `idempotency.stored`,
-//!   `idempotency.released`, `idempotency.nothing_to_release`,
+//!   `idempotency.released`,
 //!   `idempotency.in_flight`, `idempotency.not_replayable`,
 //!   `idempotency.original_failed`.
 //! - INFO: `idempotency.commit_confirmed` (a commit whose answer was lost had landed:

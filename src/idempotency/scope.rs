@@ -130,10 +130,10 @@ impl fmt::Debug for ScopeKey {
 /// A digest of what the request asks for: method, path, query, content type and body.
 /// The same key with another fingerprint is a conflict, never a replay.
 ///
-/// Its 32 bytes are versioned. Version 2, [`new`](Self::new), is XXH3-128 over those
-/// fields followed by a 16-byte tag; version 1, [`new_v1`](Self::new_v1), is SHA-256
-/// over the same fields. The HTTP layer computes version 2 where the scope is one
-/// client's, and version 1 where every caller shares the scope (no client identified):
+/// Two hashes over the same fields: [`new`](Self::new), XXH3-128 followed by a 16-byte
+/// tag, and [`collision_resistant`](Self::collision_resistant), SHA-256. The HTTP and
+/// gRPC layers compute the first where the scope is one client's, and the second where
+/// every caller shares the scope (no client identified):
 ///
 /// - A fingerprint is only compared within one scope. Where the scope is one client's,
 ///   a collision (by chance 2^-128 a pair, or made on purpose from two bodies of the
@@ -146,12 +146,13 @@ impl fmt::Debug for ScopeKey {
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
-/// The last 16 bytes of a version 2 fingerprint.
-const V2_TAG: [u8; 16] = *b"tower-ids.fp.v2\0";
+/// The last 16 bytes of a [`Fingerprint::new`], which no SHA-256 digest is likely to
+/// end with: the two kinds never compare equal.
+const FAST_TAG: [u8; 16] = *b"tower-ids.fp.v2\0";
 
 impl Fingerprint {
-    /// The fingerprint of a request: XXH3-128 over method, path, query, content type
-    /// and body, each length-prefixed (version 2).
+    /// The fingerprint of a request in one client's scope: XXH3-128 over method, path,
+    /// query, content type and body, each length-prefixed.
     ///
     /// The content type is compared as a media type (RFC 9110, section 8.3.1): type,
     /// subtype and parameter names are case-insensitive, so they are lowercased;
@@ -182,13 +183,13 @@ impl Fingerprint {
         }
         let mut fingerprint = [0; 32];
         fingerprint[..16].copy_from_slice(&digest.digest128().to_be_bytes());
-        fingerprint[16..].copy_from_slice(&V2_TAG);
+        fingerprint[16..].copy_from_slice(&FAST_TAG);
         Self(fingerprint)
     }
 
-    /// The version 1 fingerprint of a request: SHA-256 over the same fields, for a
-    /// scope every caller shares.
-    pub fn new_v1(
+    /// The fingerprint of a request in a scope every caller shares: SHA-256 over the
+    /// same fields, which no caller can make collide with another's on purpose.
+    pub fn collision_resistant(
         method: &str,
         path: &str,
         query: Option<&str>,
@@ -203,12 +204,6 @@ impl Fingerprint {
         field(&mut digest, &media_type(content_type.unwrap_or(b"")));
         field(&mut digest, body);
         Self(digest.finalize().into())
-    }
-
-    /// Whether this is a version 2 fingerprint ([`new`](Self::new)); any other 32
-    /// bytes (version 1, or a message key's digest) compare as they are.
-    pub fn is_v2(&self) -> bool {
-        self.0[16..] == V2_TAG
     }
 
     /// The digest's bytes.
@@ -357,36 +352,67 @@ mod tests {
     use super::*;
 
     #[test]
-    fn version_1_is_the_sha256_records_hold_and_version_2_is_tagged() {
-        let args = (
-            "POST",
-            "/commands",
-            Some("a=1"),
-            Some(&b"application/json"[..]),
-            &b"{}"[..],
+    fn each_field_and_each_hash_tells_requests_apart() {
+        type Fields<'a> = (
+            &'a str,
+            &'a str,
+            Option<&'a str>,
+            Option<&'a [u8]>,
+            &'a [u8],
         );
-        let v1 = Fingerprint::new_v1(args.0, args.1, args.2, args.3, args.4);
-        let v2 = Fingerprint::new(args.0, args.1, args.2, args.3, args.4);
-        // What the layer wrote before version 2, byte for byte.
-        let mut digest = Sha256::new();
-        digest.update(b"tower-ids.fingerprint.v1\0");
-        for bytes in [
-            &b"POST"[..],
-            b"/commands",
-            b"a=1",
-            b"application/json",
-            b"{}",
-        ] {
-            digest.update((bytes.len() as u64).to_be_bytes());
-            digest.update(bytes);
+        let fields: [Fields<'_>; 6] = [
+            (
+                "POST",
+                "/commands",
+                Some("a=1"),
+                Some(b"application/json"),
+                b"{}",
+            ),
+            (
+                "PUT",
+                "/commands",
+                Some("a=1"),
+                Some(b"application/json"),
+                b"{}",
+            ),
+            (
+                "POST",
+                "/command",
+                Some("a=1"),
+                Some(b"application/json"),
+                b"{}",
+            ),
+            (
+                "POST",
+                "/commands",
+                Some("a=2"),
+                Some(b"application/json"),
+                b"{}",
+            ),
+            ("POST", "/commands", Some("a=1"), Some(b"text/plain"), b"{}"),
+            (
+                "POST",
+                "/commands",
+                Some("a=1"),
+                Some(b"application/json"),
+                b"[]",
+            ),
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for (method, path, query, content_type, body) in fields {
+            let fast = Fingerprint::new(method, path, query, content_type, body);
+            let strong = Fingerprint::collision_resistant(method, path, query, content_type, body);
+            assert!(seen.insert(fast), "{method} {path} {query:?}: fast");
+            assert!(
+                seen.insert(strong),
+                "{method} {path} {query:?}: collision resistant"
+            );
         }
-        assert_eq!(v1.as_bytes(), &<[u8; 32]>::from(digest.finalize()));
-        assert!(!v1.is_v2());
-        assert!(v2.is_v2());
-        assert_ne!(v1, v2);
-        let other = Fingerprint::new(args.0, args.1, args.2, args.3, b"[]");
-        assert!(other.is_v2());
-        assert_ne!(other, v2);
+        // Moving bytes between fields is another request (the fields are length-prefixed).
+        assert_ne!(
+            Fingerprint::new("POST", "/a", Some("b"), None, b""),
+            Fingerprint::new("POST", "/ab", None, None, b"")
+        );
     }
 
     fn scope(

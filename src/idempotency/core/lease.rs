@@ -56,14 +56,12 @@ pub(crate) enum Release {
     RolledBack,
     /// The handler's transaction did not commit.
     CommitFailed,
-    /// Whether the commit landed is not known; a release removes nothing if it did.
-    OutcomeUnknown,
 }
 
 impl Release {
     /// Every reason, for the metric series registered at 0.
     #[cfg(feature = "metrics")]
-    pub(crate) const ALL: [Release; 8] = [
+    pub(crate) const ALL: [Release; 7] = [
         Release::HandlerError,
         Release::NotStored,
         Release::ResponseFailed,
@@ -71,7 +69,6 @@ impl Release {
         Release::Abandoned,
         Release::RolledBack,
         Release::CommitFailed,
-        Release::OutcomeUnknown,
     ];
 
     /// The reason as events and metrics say it.
@@ -84,7 +81,6 @@ impl Release {
             Release::ResponseFailed => "response_failed",
             Release::RolledBack => "rolled_back",
             Release::CommitFailed => "commit_failed",
-            Release::OutcomeUnknown => "outcome_unknown",
         }
     }
 }
@@ -215,14 +211,6 @@ async fn try_release<St: IdempotencyStore>(
                 "released the idempotency key; a retry runs again"
             );
             observe::released(reason_str);
-            true
-        }
-        Ok(false) if reason == Release::OutcomeUnknown => {
-            tracing::debug!(
-                event = "idempotency.nothing_to_release",
-                reason = reason_str,
-                "nothing to release: the commit whose answer was lost landed (its record answers retries), or the claim had run out and another request holds the key"
-            );
             true
         }
         Ok(false) => {

@@ -306,12 +306,12 @@ where
             ));
         }
     }
-    // As the HTTP layer: the fast version 2 where the scope is one client's, SHA-256
-    // where every caller shares it.
+    // As the HTTP layer: the fast hash where the scope is one client's, SHA-256 where
+    // every caller shares it.
     let path = parts.uri.path();
     let fingerprint = match protected.client {
         Some(_) => Fingerprint::new("grpc", path, None, None, &message),
-        None => Fingerprint::new_v1("grpc", path, None, None, &message),
+        None => Fingerprint::collision_resistant("grpc", path, None, None, &message),
     };
     let decision = engine
         .decide(protected.scope, fingerprint, None, &claimed)

@@ -62,17 +62,16 @@ where
     }
 }
 
-/// A fingerprint's version: [`Fingerprint::new`] or [`Fingerprint::new_v1`].
-pub(super) type FingerprintVersion =
-    fn(&str, &str, Option<&str>, Option<&[u8]>, &[u8]) -> Fingerprint;
+/// A fingerprint's hash: [`Fingerprint::new`] or [`Fingerprint::collision_resistant`].
+pub(super) type FingerprintHash = fn(&str, &str, Option<&str>, Option<&[u8]>, &[u8]) -> Fingerprint;
 
-/// The fingerprint of a request whose body is `body`, in `version`.
+/// The fingerprint of a request whose body is `body`, by `hash`.
 pub(super) fn fingerprint(
-    version: FingerprintVersion,
+    hash: FingerprintHash,
     parts: &http::request::Parts,
     body: &[u8],
 ) -> Fingerprint {
-    version(
+    hash(
         parts.method.as_str(),
         parts.uri.path(),
         parts.uri.query(),

@@ -16,7 +16,7 @@ use super::{
     answer::Reply,
     extract::ExtractedKey,
     layer::Settings,
-    read::{buffered, fingerprint, read_body, FingerprintVersion},
+    read::{buffered, fingerprint, read_body, FingerprintHash},
     stored::StoredResponse,
     EpochRejection, ExtractEpoch, NoEpoch,
 };
@@ -450,14 +450,13 @@ where
     async move {
         let (parts, body) = request.into_parts();
         let bytes = buffered(&body);
-        // The fast version 2 where the scope is one client's; a scope every caller
-        // shares keeps SHA-256, which no caller can collide on purpose (see
-        // `Fingerprint`).
-        let version: FingerprintVersion = match protected.client {
+        // The fast hash where the scope is one client's; a scope every caller shares
+        // takes SHA-256, which no caller can collide on purpose (see `Fingerprint`).
+        let hash: FingerprintHash = match protected.client {
             Some(_) => Fingerprint::new,
-            None => Fingerprint::new_v1,
+            None => Fingerprint::collision_resistant,
         };
-        let fingerprint = fingerprint(version, &parts, &bytes);
+        let fingerprint = fingerprint(hash, &parts, &bytes);
         let decision = engine
             .decide(protected.scope, fingerprint, protected.epoch, &claimed)
             .await;
