@@ -22,12 +22,9 @@ use crate::demo;
 pub(crate) struct Event {
     pub(crate) code: String,
     pub(crate) level: String,
-    pub(crate) delivery: Option<String>,
     pub(crate) key: Option<String>,
     /// `outbox.published`: the outbox row, from its `outbox.publish` span.
     pub(crate) message_id: Option<i64>,
-    /// `inbox.received` over AMQP: whether the broker had delivered it before.
-    pub(crate) redelivered: Option<bool>,
 }
 
 /// Events the test reads; other lines are kept only when they warn.
@@ -36,7 +33,7 @@ const KEPT: &[&str] = &[
     "inbox.received",
     "inbox.handled",
     "inbox.replayed",
-    "inbox.ready",
+    "message.consuming",
     "relay.ready",
 ];
 
@@ -47,10 +44,8 @@ fn parse(line: &str) -> Option<Event> {
             return Some(Event {
                 code: "(not JSON)".to_owned(),
                 level: "WARN".to_owned(),
-                delivery: None,
                 key: Some(line.to_owned()),
                 message_id: None,
-                redelivered: None,
             })
         }
     };
@@ -71,10 +66,8 @@ fn parse(line: &str) -> Option<Event> {
     Some(Event {
         code,
         level: level.to_owned(),
-        delivery: fields["delivery"].as_str().map(str::to_owned),
         key: fields["key"].as_str().map(str::to_owned),
         message_id: value["span"]["message_id"].as_i64(),
-        redelivered: fields["redelivered"].as_bool(),
     })
 }
 
@@ -143,7 +136,7 @@ impl Process {
     ) -> Result<Self, String> {
         let ready = match role {
             Role::Relay => "relay.ready",
-            Role::Consumer => "inbox.ready",
+            Role::Consumer => "message.consuming",
         };
         let mut child = Command::new(demo::example_path(example))
             .args(args)

@@ -5,7 +5,7 @@
 //! key committed twice, and what the faults did (republications, replays), printed.
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, HashMap},
     time::{Duration, Instant},
 };
 
@@ -136,10 +136,9 @@ pub(crate) async fn consumer_side(consumer: &PgPool, sent: &Sent, seq_of: &HashM
 pub(crate) struct Logs<'a> {
     /// Publications by the relays less messages: what was published again.
     republished: usize,
-    /// `inbox.replayed` lines.
+    /// `inbox.replayed` lines: copies the relays published again, and deliveries the
+    /// broker made again (a consumer killed or cut off before its ack).
     replays: usize,
-    /// Of those, replays of a delivery the broker made again.
-    redeliveries: usize,
     /// WARN and ERROR lines, by event code.
     warnings: BTreeMap<&'a str, usize>,
 }
@@ -173,31 +172,9 @@ pub(crate) fn logs(chaos: &Chaos) -> Logs<'_> {
         twice.is_empty(),
         "keys committed twice, by the logs: {twice:?}"
     );
-    // A replay is of a copy the relay published again, or of a delivery the broker
-    // made again (the consumer killed or cut off before its ack): on Kafka a record
-    // (partition:offset) received before; on RabbitMQ a delivery flagged redelivered.
-    let (mut replays, mut redeliveries) = (0, 0);
-    let mut seen: HashSet<&str> = HashSet::new();
-    for run in chaos.runs.iter().filter(|run| run.role == Role::Consumer) {
-        let mut redelivered: HashMap<&str, bool> = HashMap::new();
-        for event in &run.events {
-            let delivery = event.delivery.as_deref().unwrap_or_default();
-            match event.code.as_str() {
-                "inbox.received" => {
-                    let again = match event.redelivered {
-                        Some(flag) => flag,
-                        None => !seen.insert(delivery),
-                    };
-                    redelivered.insert(delivery, again);
-                }
-                "inbox.replayed" => {
-                    replays += 1;
-                    redeliveries += usize::from(redelivered.get(delivery) == Some(&true));
-                }
-                _ => {}
-            }
-        }
-    }
+    let replays = events(Role::Consumer)
+        .filter(|e| e.code == "inbox.replayed")
+        .count();
     let warnings: BTreeMap<&str, usize> = chaos
         .runs
         .iter()
@@ -211,7 +188,6 @@ pub(crate) fn logs(chaos: &Chaos) -> Logs<'_> {
     Logs {
         republished,
         replays,
-        redeliveries,
         warnings,
     }
 }
@@ -234,7 +210,6 @@ pub(crate) fn report(broker: &str, sent: &Sent, chaos: &Chaos, logs: Logs<'_>, t
     let Logs {
         republished,
         replays,
-        redeliveries,
         warnings,
     } = logs;
     let Times {
@@ -262,9 +237,7 @@ pub(crate) fn report(broker: &str, sent: &Sent, chaos: &Chaos, logs: Logs<'_>, t
     );
     eprintln!(
         "  republished by the relays (their logs: publications less messages): {republished}; \
-         replays by the inbox: {replays} ({} of a copy published again, {redeliveries} of a \
-         delivery the broker made again)",
-        replays - redeliveries,
+         replays by the inbox (copies published again, deliveries made again): {replays}",
     );
     eprintln!("  warnings logged: {warnings:?}");
     eprintln!(

@@ -66,6 +66,36 @@ use super::{
 };
 use crate::correlation::MessageCorrelation;
 
+/// librdkafka's consumer-only properties, left out of the producer's configuration.
+const CONSUMER_ONLY: &[&str] = &[
+    "group.id",
+    "group.instance.id",
+    "group.protocol",
+    "group.protocol.type",
+    "group.remote.assignor",
+    "partition.assignment.strategy",
+    "session.timeout.ms",
+    "heartbeat.interval.ms",
+    "coordinator.query.interval.ms",
+    "max.poll.interval.ms",
+    "enable.auto.commit",
+    "auto.commit.interval.ms",
+    "enable.auto.offset.store",
+    "auto.offset.reset",
+    "queued.min.messages",
+    "queued.max.messages.kbytes",
+    "fetch.wait.max.ms",
+    "fetch.queue.backoff.ms",
+    "fetch.message.max.bytes",
+    "max.partition.fetch.bytes",
+    "fetch.max.bytes",
+    "fetch.min.bytes",
+    "fetch.error.backoff.ms",
+    "isolation.level",
+    "enable.partition.eof",
+    "check.crcs",
+];
+
 /// Partitions handled at once by default: each partition's messages one after the
 /// other, in order.
 pub const DEFAULT_PARTITIONS_AT_ONCE: usize = 16;
@@ -74,7 +104,8 @@ pub const DEFAULT_PARTITIONS_AT_ONCE: usize = 16;
 ///
 /// The consumer group is the configuration's `group.id`; the driver sets
 /// `enable.auto.offset.store=false`: an offset is stored, and committed with the next
-/// automatic commit, only once its message is settled. Each partition's messages are
+/// automatic commit (every second unless `auto.commit.interval.ms` says otherwise),
+/// only once its message is settled. Each partition's messages are
 /// handled one after the other, in order (so a partition key's messages stay in
 /// order), up to [`partitions_at_once`](Self::partitions_at_once) partitions at a time;
 /// so the offset committed is always the first message not yet settled.
@@ -93,7 +124,8 @@ pub const DEFAULT_PARTITIONS_AT_ONCE: usize = 16;
 /// `x-tower-ids-error` header; each is logged once at ERROR. A partition revoked in a
 /// rebalance is abandoned: the message in flight runs to its end, but its offset is
 /// not stored (the partition is no longer this consumer's), so its new owner gets it
-/// again and the layer replays it. A partition whose handler is behind (64 messages
+/// again and the layer replays it; the messages fetched behind it are left to the new
+/// owner. A partition whose handler is behind (64 messages
 /// fetched ahead of it, a message retried in place while its store is down) is paused
 /// until it catches up: the other partitions go on. Connections are librdkafka's to
 /// keep. On shutdown the consumer stops fetching, settles the message each partition
@@ -183,11 +215,22 @@ impl KafkaConsumer {
         if consumer_config.get("enable.auto.commit").is_none() {
             consumer_config.set("enable.auto.commit", "true");
         }
+        if consumer_config.get("auto.commit.interval.ms").is_none() {
+            // What a killed consumer's successor handles again (and replays): a second
+            // of settled messages, not librdkafka's default five.
+            consumer_config.set("auto.commit.interval.ms", "1000");
+        }
         let consumer: Arc<StreamConsumer> = Arc::new(consumer_config.create()?);
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
-        let mut producer_config = self.config.clone();
-        producer_config.remove("group.id");
+        // The same brokers and security for the producer of copies and dead letters,
+        // without the consumer's own settings (librdkafka warns of each).
+        let mut producer_config = ClientConfig::new();
+        for (key, value) in self.config.config_map() {
+            if !CONSUMER_ONLY.contains(&key) {
+                producer_config.set(key, value);
+            }
+        }
         producer_config.set("enable.idempotence", "true");
         let producer: FutureProducer = producer_config.create()?;
         let settings = Arc::new(Settings {
@@ -403,9 +446,15 @@ async fn partition_worker<T, R, S>(
         let Ok(_slot) = slots.acquire().await else {
             return;
         };
-        if settings.stopping.load(Ordering::Acquire)
-            || !settle(&message, &mut service, &settings).await
-        {
+        if settings.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        if !assigned(&settings.consumer, &message) {
+            // Fetched before a rebalance took the partition away: its new owner handles
+            // it (from the committed offset), so this consumer leaves it alone.
+            continue;
+        }
+        if !settle(&message, &mut service, &settings).await {
             return;
         }
         // Stored, it is committed with the next commit; for a partition revoked
@@ -417,6 +466,17 @@ async fn partition_worker<T, R, S>(
         {
             tracing::debug!(event = "message.offset_not_stored", error = %error, "the partition is no longer this consumer's: its new owner handles the message again");
         }
+    }
+}
+
+/// Whether `message`'s partition is still this consumer's.
+fn assigned(consumer: &StreamConsumer, message: &OwnedMessage) -> bool {
+    match consumer.assignment() {
+        Ok(assignment) => assignment
+            .find_partition(message.topic(), message.partition())
+            .is_some(),
+        // Not known: handling it again is safe, skipping it is not.
+        Err(_) => true,
     }
 }
 
