@@ -176,12 +176,11 @@ impl OutboxError {
     }
 }
 
+// Its cause is its `source()`, not part of its text, so that an error reporter that
+// walks the chain prints it once.
 impl fmt::Display for OutboxError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.source {
-            Some(source) => write!(f, "{}: {source}", self.what),
-            None => f.write_str(self.what),
-        }
+        f.write_str(self.what)
     }
 }
 

@@ -9,6 +9,7 @@ use super::{take::Pending, Confirm, Outgoing, Sink, SinkError};
 use crate::{
     correlation::{Carrier, CorrelationId, MessageCorrelation},
     idempotency::header::IDEMPOTENCY_KEY,
+    idempotency::store::Chain,
 };
 
 /// How one message's publication ended.
@@ -155,12 +156,12 @@ impl<'m> Publication<'m> {
             tracing::warn!(
                 event = "outbox.rejected",
                 attempt = message.attempts + 1,
-                error = %error,
+                error = %Chain(&error),
                 "the broker refused the message; it will be tried again"
             );
             Published::Refused(message, error)
         } else {
-            tracing::debug!(event = "outbox.unavailable", error = %error, "the broker is unavailable");
+            tracing::debug!(event = "outbox.unavailable", error = %Chain(&error), "the broker is unavailable");
             Published::Unavailable(error)
         }
     }

@@ -15,6 +15,7 @@ use super::{
     take::{take, Pending},
     Outbox, OutboxError, Sink, SinkError,
 };
+use crate::idempotency::store::Chain;
 
 /// Settings of a [`Relay`], with their defaults.
 #[derive(Debug, Clone)]
@@ -265,7 +266,7 @@ impl<S: Sink> Relay<S> {
             let wait = match self.round_with_error().await {
                 Ok((_, Some(error))) => {
                     if outage.is_zero() {
-                        tracing::warn!(event = "outbox.sink_unavailable", error = %error, "the broker is unavailable; backing off");
+                        tracing::warn!(event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
                     }
                     outage = next_outage_wait(outage, self.settings.max_outage_backoff);
                     Wait::For(outage)
@@ -290,7 +291,7 @@ impl<S: Sink> Relay<S> {
                 }
                 Err(error) => {
                     outage = next_outage_wait(outage, self.settings.max_outage_backoff);
-                    tracing::warn!(event = "outbox.round_failed", error = %error, "could not read or mark the outbox; backing off");
+                    tracing::warn!(event = "outbox.round_failed", error = %Chain(&error), "could not read or mark the outbox; backing off");
                     Wait::For(outage)
                 }
             };
@@ -330,7 +331,7 @@ impl<S: Sink> Relay<S> {
             if now >= next_trim {
                 next_trim = now + self.settings.trim_interval;
                 if let Err(error) = self.trim().await {
-                    tracing::warn!(event = "outbox.trim_failed", error = %error, "could not trim the outbox");
+                    tracing::warn!(event = "outbox.trim_failed", error = %Chain(&error), "could not trim the outbox");
                 }
             }
             if now >= next_observe {
@@ -497,7 +498,7 @@ impl<S: Sink> Relay<S> {
                 .saturating_mul(1 << attempts.min(16))
                 .min(self.settings.max_retry_backoff);
             ids.push(message.id);
-            errors.push(error.to_string());
+            errors.push(Chain(&error).to_string());
             delays.push(delay.as_secs_f64());
         }
         let counted = sqlx::query(&self.outbox.shared.sql.refused)
@@ -560,7 +561,7 @@ impl<S: Sink> Relay<S> {
                     .set(oldest.map_or(0.0, |age| age.as_secs_f64()));
             }
             Err(error) => {
-                tracing::debug!(event = "outbox.observe_failed", error = %error, "could not measure the backlog");
+                tracing::debug!(event = "outbox.observe_failed", error = %Chain(&error), "could not measure the backlog");
             }
         }
     }
@@ -625,7 +626,7 @@ impl<'a> Wakeup<'a> {
         match listening {
             Ok(Ok(listener)) => self.listener = Some(listener),
             Ok(Err(error)) => {
-                tracing::debug!(event = "outbox.listen_failed", error = %error, "could not listen for commits; polling");
+                tracing::debug!(event = "outbox.listen_failed", error = %Chain(&error), "could not listen for commits; polling");
             }
             Err(_) => {
                 tracing::debug!(
@@ -650,7 +651,7 @@ impl<'a> Wakeup<'a> {
             // the listener connects again at its next wait.
             Ok(Ok(None)) => {}
             Ok(Err(error)) => {
-                tracing::debug!(event = "outbox.listen_failed", error = %error, "lost the connection that listens for commits; polling");
+                tracing::debug!(event = "outbox.listen_failed", error = %Chain(&error), "lost the connection that listens for commits; polling");
                 self.listener = None;
             }
             Err(_) => {}

@@ -144,12 +144,14 @@ impl SinkError {
     }
 }
 
+// Its cause is its `source()`, not part of its text, so that an error reporter that
+// walks the chain prints it once.
 impl fmt::Display for SinkError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.rejected {
-            write!(f, "the broker refused the message: {}", self.source)
+            f.write_str("the broker refused the message")
         } else {
-            write!(f, "the broker is unavailable: {}", self.source)
+            f.write_str("the broker is unavailable")
         }
     }
 }
