@@ -218,6 +218,28 @@ async fn the_store_refuses_a_table_name_it_cannot_quote() {
     ));
 }
 
+#[tokio::test]
+async fn migrating_an_existing_table_again_logs_nothing_at_info() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let store = PostgresStore::builder(database.pool(1).await)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let (logs, _capture) = support::Logs::capture();
+    store.migrate().await.unwrap();
+    let loud: Vec<_> = logs
+        .lines()
+        .into_iter()
+        .filter(|line| line["level"] != "DEBUG" && line["level"] != "TRACE")
+        .collect();
+    assert!(
+        loud.is_empty(),
+        "a start logs its migrations quietly: {loud:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_starting_together_all_migrate() {
     let Some(database) = TestDatabase::create().await else {

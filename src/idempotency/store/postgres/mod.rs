@@ -316,8 +316,12 @@ pub(crate) async fn migrate_from_template(
     table: &str,
 ) -> Result<(), sqlx::Error> {
     let sql = for_table(template, default_table, table);
-    let locked =
-        format!("SELECT pg_advisory_xact_lock(hashtext('tower-ids migrate {table}'));\n{sql}");
+    // One implicit transaction: the lock, then the statements, without the server's
+    // "already exists, skipping" notices (sqlx logs each at INFO, on every start).
+    let locked = format!(
+        "SET LOCAL client_min_messages = warning;\n\
+         SELECT pg_advisory_xact_lock(hashtext('tower-ids migrate {table}'));\n{sql}"
+    );
     sqlx::raw_sql(&locked).execute(pool).await.map(|_| ())
 }
 
