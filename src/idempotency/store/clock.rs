@@ -1,0 +1,50 @@
+//! The time a store reads to decide expiry.
+
+use std::{
+    sync::{Arc, Mutex, PoisonError},
+    time::{Duration, SystemTime},
+};
+
+/// The time the store reads to decide expiry; injectable so tests need not sleep.
+pub trait Clock: Send + Sync + 'static {
+    /// Now.
+    fn now(&self) -> SystemTime;
+}
+
+/// The system clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> SystemTime {
+        SystemTime::now()
+    }
+}
+
+/// A clock that moves only when told to, for tests of TTL and leases.
+#[derive(Debug, Clone)]
+pub struct ManualClock(Arc<Mutex<SystemTime>>);
+
+impl ManualClock {
+    /// A clock stopped at the current system time.
+    pub fn new() -> Self {
+        Self(Arc::new(Mutex::new(SystemTime::now())))
+    }
+
+    /// Moves the clock forward by `by`.
+    pub fn advance(&self, by: Duration) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) += by;
+    }
+}
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> SystemTime {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
