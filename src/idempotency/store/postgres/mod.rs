@@ -16,6 +16,7 @@ use super::{
 };
 
 mod commands;
+mod commit;
 mod statements;
 mod transaction;
 
