@@ -164,7 +164,8 @@ impl Drain {
     /// still unsettled then gets a WARN event `idempotency.drain_unsettled`, in its
     /// request's span (so with its `idempotency_key` and `correlation_id`), saying
     /// what it was doing (`owed`: `handler_running`, `outcome_kept` or
-    /// `release_pending`): its key stays claimed until the lease runs out, and a
+    /// `release_pending`): its key stays claimed until its claim ends (the lease runs
+    /// out; in a transactional store, its transaction ends with the process), and a
     /// retry after that may run the handler again.
     pub async fn wait(&self, timeout: Duration) -> Drained {
         let mut count = self.settling.count.subscribe();
@@ -188,7 +189,7 @@ impl Drain {
                 event = "idempotency.drain_unsettled",
                 owed = owed.as_str(),
                 timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-                "shutting down with this key unsettled: it stays claimed until the lease runs out, and a retry after that may run the handler again"
+                "shutting down with this key unsettled: it stays claimed until its claim ends (its lease runs out, or its transaction ends with the process), and a retry after that may run the handler again"
             );
         }
         Drained {
