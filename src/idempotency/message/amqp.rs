@@ -226,15 +226,14 @@ impl AmqpConsumer {
                             let after = self.predecessor(&delivery, &mut chains);
                             let settle = self.clone().settle(delivery, service.clone(), publisher.clone());
                             in_flight.spawn(async move {
-                                if let Some(Waiting { before, done }) = after {
+                                let Waiting { before, done } = after;
+                                if let Some(before) = before {
                                     // Ended either way: settled, or its task gone.
-                                    if let Some(before) = before {
-                                        let _ = before.await;
-                                    }
-                                    settle.await;
+                                    let _ = before.await;
+                                }
+                                settle.await;
+                                if let Some(done) = done {
                                     let _ = done.send(());
-                                } else {
-                                    settle.await;
                                 }
                             });
                         }
@@ -264,10 +263,17 @@ impl AmqpConsumer {
     /// chain: the settling of the one delivered before it (if not settled yet), and
     /// the signal of its own. Settled links are pruned as the chains grow past the
     /// prefetch, so they stay as many as the deliveries in hand.
-    fn predecessor(&self, delivery: &Delivery, chains: &mut Chains) -> Option<Waiting> {
-        let header = self.ordered_by.as_deref()?;
-        let headers = delivery.properties.headers().as_ref()?;
-        let value = Carrier::get(headers, header)?.to_vec();
+    fn predecessor(&self, delivery: &Delivery, chains: &mut Chains) -> Waiting {
+        let value = self.ordered_by.as_deref().and_then(|header| {
+            let headers = delivery.properties.headers().as_ref()?;
+            Some(Carrier::get(headers, header)?.to_vec())
+        });
+        let Some(value) = value else {
+            return Waiting {
+                before: None,
+                done: None,
+            };
+        };
         if chains.len() > 2 * usize::from(self.prefetch) {
             chains.retain(|_, settled| {
                 matches!(settled.try_recv(), Err(oneshot::error::TryRecvError::Empty))
@@ -275,7 +281,10 @@ impl AmqpConsumer {
         }
         let (done, settled) = oneshot::channel();
         let before = chains.insert(value, settled);
-        Some(Waiting { before, done })
+        Waiting {
+            before,
+            done: Some(done),
+        }
     }
 
     /// Waits for the deliveries in flight, up to the drain timeout; says how many it
@@ -340,7 +349,6 @@ impl AmqpConsumer {
         let attempts = attempts_of(&headers);
         let correlation = MessageCorrelation::new();
         let id = correlation.for_delivery(&headers);
-        let scoped_headers = headers.clone();
         let key = key_of(&headers);
         let envelope = Received {
             message: (),
@@ -370,7 +378,7 @@ impl AmqpConsumer {
             };
             settled_line(outcome, &envelope, &key, &reason);
         };
-        correlation.scope(id, &scoped_headers, settling).await;
+        correlation.scope(id, &headers, settling).await;
     }
 
     /// Publishes the message again at the back of the queue with `attempts` counted,
@@ -422,10 +430,11 @@ impl AmqpConsumer {
 /// For each header value, the signal that its latest delivery has settled.
 type Chains = HashMap<Vec<u8>, oneshot::Receiver<()>>;
 
-/// A delivery's link in its chain: what it waits for, and what it signals.
+/// A delivery's link in its chain (none without `ordered_by` or the header): what it
+/// waits for, and what it signals.
 struct Waiting {
     before: Option<oneshot::Receiver<()>>,
-    done: oneshot::Sender<()>,
+    done: Option<oneshot::Sender<()>>,
 }
 
 async fn ack(delivery: &Delivery, outcome: &'static str) -> &'static str {

@@ -130,13 +130,13 @@ pub(super) fn settled_line(
     key: &str,
     reason: &str,
 ) {
-    let correlation_id = super::current_correlation_id();
+    let correlation_id = crate::correlation::CorrelationId::current();
     tracing::info!(
         event = "message.settled",
         outcome,
         delivery = envelope.delivery,
         key,
-        correlation_id,
+        correlation_id = correlation_id.as_ref().map(|id| id.as_str()),
         reason,
         "delivery settled"
     );

@@ -150,14 +150,6 @@ pub use self::{
     service::{Handled, MessageIdempotency, Refusal, ResponseFuture},
 };
 
-/// The delivery's correlation ID, for the fields of the layer's span and the
-/// drivers' lines (empty outside a correlation scope).
-fn current_correlation_id() -> String {
-    crate::correlation::CorrelationId::current()
-        .map(|id| id.as_str().to_owned())
-        .unwrap_or_default()
-}
-
 #[cfg(test)]
 mod tests {
     use std::{

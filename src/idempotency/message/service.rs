@@ -15,6 +15,8 @@ use serde::{de::DeserializeOwned, Serialize};
 use tower_service::Service;
 use tracing::Instrument as _;
 
+use crate::correlation::CorrelationId;
+
 use super::{layer::MessageSettings, ExtractMessageKey, MessageKey};
 use crate::idempotency::{
     core::{
@@ -261,9 +263,10 @@ where
         };
         // The correlation ID again, so a formatter that prints only the current span
         // still ties the layer's lines to the delivery.
+        let correlation_id = CorrelationId::current();
         let span = tracing::info_span!(
             "idempotency",
-            correlation_id = super::current_correlation_id(),
+            correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
             idempotency_key = key.key().as_str(),
             idempotency_scope = %key.scope_key(),
             idempotency_outcome = tracing::field::Empty,
@@ -295,9 +298,10 @@ fn ready<R: Send + 'static, E: Send + 'static>(handled: Handled<R>) -> ResponseF
 /// keyed message's events are, which records the outcome as the HTTP layer's request
 /// span does.
 fn refuse<R>(code: &'static str, reason: &'static str, detail: String) -> Handled<R> {
+    let correlation_id = CorrelationId::current();
     let span = tracing::info_span!(
         "idempotency",
-        correlation_id = super::current_correlation_id(),
+        correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
         idempotency_outcome = tracing::field::Empty
     );
     span.in_scope(|| core::refusal::rejected(reason, code, &detail, None));
