@@ -176,6 +176,22 @@ async fn setup(name: &str) -> Option<Setup> {
     })
 }
 
+/// Runs `consumer` over the inbox in a task, until `stop` is sent.
+fn running(
+    consumer: AmqpConsumer,
+    pool: &PgPool,
+    runs: &Runs,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<tower_ids::idempotency::message::Stopped>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run(inbox(pool.clone(), runs.clone()), async {
+        let _ = stopped.await;
+    }));
+    (stop, running)
+}
+
 /// Publishes `body` with `key` (if any) as its `idempotency-key` header.
 async fn publish(channel: &Channel, queue: &str, key: Option<&str>, body: &[u8]) {
     publish_with(channel, queue, key, &[], body).await;
@@ -306,13 +322,10 @@ async fn poison_messages_are_dead_lettered_while_the_messages_behind_them_are_ap
         publish(channel, queue, Some(&format!("good-{n}")), &payment(n)).await;
     }
     let runs = Runs::default();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let consumer = AmqpConsumer::new(&vhost.url, queue.as_str())
         .prefetch(4)
         .max_attempts(3);
-    let running = tokio::spawn(consumer.run(inbox(pool.clone(), runs.clone()), async {
-        let _ = stopped.await;
-    }));
+    let (stop, running) = running(consumer, pool, &runs);
 
     until(pool, "every good payment applied", |rows| {
         (0..30).all(|n| rows.contains_key(&format!("good-{n}")))
@@ -365,11 +378,8 @@ async fn every_connection_closed_mid_stream_loses_and_doubles_nothing() {
         publish(channel, queue, Some(&format!("p-{n}")), &payment(n)).await;
     }
     let runs = Runs::default();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let consumer = AmqpConsumer::new(&vhost.url, queue.as_str()).prefetch(8);
-    let running = tokio::spawn(consumer.run(inbox(pool.clone(), runs.clone()), async {
-        let _ = stopped.await;
-    }));
+    let (stop, running) = running(consumer, pool, &runs);
     until(pool, "100 applied", |rows| rows.len() >= 100).await;
     // The broker closes every connection of the vhost, the test's publisher's too.
     vhost.close_all_connections();
@@ -573,13 +583,10 @@ async fn messages_sharing_a_partition_key_are_applied_in_the_queues_order() {
         .await;
     }
     let runs = Runs::default();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let consumer = AmqpConsumer::new(&vhost.url, queue.as_str())
         .prefetch(12)
         .ordered_by("x-partition-key");
-    let running = tokio::spawn(consumer.run(inbox(pool.clone(), runs.clone()), async {
-        let _ = stopped.await;
-    }));
+    let (stop, running) = running(consumer, pool, &runs);
     until(pool, "every payment applied", |rows| {
         rows.len() == MESSAGES as usize
     })
@@ -651,13 +658,10 @@ async fn a_stop_drains_what_is_in_flight_and_what_it_leaves_comes_back() {
             .unwrap()
     };
     let run = |drain: Duration| {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let consumer = AmqpConsumer::new(&vhost.url, queue.as_str())
             .prefetch(4)
             .drain_timeout(drain);
-        let running = tokio::spawn(consumer.run(inbox(pool.clone(), runs.clone()), async {
-            let _ = stopped.await;
-        }));
+        let (stop, running) = running(consumer, pool, &runs);
         (stop, running)
     };
 
