@@ -548,9 +548,8 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
     assert!(letters[2].1.starts_with("undecodable"), "{letters:?}");
 }
 
-/// A stop finishes what is in flight within the drain timeout; past it, the consumer
-/// says how many it left, they go back to the queue, and the next consumer settles
-/// them: each payment once.
+/// Messages sharing an `x-partition-key` are applied in the queue's order, while the
+/// keys go on beside each other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_sharing_a_partition_key_are_applied_in_the_queues_order() {
     let Some(setup) = setup("consumer-ordered").await else {
@@ -616,6 +615,9 @@ async fn messages_sharing_a_partition_key_are_applied_in_the_queues_order() {
     assert!(interleaved, "the accounts were handled side by side");
 }
 
+/// A stop finishes what is in flight within the drain timeout; past it, the consumer
+/// says how many it left, they go back to the queue, and the next consumer settles
+/// them: each payment once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_drains_what_is_in_flight_and_what_it_leaves_comes_back() {
     let Some(setup) = setup("consumer-drain").await else {
