@@ -108,6 +108,13 @@ impl Problem {
         }
     }
 
+    /// The problem of an idempotency layer's refusal: its status and title are the
+    /// code's.
+    #[cfg(feature = "idempotency")]
+    pub(crate) fn idempotency(code: crate::idempotency::Code, detail: impl Into<String>) -> Self {
+        Self::new(code.http_status(), code.as_str(), code.title(), detail)
+    }
+
     /// Points `type` at `base` followed by the code, when the layer was given a base
     /// ([`checked_docs_base`]).
     pub(crate) fn docs(mut self, base: Option<&str>) -> Self {
@@ -166,146 +173,17 @@ impl Problem {
 
 #[cfg(test)]
 mod tests {
-    use std::{collections::BTreeSet, fs, path::Path};
+    use std::{fs, path::Path};
 
-    /// Every `code` a layer can answer with, read from the source: a string literal
-    /// `"idempotency.x"` or `"correlation_id.x"` outside comments and event fields.
-    fn codes_in(dir: &Path, skip: &[&str], codes: &mut BTreeSet<String>) {
-        for entry in fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if skip.iter().any(|s| path.ends_with(s)) {
-                continue;
-            }
-            if path.is_dir() {
-                codes_in(&path, skip, codes);
-                continue;
-            }
-            if path.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
-            for line in fs::read_to_string(&path).unwrap().lines() {
-                let line = line.trim_start();
-                if line.starts_with("//") || line.contains("event") {
-                    continue;
-                }
-                for literal in line.split('"').skip(1).step_by(2) {
-                    let is_code = ["idempotency.", "correlation_id."].iter().any(|p| {
-                        literal.strip_prefix(p).is_some_and(|rest| {
-                            !rest.is_empty()
-                                && rest.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
-                        })
-                    });
-                    if is_code {
-                        codes.insert(literal.to_owned());
-                    }
-                }
-            }
-        }
+    use super::*;
+
+    fn source(file: &str) -> String {
+        fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src").join(file)).unwrap()
     }
 
-    /// The rows of the markdown tables in `file`'s doc comments that name `code`.
-    fn documented(file: &Path, code: &str) -> bool {
-        fs::read_to_string(file).unwrap().lines().any(|line| {
-            let line = line.trim_start();
-            (line.starts_with("//! |") || line.starts_with("/// |"))
-                && line.contains(&format!("`{code}`"))
-        })
-    }
-
-    #[test]
-    fn every_problem_code_is_in_a_status_table() {
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-        let mut http = BTreeSet::new();
-        // The message layer answers with `Refusal`s, documented on `Refusal::code`; the
-        // gRPC layer with statuses, in its own table (checked below).
-        codes_in(&src, &["message", "grpc", "tests"], &mut http);
-        assert!(http.len() > 20, "the scan found the codes: {http:?}");
-        let tables = [
-            src.join("idempotency/mod.rs"),
-            src.join("correlation/mod.rs"),
-        ];
-        let missing: Vec<_> = http
-            .iter()
-            .filter(|code| !tables.iter().any(|file| documented(file, code)))
-            .collect();
-        assert!(
-            missing.is_empty(),
-            "codes no status table lists: {missing:?}"
-        );
-        #[cfg(feature = "grpc")]
-        {
-            let mut grpc = BTreeSet::new();
-            codes_in(&src.join("idempotency/grpc"), &["tests"], &mut grpc);
-            assert!(grpc.len() > 10, "the scan found the codes: {grpc:?}");
-            let table = src.join("idempotency/grpc/mod.rs");
-            let missing: Vec<_> = grpc.iter().filter(|c| !documented(&table, c)).collect();
-            assert!(
-                missing.is_empty(),
-                "gRPC codes its table lacks: {missing:?}"
-            );
-        }
-
-        // Every problem's `type` opens its row: the page of its module has an anchor
-        // named by the code.
-        let unanchored: Vec<_> = http
-            .iter()
-            .filter(|code| {
-                let page = if code.starts_with("correlation_id.") {
-                    "correlation/mod.rs"
-                } else {
-                    "idempotency/mod.rs"
-                };
-                !fs::read_to_string(src.join(page))
-                    .unwrap()
-                    .contains(&format!("<a id=\"{code}\"></a>"))
-            })
-            .collect();
-        assert!(
-            unanchored.is_empty(),
-            "codes without an anchor on their page: {unanchored:?}"
-        );
-
-        // The OpenAPI description lists every code the layer answers a route with (the
-        // `Transaction` extractor's is the handler's misconfiguration, not the layer's).
-        #[cfg(feature = "openapi")]
-        {
-            use crate::idempotency::http::openapi::{CLIENT_MISSING, PROBLEMS};
-            let documented: BTreeSet<&str> = PROBLEMS
-                .iter()
-                .chain([&CLIENT_MISSING])
-                .flat_map(|(_, _, codes)| codes.iter().copied())
-                .collect();
-            let missing: Vec<_> = http
-                .iter()
-                .filter(|code| code.starts_with("idempotency."))
-                .filter(|code| *code != "idempotency.transaction_missing")
-                .filter(|code| !documented.contains(code.as_str()))
-                .collect();
-            assert!(
-                missing.is_empty(),
-                "codes the OpenAPI description leaves out: {missing:?}"
-            );
-        }
-
-        let mut refusals = BTreeSet::new();
-        codes_in(&src.join("idempotency/message"), &[], &mut refusals);
-        let table = src.join("idempotency/message/service.rs");
-        let missing: Vec<_> = refusals
-            .iter()
-            .filter(|code| !documented(&table, code))
-            .collect();
-        assert!(
-            missing.is_empty(),
-            "refusal codes Refusal::code does not list: {missing:?}"
-        );
-    }
-
-    /// Every row of a status table, as (status, code).
-    #[cfg(feature = "idempotency")]
-    fn table_rows(file: &Path) -> Vec<(u16, String)> {
-        fs::read_to_string(file)
-            .unwrap()
-            .lines()
+    /// Every row of a status table in `text`'s module docs, as (status, code).
+    fn table_rows(text: &str) -> Vec<(u16, String)> {
+        text.lines()
             .filter_map(|line| {
                 let row = line.trim_start().strip_prefix("//! | `")?;
                 let (status, rest) = row.split_once('`')?;
@@ -316,84 +194,145 @@ mod tests {
             .collect()
     }
 
-    /// A problem's `status` member is the response's status, for every code of the
-    /// status tables; and where the source builds a problem with a literal status, it
-    /// is the one its row gives.
+    fn status_of(response: &Response<crate::body::Body<()>>) -> (StatusCode, serde_json::Value) {
+        let body = response.body().complete_bytes().expect("a complete body");
+        (response.status(), serde_json::from_slice(&body).unwrap())
+    }
+
+    /// The correlation layer's rows: each answers the status its row gives, and its
+    /// `type` opens its row.
     #[test]
-    #[cfg(feature = "idempotency")]
-    fn every_problem_says_the_status_it_is_answered_with() {
-        use super::*;
-        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-        let mut rows = table_rows(&src.join("idempotency/mod.rs"));
-        rows.extend(table_rows(&src.join("correlation/mod.rs")));
-        assert!(rows.len() > 20, "the tables were read: {rows:?}");
+    fn every_correlation_problem_says_the_status_of_its_row() {
+        let page = source("correlation/mod.rs");
+        let rows = table_rows(&page);
+        assert!(rows.len() >= 2, "the table was read: {rows:?}");
         for (status, code) in &rows {
+            assert!(page.contains(&format!("<a id=\"{code}\"></a>")), "{code}");
             let code: &'static str = Box::leak(code.clone().into_boxed_str());
             let status = StatusCode::from_u16(*status).unwrap();
             let response = Problem::new(status, code, "title", "detail").into_response::<()>();
-            let body: serde_json::Value =
-                serde_json::from_slice(&futures_body(response.body())).unwrap();
-            assert_eq!(response.status(), status, "{code}");
-            assert_eq!(body["status"], status.as_u16(), "{code}");
+            let (answered, body) = status_of(&response);
+            assert_eq!(
+                (answered, &body["status"]),
+                (status, &status.as_u16().into())
+            );
             assert_eq!(body["code"], code);
+            assert_eq!(
+                body["type"],
+                format!("{CORRELATION_PROBLEM_DOCS}{code}"),
+                "{code}"
+            );
         }
-        // `Problem::new(StatusCode::X, "code", ...)` in the source agrees with the table.
-        let names = [
-            ("BAD_REQUEST", 400),
-            ("UNAUTHORIZED", 401),
-            ("CONFLICT", 409),
-            ("GONE", 410),
-            ("PAYLOAD_TOO_LARGE", 413),
-            ("UNPROCESSABLE_ENTITY", 422),
-            ("INTERNAL_SERVER_ERROR", 500),
-            ("SERVICE_UNAVAILABLE", 503),
-        ];
-        let mut checked = 0;
-        let mut stack = vec![src.clone()];
-        while let Some(dir) = stack.pop() {
-            for entry in fs::read_dir(dir).unwrap() {
-                let path = entry.unwrap().path();
-                if path.is_dir() {
-                    stack.push(path);
-                    continue;
-                }
-                if path.ends_with("problem.rs") {
-                    continue;
-                }
-                let text = fs::read_to_string(&path).unwrap_or_default();
-                for built in text.split("Problem::new(").skip(1) {
-                    let mut words = built.split(',').map(str::trim);
-                    let (Some(status), Some(code)) = (words.next(), words.next()) else {
-                        continue;
-                    };
-                    let (Some(name), Some(code)) = (
-                        status.strip_prefix("StatusCode::"),
-                        code.strip_prefix('"').and_then(|c| c.strip_suffix('"')),
-                    ) else {
-                        continue;
-                    };
-                    let Some((_, number)) = names.iter().find(|(n, _)| *n == name) else {
-                        panic!(
-                            "{}: a status this test does not know: {name}",
-                            path.display()
-                        );
-                    };
-                    let row = rows.iter().find(|(_, c)| c == code);
-                    assert_eq!(
-                        row.map(|(s, _)| s),
-                        Some(number),
-                        "{}: {code} answers {name}, its row says {row:?}",
-                        path.display()
-                    );
-                    checked += 1;
-                }
-            }
-        }
-        assert!(checked >= 10, "the source was read: {checked}");
     }
 
+    /// Every code of the code book is in the table of the transport that answers it,
+    /// with the status (or gRPC code) the book maps it to; and its problem says that
+    /// status and links to its row.
+    #[test]
     #[cfg(feature = "idempotency")]
-    fn futures_body(body: &crate::body::Body<()>) -> Vec<u8> {
-        body.complete_bytes().expect("a complete body").to_vec()
+    fn every_code_is_in_its_transports_table_with_its_status() {
+        use crate::idempotency::Code;
+        // Answered only on gRPC calls, or only to message consumers.
+        let grpc_only = [Code::StreamingUnsupported, Code::MessageInvalid];
+        let message_only = [Code::OutcomeUndecodable];
+
+        let page = source("idempotency/mod.rs");
+        let rows = table_rows(&page);
+        for code in Code::ALL {
+            let response = Problem::idempotency(code, "detail").into_response::<()>();
+            let (status, body) = status_of(&response);
+            assert_eq!(status, code.http_status(), "{code}");
+            assert_eq!(body["status"], status.as_u16(), "{code}");
+            assert_eq!(body["code"], code.as_str());
+            assert_eq!(body["title"], code.title());
+            if grpc_only.contains(&code) || message_only.contains(&code) {
+                continue;
+            }
+            let row = rows.iter().find(|(_, c)| c == code.as_str());
+            assert_eq!(
+                row.map(|(s, _)| *s),
+                Some(status.as_u16()),
+                "{code}: its row in the status table"
+            );
+            assert!(
+                page.contains(&format!("<a id=\"{code}\"></a>")),
+                "{code} has no anchor for its problem type"
+            );
+        }
+        // No row names a code the book does not have.
+        for (_, code) in &rows {
+            assert!(Code::ALL.iter().any(|c| c == code.as_str()), "{code}");
+        }
+
+        let refusals = source("idempotency/message/service.rs");
+        for code in message_only {
+            assert!(refusals.contains(&format!("/// | `{code}` |")), "{code}");
+        }
+
+        #[cfg(feature = "grpc")]
+        {
+            // `| case | `STATUS` | `code`, `code` | retry |`
+            let page = source("idempotency/grpc/mod.rs");
+            let mut listed = Vec::new();
+            for line in page.lines() {
+                let cells: Vec<&str> = line.split(" | ").collect();
+                let (Some(status), Some(codes)) = (cells.get(2), cells.get(3)) else {
+                    continue;
+                };
+                for code in codes.split(", ").filter_map(|c| c.strip_prefix('`')) {
+                    let code = code.trim_end_matches('`');
+                    let Some(book) = Code::ALL.into_iter().find(|c| *c == code) else {
+                        continue;
+                    };
+                    let grpc = format!("{:?}", book.grpc());
+                    let mut screaming = String::new();
+                    for (i, ch) in grpc.char_indices() {
+                        if ch.is_uppercase() && i > 0 {
+                            screaming.push('_');
+                        }
+                        screaming.push(ch.to_ascii_uppercase());
+                    }
+                    assert_eq!(status.trim_matches('`'), screaming, "{code}");
+                    listed.push(book);
+                }
+            }
+            let missing: Vec<_> = Code::ALL
+                .into_iter()
+                .filter(|code| !message_only.contains(code))
+                .filter(|code| {
+                    !matches!(
+                        code,
+                        Code::BodyNotJson
+                            | Code::EpochInvalid
+                            | Code::EpochMismatch
+                            | Code::TransactionMissing
+                    )
+                })
+                .filter(|code| !listed.contains(code))
+                .collect();
+            assert!(
+                missing.is_empty(),
+                "codes the gRPC table lacks: {missing:?}"
+            );
+        }
+
+        // The OpenAPI description lists every code the layer answers a route with.
+        #[cfg(feature = "openapi")]
+        {
+            use crate::idempotency::http::openapi::{answered_with, CLIENT_MISSING, PROBLEMS};
+            for (status, code) in &rows {
+                if code == Code::TransactionMissing.as_str() {
+                    continue;
+                }
+                assert!(
+                    PROBLEMS
+                        .iter()
+                        .chain([&CLIENT_MISSING])
+                        .any(|(s, _)| s == status),
+                    "{status} is not described"
+                );
+                assert!(answered_with(*status).contains(&code.as_str()), "{code}");
+            }
+        }
     }
 }

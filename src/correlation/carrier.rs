@@ -279,7 +279,7 @@ impl MessageCorrelation {
                     event = "correlation.invalid",
                     correlation_id = id.as_str(),
                     header = &*self.header,
-                    reason = error.code(),
+                    reason = error.reason(),
                     detail = %error,
                     "invalid correlation id on a message replaced by a fresh one"
                 );
@@ -389,7 +389,7 @@ mod tests {
         repeated.append("x-correlation-id", HeaderValue::from_static("a"));
         repeated.append("x-correlation-id", HeaderValue::from_static("b"));
         assert_eq!(
-            correlation.read(&repeated).unwrap_err().code(),
+            correlation.read(&repeated).unwrap_err().reason(),
             "multiple_values"
         );
         let generated = correlation.for_delivery(&repeated);

@@ -337,7 +337,7 @@ impl CorrelationId {
                 tracing::warn!(
                     event = "correlation.restore_rejected",
                     corr_id = self.as_str(),
-                    reason = invalid.code(),
+                    reason = invalid.reason(),
                     detail = %invalid,
                     "Refused to restore an invalid correlation id"
                 );
@@ -480,9 +480,9 @@ impl InvalidCorrelationId {
         Self::new(Reason::NotVisibleAscii)
     }
 
-    /// A short stable code for the reason: `empty`, `too_long`, `not_visible_ascii`,
+    /// A short stable reason: `empty`, `too_long`, `not_visible_ascii`,
     /// `invalid_character`, `multiple_values`, or a custom validator's code.
-    pub fn code(&self) -> &'static str {
+    pub fn reason(&self) -> &'static str {
         match self.reason {
             Reason::Empty => "empty",
             Reason::TooLong { .. } => "too_long",
@@ -614,7 +614,7 @@ mod tests {
         ];
         for (value, code) in cases {
             let error = CorrelationId::parse(value).unwrap_err();
-            assert_eq!(error.code(), code, "{value:?}");
+            assert_eq!(error.reason(), code, "{value:?}");
             if !value.is_empty() {
                 assert!(
                     !error.to_string().contains(value),
@@ -646,9 +646,9 @@ mod tests {
     fn extend_checks_the_suffix() {
         let parent = CorrelationId::parse("p").unwrap();
         assert_eq!(parent.extend("item-9").unwrap(), "p.item-9");
-        assert_eq!(parent.extend("").unwrap_err().code(), "empty");
+        assert_eq!(parent.extend("").unwrap_err().reason(), "empty");
         assert_eq!(
-            parent.extend("a/b").unwrap_err().code(),
+            parent.extend("a/b").unwrap_err().reason(),
             "invalid_character"
         );
     }

@@ -120,7 +120,7 @@ where
                 tracing::warn!(
                     event = "correlation.invalid",
                     header = "baggage",
-                    reason = error.code(),
+                    reason = error.reason(),
                     detail = %error,
                     "invalid correlation id in baggage ignored"
                 );
@@ -264,7 +264,7 @@ impl Refused<'_> {
                     event = "correlation.rejected",
                     correlation_id = id.as_str(),
                     header = header.as_str(),
-                    reason = error.code(),
+                    reason = error.reason(),
                     detail = %error,
                     status = 400,
                     "request refused: invalid correlation id"
@@ -281,7 +281,7 @@ impl Refused<'_> {
                     event = "correlation.invalid",
                     correlation_id = id.as_str(),
                     header = header.as_str(),
-                    reason = error.code(),
+                    reason = error.reason(),
                     detail = %error,
                     "invalid correlation id replaced by a fresh one"
                 );

@@ -44,7 +44,7 @@ use crate::idempotency::ClientId;
 ///     }
 /// };
 /// let twice = Request::post("/").header("x-tenant", "a").header("x-tenant", "b").body(())?;
-/// assert_eq!(tenant.identify_client(&twice).unwrap_err().code(), "refused");
+/// assert_eq!(tenant.identify_client(&twice).unwrap_err().reason(), "refused");
 /// let layer = IdempotencyLayer::new().client(tenant);
 ///
 /// // Or an `Option`, for a client that is known or not but never refused.
@@ -116,8 +116,8 @@ impl ClientRejection {
         Self(ClientError::Repeated(name))
     }
 
-    /// A stable code for log lines: `repeated` or `refused`.
-    pub fn code(&self) -> &'static str {
+    /// A short stable reason: `repeated` or `refused`.
+    pub fn reason(&self) -> &'static str {
         match self.0 {
             ClientError::Repeated(_) => "repeated",
             ClientError::Refused(_) => "refused",
@@ -125,7 +125,7 @@ impl ClientRejection {
     }
 
     /// The `reason` of the `idempotency.rejected` event, for every transport.
-    pub(crate) fn reason(&self) -> &'static str {
+    pub(crate) fn logged_reason(&self) -> &'static str {
         match self.0 {
             ClientError::Repeated(_) => "client_repeated",
             ClientError::Refused(_) => "client_refused",
@@ -278,7 +278,7 @@ mod tests {
             ("authorization", "Bearer b"),
         ]);
         let (key, auth) = (key.unwrap_err(), auth.unwrap_err());
-        assert_eq!((key.code(), auth.code()), ("repeated", "repeated"));
+        assert_eq!((key.reason(), auth.reason()), ("repeated", "repeated"));
         assert_eq!(
             key.to_string(),
             "the x-api-key header, which names the client, was sent more than once with different values; send it once"
@@ -317,7 +317,7 @@ mod tests {
             Err(ClientRejection::new("no users today"))
         };
         let refused = check(refuse).unwrap_err();
-        assert_eq!(refused.code(), "refused");
+        assert_eq!(refused.reason(), "refused");
         assert_eq!(refused.to_string(), "no users today");
         assert_eq!(check(NoClient), Ok(None));
     }

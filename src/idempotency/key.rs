@@ -262,10 +262,10 @@ impl From<KeyError> for InvalidIdempotencyKey {
 }
 
 impl InvalidIdempotencyKey {
-    /// A stable code: `empty`, `too_long`, `not_visible_ascii`, `malformed_string`,
+    /// A short stable reason: `empty`, `too_long`, `not_visible_ascii`, `malformed_string`,
     /// `repeated` (one key header sent on more than one line), `conflicting` (two
     /// key headers with different keys) or `invalid_attempt_id`.
-    pub fn code(&self) -> &'static str {
+    pub fn reason(&self) -> &'static str {
         match self.0 {
             KeyError::Empty => "empty",
             KeyError::TooLong { .. } => "too_long",
@@ -277,21 +277,15 @@ impl InvalidIdempotencyKey {
         }
     }
 
-    /// The problem code and title every transport refuses this key (or attempt ID)
-    /// with.
+    /// The code every transport refuses this key (or attempt ID) with.
     #[cfg(feature = "idempotency")]
-    pub(crate) fn refusal(&self) -> (&'static str, &'static str) {
+    pub(crate) fn refusal(&self) -> crate::idempotency::Code {
+        use crate::idempotency::Code;
         match self.0 {
-            KeyError::AttemptId => ("idempotency.attempt_id_invalid", "Invalid attempt id"),
-            KeyError::Repeated { .. } => (
-                "idempotency.key_repeated",
-                "Idempotency key header repeated",
-            ),
-            KeyError::Conflicting { .. } => (
-                "idempotency.keys_disagree",
-                "Two different idempotency keys",
-            ),
-            _ => ("idempotency.key_invalid", "Invalid idempotency key"),
+            KeyError::AttemptId => Code::AttemptIdInvalid,
+            KeyError::Repeated { .. } => Code::KeyRepeated,
+            KeyError::Conflicting { .. } => Code::KeysDisagree,
+            _ => Code::KeyInvalid,
         }
     }
 }
@@ -370,7 +364,7 @@ mod tests {
             b"\"abc\";",
         ] {
             assert_eq!(
-                IdempotencyKey::parse(raw).unwrap_err().code(),
+                IdempotencyKey::parse(raw).unwrap_err().reason(),
                 "malformed_string",
                 "{raw:?}"
             );
@@ -391,7 +385,7 @@ mod tests {
             (b"caf\xc3\xa9", "not_visible_ascii"),
         ] {
             assert_eq!(
-                IdempotencyKey::parse(raw).unwrap_err().code(),
+                IdempotencyKey::parse(raw).unwrap_err().reason(),
                 code,
                 "{raw:?}"
             );
@@ -414,13 +408,13 @@ mod tests {
             |pairs: &[(&HeaderName, &str)]| IdempotencyKey::from_headers(&headers(pairs), &names);
 
         let repeated = read(&[(&IDEMPOTENCY_KEY, "a"), (&IDEMPOTENCY_KEY, "b")]).unwrap_err();
-        assert_eq!(repeated.code(), "repeated");
+        assert_eq!(repeated.reason(), "repeated");
         assert_eq!(
             repeated.to_string(),
             "the idempotency-key header was sent more than once; send it once"
         );
         let disagree = read(&[(&IDEMPOTENCY_KEY, "a"), (&X_IDEMPOTENCY_KEY, "b")]).unwrap_err();
-        assert_eq!(disagree.code(), "conflicting");
+        assert_eq!(disagree.reason(), "conflicting");
         assert_eq!(
             disagree.to_string(),
             "the idempotency-key and x-idempotency-key headers name different idempotency keys; they must agree"
@@ -431,12 +425,12 @@ mod tests {
             (&IDEMPOTENCY_KEY, "a"),
             (&IDEMPOTENCY_KEY, "b"),
         ]);
-        assert_eq!(both.unwrap_err().code(), "repeated");
+        assert_eq!(both.unwrap_err().reason(), "repeated");
 
         // RFC 8941 section 4.2: `a, a` is not an Item, so even the same key twice is
         // refused.
         let same = read(&[(&IDEMPOTENCY_KEY, "a"), (&IDEMPOTENCY_KEY, "a")]);
-        assert_eq!(same.unwrap_err().code(), "repeated");
+        assert_eq!(same.unwrap_err().reason(), "repeated");
         // The two headers naming one key, in either form, are one key.
         let agree = read(&[(&IDEMPOTENCY_KEY, "a"), (&X_IDEMPOTENCY_KEY, "\"a\"")]);
         assert_eq!(agree.unwrap().unwrap().as_str(), "a");
@@ -478,14 +472,14 @@ mod tests {
                     proptest::prop_assert!(key.as_str().bytes().all(|b| (0x21..=0x7e).contains(&b)));
                 }
                 Err(error) => {
-                    proptest::prop_assert!(!error.code().is_empty());
+                    proptest::prop_assert!(!error.reason().is_empty());
                 }
             }
         }
 
         #[test]
         fn too_long_is_refused(text in "[!#-~]{256,400}") {
-            proptest::prop_assert_eq!(IdempotencyKey::parse(text.as_bytes()).unwrap_err().code(), "too_long");
+            proptest::prop_assert_eq!(IdempotencyKey::parse(text.as_bytes()).unwrap_err().reason(), "too_long");
         }
     }
 }

@@ -159,6 +159,7 @@
 //!  "correlation_id":"attempt-2","idempotency_key":"order-17"}
 //! ```
 //!
+//! Every `code` is a [`Code`], the same on the gRPC layer and the message layer.
 //!
 //! | Status | `code` | When |
 //! |---|---|---|
@@ -246,7 +247,9 @@
 //! - DEBUG: `idempotency.accepted`, `idempotency.replayed`, `idempotency.stored`,
 //!   `idempotency.released`,
 //!   `idempotency.in_flight`, `idempotency.not_replayable`,
-//!   `idempotency.original_failed`.
+//!   `idempotency.original_failed`, `idempotency.expired_removed` (a PostgreSQL
+//!   store's sweep, with `rows`), `idempotency.unanswered_claim_released` (a claim
+//!   whose answer never came was given back; its request ran nothing).
 //! - INFO: `idempotency.commit_confirmed` (a commit whose answer was lost had landed:
 //!   its record was found once the transaction could no longer commit);
 //!   `idempotency.lineage_untold` (once per PostgreSQL store: the database refuses the
@@ -272,7 +275,10 @@
 //!   completion met another request's claim; the outcome is kept until it settles),
 //!   `idempotency.drain_unsettled` (with `owed`), `idempotency.kept_over_budget`,
 //!   `idempotency.commit_failed` (the handler's transaction did not commit),
-//!   `idempotency.outcome_unknown` (whether it committed is not known);
+//!   `idempotency.outcome_unknown` (whether it committed is not known),
+//!   `idempotency.outcome_unserialisable` (an outcome that does not encode: not kept,
+//!   its duplicates refused as not replayable), `idempotency.outcome_undecodable` (a
+//!   message's stored outcome does not decode into the consumer's outcome type);
 //!   `idempotency.stored` is WARN with `claim=missing` when the store had lost the
 //!   claim.
 //! - TRACE: `idempotency.lease_renewed`.
@@ -361,6 +367,8 @@
 #[cfg(feature = "idempotency")]
 mod client;
 #[cfg(feature = "idempotency")]
+mod code;
+#[cfg(feature = "idempotency")]
 mod collect;
 #[cfg(feature = "idempotency")]
 mod core;
@@ -384,11 +392,12 @@ pub mod store;
 #[cfg(feature = "idempotency")]
 pub use self::core::observe::field;
 #[cfg(all(feature = "postgres", feature = "axum"))]
-pub use self::http::TransactionMissing;
+pub use self::http::TransactionRejection;
 pub use self::key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey};
 #[cfg(feature = "idempotency")]
 pub use self::{
     client::{ClientFromAuthorization, ClientFromExtension, ClientFromHeader},
+    code::Code,
     core::{
         Drain, Drained, InFlight, Policy, ReplayInfo, StorageRule, StoreFailure, DEFAULT_LEASE,
         DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,

@@ -3,7 +3,7 @@
 
 use std::{borrow::Cow, fmt};
 
-use crate::idempotency::InvalidIdempotencyKey;
+use crate::idempotency::{Code, InvalidIdempotencyKey};
 
 /// Why a request's key could not be read; the layer answers `400` (see
 /// [`code`](Self::code)) and logs a WARN `idempotency.rejected`.
@@ -42,47 +42,32 @@ impl KeyRejection {
         }
     }
 
-    /// The problem's stable `code`: `idempotency.key_invalid`,
-    /// `idempotency.key_repeated`, `idempotency.keys_disagree`,
-    /// `idempotency.body_not_json` or `idempotency.client_invalid`.
-    pub fn code(&self) -> &'static str {
+    /// The refusal's [`Code`]: [`KeyInvalid`](Code::KeyInvalid),
+    /// [`KeyRepeated`](Code::KeyRepeated), [`KeysDisagree`](Code::KeysDisagree),
+    /// [`BodyNotJson`](Code::BodyNotJson) or [`ClientInvalid`](Code::ClientInvalid).
+    pub fn code(&self) -> Code {
         match &self.kind {
-            Kind::Key(error) => match error.code() {
-                "repeated" => "idempotency.key_repeated",
-                "conflicting" => "idempotency.keys_disagree",
-                _ => "idempotency.key_invalid",
-            },
-            Kind::NotJson => "idempotency.body_not_json",
-            Kind::ClientField { .. } => "idempotency.client_invalid",
+            Kind::Key(error) => error.refusal(),
+            Kind::NotJson => Code::BodyNotJson,
+            Kind::ClientField { .. } => Code::ClientInvalid,
             Kind::FieldNotString { .. } | Kind::FieldInvalid { .. } | Kind::Refused(_) => {
-                "idempotency.key_invalid"
+                Code::KeyInvalid
             }
         }
     }
 
     /// A short stable reason for the log line: the header parser's code
-    /// ([`InvalidIdempotencyKey::code`]), `body_not_json`, `field_not_string`,
+    /// ([`InvalidIdempotencyKey::reason`]), `body_not_json`, `field_not_string`,
     /// `field_invalid`, `client_field_missing`, `client_field_invalid` or `refused`.
     pub fn reason(&self) -> &'static str {
         match &self.kind {
-            Kind::Key(error) => error.code(),
+            Kind::Key(error) => error.reason(),
             Kind::NotJson => "body_not_json",
             Kind::FieldNotString { .. } => "field_not_string",
             Kind::FieldInvalid { .. } => "field_invalid",
             Kind::ClientField { missing: true, .. } => "client_field_missing",
             Kind::ClientField { missing: false, .. } => "client_field_invalid",
             Kind::Refused(_) => "refused",
-        }
-    }
-
-    /// The problem's `title`.
-    pub(crate) fn title(&self) -> &'static str {
-        match self.code() {
-            "idempotency.key_repeated" => "Idempotency key header repeated",
-            "idempotency.keys_disagree" => "Two different idempotency keys",
-            "idempotency.body_not_json" => "Body is not JSON",
-            "idempotency.client_invalid" => "Invalid client identity",
-            _ => "Invalid idempotency key",
         }
     }
 }

@@ -90,7 +90,7 @@ fn restore_refuses_an_invalid_id_without_logging_it() {
         .restore("<script>alert(1)</script>")
         .unwrap_err();
 
-    assert_eq!(refused.code(), "invalid_character");
+    assert_eq!(refused.reason(), "invalid_character");
     assert!(pairs(&logs).is_empty());
     let warning = &logs.events("correlation.restore_rejected")[0];
     assert_eq!(warning["level"], "WARN");

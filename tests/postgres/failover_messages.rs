@@ -821,7 +821,7 @@ async fn inbox_trial(plan: InboxPlan) -> Option<()> {
                         Ok(Handled::Ran(_)) => ("ran".to_owned(), true),
                         Ok(Handled::Replayed { .. }) => ("replayed".to_owned(), true),
                         Ok(Handled::InFlight { .. }) => ("in flight".to_owned(), false),
-                        Ok(Handled::Refused(refusal)) => (refusal.code().to_owned(), false),
+                        Ok(Handled::Refused(refusal)) => (refusal.code().to_string(), false),
                         Err(error) => (format!("handler failed: {error}"), false),
                         Ok(_) => ("other".to_owned(), false),
                     };

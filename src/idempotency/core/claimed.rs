@@ -3,6 +3,7 @@
 //! adapter, then stored (in the handler's transaction if it took one) or the key given
 //! back, and every event and metric of it recorded here, once, whatever the transport.
 
+use crate::idempotency::code::event;
 use std::{
     future::Future,
     sync::Arc,
@@ -191,7 +192,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             Classified::Store(payload) => self.complete(original_attempt, Some(payload)).await,
             Classified::TooLarge { max_bytes } => {
                 tracing::warn!(
-                    event = "idempotency.response_too_large",
+                    event = event::RESPONSE_TOO_LARGE,
                     max_bytes,
                     "outcome over the idempotency limit: handed to this caller, not kept; duplicates are refused as not replayable, never run again"
                 );
@@ -199,7 +200,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             }
             Classified::Unencodable(error) => {
                 tracing::warn!(
-                    event = "idempotency.outcome_unserialisable",
+                    event = event::OUTCOME_UNSERIALISABLE,
                     error = %error,
                     "the outcome does not encode: not kept; duplicates are refused as not replayable, never run again"
                 );
@@ -207,7 +208,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             }
             Classified::Failed(error) => {
                 tracing::warn!(
-                    event = "idempotency.response_failed",
+                    event = event::RESPONSE_FAILED,
                     error = %error,
                     "the response failed while being read; nothing is stored, so a retry runs again"
                 );
@@ -338,7 +339,7 @@ impl<St: IdempotencyStore> Claimed<St> {
                 }
                 Settlement::Failed(error) => {
                     tracing::warn!(
-                        event = "idempotency.commit_failed",
+                        event = event::COMMIT_FAILED,
                         error = %Chain(&error),
                         "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
                     );
@@ -347,7 +348,7 @@ impl<St: IdempotencyStore> Claimed<St> {
                 }
                 Settlement::Unknown(error) => {
                     tracing::warn!(
-                        event = "idempotency.outcome_unknown",
+                        event = event::OUTCOME_UNKNOWN,
                         error = %Chain(&error),
                         "the commit's answer was lost and the store could not tell whether it landed; a retry with this key replays the outcome if it did, and runs again once the database has settled that it did not"
                     );
@@ -365,7 +366,7 @@ impl<St: IdempotencyStore> Claimed<St> {
         observe::store_time(self.store_time);
         match completed {
             Ok(Completion::ClaimedByAnother) => tracing::warn!(
-                event = "idempotency.claim_lapsed",
+                event = event::CLAIM_LAPSED,
                 "this request's claim ran out while it ran and another request holds the key now; keeping the outcome and storing it once that claim is settled (dropped only if a record takes the key)"
             ),
             Ok(completion) => {
@@ -373,7 +374,7 @@ impl<St: IdempotencyStore> Claimed<St> {
                 return stored(completion);
             }
             Err(error) => tracing::warn!(
-                event = "idempotency.store_failed",
+                event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "complete",
                 "could not store the response; keeping it and storing it in the background (the key stays claimed)"

@@ -3,6 +3,7 @@
 //! moves the rest of the work to a task of its own, so a handler that started runs to
 //! completion and its outcome is stored for the retry.
 
+use crate::idempotency::code::event;
 use std::{
     future::Future,
     pin::Pin,
@@ -112,7 +113,7 @@ impl<T: 'static> Drop for Detaching<T> {
                 // The request's line: no access line is written for an answer no one
                 // was there to take.
                 tracing::info!(
-                    event = "idempotency.detached",
+                    event = event::DETACHED,
                     finished_after_ms = crate::correlation::log_millis(detached.elapsed()),
                     "the client went away before the answer; the work ran to its end in a task of its own (its outcome stored, kept for the store, or its key released, as the events before say)"
                 );

@@ -3,6 +3,7 @@
 //! store has not answered yet. Each registers while it lasts, so a graceful stop can
 //! wait for them and name the ones it could not wait for.
 
+use crate::idempotency::code::event;
 use std::{
     collections::HashMap,
     sync::{
@@ -172,7 +173,7 @@ impl Drain {
         let settled = tokio::time::timeout(timeout, count.wait_for(|pending| *pending == 0));
         if matches!(settled.await, Ok(Ok(_))) {
             tracing::info!(
-                event = "idempotency.drained",
+                event = event::DRAINED,
                 "every outcome this layer owed the store is settled"
             );
             return Drained { unsettled: 0 };
@@ -186,7 +187,7 @@ impl Drain {
         for (owed, span) in &pending {
             tracing::warn!(
                 parent: span,
-                event = "idempotency.drain_unsettled",
+                event = event::DRAIN_UNSETTLED,
                 owed = owed.as_str(),
                 timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
                 "shutting down with this key unsettled: it stays claimed until its claim ends (its lease runs out, or its transaction ends with the process), and a retry after that may run the handler again"

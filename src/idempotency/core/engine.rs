@@ -2,6 +2,7 @@
 //! run (with a guard that completes or releases the claim), replay, or refuse, and
 //! why. Every event and metric of the decision is recorded here, once.
 
+use crate::idempotency::code::event;
 use std::{
     sync::Arc,
     time::{Duration, SystemTime},
@@ -200,7 +201,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 return match policy.store_failure {
                     StoreFailure::FailClosed => {
                         tracing::warn!(
-                            event = "idempotency.store_failed",
+                            event = event::STORE_FAILED,
                             error = %Chain(&error),
                             phase = "begin",
                             mode = "fail_closed",
@@ -210,7 +211,7 @@ impl<St: IdempotencyStore> Engine<St> {
                     }
                     StoreFailure::FailOpen => {
                         tracing::warn!(
-                            event = "idempotency.store_failed",
+                            event = event::STORE_FAILED,
                             error = %Chain(&error),
                             phase = "begin",
                             mode = "fail_open",
@@ -224,14 +225,14 @@ impl<St: IdempotencyStore> Engine<St> {
         match begin {
             Begin::Claimed { lease } => {
                 tracing::debug!(
-                    event = "idempotency.accepted",
+                    event = event::ACCEPTED,
                     "idempotency key accepted; running the handler"
                 );
                 self.run((scope, claim, lease, None), claimed)
             }
             Begin::ClaimedByTransaction { lease, transaction } => {
                 tracing::debug!(
-                    event = "idempotency.accepted",
+                    event = event::ACCEPTED,
                     "idempotency key accepted; running the handler in the transaction that holds it"
                 );
                 self.run((scope, claim, lease, Some(transaction)), claimed)
@@ -323,7 +324,7 @@ impl<St: IdempotencyStore> Engine<St> {
         match waited {
             Ok(Settled::ClaimedByTransaction { lease, transaction }) => {
                 tracing::debug!(
-                    event = "idempotency.accepted",
+                    event = event::ACCEPTED,
                     "the work this one waited for ended without an outcome; running the handler in the transaction that now holds the key"
                 );
                 self.run((scope, claim, lease, Some(transaction)), claimed)
@@ -340,7 +341,7 @@ impl<St: IdempotencyStore> Engine<St> {
             Ok(Settled::TimedOut) => in_flight(first_seen, request_count, AFTER_WAIT),
             Ok(Settled::Released) => {
                 tracing::debug!(
-                    event = "idempotency.original_failed",
+                    event = event::ORIGINAL_FAILED,
                     "the work this one waited for did not complete; retry"
                 );
                 Decision::Answer(Verdict::OriginalFailed)
@@ -348,7 +349,7 @@ impl<St: IdempotencyStore> Engine<St> {
             Err(error) if error.is_exhausted() => pool_exhausted(&error),
             Err(error) => {
                 tracing::warn!(
-                    event = "idempotency.store_failed",
+                    event = event::STORE_FAILED,
                     error = %Chain(&error),
                     phase = "wait",
                     "idempotency store failed while waiting"
@@ -516,7 +517,7 @@ fn in_flight<St: IdempotencyStore>(
     retry_after: Duration,
 ) -> Decision<St> {
     tracing::debug!(
-        event = "idempotency.in_flight",
+        event = event::IN_FLIGHT,
         request_count,
         retry_after_ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX),
         "work with this idempotency key is still running"
@@ -530,7 +531,7 @@ fn in_flight<St: IdempotencyStore>(
 
 fn pool_exhausted<St: IdempotencyStore>(error: &StoreError) -> Decision<St> {
     tracing::warn!(
-        event = "idempotency.pool_exhausted",
+        event = event::POOL_EXHAUSTED,
         error = %Chain(error),
         "no database connection was free for this request in time; nothing ran"
     );
@@ -539,7 +540,7 @@ fn pool_exhausted<St: IdempotencyStore>(error: &StoreError) -> Decision<St> {
 
 fn conflict<St: IdempotencyStore>() -> Decision<St> {
     tracing::warn!(
-        event = "idempotency.conflict",
+        event = event::CONFLICT,
         "idempotency key reused with another request"
     );
     Decision::Answer(Verdict::Conflict)
@@ -550,7 +551,7 @@ fn epoch_mismatch<St: IdempotencyStore>(
     requested: Option<u64>,
 ) -> Decision<St> {
     tracing::warn!(
-        event = "idempotency.epoch_mismatch",
+        event = event::EPOCH_MISMATCH,
         recorded_epoch = recorded,
         request_epoch = requested,
         "idempotency key used in another epoch"
@@ -586,7 +587,7 @@ fn settled<St: IdempotencyStore>(
 /// A duplicate answered with the stored outcome: its event.
 fn replayed(record: &Record, request_count: u64) {
     tracing::debug!(
-        event = "idempotency.replayed",
+        event = event::REPLAYED,
         request_count,
         status = record.payload.as_ref().map(Payload::status),
         original_attempt = record.original_attempt.as_ref().map(AttemptId::as_str),
@@ -605,7 +606,7 @@ pub(crate) fn replay_failed(request_count: u64) {
 /// A duplicate of work that ran, whose outcome this transport cannot hand back.
 fn not_replayable(request_count: u64) {
     tracing::debug!(
-        event = "idempotency.not_replayable",
+        event = event::NOT_REPLAYABLE,
         request_count,
         "the work ran but its outcome was not kept, or cannot be handed back here"
     );

@@ -2,6 +2,7 @@
 //! stored from a task of their own as soon as the store answers, and never given up
 //! for a retry to run again.
 
+use crate::idempotency::code::event;
 use std::{
     collections::HashMap,
     sync::{
@@ -38,7 +39,7 @@ pub(super) fn report(completion: Completion, record: &Record, ttl: Duration, att
     let bytes = record.weight();
     match completion {
         Completion::Stored => tracing::debug!(
-            event = "idempotency.stored",
+            event = event::STORED,
             status,
             bytes,
             ttl_secs = ttl.as_secs(),
@@ -46,7 +47,7 @@ pub(super) fn report(completion: Completion, record: &Record, ttl: Duration, att
             "stored the response for replay"
         ),
         Completion::StoredWithoutClaim => tracing::warn!(
-            event = "idempotency.stored",
+            event = event::STORED,
             status,
             bytes,
             ttl_secs = ttl.as_secs(),
@@ -55,7 +56,7 @@ pub(super) fn report(completion: Completion, record: &Record, ttl: Duration, att
             "stored the response, but the store had lost this request's claim (restarted without persistence, or the lease ran out): a duplicate may have run meanwhile"
         ),
         Completion::Superseded => tracing::warn!(
-            event = "idempotency.lease_lost",
+            event = event::LEASE_LOST,
             status,
             attempts,
             "another request stored its outcome for this key: this request's claim ran out while it was running, and its outcome was not stored"
@@ -151,7 +152,7 @@ impl KeptOutcomes {
         if held > max_bytes {
             self.bytes.fetch_sub(weight, Ordering::Relaxed);
             tracing::warn!(
-                event = "idempotency.kept_over_budget",
+                event = event::KEPT_OVER_BUDGET,
                 bytes = weight,
                 max_bytes,
                 "outcomes waiting for the store hold too many bytes: this one is kept without its response, so duplicates get 410, never a second run"
@@ -224,7 +225,7 @@ async fn store_until_done<St: IdempotencyStore>(
         match completed.await {
             Ok(Completion::ClaimedByAnother) => {
                 tracing::debug!(
-                    event = "idempotency.claim_lapsed",
+                    event = event::CLAIM_LAPSED,
                     attempts,
                     "another request's claim holds the key; trying again once it is settled"
                 );
@@ -232,7 +233,7 @@ async fn store_until_done<St: IdempotencyStore>(
             Ok(completion) => return report(completion, &outcome.record, outcome.ttl, attempts),
             Err(error) => {
                 tracing::debug!(
-                    event = "idempotency.store_failed",
+                    event = event::STORE_FAILED,
                     error = %Chain(&error),
                     phase = "complete",
                     attempts,
@@ -246,7 +247,7 @@ async fn store_until_done<St: IdempotencyStore>(
                 );
                 if let Ok(Renewal::Restored) = renewed.await {
                     tracing::warn!(
-                        event = "idempotency.claim_restored",
+                        event = event::CLAIM_RESTORED,
                         "the store had lost this request's claim (restarted without persistence?); it is back, but a duplicate may have run meanwhile"
                     );
                 }

@@ -1,6 +1,7 @@
 //! The claim of a request that runs: how long it holds its key, how it is renewed
 //! while the handler runs, and how it is given back.
 
+use crate::idempotency::code::event;
 use std::{sync::Arc, time::Duration};
 
 use tracing::Instrument as _;
@@ -105,26 +106,26 @@ pub(super) async fn renew<St: IdempotencyStore>(
 ) -> Renewed {
     match observe::store_call("renew", store.renew(scope, lease, claim)).await {
         Ok(Renewal::Extended) => {
-            tracing::trace!(event = "idempotency.lease_renewed", "renewed the claim");
+            tracing::trace!(event = event::LEASE_RENEWED, "renewed the claim");
             Renewed::Held
         }
         Ok(Renewal::Restored) => {
             tracing::warn!(
-                event = "idempotency.claim_restored",
+                event = event::CLAIM_RESTORED,
                 "the store had lost this request's claim (restarted without persistence, or the lease ran out unrenewed); it is back, but a duplicate may have run meanwhile"
             );
             Renewed::Held
         }
         Ok(Renewal::Lost) => {
             tracing::warn!(
-                event = "idempotency.lease_lost",
+                event = event::LEASE_LOST,
                 "another request holds this key now: this request's claim ran out while it was running; its outcome is stored once that request's claim is settled, unless a record takes the key first"
             );
             Renewed::Lost
         }
         Err(error) if failed == 0 => {
             tracing::warn!(
-                event = "idempotency.store_failed",
+                event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "renew",
                 "could not renew the claim; trying again every 50 ms until a renewal lands"
@@ -133,7 +134,7 @@ pub(super) async fn renew<St: IdempotencyStore>(
         }
         Err(error) => {
             tracing::debug!(
-                event = "idempotency.store_failed",
+                event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "renew",
                 attempts = failed + 1,
@@ -186,7 +187,7 @@ pub(super) async fn release<St: IdempotencyStore>(
 pub(super) fn released_with_transaction(reason: Release) {
     let reason = reason.as_str();
     tracing::debug!(
-        event = "idempotency.released",
+        event = event::RELEASED,
         reason,
         "released the idempotency key with its transaction; a retry runs again"
     );
@@ -205,7 +206,7 @@ async fn try_release<St: IdempotencyStore>(
     match observe::store_call("release", store.release(scope, lease)).await {
         Ok(true) => {
             tracing::debug!(
-                event = "idempotency.released",
+                event = event::RELEASED,
                 reason = reason_str,
                 attempts,
                 "released the idempotency key; a retry runs again"
@@ -215,7 +216,7 @@ async fn try_release<St: IdempotencyStore>(
         }
         Ok(false) => {
             tracing::warn!(
-                event = "idempotency.lease_lost",
+                event = event::LEASE_LOST,
                 reason = reason_str,
                 "nothing to release: this request's claim had run out and another request holds the key"
             );
@@ -223,7 +224,7 @@ async fn try_release<St: IdempotencyStore>(
         }
         Err(error) if attempts == 1 => {
             tracing::warn!(
-                event = "idempotency.store_failed",
+                event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "release",
                 reason = reason_str,
@@ -233,7 +234,7 @@ async fn try_release<St: IdempotencyStore>(
         }
         Err(error) => {
             tracing::debug!(
-                event = "idempotency.store_failed",
+                event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "release",
                 reason = reason_str,

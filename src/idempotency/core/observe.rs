@@ -12,6 +12,7 @@
 //! | [`STORE_FAILURES`] | counter | `operation` |
 //! | [`RELEASED`] | counter | `reason` |
 
+use crate::idempotency::code::event;
 use std::{
     future::Future,
     sync::atomic::{AtomicBool, Ordering},
@@ -313,7 +314,7 @@ impl LayerOrder {
     pub(crate) fn check(&self) {
         if !CorrelationId::is_current() && !self.warned.swap(true, Ordering::Relaxed) {
             tracing::warn!(
-                event = "idempotency.uncorrelated",
+                event = event::UNCORRELATED,
                 "no correlation id in scope: the idempotency layer runs outside the correlation layer (or without one), so its replays and refusals carry none; put CorrelationLayer outside it (ServiceBuilder: add it first; axum: `Router::layer` it last, after the routes); logged once per layer"
             );
         }

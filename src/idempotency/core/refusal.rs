@@ -4,23 +4,20 @@
 //! the adapter's.
 
 use super::observe;
+use crate::idempotency::code::event;
+use crate::idempotency::Code;
 
 /// A refusal of the key, the client or the request's framing: WARN
 /// `idempotency.rejected` with `reason` (short and stable), `code` (the problem code)
 /// and `detail` (the layer's own text, never the request's); `status` is the answer's
 /// HTTP status, where the transport has one (gRPC's codes as the HTTP mapping of gRPC
 /// statuses says them).
-pub(crate) fn rejected(
-    reason: &'static str,
-    code: &'static str,
-    detail: &str,
-    status: Option<u16>,
-) {
+pub(crate) fn rejected(reason: &'static str, code: Code, detail: &str, status: Option<u16>) {
     observe::outcome("rejected");
     tracing::warn!(
-        event = "idempotency.rejected",
+        event = event::REJECTED,
         reason,
-        code,
+        code = code.as_str(),
         detail,
         status,
         "refused before deduplication: {code}"
@@ -31,7 +28,7 @@ pub(crate) fn rejected(
 pub(crate) fn body_too_large(max_bytes: usize) {
     observe::outcome("rejected");
     tracing::warn!(
-        event = "idempotency.body_too_large",
+        event = event::BODY_TOO_LARGE,
         max_bytes,
         "request body over the idempotency limit"
     );
@@ -41,7 +38,7 @@ pub(crate) fn body_too_large(max_bytes: usize) {
 pub(crate) fn overloaded(budget_bytes: usize, requested_bytes: usize) {
     observe::outcome("rejected");
     tracing::warn!(
-        event = "idempotency.overloaded",
+        event = event::OVERLOADED,
         budget_bytes,
         requested_bytes,
         "request bodies in flight fill the idempotency byte budget; request refused"
@@ -52,7 +49,7 @@ pub(crate) fn overloaded(budget_bytes: usize, requested_bytes: usize) {
 pub(crate) fn body_unreadable(error: &str) {
     observe::outcome("rejected");
     tracing::warn!(
-        event = "idempotency.body_unreadable",
+        event = event::BODY_UNREADABLE,
         error,
         "request body could not be read"
     );

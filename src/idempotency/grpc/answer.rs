@@ -6,7 +6,6 @@ use std::{collections::HashMap, time::Duration};
 
 use bytes::Bytes;
 use http::{HeaderMap, Response};
-use tonic::Code;
 use tonic_types::{ErrorDetails, StatusExt as _};
 
 use super::call::StoredCall;
@@ -15,7 +14,7 @@ use crate::idempotency::{
     core::{self, Unsettled, Verdict},
     response::{echo, replay_headers},
     store::{PayloadFormat, Record},
-    AttemptId, IdempotencyKey,
+    AttemptId, Code, IdempotencyKey,
 };
 
 /// The `domain` of every `google.rpc.ErrorInfo` the layer answers; its `reason` is the
@@ -25,16 +24,14 @@ pub const ERROR_DOMAIN: &str = "tower-ids";
 /// A status the layer answers instead of running the call.
 pub(super) struct Refusal {
     code: Code,
-    reason: &'static str,
     message: String,
     retry_after: Option<Duration>,
 }
 
 impl Refusal {
-    pub(super) fn new(code: Code, reason: &'static str, message: impl Into<String>) -> Self {
+    pub(super) fn new(code: Code, message: impl Into<String>) -> Self {
         Self {
             code,
-            reason,
             message: message.into(),
             retry_after: None,
         }
@@ -51,32 +48,27 @@ impl Refusal {
         match verdict {
             Verdict::Replay { .. } | Verdict::NotReplayable { .. } => Self::not_replayable(),
             Verdict::InFlight { retry_after, .. } => Self::new(
-                Code::Aborted,
-                "idempotency.in_flight",
+                Code::InFlight,
                 "a call with this idempotency key is still running; retry after the delay to get its response",
             )
             .retry_after(retry_after),
             // gRPC calls carry no epoch; a mismatch is a conflict if it happened.
             Verdict::Conflict | Verdict::EpochMismatch { .. } => Self::new(
-                Code::FailedPrecondition,
-                "idempotency.fingerprint_mismatch",
+                Code::FingerprintMismatch,
                 "this idempotency key was used on this method with a different message; use a new key for a new call",
             ),
             Verdict::OriginalFailed => Self::new(
-                Code::Aborted,
-                "idempotency.original_failed",
+                Code::OriginalFailed,
                 "the call with this key that was running failed and stored nothing; retry to run it again",
             )
             .retry_after(Duration::ZERO),
             Verdict::StoreUnavailable => Self::new(
-                Code::Unavailable,
-                "idempotency.store_unavailable",
+                Code::StoreUnavailable,
                 "the server cannot check this idempotency key now, so it ran nothing; retry later",
             )
             .retry_after(Duration::from_secs(1)),
             Verdict::PoolExhausted => Self::new(
-                Code::ResourceExhausted,
-                "idempotency.pool_exhausted",
+                Code::PoolExhausted,
                 "every database connection is in use, so this call ran nothing; retry later",
             )
             .retry_after(Duration::from_secs(1)),
@@ -85,8 +77,7 @@ impl Refusal {
 
     fn not_replayable() -> Self {
         Self::new(
-            Code::FailedPrecondition,
-            "idempotency.not_replayable",
+                Code::NotReplayable,
             "the call with this idempotency key ran, but its response was not kept for replay; it will not run again",
         )
     }
@@ -95,13 +86,11 @@ impl Refusal {
     pub(super) fn unsettled(unsettled: &Unsettled) -> Self {
         match unsettled {
             Unsettled::NotCommitted(error) => Self::new(
-                Code::Unavailable,
-                "idempotency.not_committed",
+                Code::NotCommitted,
                 format!("the call's transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
             ),
             Unsettled::Unknown(error) => Self::new(
-                Code::Unavailable,
-                "idempotency.outcome_unknown",
+                Code::OutcomeUnknown,
                 format!("whether the call's transaction committed is not known ({error}); retry with the same key: it replays the outcome if it committed"),
             ),
         }
@@ -110,11 +99,12 @@ impl Refusal {
 
     /// The trailers-only response carrying this status.
     fn into_response<B>(self) -> Response<Body<B>> {
-        let mut details = ErrorDetails::with_error_info(self.reason, ERROR_DOMAIN, HashMap::new());
+        let mut details =
+            ErrorDetails::with_error_info(self.code.as_str(), ERROR_DOMAIN, HashMap::new());
         if let Some(delay) = self.retry_after {
             details.set_retry_info(Some(delay));
         }
-        tonic::Status::with_error_details(self.code, self.message, details)
+        tonic::Status::with_error_details(self.code.grpc(), self.message, details)
             .into_http::<()>()
             .map(|()| Body::complete(Bytes::new()))
     }
@@ -143,9 +133,9 @@ impl Reply<'_> {
     pub(super) fn refuse<B>(self, reason: &'static str, refusal: Refusal) -> Response<Body<B>> {
         core::refusal::rejected(
             reason,
-            refusal.reason,
+            refusal.code,
             &refusal.message,
-            Some(http_status(refusal.code)),
+            Some(http_status(refusal.code.grpc())),
         );
         self.status(refusal)
     }
@@ -200,7 +190,8 @@ impl Reply<'_> {
 /// The HTTP status the gRPC status `code` maps to, as gRPC's HTTP mapping says it: a
 /// `5xx` is a server error (a transaction the handler took is rolled back for it, as for
 /// the HTTP layer's), and refusals log it as their `status`.
-pub(super) fn http_status(code: Code) -> u16 {
+pub(super) fn http_status(code: tonic::Code) -> u16 {
+    use tonic::Code;
     match code {
         Code::Ok => 200,
         Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => 400,

@@ -9,7 +9,6 @@ use std::{
 
 use bytes::Bytes;
 use http::{Request, Response};
-use tonic::Code;
 use tower_service::Service;
 
 use super::{
@@ -27,7 +26,7 @@ use crate::idempotency::{
     },
     response::{offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore, Payload, PayloadFormat},
-    AttemptId, ClientId, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_KEY,
+    AttemptId, ClientId, Code, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_KEY,
 };
 
 /// Middleware that runs each keyed unary gRPC call once and replays its response.
@@ -171,9 +170,8 @@ fn protect<B, C: IdentifyClient<B>, R>(
     let attempt = match AttemptId::from_headers(headers) {
         Ok(attempt) => attempt,
         Err(error) => {
-            let (code, _) = error.refusal();
-            let refusal = Refusal::new(Code::InvalidArgument, code, error.to_string());
-            return Decided::Refused(Reply::default().refuse(error.code(), refusal));
+            let refusal = Refusal::new(error.refusal(), error.to_string());
+            return Decided::Refused(Reply::default().refuse(error.reason(), refusal));
         }
     };
     let keyless = Reply {
@@ -186,17 +184,15 @@ fn protect<B, C: IdentifyClient<B>, R>(
             return Decided::Refused(keyless.refuse(
                 "missing",
                 Refusal::new(
-                    Code::InvalidArgument,
-                    "idempotency.key_missing",
+                    Code::KeyMissing,
                     "this method requires `idempotency-key` metadata on every call",
                 ),
             ));
         }
         Ok(None) => return Decided::PassThrough(attempt),
         Err(error) => {
-            let (code, _) = error.refusal();
-            let refusal = Refusal::new(Code::InvalidArgument, code, error.to_string());
-            return Decided::Refused(keyless.refuse(error.code(), refusal));
+            let refusal = Refusal::new(error.refusal(), error.to_string());
+            return Decided::Refused(keyless.refuse(error.reason(), refusal));
         }
     };
     let reply = Reply {
@@ -207,18 +203,13 @@ fn protect<B, C: IdentifyClient<B>, R>(
         Ok(client) => client,
         Err(error) => {
             // Fixed text or a configured header name, never what the call sent.
-            let refusal = Refusal::new(
-                Code::InvalidArgument,
-                "idempotency.client_invalid",
-                error.to_string(),
-            );
-            return Decided::Refused(reply.refuse(error.reason(), refusal));
+            let refusal = Refusal::new(Code::ClientInvalid, error.to_string());
+            return Decided::Refused(reply.refuse(error.logged_reason(), refusal));
         }
     };
     if client.is_none() && settings.require_client {
         let refusal = Refusal::new(
-            Code::Unauthenticated,
-            "idempotency.client_missing",
+                Code::ClientMissing,
             "this method keeps idempotency keys per client, and this call names none; send your credentials",
         );
         return Decided::Refused(reply.refuse("client_missing", refusal));
@@ -261,8 +252,7 @@ where
         Read::TooLarge => {
             refusal::body_too_large(max);
             return Ok(reply.status(Refusal::new(
-                Code::ResourceExhausted,
-                "idempotency.body_too_large",
+                Code::BodyTooLarge,
                 format!("the call's messages are over the idempotency limit of {max} bytes; nothing ran"),
             )));
         }
@@ -270,8 +260,7 @@ where
             refusal::overloaded(settings.budget.capacity(), requested);
             return Ok(reply.status(
                 Refusal::new(
-                    Code::Unavailable,
-                    "idempotency.overloaded",
+                Code::Overloaded,
                     "the server holds as many calls as it can right now, so it ran nothing; retry later",
                 )
                 .retry_after(std::time::Duration::from_secs(1)),
@@ -280,8 +269,7 @@ where
         Read::Failed(error) => {
             refusal::body_unreadable(&error);
             return Ok(reply.status(Refusal::new(
-                Code::InvalidArgument,
-                "idempotency.body_unreadable",
+                Code::BodyUnreadable,
                 "the call's messages could not be read to the end",
             )));
         }
@@ -290,8 +278,7 @@ where
         Some(1) => {}
         Some(_) => {
             return Ok(reply.refuse("streaming_unsupported", Refusal::new(
-                Code::Unimplemented,
-                "idempotency.streaming_unsupported",
+                Code::StreamingUnsupported,
                 "a call with an idempotency key must send exactly one message; streaming calls are not deduplicated, send them without the key",
             )));
         }
@@ -299,8 +286,7 @@ where
             return Ok(reply.refuse(
                 "message_invalid",
                 Refusal::new(
-                    Code::InvalidArgument,
-                    "idempotency.message_invalid",
+                    Code::MessageInvalid,
                     "the call's body is not a sequence of length-prefixed gRPC messages",
                 ),
             ));
@@ -366,14 +352,13 @@ where
         }
         (_, Finished::Failed) | (Collected::Failed(_), _) => {
             return Ok(reply.status(Refusal::new(
-                Code::Internal,
-                "idempotency.response_failed",
+                Code::ResponseFailed,
                 "the response could not be produced; nothing was stored, so a retry runs again",
             )))
         }
         // A success whose writes were rolled back must not say it succeeded.
         (Collected::Complete { trailers, .. }, Finished::RolledBack(error))
-            if status_code(&parts.headers, trailers.as_deref()) == Code::Ok =>
+            if status_code(&parts.headers, trailers.as_deref()) == tonic::Code::Ok =>
         {
             return Ok(reply.status(Refusal::unsettled(&Unsettled::NotCommitted(error))))
         }

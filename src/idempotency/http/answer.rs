@@ -5,7 +5,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use http::{header, HeaderValue, Response, StatusCode};
+use http::{header, HeaderValue, Response};
 
 use super::{layer::Settings, replay, stored::StoredResponse};
 use crate::idempotency::{
@@ -13,8 +13,8 @@ use crate::idempotency::{
     core::{self, ReplayInfo, Unsettled, Verdict},
     response::{echo, http_date, replay_headers},
     store::Record,
-    AttemptId, IdempotencyKey, InvalidIdempotencyKey, IDEMPOTENCY_EXPIRES, IDEMPOTENCY_FIRST_SEEN,
-    IDEMPOTENCY_REQUEST_COUNT,
+    AttemptId, Code, IdempotencyKey, InvalidIdempotencyKey, IDEMPOTENCY_EXPIRES,
+    IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT,
 };
 use crate::{body::Body, problem::Problem};
 
@@ -69,19 +69,15 @@ impl Reply<'_> {
 
     /// The `400` for an idempotency key or attempt ID the layer cannot accept.
     pub(super) fn reject_key<B>(self, error: &InvalidIdempotencyKey) -> Response<Body<B>> {
-        let (code, title) = error.refusal();
-        let status = StatusCode::BAD_REQUEST;
-        self.refuse(status, error.code(), code, title, error.to_string())
+        self.refuse(error.reason(), error.refusal(), error.to_string())
     }
 
     /// The `400` for a request whose client cannot be told (two different API keys).
     pub(super) fn reject_client<B>(self, error: &ClientRejection) -> Response<Body<B>> {
+        // Fixed text or a configured header name, never what the request sent.
         self.refuse(
-            StatusCode::BAD_REQUEST,
-            error.reason(),
-            "idempotency.client_invalid",
-            "Invalid client identity",
-            // Fixed text or a configured header name, never what the request sent.
+            error.logged_reason(),
+            Code::ClientInvalid,
             error.to_string(),
         )
     }
@@ -90,22 +86,18 @@ impl Reply<'_> {
     /// `detail` is the layer's own text, never the request's.
     pub(super) fn refuse<B>(
         self,
-        status: StatusCode,
         reason: &'static str,
-        code: &'static str,
-        title: &'static str,
+        code: Code,
         detail: String,
     ) -> Response<Body<B>> {
-        core::refusal::rejected(reason, code, &detail, Some(status.as_u16()));
-        self.finish(self.problem(Problem::new(status, code, title, detail)))
+        core::refusal::rejected(reason, code, &detail, Some(code.http_status().as_u16()));
+        self.finish(self.problem(Problem::idempotency(code, detail)))
     }
 
     /// The `413` for a request body over `max` bytes.
     pub(super) fn body_too_large<B>(self, max: usize) -> Response<Body<B>> {
-        let problem = Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "idempotency.body_too_large",
-            "Request body too large",
+        let problem = Problem::idempotency(
+            Code::BodyTooLarge,
             format!("an idempotent request body may be at most {max} bytes"),
         );
         self.finish(self.problem(problem))
@@ -113,21 +105,17 @@ impl Reply<'_> {
 
     /// The `503` for a request the byte budget cannot take now.
     pub(super) fn overloaded<B>(self) -> Response<Body<B>> {
-        let problem = Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "idempotency.overloaded",
-            "Server busy",
-            "the server holds as many request bodies as it can right now, so it ran nothing; retry later",
+        let problem = Problem::idempotency(
+                Code::Overloaded,
+                "the server holds as many request bodies as it can right now, so it ran nothing; retry later",
         );
         self.retry_later(problem, Duration::from_secs(1))
     }
 
     /// The `400` for a request body that failed mid-read.
     pub(super) fn body_unreadable<B>(self) -> Response<Body<B>> {
-        let problem = Problem::new(
-            StatusCode::BAD_REQUEST,
-            "idempotency.body_unreadable",
-            "Request body unreadable",
+        let problem = Problem::idempotency(
+            Code::BodyUnreadable,
             "the request body could not be read to the end",
         );
         self.finish(self.problem(problem))
@@ -149,10 +137,8 @@ impl Reply<'_> {
                 request_count,
                 retry_after,
             } => self.in_flight(first_seen, request_count, retry_after),
-            Verdict::Conflict => self.finish(self.problem(Problem::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency.fingerprint_mismatch",
-                "Idempotency key reused",
+            Verdict::Conflict => self.finish(self.problem(Problem::idempotency(
+                Code::FingerprintMismatch,
                 "this idempotency key was used with a different request (method, path, query, content type or body); use a new key for a new request",
             ))),
             Verdict::EpochMismatch {
@@ -160,29 +146,23 @@ impl Reply<'_> {
                 requested,
             } => self.epoch_mismatch(recorded, requested),
             Verdict::OriginalFailed => self.retry_later(
-                Problem::new(
-                    StatusCode::CONFLICT,
-                    "idempotency.original_failed",
-                    "Original request failed",
-                    "the request with this key that was running failed and stored nothing; retry to run it again",
+                Problem::idempotency(
+                Code::OriginalFailed,
+                "the request with this key that was running failed and stored nothing; retry to run it again",
                 ),
                 Duration::from_secs(1),
             ),
             Verdict::StoreUnavailable => self.retry_later(
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "idempotency.store_unavailable",
-                    "Idempotency store unavailable",
-                    "the server cannot check this idempotency key now, so it ran nothing; retry later",
+                Problem::idempotency(
+                Code::StoreUnavailable,
+                "the server cannot check this idempotency key now, so it ran nothing; retry later",
                 ),
                 Duration::from_secs(1),
             ),
             Verdict::PoolExhausted => self.retry_later(
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "idempotency.pool_exhausted",
-                    "Server busy",
-                    "every database connection is in use, so this request ran nothing; retry later",
+                Problem::idempotency(
+                Code::PoolExhausted,
+                "every database connection is in use, so this request ran nothing; retry later",
                 ),
                 Duration::from_secs(1),
             ),
@@ -192,11 +172,9 @@ impl Reply<'_> {
     fn epoch_mismatch<B>(self, recorded: Option<u64>, requested: Option<u64>) -> Response<Body<B>> {
         let describe =
             |epoch: Option<u64>| epoch.map_or_else(|| "none".to_owned(), |e| e.to_string());
-        let problem = Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "idempotency.epoch_mismatch",
-            "Idempotency key from another epoch",
-            format!(
+        let problem = Problem::idempotency(
+                Code::EpochMismatch,
+                format!(
                 "this idempotency key belongs to epoch {}, the request to epoch {}; derive a new key in the current epoch",
                 describe(recorded),
                 describe(requested)
@@ -211,11 +189,9 @@ impl Reply<'_> {
         request_count: Option<u64>,
         retry_after: Duration,
     ) -> Response<Body<B>> {
-        let problem = Problem::new(
-            StatusCode::CONFLICT,
-            "idempotency.in_flight",
-            "Request in progress",
-            "a request with this idempotency key is still running; retry after the delay to get its response",
+        let problem = Problem::idempotency(
+                Code::InFlight,
+                "a request with this idempotency key is still running; retry after the delay to get its response",
         );
         let mut response = self.retry_later(problem, retry_after);
         let headers = response.headers_mut();
@@ -230,11 +206,9 @@ impl Reply<'_> {
 
     /// The `410` for a duplicate of a request whose response was too large to keep.
     fn not_replayable<B>(self, record: &Record, request_count: u64) -> Response<Body<B>> {
-        let problem = Problem::new(
-            StatusCode::GONE,
-            "idempotency.not_replayable",
-            "Response not replayable",
-            "the request with this idempotency key ran, but its response was too large to keep for replay; it will not run again",
+        let problem = Problem::idempotency(
+                Code::NotReplayable,
+                "the request with this idempotency key ran, but its response was too large to keep for replay; it will not run again",
         );
         let mut response = self.problem(problem);
         replay_headers(response.headers_mut(), record, request_count);
@@ -282,10 +256,8 @@ impl Reply<'_> {
 
     /// The `500` for a handler whose response body failed mid-read.
     pub(super) fn response_failed<B>(self) -> Response<Body<B>> {
-        self.finish(self.problem(Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "idempotency.response_failed",
-            "Response failed",
+        self.finish(self.problem(Problem::idempotency(
+            Code::ResponseFailed,
             "the response could not be produced; nothing was stored, so a retry runs again",
         )))
     }
@@ -297,16 +269,12 @@ impl Reply<'_> {
     /// once nothing holds the key.
     pub(super) fn unsettled<B>(self, unsettled: &Unsettled) -> Response<Body<B>> {
         let problem = match unsettled {
-            Unsettled::NotCommitted(error) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "idempotency.not_committed",
-                "Request not committed",
+            Unsettled::NotCommitted(error) => Problem::idempotency(
+                Code::NotCommitted,
                 format!("the request's transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
             ),
-            Unsettled::Unknown(error) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "idempotency.outcome_unknown",
-                "Request outcome unknown",
+            Unsettled::Unknown(error) => Problem::idempotency(
+                Code::OutcomeUnknown,
                 format!("the request ran, but whether its transaction committed is not known ({error}); retry with the same key: it replays the outcome if it committed, and runs again if it did not"),
             ),
         };

@@ -17,7 +17,10 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use tokio::sync::{mpsc, Notify};
 use tower::{service_fn, Service, ServiceExt};
 
-use crate::{body::Body, idempotency::IdempotencyLayer};
+use crate::{
+    body::Body,
+    idempotency::{Code, IdempotencyLayer},
+};
 
 type Frames = mpsc::UnboundedSender<Result<Frame<Bytes>, std::io::Error>>;
 type Streamed = StreamBody<
@@ -172,7 +175,7 @@ async fn over_the_budget_is_503_with_retry_after_and_the_handler_never_runs() {
     let (status, retry_after, code) = answer(declared.await.unwrap()).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(retry_after.as_deref(), Some("1"));
-    assert_eq!(code, "idempotency.overloaded");
+    assert_eq!(code, Code::Overloaded.as_str());
 
     // Without a length the budget runs out partway: refused then, all given back.
     let (frames, body) = streamed();
@@ -185,7 +188,7 @@ async fn over_the_budget_is_503_with_retry_after_and_the_handler_never_runs() {
         (status, code.as_str()),
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            Some("idempotency.overloaded")
+            Some(Code::Overloaded.as_str())
         )
     );
     assert_eq!(budget.available(), 200);
@@ -214,7 +217,7 @@ async fn a_body_larger_than_the_whole_budget_is_413_not_503() {
         let (status, retry_after, code) = answer(response).await;
         assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
         assert_eq!(retry_after, None, "no retry can fit it");
-        assert_eq!(code, "idempotency.body_too_large");
+        assert_eq!(code, Code::BodyTooLarge.as_str());
     }
     assert_eq!(handler.runs(), 0);
     assert_eq!(layer.settings.budget.available(), 1000);
@@ -236,7 +239,7 @@ async fn a_body_that_fails_or_ends_short_gives_its_bytes_back() {
     let (status, _, code) = answer(failing.await.unwrap().unwrap()).await;
     assert_eq!(
         (status, code.as_str()),
-        (StatusCode::BAD_REQUEST, Some("idempotency.body_unreadable"))
+        (StatusCode::BAD_REQUEST, Some(Code::BodyUnreadable.as_str()))
     );
 
     // Shorter than its Content-Length: refused, never run with a truncated body.
@@ -247,7 +250,7 @@ async fn a_body_that_fails_or_ends_short_gives_its_bytes_back() {
     let (status, _, code) = answer(short.await.unwrap().unwrap()).await;
     assert_eq!(
         (status, code.as_str()),
-        (StatusCode::BAD_REQUEST, Some("idempotency.body_unreadable"))
+        (StatusCode::BAD_REQUEST, Some(Code::BodyUnreadable.as_str()))
     );
 
     assert_eq!(handler.runs(), 0);

@@ -299,6 +299,7 @@ mod tests {
     use http::Request;
 
     use super::*;
+    use crate::idempotency::Code;
 
     fn parts() -> Parts {
         Request::post("/realtime").body(()).unwrap().into_parts().0
@@ -326,25 +327,25 @@ mod tests {
     fn each_way_a_json_body_can_be_wrong_has_its_own_answer() {
         let extractor = KeyFromJson::new("/correlation_id").client("/partner_id");
         let cases = [
-            ("not json", "idempotency.body_not_json", "body_not_json"),
+            ("not json", Code::BodyNotJson, "body_not_json"),
             (
                 r#"{"correlation_id":7,"partner_id":"p"}"#,
-                "idempotency.key_invalid",
+                Code::KeyInvalid,
                 "field_not_string",
             ),
             (
                 r#"{"correlation_id":"a b","partner_id":"p"}"#,
-                "idempotency.key_invalid",
+                Code::KeyInvalid,
                 "field_invalid",
             ),
             (
                 r#"{"correlation_id":"c"}"#,
-                "idempotency.client_invalid",
+                Code::ClientInvalid,
                 "client_field_missing",
             ),
             (
                 r#"{"correlation_id":"c","partner_id":[1]}"#,
-                "idempotency.client_invalid",
+                Code::ClientInvalid,
                 "client_field_invalid",
             ),
         ];

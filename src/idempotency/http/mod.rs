@@ -22,7 +22,7 @@ mod stored;
 mod transaction;
 
 #[cfg(all(feature = "postgres", feature = "axum"))]
-pub use self::transaction::TransactionMissing;
+pub use self::transaction::TransactionRejection;
 pub use self::{
     epoch::{EpochFromExtension, EpochFromHeader, EpochRejection, ExtractEpoch, NoEpoch},
     extract::{ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeader, KeyFromJson},

@@ -19,75 +19,51 @@ use crate::idempotency::{
         ATTEMPT_ID, IDEMPOTENCY_EXPIRES, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY,
         IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID,
     },
-    IdempotencyKey,
+    Code, IdempotencyKey,
 };
 use crate::{problem::PROBLEM_JSON, IDEMPOTENCY_PROBLEM_DOCS};
 
-/// The problems the layer answers with, by status: what each status's `code` may be.
-pub(crate) const PROBLEMS: &[(u16, &str, &[&str])] = &[
-    (
-        400,
-        "The idempotency headers or the body could not be used",
-        &[
-            "idempotency.key_missing",
-            "idempotency.key_invalid",
-            "idempotency.keys_disagree",
-            "idempotency.key_repeated",
-            "idempotency.attempt_id_invalid",
-            "idempotency.client_invalid",
-            "idempotency.body_unreadable",
-            "idempotency.body_not_json",
-            "idempotency.epoch_invalid",
-        ],
-    ),
+/// The problems the layer answers with, by status, described; the codes of each are
+/// [`answered_with`]'s.
+pub(crate) const PROBLEMS: &[(u16, &str)] = &[
+    (400, "The idempotency headers or the body could not be used"),
     (
         409,
         "A request with this key is running, or the one waited on failed; retry after Retry-After",
-        &["idempotency.in_flight", "idempotency.original_failed"],
     ),
-    (
-        410,
-        "The request ran, but its response was too large to keep",
-        &["idempotency.not_replayable"],
-    ),
-    (
-        413,
-        "The request body is over the limit",
-        &["idempotency.body_too_large"],
-    ),
-    (
-        422,
-        "The key was used with another request",
-        &[
-            "idempotency.fingerprint_mismatch",
-            "idempotency.epoch_mismatch",
-        ],
-    ),
-    (
-        500,
-        "The handler's response failed while being read",
-        &["idempotency.response_failed"],
-    ),
+    (410, "The request ran, but its response was too large to keep"),
+    (413, "The request body is over the limit"),
+    (422, "The key was used with another request"),
+    (500, "The handler's response failed while being read"),
     (
         503,
         "The layer is full, its store is unavailable or its pool exhausted (nothing ran), or the handler's \
          transaction did not commit or its outcome is unknown; retry after Retry-After",
-        &[
-            "idempotency.overloaded",
-            "idempotency.store_unavailable",
-            "idempotency.pool_exhausted",
-            "idempotency.not_committed",
-            "idempotency.outcome_unknown",
-        ],
     ),
 ];
 
 /// `401`, only where the layer requires a client.
-pub(crate) const CLIENT_MISSING: (u16, &str, &[&str]) = (
-    401,
-    "A key but no client to scope it",
-    &["idempotency.client_missing"],
-);
+pub(crate) const CLIENT_MISSING: (u16, &str) = (401, "A key but no client to scope it");
+
+/// The codes the HTTP layer answers a route with `status`: the gRPC layer's and the
+/// message layer's own are not, and neither is the `Transaction` extractor's (the
+/// handler's misconfiguration, not the layer's).
+pub(crate) fn answered_with(status: u16) -> Vec<&'static str> {
+    Code::ALL
+        .into_iter()
+        .filter(|code| code.http_status().as_u16() == status)
+        .filter(|code| {
+            !matches!(
+                code,
+                Code::TransactionMissing
+                    | Code::StreamingUnsupported
+                    | Code::MessageInvalid
+                    | Code::OutcomeUndecodable
+            )
+        })
+        .map(Code::as_str)
+        .collect()
+}
 
 impl<St, C, E> IdempotencyLayer<St, C, E> {
     /// Documents `operation` as one this layer protects, for generated clients: the
@@ -177,16 +153,17 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
             }
         }
         let client_missing = self.settings.require_client.then_some(&CLIENT_MISSING);
-        for (status, description, codes) in PROBLEMS.iter().chain(client_missing) {
+        for (status, description) in PROBLEMS.iter().chain(client_missing) {
             let entry = operation
                 .responses
                 .responses
                 .entry(status.to_string())
                 .or_insert_with(|| ResponseBuilder::new().description(*description).into());
             if let RefOr::T(response) = entry {
-                response
-                    .content
-                    .insert(PROBLEM_JSON.to_owned(), problem_content(codes));
+                response.content.insert(
+                    PROBLEM_JSON.to_owned(),
+                    problem_content(&answered_with(*status)),
+                );
                 add_layer_headers(response);
                 if matches!(status, 409 | 503) {
                     response.headers.insert(

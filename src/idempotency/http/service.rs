@@ -9,7 +9,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Request, Response};
 use tower_service::Service;
 
 use super::{
@@ -30,7 +30,8 @@ use crate::idempotency::{
     },
     response::{http_date, offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore},
-    AttemptId, ClientId, Fingerprint, IdempotencyKey, KeyRejection, ScopeKey, IDEMPOTENCY_EXPIRES,
+    AttemptId, ClientId, Code, Fingerprint, IdempotencyKey, KeyRejection, ScopeKey,
+    IDEMPOTENCY_EXPIRES,
 };
 
 /// The service a protected route wraps, as the layer needs it: it takes the request
@@ -253,20 +254,16 @@ fn protect<B>(
         Ok(Some(extracted)) => extracted.into_parts(),
         Ok(None) if settings.require_key => {
             return Decided::Refused(keyless.refuse(
-                StatusCode::BAD_REQUEST,
                 "missing",
-                "idempotency.key_missing",
-                "Missing idempotency key",
+                Code::KeyMissing,
                 settings.key.missing_detail().into_owned(),
             ));
         }
         Ok(None) => return Decided::PassThrough(attempt),
         Err(rejection) => {
             return Decided::Refused(keyless.refuse(
-                StatusCode::BAD_REQUEST,
                 rejection.reason(),
                 rejection.code(),
-                rejection.title(),
                 rejection.to_string(),
             ));
         }
@@ -277,10 +274,8 @@ fn protect<B>(
         Ok(epoch) => epoch,
         Err(error) => {
             return Decided::Refused(reply.refuse(
-                StatusCode::BAD_REQUEST,
                 "epoch_invalid",
-                "idempotency.epoch_invalid",
-                "Invalid epoch",
+                Code::EpochInvalid,
                 error.to_string(),
             ));
         }
@@ -296,10 +291,8 @@ fn protect<B>(
     };
     if client.is_none() && settings.require_client {
         return Decided::Refused(reply.refuse(
-            StatusCode::UNAUTHORIZED,
             "client_missing",
-            "idempotency.client_missing",
-            "Client not identified",
+            Code::ClientMissing,
             "this route keeps idempotency keys per client, and this request names none; send your credentials".into(),
         ));
     }

@@ -1,13 +1,14 @@
 //! The PostgreSQL store's [`Transaction`] as an axum extractor, for the handlers of an
 //! HTTP route: the layer offers it in the request's extensions.
 
+use crate::idempotency::code::event;
 use axum_core::{
     extract::FromRequestParts,
     response::{IntoResponse, Response},
 };
-use http::{request::Parts, StatusCode};
+use http::request::Parts;
 
-use crate::idempotency::store::Transaction;
+use crate::idempotency::{store::Transaction, Code};
 use crate::problem::Problem;
 
 /// The request's [`Transaction`] as an axum extractor. On a route without an
@@ -15,14 +16,14 @@ use crate::problem::Problem;
 /// layer did not run (a replay never reaches the handler), the handler is answered
 /// `500`.
 impl<S: Send + Sync> FromRequestParts<S> for Transaction {
-    type Rejection = TransactionMissing;
+    type Rejection = TransactionRejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         parts
             .extensions
             .get::<Transaction>()
             .cloned()
-            .ok_or(TransactionMissing)
+            .ok_or(TransactionRejection)
     }
 }
 
@@ -30,18 +31,16 @@ impl<S: Send + Sync> FromRequestParts<S> for Transaction {
 /// `PostgresStore` in transactional mode offered one.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
-pub struct TransactionMissing;
+pub struct TransactionRejection;
 
-impl IntoResponse for TransactionMissing {
+impl IntoResponse for TransactionRejection {
     fn into_response(self) -> Response {
         tracing::error!(
-            event = "idempotency.transaction_missing",
+            event = event::TRANSACTION_MISSING,
             "Transaction extracted but no idempotency layer over a PostgresStore in transactional mode offered one"
         );
-        Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "idempotency.transaction_missing",
-            "Server misconfigured",
+        Problem::idempotency(
+            Code::TransactionMissing,
             "this route takes the request's transaction, but no idempotency layer over a PostgresStore in transactional mode runs it",
         )
         .into_response_with(axum_core::body::Body::from)

@@ -94,11 +94,11 @@ where
         }
         Ok(Handled::Refused(refusal)) if refusal.retryable() => (
             Next::Retry(retry_pause, "requeued"),
-            refusal.code().to_owned(),
+            refusal.code().to_string(),
         ),
         Ok(Handled::Refused(refusal)) => (
-            Next::DeadLetter(refusal.code(), refusal.to_string()),
-            refusal.code().to_owned(),
+            Next::DeadLetter(refusal.code().as_str(), refusal.to_string()),
+            refusal.code().to_string(),
         ),
         Err(error) => {
             let error = error.to_string();

@@ -166,7 +166,7 @@ mod tests {
     use tower::{service_fn, Service, ServiceExt};
 
     use super::*;
-    use crate::idempotency::{IdempotencyKey, InFlight, KeyRejection, MokaStore, Policy};
+    use crate::idempotency::{Code, IdempotencyKey, InFlight, KeyRejection, MokaStore, Policy};
 
     #[derive(Clone)]
     struct Signal {
@@ -277,7 +277,7 @@ mod tests {
         let Handled::Refused(refusal) = service.oneshot(other).await.unwrap() else {
             panic!("refused");
         };
-        assert_eq!(refusal.code(), "idempotency.fingerprint_mismatch");
+        assert_eq!(refusal.code(), Code::FingerprintMismatch);
         assert!(!refusal.retryable());
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
@@ -306,12 +306,12 @@ mod tests {
         let Handled::Refused(refusal) = service.clone().oneshot(unkeyed).await.unwrap() else {
             panic!("refused");
         };
-        assert_eq!(refusal.code(), "idempotency.key_missing");
+        assert_eq!(refusal.code(), Code::KeyMissing);
         let bad = signal("swarm-start", "has space");
         let Handled::Refused(refusal) = service.oneshot(bad).await.unwrap() else {
             panic!("refused");
         };
-        assert_eq!(refusal.code(), "idempotency.key_invalid");
+        assert_eq!(refusal.code(), Code::KeyInvalid);
         assert_eq!(runs.load(Ordering::SeqCst), 0);
     }
 
@@ -402,7 +402,7 @@ mod tests {
         else {
             panic!("refused");
         };
-        assert_eq!(refusal.code(), "idempotency.not_replayable");
+        assert_eq!(refusal.code(), Code::NotReplayable);
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 }

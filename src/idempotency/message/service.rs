@@ -1,6 +1,7 @@
 //! A message's path through the message layer: its key read, the engine asked, and
 //! its decision turned into what the consumer does with the delivery (`Handled`).
 
+use crate::idempotency::code::event;
 use std::{
     fmt,
     future::Future,
@@ -19,6 +20,7 @@ use crate::correlation::CorrelationId;
 
 use super::{layer::MessageSettings, ExtractMessageKey, MessageKey};
 use crate::idempotency::{
+    code::Code,
     core::{
         self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine, Finished,
         Release, ReplayInfo, Unsettled, Verdict,
@@ -149,21 +151,19 @@ impl<R> Handled<R> {
 /// succeed.
 #[derive(Debug, Clone)]
 pub struct Refusal {
-    code: &'static str,
+    code: Code,
     detail: String,
-    retryable: bool,
 }
 
 impl Refusal {
-    fn new(code: &'static str, detail: impl Into<String>, retryable: bool) -> Self {
+    fn new(code: Code, detail: impl Into<String>) -> Self {
         Self {
             code,
             detail: detail.into(),
-            retryable,
         }
     }
 
-    /// The stable code:
+    /// Why the message was refused:
     ///
     /// | Code | Retryable | When |
     /// |---|---|---|
@@ -177,13 +177,13 @@ impl Refusal {
     /// | `idempotency.pool_exhausted` | yes | every connection of the store's pool was in use |
     /// | `idempotency.not_committed` | yes | the store refused the outcome's transaction; or, over a store in transactional mode, `store_if` did not keep the outcome, so its writes were rolled back |
     /// | `idempotency.outcome_unknown` | yes | the outcome's commit got no answer and could not be read back: the redelivery replays it if it landed |
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> Code {
         self.code
     }
 
     /// Whether a redelivery can succeed: requeue the message if so, else reject it.
     pub fn retryable(&self) -> bool {
-        self.retryable
+        self.code.retryable()
     }
 }
 
@@ -245,7 +245,7 @@ where
             Ok(Some(key)) => key,
             Ok(None) if settings.require_key => {
                 return ready(refuse(
-                    "idempotency.key_missing",
+                    Code::KeyMissing,
                     "missing",
                     "this consumer requires an idempotency key on every message".into(),
                 ));
@@ -297,7 +297,7 @@ fn ready<R: Send + 'static, E: Send + 'static>(handled: Handled<R>) -> ResponseF
 /// A refusal of a message the layer cannot key: in a span of the layer's own, as a
 /// keyed message's events are, which records the outcome as the HTTP layer's request
 /// span does.
-fn refuse<R>(code: &'static str, reason: &'static str, detail: String) -> Handled<R> {
+fn refuse<R>(code: Code, reason: &'static str, detail: String) -> Handled<R> {
     let correlation_id = CorrelationId::current();
     let span = tracing::info_span!(
         "idempotency",
@@ -305,7 +305,7 @@ fn refuse<R>(code: &'static str, reason: &'static str, detail: String) -> Handle
         idempotency_outcome = tracing::field::Empty
     );
     span.in_scope(|| core::refusal::rejected(reason, code, &detail, None));
-    Handled::Refused(Refusal::new(code, detail, false))
+    Handled::Refused(Refusal::new(code, detail))
 }
 
 /// Asks the engine what to do with a keyed message, and does it: runs the handler, or
@@ -345,35 +345,20 @@ fn decided<R: DeserializeOwned>(verdict: Verdict) -> Handled<R> {
         Verdict::NotReplayable { .. } => not_replayable(),
         Verdict::InFlight { retry_after, .. } => Handled::InFlight { retry_after },
         // Messages carry no epoch, so a mismatch cannot happen; a conflict if it did.
-        Verdict::Conflict | Verdict::EpochMismatch { .. } => Handled::Refused(Refusal::new(
-            "idempotency.fingerprint_mismatch",
-            "this idempotency key came before with a different message; use a new key for a new command",
-            false,
-        )),
-        Verdict::OriginalFailed => Handled::Refused(Refusal::new(
-            "idempotency.original_failed",
-            "the delivery with this key that was being handled failed and stored nothing; a redelivery runs it again",
-            true,
-        )),
-        Verdict::StoreUnavailable => Handled::Refused(Refusal::new(
-            "idempotency.store_unavailable",
-            "the idempotency store cannot check this key now, so nothing ran; requeue",
-            true,
-        )),
-        Verdict::PoolExhausted => Handled::Refused(Refusal::new(
-            "idempotency.pool_exhausted",
-            "every database connection is in use, so nothing ran; requeue",
-            true,
-        )),
+        Verdict::Conflict | Verdict::EpochMismatch { .. } => Handled::Refused(Refusal::new(Code::FingerprintMismatch,
+            "this idempotency key came before with a different message; use a new key for a new command")),
+        Verdict::OriginalFailed => Handled::Refused(Refusal::new(Code::OriginalFailed,
+            "the delivery with this key that was being handled failed and stored nothing; a redelivery runs it again")),
+        Verdict::StoreUnavailable => Handled::Refused(Refusal::new(Code::StoreUnavailable,
+            "the idempotency store cannot check this key now, so nothing ran; requeue")),
+        Verdict::PoolExhausted => Handled::Refused(Refusal::new(Code::PoolExhausted,
+            "every database connection is in use, so nothing ran; requeue")),
     }
 }
 
 fn not_replayable<R>() -> Handled<R> {
-    Handled::Refused(Refusal::new(
-        "idempotency.not_replayable",
-        "the message with this key was handled, but its outcome was not kept; it will not run again",
-        false,
-    ))
+    Handled::Refused(Refusal::new(Code::NotReplayable,
+        "the message with this key was handled, but its outcome was not kept; it will not run again"))
 }
 
 /// The stored outcome, decoded, for a duplicate of a message that was handled.
@@ -395,16 +380,13 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
         Err(error) => {
             core::replay_failed(request_count);
             tracing::warn!(
-                event = "idempotency.outcome_undecodable",
+                event = event::OUTCOME_UNDECODABLE,
                 error = %error,
                 request_count,
                 "the stored outcome does not decode into the outcome type"
             );
-            Handled::Refused(Refusal::new(
-                "idempotency.outcome_undecodable",
-                "the message with this key was handled, but its stored outcome does not decode into this consumer's outcome type; it will not run again",
-                false,
-            ))
+            Handled::Refused(Refusal::new(Code::OutcomeUndecodable,
+                "the message with this key was handled, but its stored outcome does not decode into this consumer's outcome type; it will not run again"))
         }
     }
 }
@@ -429,22 +411,13 @@ where
     let work = std::pin::pin!(inner.call(message));
     let (outcome, finished) = claimed.run(work, classify, None).await?;
     Ok(match finished {
-        Finished::Unsettled(Unsettled::NotCommitted(error)) => Handled::Refused(Refusal::new(
-            "idempotency.not_committed",
-            format!("the outcome's transaction did not commit ({error}); requeue"),
-            true,
-        )),
-        Finished::Unsettled(Unsettled::Unknown(error)) => Handled::Refused(Refusal::new(
-            "idempotency.outcome_unknown",
-            format!("whether the outcome's transaction committed is not known ({error}); requeue: the redelivery replays it if it committed"),
-            true,
-        )),
+        Finished::Unsettled(Unsettled::NotCommitted(error)) => Handled::Refused(Refusal::new(Code::NotCommitted,
+            format!("the outcome's transaction did not commit ({error}); requeue"))),
+        Finished::Unsettled(Unsettled::Unknown(error)) => Handled::Refused(Refusal::new(Code::OutcomeUnknown,
+            format!("whether the outcome's transaction committed is not known ({error}); requeue: the redelivery replays it if it committed"))),
         // Acked, the delivery would be lost: its writes were rolled back.
-        Finished::RolledBack(error) => Handled::Refused(Refusal::new(
-            "idempotency.not_committed",
-            format!("the outcome's transaction was rolled back ({error}); requeue"),
-            true,
-        )),
+        Finished::RolledBack(error) => Handled::Refused(Refusal::new(Code::NotCommitted,
+            format!("the outcome's transaction was rolled back ({error}); requeue"))),
         Finished::Kept { .. } | Finished::NotKept | Finished::Released | Finished::Failed => {
             Handled::Ran(outcome)
         }

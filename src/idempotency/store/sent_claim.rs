@@ -1,5 +1,6 @@
 //! A claim sent to a store outside the process, released if its caller gives up on it.
 
+use crate::idempotency::code::event;
 use std::time::Duration;
 
 use tracing::Instrument as _;
@@ -55,7 +56,7 @@ impl<St: IdempotencyStore + Clone> Drop for SentClaim<'_, St> {
                 match store.release(&scope, &lease).await {
                     Ok(released) => {
                         tracing::debug!(
-                            event = "idempotency.unanswered_claim_released",
+                            event = event::UNANSWERED_CLAIM_RELEASED,
                             released,
                             "gave up a claim whose answer never came; its request ran nothing"
                         );

@@ -39,7 +39,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ReleaseReasons {
         }
         let mut fields = Fields::default();
         event.record(&mut fields);
-        if fields.event.as_deref() == Some("idempotency.released") {
+        if fields.event.as_deref() == Some(crate::idempotency::code::event::RELEASED) {
             lock(&self.0).extend(fields.reason);
         }
     }

@@ -2,6 +2,7 @@
 //! transaction ID (another transaction may be given it after a crash), but whether the
 //! transaction still runs where it ran, and whether the record it wrote stands.
 
+use crate::idempotency::code::event;
 use std::time::Duration;
 
 use sqlx::{PgConnection, Postgres};
@@ -76,7 +77,7 @@ async fn tells_lineage(shared: &Shared, connection: &mut PgConnection) -> Result
         {
             bounded(shared.timeout, what, savepoint.rollback()).await?;
             tracing::info!(
-                event = "idempotency.lineage_untold",
+                event = event::LINEAGE_UNTOLD,
                 error = %refused,
                 "PostgreSQL does not tell its system identifier and timeline: a lost commit is settled by its backend alone"
             );
@@ -259,7 +260,7 @@ pub(super) async fn find_out(
         let last = match look(shared, scope, lease, &backend).await {
             Ok(Some(true)) => {
                 tracing::info!(
-                    event = "idempotency.commit_confirmed",
+                    event = event::COMMIT_CONFIRMED,
                     error = %Chain(&unanswered),
                     "the commit's answer was lost, but its record stands: the transaction committed"
                 );

@@ -2,6 +2,7 @@
 //! connection, the table's migration, the cleaner of expired rows, and the bound on
 //! every database call. Its commands are in `commands`, their SQL in `statements`.
 
+use crate::idempotency::code::event;
 use std::{
     sync::{Arc, Weak},
     time::{Duration, Instant},
@@ -485,12 +486,12 @@ async fn clean(shared: Weak<Shared>, interval: Duration, batch: i64) {
         match remove_expired(&shared, batch).await {
             Ok(0) => {}
             Ok(rows) => tracing::debug!(
-                event = "idempotency.expired_removed",
+                event = event::EXPIRED_REMOVED,
                 rows,
                 "removed expired idempotency rows"
             ),
             Err(error) => tracing::warn!(
-                event = "idempotency.store_failed",
+                event = event::STORE_FAILED,
                 error = %super::Chain(&error),
                 phase = "cleanup",
                 "could not remove expired idempotency rows; trying again later"

@@ -1,0 +1,387 @@
+//! The code book: every refusal's stable code, and what it is on each transport (an
+//! HTTP status, a gRPC code, a message's requeue or dead letter). A code is spelled
+//! here and nowhere else.
+
+use std::fmt;
+
+use http::StatusCode;
+
+/// Why an idempotency layer answered for the handler: the same code on every transport.
+///
+/// It is the `code` member of an HTTP problem (and the anchor its `type` points at),
+/// the `reason` of a gRPC status's `google.rpc.ErrorInfo`, and a message
+/// [`Refusal`](crate::idempotency::message::Refusal)'s [`code`](crate::idempotency::message::Refusal::code).
+/// Match on the variant, or on its [`as_str`](Self::as_str) text
+/// (`idempotency.in_flight`), which never changes; see the
+/// [status table](crate::idempotency#status-codes) for when each is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Code {
+    /// `idempotency.key_missing`: the route requires a key and none was sent.
+    KeyMissing,
+    /// `idempotency.key_invalid`: the key is empty, too long, not visible ASCII or
+    /// malformed.
+    KeyInvalid,
+    /// `idempotency.keys_disagree`: `Idempotency-Key` and `X-Idempotency-Key` differ.
+    KeysDisagree,
+    /// `idempotency.key_repeated`: one key header sent twice with different values.
+    KeyRepeated,
+    /// `idempotency.attempt_id_invalid`: the attempt ID is repeated or malformed.
+    AttemptIdInvalid,
+    /// `idempotency.client_invalid`: the client cannot be told.
+    ClientInvalid,
+    /// `idempotency.client_missing`: the route keeps keys per client and none is named.
+    ClientMissing,
+    /// `idempotency.body_unreadable`: the request body failed mid-read.
+    BodyUnreadable,
+    /// `idempotency.body_not_json`: the key is read from a JSON body that is not JSON.
+    BodyNotJson,
+    /// `idempotency.body_too_large`: the request is over the layer's limit.
+    BodyTooLarge,
+    /// `idempotency.epoch_invalid`: the epoch header is not one decimal number.
+    EpochInvalid,
+    /// `idempotency.epoch_mismatch`: the key was first seen in another epoch.
+    EpochMismatch,
+    /// `idempotency.fingerprint_mismatch`: the key was used with another request.
+    FingerprintMismatch,
+    /// `idempotency.in_flight`: a request with this key is running.
+    InFlight,
+    /// `idempotency.original_failed`: the request waited on failed; retry.
+    OriginalFailed,
+    /// `idempotency.not_replayable`: the request ran, but its response was not kept.
+    NotReplayable,
+    /// `idempotency.outcome_undecodable`: a message's stored outcome does not decode
+    /// into the consumer's outcome type.
+    OutcomeUndecodable,
+    /// `idempotency.response_failed`: the handler's response failed mid-read.
+    ResponseFailed,
+    /// `idempotency.transaction_missing`: a handler took a `Transaction` no layer
+    /// offered (a server misconfiguration).
+    TransactionMissing,
+    /// `idempotency.overloaded`: the bodies in flight fill the layer's byte budget.
+    Overloaded,
+    /// `idempotency.store_unavailable`: the store failed; nothing ran.
+    StoreUnavailable,
+    /// `idempotency.pool_exhausted`: the store's pool had no free connection in time.
+    PoolExhausted,
+    /// `idempotency.not_committed`: the handler's transaction did not commit.
+    NotCommitted,
+    /// `idempotency.outcome_unknown`: whether the handler's transaction committed is
+    /// not known; a retry replays it if it did.
+    OutcomeUnknown,
+    /// `idempotency.streaming_unsupported`: a keyed gRPC call sent more than one
+    /// message.
+    StreamingUnsupported,
+    /// `idempotency.message_invalid`: a gRPC body that is not length-prefixed
+    /// messages.
+    MessageInvalid,
+}
+
+impl Code {
+    /// Every code, in the order of the status table.
+    pub(crate) const ALL: [Code; 26] = [
+        Code::KeyMissing,
+        Code::KeyInvalid,
+        Code::KeysDisagree,
+        Code::KeyRepeated,
+        Code::AttemptIdInvalid,
+        Code::ClientInvalid,
+        Code::BodyUnreadable,
+        Code::BodyNotJson,
+        Code::EpochInvalid,
+        Code::MessageInvalid,
+        Code::ClientMissing,
+        Code::InFlight,
+        Code::OriginalFailed,
+        Code::NotReplayable,
+        Code::OutcomeUndecodable,
+        Code::BodyTooLarge,
+        Code::FingerprintMismatch,
+        Code::EpochMismatch,
+        Code::ResponseFailed,
+        Code::TransactionMissing,
+        Code::StreamingUnsupported,
+        Code::Overloaded,
+        Code::StoreUnavailable,
+        Code::PoolExhausted,
+        Code::NotCommitted,
+        Code::OutcomeUnknown,
+    ];
+
+    /// The stable text of the code: `idempotency.in_flight`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Code::KeyMissing => "idempotency.key_missing",
+            Code::KeyInvalid => "idempotency.key_invalid",
+            Code::KeysDisagree => "idempotency.keys_disagree",
+            Code::KeyRepeated => "idempotency.key_repeated",
+            Code::AttemptIdInvalid => "idempotency.attempt_id_invalid",
+            Code::ClientInvalid => "idempotency.client_invalid",
+            Code::ClientMissing => "idempotency.client_missing",
+            Code::BodyUnreadable => "idempotency.body_unreadable",
+            Code::BodyNotJson => "idempotency.body_not_json",
+            Code::BodyTooLarge => "idempotency.body_too_large",
+            Code::EpochInvalid => "idempotency.epoch_invalid",
+            Code::EpochMismatch => "idempotency.epoch_mismatch",
+            Code::FingerprintMismatch => "idempotency.fingerprint_mismatch",
+            Code::InFlight => "idempotency.in_flight",
+            Code::OriginalFailed => "idempotency.original_failed",
+            Code::NotReplayable => "idempotency.not_replayable",
+            Code::OutcomeUndecodable => "idempotency.outcome_undecodable",
+            Code::ResponseFailed => "idempotency.response_failed",
+            Code::TransactionMissing => "idempotency.transaction_missing",
+            Code::Overloaded => "idempotency.overloaded",
+            Code::StoreUnavailable => "idempotency.store_unavailable",
+            Code::PoolExhausted => "idempotency.pool_exhausted",
+            Code::NotCommitted => "idempotency.not_committed",
+            Code::OutcomeUnknown => "idempotency.outcome_unknown",
+            Code::StreamingUnsupported => "idempotency.streaming_unsupported",
+            Code::MessageInvalid => "idempotency.message_invalid",
+        }
+    }
+
+    /// The HTTP status a problem with this code is answered with.
+    pub(crate) const fn http_status(self) -> StatusCode {
+        match self {
+            Code::KeyMissing
+            | Code::KeyInvalid
+            | Code::KeysDisagree
+            | Code::KeyRepeated
+            | Code::AttemptIdInvalid
+            | Code::ClientInvalid
+            | Code::BodyUnreadable
+            | Code::BodyNotJson
+            | Code::EpochInvalid
+            | Code::MessageInvalid => StatusCode::BAD_REQUEST,
+            Code::ClientMissing => StatusCode::UNAUTHORIZED,
+            Code::InFlight | Code::OriginalFailed => StatusCode::CONFLICT,
+            Code::NotReplayable | Code::OutcomeUndecodable => StatusCode::GONE,
+            Code::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Code::FingerprintMismatch | Code::EpochMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Code::ResponseFailed | Code::TransactionMissing => StatusCode::INTERNAL_SERVER_ERROR,
+            Code::StreamingUnsupported => StatusCode::NOT_IMPLEMENTED,
+            Code::Overloaded
+            | Code::StoreUnavailable
+            | Code::PoolExhausted
+            | Code::NotCommitted
+            | Code::OutcomeUnknown => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The problem's `title`: short, the same for every occurrence of the code.
+    pub(crate) const fn title(self) -> &'static str {
+        match self {
+            Code::KeyMissing => "Missing idempotency key",
+            Code::KeyInvalid => "Invalid idempotency key",
+            Code::KeysDisagree => "Two different idempotency keys",
+            Code::KeyRepeated => "Idempotency key header repeated",
+            Code::AttemptIdInvalid => "Invalid attempt id",
+            Code::ClientInvalid => "Invalid client identity",
+            Code::ClientMissing => "Client not identified",
+            Code::BodyUnreadable => "Request body unreadable",
+            Code::BodyNotJson => "Body is not JSON",
+            Code::BodyTooLarge => "Request body too large",
+            Code::EpochInvalid => "Invalid epoch",
+            Code::EpochMismatch => "Idempotency key from another epoch",
+            Code::FingerprintMismatch => "Idempotency key reused",
+            Code::InFlight => "Request in progress",
+            Code::OriginalFailed => "Original request failed",
+            Code::NotReplayable | Code::OutcomeUndecodable => "Response not replayable",
+            Code::ResponseFailed => "Response failed",
+            Code::TransactionMissing => "Server misconfigured",
+            Code::Overloaded | Code::PoolExhausted => "Server busy",
+            Code::StoreUnavailable => "Idempotency store unavailable",
+            Code::NotCommitted => "Request not committed",
+            Code::OutcomeUnknown => "Request outcome unknown",
+            Code::StreamingUnsupported => "Streaming call not deduplicated",
+            Code::MessageInvalid => "Invalid gRPC message",
+        }
+    }
+
+    /// Whether a retry (a message's redelivery) can succeed: a message refused with a
+    /// retryable code is requeued, any other is dead-lettered.
+    pub(crate) const fn retryable(self) -> bool {
+        matches!(
+            self,
+            Code::InFlight
+                | Code::OriginalFailed
+                | Code::Overloaded
+                | Code::StoreUnavailable
+                | Code::PoolExhausted
+                | Code::NotCommitted
+                | Code::OutcomeUnknown
+        )
+    }
+
+    /// The gRPC status code a call refused with this code is answered with.
+    #[cfg(feature = "grpc")]
+    pub(crate) const fn grpc(self) -> tonic::Code {
+        use tonic::Code as Grpc;
+        match self {
+            Code::KeyMissing
+            | Code::KeyInvalid
+            | Code::KeysDisagree
+            | Code::KeyRepeated
+            | Code::AttemptIdInvalid
+            | Code::ClientInvalid
+            | Code::BodyUnreadable
+            | Code::BodyNotJson
+            | Code::EpochInvalid
+            | Code::MessageInvalid => Grpc::InvalidArgument,
+            Code::ClientMissing => Grpc::Unauthenticated,
+            Code::InFlight | Code::OriginalFailed => Grpc::Aborted,
+            Code::FingerprintMismatch
+            | Code::EpochMismatch
+            | Code::NotReplayable
+            | Code::OutcomeUndecodable => Grpc::FailedPrecondition,
+            Code::BodyTooLarge | Code::PoolExhausted => Grpc::ResourceExhausted,
+            Code::ResponseFailed | Code::TransactionMissing => Grpc::Internal,
+            Code::StreamingUnsupported => Grpc::Unimplemented,
+            Code::Overloaded
+            | Code::StoreUnavailable
+            | Code::NotCommitted
+            | Code::OutcomeUnknown => Grpc::Unavailable,
+        }
+    }
+}
+
+impl fmt::Display for Code {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<str> for Code {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl PartialEq<&str> for Code {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+/// The `event` field of every line the idempotency layers log: stable names a log
+/// query matches on, listed in the guide's observability page.
+pub(crate) mod event {
+    pub(crate) const ACCEPTED: &str = "idempotency.accepted";
+    pub(crate) const BODY_TOO_LARGE: &str = "idempotency.body_too_large";
+    pub(crate) const BODY_UNREADABLE: &str = "idempotency.body_unreadable";
+    pub(crate) const CLAIM_LAPSED: &str = "idempotency.claim_lapsed";
+    pub(crate) const CLAIM_RESTORED: &str = "idempotency.claim_restored";
+    pub(crate) const COMMIT_CONFIRMED: &str = "idempotency.commit_confirmed";
+    pub(crate) const COMMIT_FAILED: &str = "idempotency.commit_failed";
+    pub(crate) const CONFLICT: &str = "idempotency.conflict";
+    pub(crate) const DETACHED: &str = "idempotency.detached";
+    pub(crate) const DRAIN_UNSETTLED: &str = "idempotency.drain_unsettled";
+    pub(crate) const DRAINED: &str = "idempotency.drained";
+    pub(crate) const EPOCH_MISMATCH: &str = "idempotency.epoch_mismatch";
+    pub(crate) const EXPIRED_REMOVED: &str = "idempotency.expired_removed";
+    pub(crate) const IN_FLIGHT: &str = "idempotency.in_flight";
+    pub(crate) const KEPT_OVER_BUDGET: &str = "idempotency.kept_over_budget";
+    pub(crate) const LEASE_LOST: &str = "idempotency.lease_lost";
+    pub(crate) const LEASE_RENEWED: &str = "idempotency.lease_renewed";
+    pub(crate) const LINEAGE_UNTOLD: &str = "idempotency.lineage_untold";
+    pub(crate) const NOT_REPLAYABLE: &str = "idempotency.not_replayable";
+    pub(crate) const ORIGINAL_FAILED: &str = "idempotency.original_failed";
+    pub(crate) const OUTCOME_UNDECODABLE: &str = "idempotency.outcome_undecodable";
+    pub(crate) const OUTCOME_UNKNOWN: &str = "idempotency.outcome_unknown";
+    pub(crate) const OUTCOME_UNSERIALISABLE: &str = "idempotency.outcome_unserialisable";
+    pub(crate) const OVERLOADED: &str = "idempotency.overloaded";
+    pub(crate) const POOL_EXHAUSTED: &str = "idempotency.pool_exhausted";
+    pub(crate) const REJECTED: &str = "idempotency.rejected";
+    pub(crate) const RELEASED: &str = "idempotency.released";
+    pub(crate) const REPLAYED: &str = "idempotency.replayed";
+    pub(crate) const RESPONSE_FAILED: &str = "idempotency.response_failed";
+    pub(crate) const RESPONSE_TOO_LARGE: &str = "idempotency.response_too_large";
+    pub(crate) const STORE_FAILED: &str = "idempotency.store_failed";
+    pub(crate) const STORED: &str = "idempotency.stored";
+    pub(crate) const TRANSACTION_MISSING: &str = "idempotency.transaction_missing";
+    pub(crate) const UNANSWERED_CLAIM_RELEASED: &str = "idempotency.unanswered_claim_released";
+    pub(crate) const UNCORRELATED: &str = "idempotency.uncorrelated";
+
+    /// Every name above.
+    #[cfg(test)]
+    pub(super) const ALL: &[&str] = &[
+        ACCEPTED,
+        BODY_TOO_LARGE,
+        BODY_UNREADABLE,
+        CLAIM_LAPSED,
+        CLAIM_RESTORED,
+        COMMIT_CONFIRMED,
+        COMMIT_FAILED,
+        CONFLICT,
+        DETACHED,
+        DRAIN_UNSETTLED,
+        DRAINED,
+        EPOCH_MISMATCH,
+        EXPIRED_REMOVED,
+        IN_FLIGHT,
+        KEPT_OVER_BUDGET,
+        LEASE_LOST,
+        LEASE_RENEWED,
+        LINEAGE_UNTOLD,
+        NOT_REPLAYABLE,
+        ORIGINAL_FAILED,
+        OUTCOME_UNDECODABLE,
+        OUTCOME_UNKNOWN,
+        OUTCOME_UNSERIALISABLE,
+        OVERLOADED,
+        POOL_EXHAUSTED,
+        REJECTED,
+        RELEASED,
+        REPLAYED,
+        RESPONSE_FAILED,
+        RESPONSE_TOO_LARGE,
+        STORE_FAILED,
+        STORED,
+        TRANSACTION_MISSING,
+        UNANSWERED_CLAIM_RELEASED,
+        UNCORRELATED,
+    ];
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+
+    #[test]
+    fn every_code_is_listed_once_and_spelled_apart() {
+        let texts: BTreeSet<_> = Code::ALL.iter().map(|code| code.as_str()).collect();
+        assert_eq!(texts.len(), Code::ALL.len());
+        for code in Code::ALL {
+            let name = code.as_str().strip_prefix("idempotency.").unwrap();
+            assert!(
+                name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{code}"
+            );
+        }
+    }
+
+    /// Every event the layers log is in the module docs' list of events.
+    #[test]
+    fn every_event_is_documented() {
+        let docs = include_str!("mod.rs");
+        let missing: Vec<_> = event::ALL
+            .iter()
+            .filter(|name| !docs.contains(&format!("`{name}`")))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "events the module docs leave out: {missing:?}"
+        );
+    }
+
+    #[test]
+    fn a_retryable_code_is_one_a_client_may_retry_over_http() {
+        for code in Code::ALL {
+            let status = code.http_status();
+            let retry = matches!(status.as_u16(), 409 | 503);
+            assert_eq!(code.retryable(), retry, "{code} answers {status}");
+        }
+    }
+}
