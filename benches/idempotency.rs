@@ -56,7 +56,7 @@
 //!   [`KEYS_PER_SESSION`] keys (outside the timing) and deletes the old one; ours writes
 //!   fresh keys into one store bounded at 64 MiB, which evicts.
 //!
-//! Run: `cargo bench --bench idempotency` (or `cargo bench` for every bench)
+//! Run: `cargo bench --all-features --bench idempotency` (or `cargo bench --all-features` for every bench; without the `redis` and `postgres` features it has no store rows)
 #![allow(missing_docs)]
 
 use std::{

@@ -120,7 +120,7 @@ if [ -z "${COMPARE:-}" ]; then
     target=$(cargo metadata --format-version 1 --no-deps |
         sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
     if [ "$PROFILE" = release ]; then
-        cargo build --quiet --release --example commands
+        cargo build --quiet --release --all-features --example commands
         binary=$target/release/examples/commands
     else
         cargo build --quiet --profile "$PROFILE" --all-features --example commands

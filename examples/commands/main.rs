@@ -29,33 +29,33 @@
 //! # Run
 //!
 //! ```sh
-//! cargo run --release --example commands
-//! cargo run --release --example commands -- \
+//! cargo run --release --all-features --example commands
+//! cargo run --release --all-features --example commands -- \
 //!     --addr 127.0.0.1:0 --log-format json --publish-delay-ms 1000
-//! cargo run --release --example commands -- --handler-delay-ms 2000
+//! cargo run --release --all-features --example commands -- --handler-delay-ms 2000
 //!
 //! # Each event also to RabbitMQ: exchange `commands`, routing key `command.created`.
-//! cargo run --release --example commands -- \
+//! cargo run --release --all-features --example commands -- \
 //!     --amqp-url amqp://guest:guest@127.0.0.1:5672/%2f --amqp-exchange commands
-//! RUST_LOG=debug cargo run --release --example commands
+//! RUST_LOG=debug cargo run --release --all-features --example commands
 //!
 //! # Two replicas sharing one Redis: a retry on either replays the first answer.
 //! redis-server --port 6379 --save '' --appendonly no &
-//! cargo run --release --example commands --features redis -- \
+//! cargo run --release --all-features --example commands -- \
 //!     --addr 127.0.0.1:3000 --redis-url redis://127.0.0.1:6379
-//! cargo run --release --example commands --features redis -- \
+//! cargo run --release --all-features --example commands -- \
 //!     --addr 127.0.0.1:3001 --redis-url redis://127.0.0.1:6379
 //!
 //! # DB mode: two replicas on one PostgreSQL database, which keeps everything.
 //! createdb -h 127.0.0.1 -U postgres commands
-//! cargo run --release --example commands --features postgres -- \
+//! cargo run --release --all-features --example commands -- \
 //!     --addr 127.0.0.1:3000 --database-url postgres://postgres@127.0.0.1:5432/commands
-//! cargo run --release --example commands --features postgres -- \
+//! cargo run --release --all-features --example commands -- \
 //!     --addr 127.0.0.1:3001 --database-url postgres://postgres@127.0.0.1:5432/commands
 //!
 //! # Observability: GET /metrics in Prometheus text, and an incoming traceparent
 //! # continued (its trace_id on every line of the request).
-//! cargo run --release --example commands --features metrics,opentelemetry
+//! cargo run --release --all-features --example commands
 //! curl -s localhost:3000/metrics | grep tower_ids_idempotency_requests_total
 //! curl -s localhost:3000/commands \
 //!     -H 'traceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'

@@ -5,8 +5,8 @@
 //!
 //! ```sh
 //! # RabbitMQ on 127.0.0.1:5672 (guest/guest), then in two terminals:
-//! cargo run --example control_plane --features amqp -- controller
-//! cargo run --example control_plane --features amqp -- orchestrator --swarm swarm-42 --signal swarm-start
+//! cargo run --all-features --example control_plane -- controller
+//! cargo run --all-features --example control_plane -- orchestrator --swarm swarm-42 --signal swarm-start
 //! ```
 //!
 //! # Orchestrator (`orchestrator`)

@@ -4,8 +4,8 @@
 //!
 //! ```sh
 //! createdb -h 127.0.0.1 -U postgres inbox
-//! cargo run --example inbox --features postgres,amqp -- --broker amqp publish --count 100
-//! cargo run --example inbox --features postgres,amqp -- --broker amqp consume
+//! cargo run --all-features --example inbox -- --broker amqp publish --count 100
+//! cargo run --all-features --example inbox -- --broker amqp consume
 //! ```
 //!
 //! Each message is a payment, `{"idempotency_key": "...", "account": "...", "amount":

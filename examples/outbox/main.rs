@@ -6,8 +6,8 @@
 //!
 //! ```sh
 //! createdb -h 127.0.0.1 -U postgres outbox
-//! cargo run --example outbox --features postgres,outbox,amqp,kafka -- serve
-//! cargo run --example outbox --features postgres,outbox,amqp,kafka -- relay
+//! cargo run --all-features --example outbox -- serve
+//! cargo run --all-features --example outbox -- relay
 //! ```
 //!
 //! `serve`: `POST /payments` with an `Idempotency-Key` header and a body

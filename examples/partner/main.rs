@@ -9,7 +9,7 @@
 //! | webhook dispatch (planner to executor, one at a time per warehouse), `POST /wes/v1/webhooks/dispatch` on the executor | (`planner_id`, `correlation_id`) | 24 hours | same |
 //! | poll-mode acks, `POST /wes/v1/dispatch/ack` | (executor, cursor) | - | an earlier or equal cursor is a no-op: cursors are monotone |
 //!
-//! `cargo run --example partner` runs the planner; `cargo run --example partner --
+//! `cargo run --all-features --example partner` runs the planner; `cargo run --all-features --example partner --
 //! executor --planner-url ...` the executor. Both keep their state in memory, or with
 //! `--database-url` in PostgreSQL (tables created at start). Ctrl-C or SIGTERM stops
 //! either gracefully (see [`serve`]).

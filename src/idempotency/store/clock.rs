@@ -1,8 +1,10 @@
 //! The time a store reads to decide expiry.
 
+use std::time::SystemTime;
+#[cfg(any(test, feature = "test-util"))]
 use std::{
     sync::{Arc, Mutex, PoisonError},
-    time::{Duration, SystemTime},
+    time::Duration,
 };
 
 /// The time the store reads to decide expiry; injectable so tests need not sleep.
@@ -21,10 +23,14 @@ impl Clock for SystemClock {
     }
 }
 
-/// A clock that moves only when told to, for tests of TTL and leases.
+/// A clock that moves only when told to, for tests of TTL and leases (feature
+/// `test-util`).
+#[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 #[derive(Debug, Clone)]
 pub struct ManualClock(Arc<Mutex<SystemTime>>);
 
+#[cfg(any(test, feature = "test-util"))]
 impl ManualClock {
     /// A clock stopped at the current system time.
     pub fn new() -> Self {
@@ -37,12 +43,14 @@ impl ManualClock {
     }
 }
 
+#[cfg(any(test, feature = "test-util"))]
 impl Default for ManualClock {
     fn default() -> Self {
         Self::new()
     }
 }
 
+#[cfg(any(test, feature = "test-util"))]
 impl Clock for ManualClock {
     fn now(&self) -> SystemTime {
         *self.0.lock().unwrap_or_else(PoisonError::into_inner)

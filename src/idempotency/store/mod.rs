@@ -23,7 +23,9 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-pub use self::clock::{Clock, ManualClock, SystemClock};
+#[cfg(any(test, feature = "test-util"))]
+pub use self::clock::ManualClock;
+pub use self::clock::{Clock, SystemClock};
 pub(crate) use self::error::Chain;
 pub use self::error::StoreError;
 pub use self::handler_transaction::{HandlerTransaction, Settlement, TransactionOffer};

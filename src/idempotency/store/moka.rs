@@ -118,7 +118,7 @@ impl MokaStoreBuilder {
     }
 
     /// The clock that decides expiry. Default the system clock; tests pass a
-    /// [`ManualClock`](super::ManualClock).
+    /// `ManualClock` (feature `test-util`).
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
