@@ -519,3 +519,38 @@ async fn a_drain_whose_deadline_passes_names_the_key_it_leaves() {
         assert!(trial.position("idempotency.drain_unsettled") < trial.position("commands.stopped"));
     }
 }
+
+/// A lease the store cannot keep (4 × 850 ms of recovery with one replica's `WAIT`) is
+/// refused before the demo listens: one line on stderr that names the shortest lease
+/// that would do, exit code 2, and no panic.
+#[tokio::test]
+async fn a_lease_the_store_refuses_stops_the_demo_before_it_listens() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let url = redis.url();
+    let (status, took, stderr) = tokio::task::spawn_blocking(move || {
+        let args = [
+            "--addr",
+            "127.0.0.1:0",
+            "--redis-url",
+            &url,
+            "--redis-wait-replicas",
+            "1",
+            "--idempotency-lease-ms",
+            "3000",
+        ];
+        demo::run_to_exit("commands", &args, Duration::from_secs(30))
+    })
+    .await
+    .unwrap();
+    println!("exited {status} after {took:?}: {stderr}");
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(
+        stderr.contains("a lease of 3s cannot outlive a store outage")
+            && stderr.contains("set a lease of at least 3.4s"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -510,15 +510,17 @@ async fn http<St: IdempotencyStore>(
     tweaks: &[Tweak],
     gate: Arc<Gate>,
 ) -> Endpoint {
-    let layer = tweaks
-        .iter()
-        .fold(layer.policy(policy(tweaks)), |layer, tweak| match *tweak {
-            RequireKey => layer.require_key(true),
-            MaxRequestBytes(max) => layer.max_request_bytes(max),
-            MaxBufferedBytes(max) => layer.max_buffered_bytes(max),
-            MaxResponseBytes(max) => layer.max_response_bytes(max),
-            SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
-        });
+    let layer =
+        tweaks.iter().fold(
+            layer.policy(policy(tweaks)).unwrap(),
+            |layer, tweak| match *tweak {
+                RequireKey => layer.require_key(true),
+                MaxRequestBytes(max) => layer.max_request_bytes(max),
+                MaxBufferedBytes(max) => layer.max_buffered_bytes(max),
+                MaxResponseBytes(max) => layer.max_response_bytes(max),
+                SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
+            },
+        );
     let drain = layer.drain();
     let app = Router::new()
         .route("/commands", post(http_handler))
@@ -599,15 +601,17 @@ async fn grpc<St: IdempotencyStore>(
     tweaks: &[Tweak],
     gate: Arc<Gate>,
 ) -> Endpoint {
-    let layer = tweaks
-        .iter()
-        .fold(layer.policy(policy(tweaks)), |layer, tweak| match *tweak {
-            RequireKey => layer.require_key(true),
-            MaxRequestBytes(max) => layer.max_request_bytes(max),
-            MaxBufferedBytes(max) => layer.max_buffered_bytes(max),
-            MaxResponseBytes(max) => layer.max_response_bytes(max),
-            SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
-        });
+    let layer =
+        tweaks.iter().fold(
+            layer.policy(policy(tweaks)).unwrap(),
+            |layer, tweak| match *tweak {
+                RequireKey => layer.require_key(true),
+                MaxRequestBytes(max) => layer.max_request_bytes(max),
+                MaxBufferedBytes(max) => layer.max_buffered_bytes(max),
+                MaxResponseBytes(max) => layer.max_response_bytes(max),
+                SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
+            },
+        );
     let drain = layer.drain();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -684,6 +688,7 @@ fn messages<St: IdempotencyStore>(
     let layer = layer
         .key(message_key as KeyFn)
         .policy(policy(tweaks))
+        .unwrap()
         .store_if(|outcome: &Outcome| outcome.ok);
     let layer = tweaks.iter().fold(layer, |layer, tweak| match *tweak {
         RequireKey => layer.require_key(true),

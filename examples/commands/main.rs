@@ -686,7 +686,6 @@ async fn main() -> std::io::Result<()> {
         broker,
     ));
 
-    let listener = listen_logged(args.addr)?;
     let state = app_state(Memory { commands, queue }, &args);
     #[cfg(feature = "redis")]
     let (app, drain) = match redis {
@@ -695,6 +694,7 @@ async fn main() -> std::io::Result<()> {
     };
     #[cfg(not(feature = "redis"))]
     let (app, drain) = app_with(state, MokaStore::new(), "memory", &args, limits);
+    let listener = listen_logged(args.addr)?;
     http1::serve(listener, app, limits.header_read_timeout, shutdown_signal()).await;
     // Every connection is done; what the idempotency layer still owes the store (an
     // outcome kept while Redis was away, a handler whose client hung up) is not.
@@ -729,8 +729,8 @@ async fn run_on_database(
         Duration::from_millis(args.publish_delay_ms),
     );
 
-    let listener = listen_logged(args.addr)?;
     let (app, drain) = app_with(app_state(database, args), store, "postgres", args, limits);
+    let listener = listen_logged(args.addr)?;
     http1::serve(listener, app, limits.header_read_timeout, shutdown_signal()).await;
     shutdown::drain(&[drain], args.drain.timeout()).await;
 
@@ -769,7 +769,7 @@ fn app_with<S: Storage, St: IdempotencyStore>(
     args: &Args,
     limits: Limits,
 ) -> (Router, tower_ids::idempotency::Drain) {
-    let (app, drain) = app(
+    let built = app(
         state,
         Duration::from_secs(args.idempotency_ttl_secs),
         Duration::from_millis(args.idempotency_lease_ms.get()),
@@ -778,6 +778,14 @@ fn app_with<S: Storage, St: IdempotencyStore>(
         args.load_routes,
         limits,
     );
+    // Before the listener: a setting the layer refuses is one line, and exit code 2.
+    let (app, drain) = match built {
+        Ok(built) => built,
+        Err(error) => {
+            eprintln!("commands: --idempotency-lease-ms: {error}");
+            std::process::exit(2);
+        }
+    };
     let app = match &args.cors_origin {
         // Last, so outermost: it answers preflights before any other layer runs.
         Some(origin) => app.layer(

@@ -1,7 +1,7 @@
 //! The service's routes and their handlers, and the layers around them.
 
 use std::{future::Future, time::Duration};
-use tower_ids::idempotency::Policy;
+use tower_ids::idempotency::{Policy, PolicyError};
 
 use axum::{
     extract::{rejection::JsonRejection, FromRequestParts, Path, Request, State},
@@ -52,7 +52,7 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
     kind: &'static str,
     load_routes: bool,
     limits: Limits,
-) -> (Router, Drain) {
+) -> Result<(Router, Drain), PolicyError> {
     tracing::info!(
         event = "commands.store",
         store = kind,
@@ -61,7 +61,7 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
     let idempotent = IdempotencyLayer::with_store(store)
         .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
         .require_client(true)
-        .policy(Policy::new().ttl(idempotency_ttl).lease(idempotency_lease))
+        .policy(Policy::new().ttl(idempotency_ttl).lease(idempotency_lease))?
         .max_request_bytes(limits.max_body_bytes);
     let drain = idempotent.drain();
 
@@ -132,7 +132,7 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
         );
     }
     if !load_routes {
-        return (routes, drain);
+        return Ok((routes, drain));
     }
     // Merged after the correlation layer, so outside it: no layer at all, a layer that
     // does nothing, or tower-http's request-ID pair for comparison.
@@ -154,7 +154,7 @@ pub(crate) fn app<S: Storage, St: IdempotencyStore>(
             .route("/load/executions", get(load_executions))
             .with_state(load),
     );
-    (routes, drain)
+    Ok((routes, drain))
 }
 
 /// Where the commands are kept: in memory ([`Memory`](crate::memory::Memory)), or in

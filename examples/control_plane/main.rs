@@ -424,7 +424,7 @@ async fn consume<St: IdempotencyStore>(
                 .in_flight(in_flight)
                 .lease(Duration::from_millis(args.lease_ms))
                 .ttl(Duration::from_secs(args.retention_secs)),
-        );
+        )?;
     let drain = idempotency.drain();
     let service = ServiceBuilder::new().layer(idempotency).service(execute);
     let context = Arc::new(Context {

@@ -228,7 +228,7 @@ async fn inbox(args: &ConsumeArgs, concurrency: usize) -> Result<(Inbox, Drain),
         .require_key(true)
         .policy(Policy::new().in_flight(InFlight::Reject {
             retry_after: Duration::from_millis(args.in_flight_retry_ms),
-        }));
+        }))?;
     let drain = layer.drain();
     let handler_delay = Duration::from_millis(args.handler_delay_ms);
     let instance: Arc<str> = args.instance.as_str().into();

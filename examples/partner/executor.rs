@@ -125,7 +125,8 @@ fn routes<St: IdempotencyStore>(db: ExecutorDb, store: St, options: &Options) ->
         .key(KeyFromJson::new("/correlation_id").client("/planner_id"))
         .require_key(true)
         .on_replay(JsonReplayMarker::new("replay").status(StatusCode::OK))
-        .policy(Policy::new().ttl(options.webhook_retention));
+        .policy(Policy::new().ttl(options.webhook_retention))
+        .expect("the default lease suits every store");
     let drain = webhook.drain();
     let token: Arc<str> = options.webhook_token.as_str().into();
     let routes = Router::new()

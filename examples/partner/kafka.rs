@@ -220,7 +220,8 @@ fn start<St: IdempotencyStore>(
         .key(delivery_key)
         .require_key(true)
         .store_if(|outcome: &Value| !outcome["stored"].is_null())
-        .policy(Policy::new().ttl(retention));
+        .policy(Policy::new().ttl(retention))
+        .expect("the default lease suits every store");
     let drain = layer.drain();
     let service = ServiceBuilder::new().layer(layer).service(handler);
     let executor = service_fn(move |record: Received<Value>| {

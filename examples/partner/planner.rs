@@ -195,13 +195,17 @@ fn routes<St: IdempotencyStore>(db: PlannerDb, store: St, options: &Options) -> 
             post(realtime).layer(
                 keyed
                     .clone()
-                    .policy(Policy::new().ttl(options.realtime_retention)),
+                    .policy(Policy::new().ttl(options.realtime_retention))
+                    .expect("the default lease suits every store"),
             ),
         )
         .route(
             "/wes/v1/confirmations",
-            post(confirmation)
-                .layer(keyed.policy(Policy::new().ttl(options.confirmation_retention))),
+            post(confirmation).layer(
+                keyed
+                    .policy(Policy::new().ttl(options.confirmation_retention))
+                    .expect("the default lease suits every store"),
+            ),
         )
         .route("/wes/v1/dispatch/pending", get(pending))
         .route("/wes/v1/dispatch/ack", post(ack))

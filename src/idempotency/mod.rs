@@ -399,8 +399,8 @@ pub use self::{
     client::{ClientFromAuthorization, ClientFromExtension, ClientFromHeader},
     code::Code,
     core::{
-        Drain, Drained, InFlight, Policy, ReplayInfo, StorageRule, StoreFailure, DEFAULT_LEASE,
-        DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+        Drain, Drained, InFlight, Policy, PolicyError, ReplayInfo, StorageRule, StoreFailure,
+        DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     http::{
         EpochFromExtension, EpochFromHeader, Idempotency, IdempotencyLayer, JsonReplayMarker,

@@ -65,9 +65,12 @@ async fn draft_2_6_departure_a_refusal_is_not_stored_and_the_corrected_request_r
 /// The preset that stores refusals too: the refusal replays, and the handler runs once.
 #[tokio::test]
 async fn store_all_but_retryable_replays_a_refusal() {
-    let app =
-        start(IdempotencyLayer::new().policy(Policy::new().storage(StorageRule::AllButRetryable)))
-            .await;
+    let app = start(
+        IdempotencyLayer::new()
+            .policy(Policy::new().storage(StorageRule::AllButRetryable))
+            .unwrap(),
+    )
+    .await;
 
     let refused = app
         .post("/commands", &[KEY, ("x-status", "403")], BODY)
@@ -84,9 +87,12 @@ async fn store_all_but_retryable_replays_a_refusal() {
 /// runs again.
 #[tokio::test]
 async fn draft_2_6_departure_store_successes_only_runs_the_retry_again() {
-    let app =
-        start(IdempotencyLayer::new().policy(Policy::new().storage(StorageRule::SuccessesOnly)))
-            .await;
+    let app = start(
+        IdempotencyLayer::new()
+            .policy(Policy::new().storage(StorageRule::SuccessesOnly))
+            .unwrap(),
+    )
+    .await;
 
     app.post("/commands", &[KEY, ("x-status", "500")], BODY)
         .await;
@@ -204,7 +210,9 @@ async fn draft_2_3_a_key_runs_again_after_it_expires() {
     let clock = ManualClock::new();
     let store = MokaStore::builder().clock(clock.clone()).build();
     let app = start(
-        IdempotencyLayer::with_store(store).policy(Policy::new().ttl(Duration::from_secs(3600))),
+        IdempotencyLayer::with_store(store)
+            .policy(Policy::new().ttl(Duration::from_secs(3600)))
+            .unwrap(),
     )
     .await;
 
@@ -288,6 +296,7 @@ async fn a_replay_hook_never_turns_a_refusal_or_a_failure_into_a_success() {
     let app = start(
         IdempotencyLayer::new()
             .policy(Policy::new().storage(StorageRule::AllButRetryable))
+            .unwrap()
             .on_replay(
                 tower_ids::idempotency::JsonReplayMarker::new("replay").status(StatusCode::OK),
             ),

@@ -161,11 +161,11 @@ async fn an_outcome_the_store_cannot_take_is_kept_and_stored_later_never_release
 #[tokio::test]
 async fn a_waiting_duplicate_gets_the_kept_outcome_once_stored() {
     let store = Flaky::default();
-    let layer = IdempotencyLayer::with_store(store.clone()).policy(Policy::new().in_flight(
-        InFlight::Wait {
+    let layer = IdempotencyLayer::with_store(store.clone())
+        .policy(Policy::new().in_flight(InFlight::Wait {
             timeout: Duration::from_secs(5),
-        },
-    ));
+        }))
+        .unwrap();
     let app = Arc::new(start(layer).await);
 
     store.set_down(true);
@@ -189,9 +189,12 @@ async fn a_waiting_duplicate_gets_the_kept_outcome_once_stored() {
 async fn kept_outcomes_past_their_budget_keep_the_key_without_the_response() {
     let (logs, _guard) = Logs::capture();
     let store = Flaky::default();
-    let app =
-        start(IdempotencyLayer::with_store(store.clone()).policy(Policy::new().max_kept_bytes(16)))
-            .await;
+    let app = start(
+        IdempotencyLayer::with_store(store.clone())
+            .policy(Policy::new().max_kept_bytes(16))
+            .unwrap(),
+    )
+    .await;
 
     store.set_down(true);
     let first = app.post("/commands", &[KEY], BODY).await;
@@ -215,7 +218,14 @@ async fn kept_outcomes_past_their_budget_keep_the_key_without_the_response() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_running_three_times_the_lease_is_not_run_again() {
     let lease = Duration::from_millis(300);
-    let app = Arc::new(start(IdempotencyLayer::new().policy(Policy::new().lease(lease))).await);
+    let app = Arc::new(
+        start(
+            IdempotencyLayer::new()
+                .policy(Policy::new().lease(lease))
+                .unwrap(),
+        )
+        .await,
+    );
     let delay = (lease * 3).as_millis().to_string();
 
     let first = tokio::spawn({
@@ -316,7 +326,7 @@ async fn a_drain_waits_for_a_handler_whose_client_hung_up() {
 }
 
 /// A quarter of the lease must cover the store's recovery time and the 50 ms before a
-/// failed renewal is tried again: `lease` refuses one that cannot, with a message that
+/// failed renewal is tried again: `policy` refuses one that cannot, with an error that
 /// says why and what would do, and the default lease is raised for a store that needs
 /// more than 10 s.
 #[test]
@@ -325,14 +335,11 @@ fn a_lease_too_short_for_the_store_is_refused() {
         recovery: Duration::from_millis(700),
         ..Flaky::default()
     };
-    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        IdempotencyLayer::with_store(store.clone())
-            .policy(Policy::new().lease(Duration::from_secs(2)))
-    }));
-    let message = refused.expect_err("refused");
-    let message = message
-        .downcast_ref::<String>()
-        .expect("a formatted message");
+    let refused = IdempotencyLayer::with_store(store.clone())
+        .policy(Policy::new().lease(Duration::from_secs(2)))
+        .expect_err("refused");
+    assert_eq!(refused.shortest_lease(), Duration::from_secs(3));
+    let message = refused.to_string();
     assert!(
         message.contains("a lease of 2s cannot outlive a store outage")
             && message.contains("set a lease of at least 3s"),
@@ -340,7 +347,8 @@ fn a_lease_too_short_for_the_store_is_refused() {
     );
     // A lease whose quarter covers 700 ms and 50 ms is accepted, as is the default.
     let accepted = IdempotencyLayer::with_store(store.clone())
-        .policy(Policy::new().lease(Duration::from_secs(3)));
+        .policy(Policy::new().lease(Duration::from_secs(3)))
+        .unwrap();
     assert!(format!("{accepted:?}").contains("lease: 3s"));
     assert!(format!("{:?}", IdempotencyLayer::with_store(store)).contains("lease: 10s"));
 

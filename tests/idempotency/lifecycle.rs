@@ -11,9 +11,11 @@ use super::{start, try_send, until_runs, Logs, BODY, KEY};
 
 #[tokio::test]
 async fn waiting_mode_replays_the_first_outcome() {
-    let layer = IdempotencyLayer::new().policy(Policy::new().in_flight(InFlight::Wait {
-        timeout: Duration::from_secs(5),
-    }));
+    let layer = IdempotencyLayer::new()
+        .policy(Policy::new().in_flight(InFlight::Wait {
+            timeout: Duration::from_secs(5),
+        }))
+        .unwrap();
     let app = Arc::new(start(layer).await);
 
     let first = tokio::spawn({
@@ -35,9 +37,11 @@ async fn waiting_mode_replays_the_first_outcome() {
 
 #[tokio::test]
 async fn waiting_mode_times_out_into_409() {
-    let layer = IdempotencyLayer::new().policy(Policy::new().in_flight(InFlight::Wait {
-        timeout: Duration::from_millis(50),
-    }));
+    let layer = IdempotencyLayer::new()
+        .policy(Policy::new().in_flight(InFlight::Wait {
+            timeout: Duration::from_millis(50),
+        }))
+        .unwrap();
     let app = Arc::new(start(layer).await);
 
     let first = tokio::spawn({
@@ -73,8 +77,9 @@ async fn a_client_error_is_not_stored_and_the_retry_runs_again() {
 async fn a_lost_lease_frees_the_key_and_the_late_outcome_is_not_stored() {
     let clock = ManualClock::new();
     let store = MokaStore::builder().clock(clock.clone()).build();
-    let layer =
-        IdempotencyLayer::with_store(store).policy(Policy::new().lease(Duration::from_secs(60)));
+    let layer = IdempotencyLayer::with_store(store)
+        .policy(Policy::new().lease(Duration::from_secs(60)))
+        .unwrap();
     let app = Arc::new(start(layer).await);
 
     let slow = tokio::spawn({
@@ -150,9 +155,11 @@ fn panic_messages() -> &'static std::sync::Mutex<Vec<String>> {
 async fn a_panicking_handler_releases_the_key() {
     let panics = panic_messages();
     let (logs, _guard) = Logs::capture();
-    let layer = IdempotencyLayer::new().policy(Policy::new().in_flight(InFlight::Wait {
-        timeout: Duration::from_secs(5),
-    }));
+    let layer = IdempotencyLayer::new()
+        .policy(Policy::new().in_flight(InFlight::Wait {
+            timeout: Duration::from_secs(5),
+        }))
+        .unwrap();
     let app = Arc::new(start(layer).await);
 
     let panicking = tokio::spawn({

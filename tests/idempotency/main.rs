@@ -258,6 +258,7 @@ async fn over_the_byte_budget_is_503_and_touches_neither_handler_nor_store() {
     // Every store call fails and is logged; failing open, the request still runs.
     let layer = IdempotencyLayer::with_store(BrokenStore)
         .policy(Policy::new().store_failure(StoreFailure::FailOpen))
+        .unwrap()
         .max_buffered_bytes(1000);
     let app = Arc::new(start(layer).await);
     let body = "x".repeat(600);
@@ -379,7 +380,8 @@ async fn a_failing_store_fails_closed_by_default() {
 async fn a_failing_store_can_fail_open() {
     let (logs, _guard) = Logs::capture();
     let layer = IdempotencyLayer::with_store(BrokenStore)
-        .policy(Policy::new().store_failure(StoreFailure::FailOpen));
+        .policy(Policy::new().store_failure(StoreFailure::FailOpen))
+        .unwrap();
     let app = start(layer).await;
 
     let reply = app.post("/commands", &[KEY], BODY).await;
@@ -512,6 +514,7 @@ async fn the_expiry_header_says_when_the_stored_answer_expires() {
     let app = start(
         IdempotencyLayer::new()
             .policy(Policy::new().ttl(ttl))
+            .unwrap()
             .expiry_header(true)
             .on_replay(hook),
     )

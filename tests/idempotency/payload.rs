@@ -65,12 +65,14 @@ impl Partner {
             .key(KeyFromJson::new("/correlation_id").client("/partner_id"))
             .require_key(true)
             .on_replay(replay.clone())
-            .policy(Policy::new().ttl(30 * DAY));
+            .policy(Policy::new().ttl(30 * DAY))
+            .unwrap();
         let webhook = IdempotencyLayer::with_store(store)
             .key(KeyFromJson::new("/correlation_id").client("/planner_id"))
             .require_key(true)
             .on_replay(replay)
-            .policy(Policy::new().ttl(DAY));
+            .policy(Policy::new().ttl(DAY))
+            .unwrap();
         let planner = Planner::default();
         let app = Router::new()
             .route("/wes/v1/realtime", post(book).layer(realtime))

@@ -14,7 +14,8 @@ async fn each_client_and_key_runs_exactly_once_under_a_burst() {
         .client(ClientFromHeader::new(HeaderName::from_static("x-api-key")))
         .policy(Policy::new().in_flight(InFlight::Wait {
             timeout: Duration::from_secs(30),
-        }));
+        }))
+        .unwrap();
     let app = Arc::new(start(layer).await);
 
     let mut tasks = Vec::new();

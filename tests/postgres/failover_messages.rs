@@ -761,7 +761,7 @@ async fn inbox_trial(plan: InboxPlan) -> Option<()> {
                 .require_key(true)
                 .policy(Policy::new().in_flight(InFlight::Reject {
                     retry_after: RETRY_PAUSE,
-                })),
+                })).unwrap(),
         )
         .service(service_fn({
             let (ledger, slowed_backend, slowed) =

@@ -284,7 +284,9 @@ pub(super) async fn replica(
         })
         .build()
         .unwrap();
-    let layer = IdempotencyLayer::with_store(store).policy(Policy::new().lease(LEASE));
+    let layer = IdempotencyLayer::with_store(store)
+        .policy(Policy::new().lease(LEASE))
+        .unwrap();
     let route = match mode {
         Mode::Durable => post(durable).layer(layer),
         Mode::Transactional => post(transactional).layer(layer),

@@ -277,6 +277,7 @@ async fn the_expiry_header_is_the_rows_expiry_in_postgres() {
     let ttl = Duration::from_secs(7200);
     let layer = IdempotencyLayer::with_store(store(&database).await)
         .policy(Policy::new().ttl(ttl))
+        .unwrap()
         .expiry_header(true);
     let replica = Replica::start(layer, &Ledger::default()).await;
 

@@ -93,6 +93,7 @@ impl Server {
                 post(create).layer(
                     IdempotencyLayer::with_store(store)
                         .policy(policy)
+                        .unwrap()
                         .store_if(|status| status != StatusCode::ACCEPTED),
                 ),
             )

@@ -49,7 +49,7 @@ use super::{
 async fn replica(store: RedisStore, ledger: &Ledger, lease: Option<Duration>) -> Replica {
     let mut layer = IdempotencyLayer::with_store(store);
     if let Some(lease) = lease {
-        layer = layer.policy(Policy::new().lease(lease));
+        layer = layer.policy(Policy::new().lease(lease)).unwrap();
     }
     Replica::start(layer, ledger).await
 }

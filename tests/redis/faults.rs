@@ -38,7 +38,7 @@ pub(super) async fn replica(redis_url: &str, ledger: &Ledger, lease: Option<Dura
         .expect("Redis is up");
     let mut layer = IdempotencyLayer::with_store(store);
     if let Some(lease) = lease {
-        layer = layer.policy(Policy::new().lease(lease));
+        layer = layer.policy(Policy::new().lease(lease)).unwrap();
     }
     Replica::start(layer, ledger).await
 }

@@ -122,8 +122,11 @@ impl Replica {
             .route("/commands", post(handler).layer(layer.clone()))
             .route(
                 "/open",
-                post(handler)
-                    .layer(layer.policy(Policy::new().store_failure(StoreFailure::FailOpen))),
+                post(handler).layer(
+                    layer
+                        .policy(Policy::new().store_failure(StoreFailure::FailOpen))
+                        .unwrap(),
+                ),
             )
             .with_state((runs.clone(), name))
             .layer(CorrelationLayer::new());
@@ -221,9 +224,11 @@ async fn concurrent_duplicates_over_both_replicas_run_once() {
     };
     let runs = Runs::default();
     let wait = |layer: IdempotencyLayer<RedisStore>| {
-        layer.policy(Policy::new().in_flight(InFlight::Wait {
-            timeout: Duration::from_secs(10),
-        }))
+        layer
+            .policy(Policy::new().in_flight(InFlight::Wait {
+                timeout: Duration::from_secs(10),
+            }))
+            .unwrap()
     };
     let replicas = Arc::new([
         Replica::start(&redis.url(), &runs, "a", wait).await,
@@ -488,7 +493,9 @@ async fn a_record_expires_in_redis_after_the_ttl() {
     };
     let runs = Runs::default();
     let replica = Replica::start(&redis.url(), &runs, "a", |layer| {
-        layer.policy(Policy::new().ttl(Duration::from_secs(1)))
+        layer
+            .policy(Policy::new().ttl(Duration::from_secs(1)))
+            .unwrap()
     })
     .await;
 
@@ -575,7 +582,10 @@ async fn the_expiry_header_is_the_records_ttl_in_redis() {
     let runs = Runs::default();
     let ttl = Duration::from_secs(7200);
     let replica = Replica::start(&redis.url(), &runs, "a", |layer| {
-        layer.policy(Policy::new().ttl(ttl)).expiry_header(true)
+        layer
+            .policy(Policy::new().ttl(ttl))
+            .unwrap()
+            .expiry_header(true)
     })
     .await;
 

@@ -85,7 +85,7 @@ impl Consumer {
             .expect("Redis is up");
         let mut layer = MessageIdempotencyLayer::with_store(store).key(key_of as KeyOf);
         if let Some(lease) = lease {
-            layer = layer.policy(Policy::new().lease(lease));
+            layer = layer.policy(Policy::new().lease(lease)).unwrap();
         }
         let ledger = ledger.clone();
         let handler = service_fn(move |delivery: Delivery| {

@@ -15,7 +15,7 @@ use super::{
     kept::{KeptOutcomes, Waiting},
     lease::{self, Release},
     observe,
-    settings::{InFlight, Policy, StoreFailure},
+    settings::{InFlight, Policy, PolicyError, StoreFailure},
 };
 use crate::idempotency::{
     store::{
@@ -179,7 +179,11 @@ impl<St: IdempotencyStore> Engine<St> {
         spent: &mut Duration,
     ) -> Decision<St> {
         let policy = &self.policy;
-        let claim = lease::claim(fingerprint, policy.get_lease(), epoch);
+        let claim = lease::claim(
+            fingerprint,
+            policy.lease.unwrap_or(super::DEFAULT_LEASE),
+            epoch,
+        );
         if let Some(waiting) = self.kept.get(&scope) {
             // This layer ran the work and holds its outcome until the store takes
             // it: never run it again, whatever the store says.
@@ -457,7 +461,8 @@ impl<St: IdempotencyStore> Engine<St> {
             kept: Arc::default(),
             policy: Policy::new(),
         };
-        engine.set_policy(Policy::new());
+        let lease = super::DEFAULT_LEASE.max(shortest_lease(&*engine.store));
+        engine.policy.lease = Some(lease);
         engine
     }
 
@@ -467,24 +472,19 @@ impl<St: IdempotencyStore> Engine<St> {
     /// [`recovery_time`](IdempotencyStore::recovery_time) and the pause before a failed
     /// renewal is tried again.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// If the lease set is shorter, with a message that says why.
-    pub(crate) fn set_policy(&mut self, mut policy: Policy) {
+    /// If the lease set is shorter.
+    pub(crate) fn set_policy(&mut self, mut policy: Policy) -> Result<(), PolicyError> {
         let shortest = shortest_lease(&*self.store);
         let lease = match policy.lease {
-            Some(lease) => {
-                assert!(
-                    lease >= shortest,
-                    "tower-ids: a lease of {lease:?} cannot outlive a store outage: a claim is renewed every quarter lease, and after an outage the store needs up to {:?} (its command timeout, the replicas' wait, reconnecting, and the 50 ms before a failed renewal is tried again) before a renewal lands; set a lease of at least {shortest:?}, or shorten the store's timeouts",
-                    shortest / 4
-                );
-                lease
-            }
+            Some(lease) if lease < shortest => return Err(PolicyError { lease, shortest }),
+            Some(lease) => lease,
             None => super::DEFAULT_LEASE.max(shortest),
         };
         policy.lease = Some(lease);
         self.policy = policy;
+        Ok(())
     }
 }
 

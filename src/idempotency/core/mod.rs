@@ -23,8 +23,8 @@ mod tests;
 pub use self::drain::{Drain, Drained};
 pub use self::replay::ReplayInfo;
 pub use self::settings::{
-    InFlight, Policy, StorageRule, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES,
-    DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+    InFlight, Policy, PolicyError, StorageRule, StoreFailure, DEFAULT_LEASE,
+    DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
 };
 pub(crate) use self::{
     claimed::{Claimed, Classified, Classifying, Finished, Unsettled},

@@ -102,8 +102,8 @@ pub enum StorageRule {
 /// Build one with [`Policy::new`] and its setters, hand it to a layer with
 /// `.policy(p)` ([`IdempotencyLayer::policy`](crate::idempotency::IdempotencyLayer::policy),
 /// [`MessageIdempotencyLayer::policy`](crate::idempotency::message::MessageIdempotencyLayer::policy),
-/// and the gRPC layer's), and read a layer's back with its `policy()`. One policy can
-/// go to several layers. Settings of one transport (body limits, header names, key
+/// and the gRPC layer's); its `Debug` shows what a layer uses. One policy can go to
+/// several layers. Settings of one transport (body limits, header names, key
 /// extractors) stay on its layer.
 ///
 /// ```
@@ -114,8 +114,8 @@ pub enum StorageRule {
 ///     .ttl(Duration::from_secs(3600))
 ///     .in_flight(InFlight::Wait { timeout: Duration::from_secs(5) })
 ///     .storage(StorageRule::SuccessesOnly);
-/// let layer = IdempotencyLayer::new().policy(policy);
-/// assert_eq!(layer.get_policy().get_ttl(), Duration::from_secs(3600));
+/// let layer = IdempotencyLayer::new().policy(policy)?;
+/// # Ok::<_, tower_ids::idempotency::PolicyError>(())
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -133,7 +133,7 @@ impl std::fmt::Debug for Policy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Policy")
             .field("ttl", &self.ttl)
-            .field("lease", &self.get_lease())
+            .field("lease", &self.lease.unwrap_or(DEFAULT_LEASE))
             .field("max_kept_bytes", &self.max_kept_bytes)
             .field("in_flight", &self.in_flight)
             .field("store_failure", &self.store_failure)
@@ -180,11 +180,12 @@ impl Policy {
     /// longer than its lease, and a crashed worker locks its key for at most one and a
     /// half leases. A shorter lease frees such keys sooner but renews more often.
     ///
-    /// A layer given this policy panics if a quarter of the lease does not cover its
-    /// store's [`recovery_time`](crate::idempotency::store::IdempotencyStore::recovery_time)
+    /// A layer refuses this policy with a [`PolicyError`] if a quarter of the lease
+    /// does not cover its store's
+    /// [`recovery_time`](crate::idempotency::store::IdempotencyStore::recovery_time)
     /// (its command timeout, the replicas' wait, reconnecting) plus the 50 ms before a
     /// failed renewal is tried again: such a claim could run out in an outage shorter
-    /// than the lease. The message names the shortest lease that would do.
+    /// than the lease. The error names the shortest lease that would do.
     #[must_use]
     pub const fn lease(mut self, lease: Duration) -> Self {
         self.lease = Some(lease);
@@ -223,37 +224,33 @@ impl Policy {
         self.storage = rule;
         self
     }
+}
 
-    /// How long an outcome is replayed.
-    pub const fn get_ttl(&self) -> Duration {
-        self.ttl
-    }
+/// A [`Policy`] a layer refused: its lease is too short for the layer's store (see
+/// [`Policy::lease`]). Its text names the shortest lease that would do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyError {
+    pub(crate) lease: Duration,
+    pub(crate) shortest: Duration,
+}
 
-    /// The lease: as set, or, read from a layer, the one it uses.
-    pub const fn get_lease(&self) -> Duration {
-        match self.lease {
-            Some(lease) => lease,
-            None => DEFAULT_LEASE,
-        }
-    }
-
-    /// The most response bytes kept for the store.
-    pub const fn get_max_kept_bytes(&self) -> usize {
-        self.max_kept_bytes
-    }
-
-    /// What a duplicate of work in flight gets.
-    pub const fn get_in_flight(&self) -> InFlight {
-        self.in_flight
-    }
-
-    /// What a store failure does.
-    pub const fn get_store_failure(&self) -> StoreFailure {
-        self.store_failure
-    }
-
-    /// Which outcomes are stored.
-    pub const fn get_storage(&self) -> StorageRule {
-        self.storage
+impl PolicyError {
+    /// The shortest lease the store allows.
+    pub fn shortest_lease(&self) -> Duration {
+        self.shortest
     }
 }
+
+impl std::fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "a lease of {:?} cannot outlive a store outage: a claim is renewed every quarter lease, and after an outage the store needs up to {:?} (its command timeout, the replicas' wait, reconnecting, and the 50 ms before a failed renewal is tried again) before a renewal lands; set a lease of at least {:?}, or shorten the store's timeouts",
+            self.lease,
+            self.shortest / 4,
+            self.shortest
+        )
+    }
+}
+
+impl std::error::Error for PolicyError {}

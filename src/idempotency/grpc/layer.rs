@@ -11,7 +11,7 @@ use super::GrpcIdempotency;
 use crate::idempotency::{
     client::NoClient,
     collect::Budget,
-    core::{observe::LayerOrder, Drain, Engine, Policy, StorageRule},
+    core::{observe::LayerOrder, Drain, Engine, Policy, PolicyError, StorageRule},
     response::per_attempt_headers,
     store::{IdempotencyStore, MokaStore},
     DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
@@ -170,11 +170,6 @@ impl<St, C> GrpcIdempotencyLayer<St, C> {
         self.settings().store_if = Some(Arc::new(predicate));
         self
     }
-
-    /// The settings every idempotency layer shares, as this layer uses them.
-    pub fn get_policy(&self) -> &Policy {
-        self.engine.policy()
-    }
 }
 
 impl<St: IdempotencyStore, C> GrpcIdempotencyLayer<St, C> {
@@ -182,12 +177,13 @@ impl<St: IdempotencyStore, C> GrpcIdempotencyLayer<St, C> {
     /// of a call in flight is `ABORTED` with the in-flight policy's `retry_after` in
     /// `RetryInfo`; a store failure that fails closed is `UNAVAILABLE`.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// If the policy's lease is too short for the store (see [`Policy::lease`]).
-    pub fn policy(mut self, policy: Policy) -> Self {
-        self.engine.set_policy(policy);
-        self
+    /// [`PolicyError`] if the policy's lease is too short for the store (see
+    /// [`Policy::lease`]): its text names the shortest lease that would do.
+    pub fn policy(mut self, policy: Policy) -> Result<Self, PolicyError> {
+        self.engine.set_policy(policy)?;
+        Ok(self)
     }
 }
 

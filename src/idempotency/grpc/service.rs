@@ -48,11 +48,6 @@ impl GrpcIdempotency<()> {
 }
 
 impl<S, St, C> GrpcIdempotency<S, St, C> {
-    /// The settings every idempotency layer shares, as this one uses them.
-    pub fn policy(&self) -> &crate::idempotency::Policy {
-        self.engine.policy()
-    }
-
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner

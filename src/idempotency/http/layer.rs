@@ -15,7 +15,7 @@ use super::{
 use crate::idempotency::{
     client::NoClient,
     collect::Budget,
-    core::{observe::LayerOrder, Drain, Engine, Policy, StorageRule},
+    core::{observe::LayerOrder, Drain, Engine, Policy, PolicyError, StorageRule},
     response::per_attempt_headers,
     store::{IdempotencyStore, MokaStore},
 };
@@ -346,24 +346,18 @@ impl<St, C, E> IdempotencyLayer<St, C, E> {
         self.settings().store_if = Some(Arc::new(predicate));
         self
     }
-
-    /// The settings every idempotency layer shares (ttl, lease, kept bytes, in-flight
-    /// duplicates, store failure, storage rule), as this layer uses them.
-    pub fn get_policy(&self) -> &Policy {
-        self.engine.policy()
-    }
 }
 
 impl<St: IdempotencyStore, C, E> IdempotencyLayer<St, C, E> {
     /// Sets the settings every idempotency layer shares: see [`Policy`].
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// If the policy's lease is too short for the store (see [`Policy::lease`]): the
-    /// message names the shortest lease that would do.
-    pub fn policy(mut self, policy: Policy) -> Self {
-        self.engine.set_policy(policy);
-        self
+    /// [`PolicyError`] if the policy's lease is too short for the store (see
+    /// [`Policy::lease`]): its text names the shortest lease that would do.
+    pub fn policy(mut self, policy: Policy) -> Result<Self, PolicyError> {
+        self.engine.set_policy(policy)?;
+        Ok(self)
     }
 }
 

@@ -98,11 +98,6 @@ impl Idempotency<()> {
 }
 
 impl<S, St, C, E> Idempotency<S, St, C, E> {
-    /// The settings every idempotency layer shares, as this one uses them.
-    pub fn policy(&self) -> &crate::idempotency::Policy {
-        self.engine.policy()
-    }
-
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner

@@ -7,7 +7,7 @@ use tower_layer::Layer;
 
 use super::{MessageIdempotency, NoMessageKey};
 use crate::idempotency::{
-    core::{Drain, Engine, Policy},
+    core::{Drain, Engine, Policy, PolicyError},
     store::{IdempotencyStore, MokaStore},
     DEFAULT_MAX_RESPONSE_BYTES,
 };
@@ -138,11 +138,6 @@ impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
         self.settings().store_if = Some(Arc::new(predicate));
         self
     }
-
-    /// The settings every idempotency layer shares, as this layer uses them.
-    pub fn get_policy(&self) -> &Policy {
-        self.engine.policy()
-    }
 }
 
 impl<R, K, St: IdempotencyStore> MessageIdempotencyLayer<R, K, St> {
@@ -155,12 +150,13 @@ impl<R, K, St: IdempotencyStore> MessageIdempotencyLayer<R, K, St> {
     /// here (a handler's `Err` is never stored); choose with
     /// [`store_if`](Self::store_if).
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// If the policy's lease is too short for the store (see [`Policy::lease`]).
-    pub fn policy(mut self, policy: Policy) -> Self {
-        self.engine.set_policy(policy);
-        self
+    /// [`PolicyError`] if the policy's lease is too short for the store (see
+    /// [`Policy::lease`]): its text names the shortest lease that would do.
+    pub fn policy(mut self, policy: Policy) -> Result<Self, PolicyError> {
+        self.engine.set_policy(policy)?;
+        Ok(self)
     }
 }
 

@@ -345,7 +345,8 @@ mod tests {
                 .key(key_of as KeyOf)
                 .policy(Policy::new().in_flight(InFlight::Wait {
                     timeout: Duration::from_secs(5),
-                })),
+                }))
+                .unwrap(),
         );
         let first = tokio::spawn(reject.clone().oneshot(signal("swarm-start", "k")));
         tokio::time::sleep(Duration::from_millis(50)).await;

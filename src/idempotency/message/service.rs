@@ -48,11 +48,6 @@ impl<R> MessageIdempotency<(), R, super::NoMessageKey, MokaStore> {
 }
 
 impl<S, R, K, St> MessageIdempotency<S, R, K, St> {
-    /// The settings every idempotency layer shares, as this one uses them.
-    pub fn policy(&self) -> &crate::idempotency::Policy {
-        self.engine.policy()
-    }
-
     /// The wrapped handler.
     pub fn get_ref(&self) -> &S {
         &self.inner

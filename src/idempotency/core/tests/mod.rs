@@ -200,7 +200,7 @@ fn running(fingerprint: Fingerprint, epoch: Option<u64>, request_count: u64) -> 
 
 fn engine(store: &Arc<ScriptedStore>, policy: Policy) -> Engine<ScriptedStore> {
     let mut engine = Engine::new(store.clone());
-    engine.set_policy(policy);
+    engine.set_policy(policy).unwrap();
     engine
 }
 
