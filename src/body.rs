@@ -59,14 +59,19 @@ impl<B> Body<B> {
         }
     }
 
-    /// A complete body followed by `trailers` (a gRPC response's status).
-    #[cfg(feature = "grpc")]
+    /// A complete body followed by `trailers` (a gRPC response's status); a build
+    /// without gRPC has no trailers to give.
+    #[cfg(feature = "idempotency")]
     pub(crate) fn with_trailers(data: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
-        Self {
-            kind: Kind::Trailed {
-                data: (!data.is_empty()).then_some(data),
-                trailers,
+        match trailers {
+            #[cfg(feature = "grpc")]
+            trailers @ Some(_) => Self {
+                kind: Kind::Trailed {
+                    data: (!data.is_empty()).then_some(data),
+                    trailers,
+                },
             },
+            _ => Self::complete(data),
         }
     }
 

@@ -96,8 +96,8 @@
 //! | Where | What |
 //! |---|---|
 //! | [`correlation`] | [`CorrelationLayer`] (server), [`OutboundCorrelationLayer`] (HTTP clients), [`CorrelationId`], `MessageCorrelation` and `Carrier` (messages) |
-//! | [`idempotency`] | [`IdempotencyLayer`] (HTTP routes), [`MessageIdempotencyLayer`](idempotency::MessageIdempotencyLayer) (consumers); the values `IdempotencyKey`, `AttemptId`, `ClientId`; the extractors `KeyFromHeader`, `KeyFromJson`, `ClientFromHeader`, `ClientFromAuthorization`, `ClientFromExtension`, `EpochFromHeader`, `EpochFromExtension`; `InFlight`, `StoreFailure`; replay hooks (`OnReplay`, `JsonReplayMarker`); the `DEFAULT_*` settings |
-//! | `idempotency::store` | [`MokaStore`] (default), `RedisStore`, `PostgresStore` and their builders; `IdempotencyStore` and the record types, to write a store of your own |
+//! | [`idempotency`] | [`IdempotencyLayer`] (HTTP routes), [`MessageIdempotencyLayer`](idempotency::message::MessageIdempotencyLayer) (consumers); the values `IdempotencyKey`, `AttemptId`, `ClientId`; the extractors `KeyFromHeader`, `KeyFromJson`, `ClientFromHeader`, `ClientFromAuthorization`, `ClientFromExtension`, `EpochFromHeader`, `EpochFromExtension`; `InFlight`, `StoreFailure`; replay hooks (`OnReplay`, `JsonReplayMarker`); the `DEFAULT_*` settings |
+//! | `idempotency::store` | [`MokaStore`](idempotency::MokaStore) (default), `RedisStore`, `PostgresStore` and their builders; `IdempotencyStore` and the record types, to write a store of your own |
 //! | `idempotency::message` | the consumer layer's answers (`Handled`, `Refusal`) and keys (`MessageKey`, `ExtractMessageKey`) |
 //! | `idempotency::extract` | the traits behind the extractors, for a key, client or epoch read your own way |
 //! | `idempotency::header`, `idempotency::metrics` | the header names and metric names |
@@ -114,7 +114,7 @@
 //! | Feature | Default | What it adds |
 //! |---|---|---|
 //! | `correlation` | yes | [`correlation`]: the server and outbound layers, [`CorrelationId`] |
-//! | `idempotency` | yes | [`idempotency`]: the HTTP and message layers and the in-memory [`MokaStore`] |
+//! | `idempotency` | yes | [`idempotency`]: the HTTP and message layers and the in-memory [`MokaStore`](idempotency::MokaStore) |
 //! | `client` | yes | [`client`]: [`RetryLayer`] and `derive_key` (without the idempotency layer or moka) |
 //! | `axum` | yes | [`CorrelationId`] as an axum extractor (and, with `postgres`, the handler's `Transaction`) |
 //! | `redis` | no | `RedisStore`, one record per key for every replica, on one Redis or on Redis Cluster |
@@ -124,7 +124,7 @@
 //! | `metrics` | no | the idempotency layer's counters, store latency and requests in flight, on the `metrics` facade |
 //! | `reqwest` | no | [`OutboundCorrelationLayer`] (and, with `client`, [`RetryLayer`]) as `reqwest-middleware` middleware |
 //! | `openapi` | no | `IdempotencyLayer::document`: a protected operation's key header, problems and response headers in an OpenAPI document (utoipa) |
-//! | `grpc` | no | `idempotency::grpc::GrpcIdempotencyLayer`: unary tonic calls deduplicated, answered as gRPC statuses with `google.rpc` details |
+//! | `grpc` | no | `IdempotencyLayer::for_grpc()`: unary tonic calls deduplicated, answered as gRPC statuses with `google.rpc` details |
 //! | `amqp` | no | AMQP 0-9-1 (RabbitMQ, lapin) header tables as a [`Carrier`](correlation::Carrier): a message's correlation ID, idempotency key (with `idempotency`) and trace context (with `opentelemetry`) |
 //! | `kafka` | no | Kafka record headers (rdkafka) as a [`Carrier`](correlation::Carrier): a record's correlation ID, idempotency key (with `idempotency`) and trace context (with `opentelemetry`) |
 //! | `outbox` | no | `outbox`: messages enqueued in the request's PostgreSQL transaction and a relay that publishes them once committed (RabbitMQ with `amqp`, Kafka with `kafka`); implies `postgres` |
@@ -213,4 +213,4 @@ pub use client::RetryLayer;
 #[cfg(feature = "correlation")]
 pub use correlation::{CorrelationId, CorrelationLayer, OutboundCorrelationLayer};
 #[cfg(feature = "idempotency")]
-pub use idempotency::{IdempotencyLayer, MokaStore};
+pub use idempotency::IdempotencyLayer;

@@ -586,7 +586,7 @@ impl ledger::ledger_server::Ledger for EchoLedger {
 
 #[tokio::test]
 async fn a_grpc_calls_traceparent_and_correlation_id_travel_in_its_metadata() {
-    use tower_ids::idempotency::grpc::GrpcIdempotencyLayer;
+    use tower_ids::idempotency::IdempotencyLayer;
     let lines = &pipeline().1;
     let trace_id = "5cf92f3577b34da6a3ce929d0e0e4799";
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -594,7 +594,7 @@ async fn a_grpc_calls_traceparent_and_correlation_id_travel_in_its_metadata() {
     tokio::spawn(
         tonic::transport::Server::builder()
             .layer(CorrelationLayer::new())
-            .layer(GrpcIdempotencyLayer::new())
+            .layer(IdempotencyLayer::new().for_grpc())
             .add_service(ledger::ledger_server::LedgerServer::new(EchoLedger))
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );

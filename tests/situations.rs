@@ -59,11 +59,11 @@ use tower_ids::{
     idempotency::{
         extract::KeyRejection,
         grpc::GrpcIdempotencyLayer,
-        message::{Handled, MessageKey, NoMessageKey},
+        message::{Handled, MessageIdempotencyLayer, MessageKey, NoMessageKey},
         metrics::{RELEASED, REQUESTS, STORE_FAILURES},
         store::{Begin, Claim, Completion, Lease, Record, Renewal, ScopeKey, Settled, StoreError},
-        Drain, IdempotencyKey, IdempotencyLayer, IdempotencyStore, MessageIdempotencyLayer,
-        MokaStore, Policy, StorageRule, StoreFailure,
+        Drain, IdempotencyKey, IdempotencyLayer, IdempotencyStore, MokaStore, Policy, StorageRule,
+        StoreFailure,
     },
 };
 use tracing::{field::Field, Subscriber};
@@ -491,7 +491,7 @@ async fn start_on<St: IdempotencyStore>(
 ) -> Endpoint {
     match transport {
         Transport::Http => http(IdempotencyLayer::with_store(store), tweaks, gate).await,
-        Transport::Grpc => grpc(GrpcIdempotencyLayer::with_store(store), tweaks, gate).await,
+        Transport::Grpc => grpc(IdempotencyLayer::with_store(store).for_grpc(), tweaks, gate).await,
         Transport::Messages => messages(MessageIdempotencyLayer::with_store(store), tweaks, gate),
     }
 }

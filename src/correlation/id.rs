@@ -444,7 +444,7 @@ impl From<&CorrelationId> for HeaderValue {
 
 /// Why a correlation ID was refused.
 ///
-/// Its `Display` and [`code`](Self::code) describe the value (its length, the position
+/// Its `Display` and [`reason`](Self::reason) describe the value (its length, the position
 /// of the first bad byte) but never repeat it, so they are safe to log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidCorrelationId {

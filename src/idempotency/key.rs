@@ -231,7 +231,7 @@ fn check_visible(text: &str, max_len: usize) -> Result<(), KeyError> {
 
 /// Why an idempotency key (or attempt ID) was refused; the layer answers `400`.
 ///
-/// Neither `Display` nor [`code`](Self::code) repeats the value.
+/// Neither `Display` nor [`reason`](Self::reason) repeats the value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidIdempotencyKey(KeyError);
 

@@ -365,6 +365,8 @@
 // what two of them share (`client`, `collect`, `rejection`, `response`), then `core`,
 // then `store`, then `key`, `scope` and `header`.
 #[cfg(feature = "idempotency")]
+mod adapter;
+#[cfg(feature = "idempotency")]
 mod client;
 #[cfg(feature = "idempotency")]
 mod code;
@@ -396,6 +398,7 @@ pub use self::http::TransactionRejection;
 pub use self::key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey};
 #[cfg(feature = "idempotency")]
 pub use self::{
+    adapter::{Idempotency, IdempotencyLayer},
     client::{ClientFromAuthorization, ClientFromExtension, ClientFromHeader},
     code::Code,
     core::{
@@ -403,11 +406,10 @@ pub use self::{
         DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     http::{
-        EpochFromExtension, EpochFromHeader, Idempotency, IdempotencyLayer, JsonReplayMarker,
-        KeyFromHeader, KeyFromJson, OnReplay, DEFAULT_MAX_BUFFERED_BYTES,
-        DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
+        EpochFromExtension, EpochFromHeader, Http, JsonReplayMarker, KeyFromHeader, KeyFromJson,
+        OnReplay, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_MAX_RESPONSE_BYTES,
     },
-    message::MessageIdempotencyLayer,
     response::ResponseFuture,
     scope::ClientId,
     store::{IdempotencyStore, MokaStore},

@@ -19,8 +19,8 @@ use crate::idempotency::{
     ORIGINAL_ATTEMPT_ID,
 };
 
-/// Response future of [`Idempotency`](crate::idempotency::Idempotency) and
-/// [`GrpcIdempotency`](crate::idempotency::grpc::GrpcIdempotency).
+/// Response future of [`Idempotency`](crate::idempotency::Idempotency), over HTTP and
+/// gRPC alike.
 ///
 /// Dropped before it finishes (the client went away) once its request has claimed its
 /// key, it hands the rest of its work to a task of its own, in the same span and with

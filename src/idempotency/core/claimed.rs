@@ -18,7 +18,7 @@ use super::{
     kept::{report, KeptOutcomes, Outcome},
     lease::{self, Release, Renewed, RENEWAL_RETRY_PAUSE},
     observe,
-    settings::{Policy, StorageRule},
+    settings::{OutcomeClass, Policy, StorageRule},
 };
 use crate::correlation::CorrelationId;
 use crate::idempotency::{
@@ -52,11 +52,26 @@ pub(crate) enum Classified {
 /// What the adapter is told when it classifies an outcome.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Classifying {
-    /// The policy's storage rule, for the adapter to read in its transport's terms.
+    /// The policy's storage rule.
     pub(crate) rule: StorageRule,
     /// Whether the handler began the store's transaction: a server error of such a
     /// handler is rolled back, so it must be released, whatever the rule.
     pub(crate) transaction_taken: bool,
+}
+
+impl Classifying {
+    /// Whether an outcome of `class` is kept: as `overridden` says (a layer's
+    /// `store_if`), else as the policy's rule says; never a server error of a handler
+    /// that took the transaction, whose writes are rolled back.
+    pub(crate) fn keeps(
+        &self,
+        class: OutcomeClass,
+        server_error: bool,
+        overridden: Option<bool>,
+    ) -> bool {
+        overridden.unwrap_or_else(|| self.rule.keeps(class))
+            && !(server_error && self.transaction_taken)
+    }
 }
 
 /// How an adapter classifies what its handler produced: the transport's half of the

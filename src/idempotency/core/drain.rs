@@ -91,7 +91,7 @@ impl Drop for Pending {
 ///
 /// Got from the layer: [`IdempotencyLayer::drain`](crate::idempotency::IdempotencyLayer::drain),
 /// [`MessageIdempotencyLayer::drain`](crate::idempotency::message::MessageIdempotencyLayer::drain)
-/// or, with the `grpc` feature, `GrpcIdempotencyLayer::drain`. Clones of a layer
+/// or a gRPC layer's. Clones of a layer
 /// (per-route variants made from one layer included) share it; layers made apart each
 /// have their own.
 ///

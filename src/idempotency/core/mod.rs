@@ -31,4 +31,5 @@ pub(crate) use self::{
     detach::{ClaimFlag, Detaching},
     engine::{replay_failed, Decision, Engine, Verdict},
     lease::Release,
+    settings::OutcomeClass,
 };

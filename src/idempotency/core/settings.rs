@@ -94,6 +94,35 @@ pub enum StorageRule {
     AllButRetryable,
 }
 
+impl StorageRule {
+    /// Whether this rule keeps an outcome of `class`.
+    pub(crate) fn keeps(self, class: OutcomeClass) -> bool {
+        match self {
+            StorageRule::SuccessesOnly => class == OutcomeClass::Success,
+            StorageRule::AllButRetryable => class != OutcomeClass::NotProcessed,
+            // `StorageRule::Default` and any rule added later.
+            _ => matches!(class, OutcomeClass::Success | OutcomeClass::Failed),
+        }
+    }
+}
+
+/// What an outcome says, in no transport's terms: the class a [`StorageRule`] reads.
+/// Each transport sorts its statuses into these (the table on [`StorageRule`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OutcomeClass {
+    /// It went well: HTTP 1xx to 3xx, gRPC `OK`, a message's outcome.
+    Success,
+    /// The handler refused it: a 4xx but `408` and `429`, gRPC's `INVALID_ARGUMENT`,
+    /// `NOT_FOUND` and the like.
+    Refused,
+    /// It was not processed and a retry may succeed: `408`, `429`, `503`, gRPC's
+    /// `UNAVAILABLE`, `RESOURCE_EXHAUSTED` and `ABORTED`.
+    NotProcessed,
+    /// The handler failed, possibly after its side effect: the other 5xx, gRPC's
+    /// `UNKNOWN`, `DEADLINE_EXCEEDED`, `UNIMPLEMENTED`, `INTERNAL` and `DATA_LOSS`.
+    Failed,
+}
+
 /// The settings every idempotency layer shares, whatever its transport: how long an
 /// outcome is replayed, the claim's lease, the bytes kept for a store that is down,
 /// what a duplicate of work in flight gets, what a store failure does, and which

@@ -5,32 +5,30 @@
 //! tonic servers are tower services over HTTP/2, so the HTTP layer would run on them,
 //! but its answers are HTTP: a duplicate in flight would get `409` with a JSON body,
 //! which a gRPC client reads as a transport failure, and a replay would lose the
-//! trailers that carry `grpc-status`. [`GrpcIdempotencyLayer`] is the third thin
-//! adapter over the engine the HTTP and message layers share (the same stores, claim,
-//! lease renewal, completion rules, events and metrics): the key comes from the call's
+//! trailers that carry `grpc-status`. [`IdempotencyLayer::for_grpc`] turns the layer
+//! to the gRPC transport ([`Grpc`]), as tower-http's `TraceLayer::new_for_grpc` turns
+//! its classifier: the same layer and service, the same engine, stores, claim, lease
+//! renewal, completion rules, events and metrics; the key comes from the call's
 //! metadata, the fingerprint covers the method and the request message, the whole
 //! response is kept (initial metadata, messages, trailers), and every refusal is a
-//! `tonic::Status` with `google.rpc` details.
+//! `tonic::Status` with `google.rpc` details. [`GrpcIdempotencyLayer`] names the
+//! layer so turned. The HTTP layer's own settings (methods, key extractors, epochs,
+//! replay hooks) mean nothing to a call, so a gRPC layer does not have them;
+//! [`store_if`](GrpcIdempotencyLayer::store_if) takes a gRPC code.
 //!
-//! It is a layer of its own rather than an `IdempotencyLayer::new_for_grpc`, as
-//! tower-http's `TraceLayer` has: there, only the classifier differs between the two,
-//! and it is a type parameter. Here the settings differ (a storage rule over `Code`,
-//! no key read from the body, no epoch, no replay hooks), so one type would offer
-//! setters that mean nothing on one of the transports. What the two share, they take
-//! the same way: the [`Policy`](crate::idempotency::Policy), the stores, the client
-//! extractors, [`drain`](GrpcIdempotencyLayer::drain).
-//!
+//! [`IdempotencyLayer::for_grpc`]: crate::idempotency::IdempotencyLayer::for_grpc
+
 //! # Example
 //!
 //! ```no_run
 //! use tonic::{service::Routes, transport::Server};
-//! use tower_ids::{correlation::CorrelationLayer, idempotency::grpc::GrpcIdempotencyLayer};
+//! use tower_ids::{correlation::CorrelationLayer, idempotency::IdempotencyLayer};
 //!
 //! # async fn serve(routes: Routes) -> Result<(), Box<dyn std::error::Error>> {
 //! // `routes`: your services, `Routes::new(LedgerServer::new(ledger))`.
 //! Server::builder()
 //!     .layer(CorrelationLayer::new())
-//!     .layer(GrpcIdempotencyLayer::new())
+//!     .layer(IdempotencyLayer::new().for_grpc())
 //!     .add_routes(routes)
 //!     .serve("127.0.0.1:50051".parse()?)
 //!     .await?;
@@ -56,7 +54,7 @@
 //! `false` in its metadata (in the initial metadata, or with the status of a
 //! trailers-only answer), and echoes the key and `attempt-id`. A replay also carries
 //! `idempotency-first-seen`, `idempotency-request-count` and `original-attempt-id`,
-//! as the HTTP layer's do.
+//! as the HTTP layer's do, and an `ABORTED` for a call in flight carries the first two.
 //!
 //! | Case | Status | `ErrorInfo.reason` | `RetryInfo` |
 //! |---|---|---|---|
@@ -69,7 +67,7 @@
 //! | no client, with [`require_client`](GrpcIdempotencyLayer::require_client) | `UNAUTHENTICATED` | `idempotency.client_missing` | - |
 //! | same key and method, another message | `FAILED_PRECONDITION` | `idempotency.fingerprint_mismatch` | - |
 //! | same key while the first call runs | `ABORTED` | `idempotency.in_flight` | the delay |
-//! | the call waited for failed ([`InFlight::Wait`](crate::idempotency::InFlight::Wait)) | `ABORTED` | `idempotency.original_failed` | `0s` |
+//! | the call waited for failed ([`InFlight::Wait`](crate::idempotency::InFlight::Wait)) | `ABORTED` | `idempotency.original_failed` | `1s` |
 //! | retry of a call whose response was not kept (over [`max_response_bytes`](GrpcIdempotencyLayer::max_response_bytes)) | `FAILED_PRECONDITION` | `idempotency.not_replayable` | - |
 //! | store down (fail closed): nothing ran | `UNAVAILABLE` | `idempotency.store_unavailable` | `1s` |
 //! | no connection of the store's pool free in time: nothing ran | `RESOURCE_EXHAUSTED` | `idempotency.pool_exhausted` | `1s` |
@@ -153,14 +151,11 @@
 //! [`OutboundCorrelationLayer`](crate::correlation::OutboundCorrelationLayer) (a tower
 //! layer) to send the current ID on every call.
 
-mod answer;
 mod call;
 mod layer;
-mod service;
+mod transport;
 
-pub use self::{answer::ERROR_DOMAIN, layer::GrpcIdempotencyLayer, service::GrpcIdempotency};
-/// Response future of [`GrpcIdempotency`]: the HTTP layer's. Dropped once its call has
-/// claimed its key (the client went away, or its deadline passed), it hands the rest of
-/// the work to a task of its own: the call runs to completion and its response is
-/// stored for the retry.
-pub use crate::idempotency::response::ResponseFuture;
+pub use self::{
+    layer::{Grpc, GrpcIdempotency, GrpcIdempotencyLayer},
+    transport::ERROR_DOMAIN,
+};

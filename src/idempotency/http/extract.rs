@@ -13,7 +13,7 @@ use crate::idempotency::{
 
 /// Reads the idempotency key of a request, and optionally a client the payload names.
 ///
-/// Set with [`IdempotencyLayer::key`](super::IdempotencyLayer::key); the default is
+/// Set with [`IdempotencyLayer::key`](crate::idempotency::IdempotencyLayer::key); the default is
 /// [`KeyFromHeader`]. The key then goes where a header key goes: scoped by client,
 /// method and path, the request fingerprinted (body included), every guarantee the same.
 ///
@@ -22,7 +22,7 @@ use crate::idempotency::{
 ///   [`ExtractedKey::client`] names, if any, within the client the layer's
 ///   [`IdentifyClient`](crate::idempotency::extract::IdentifyClient) names).
 /// - `Ok(None)`: no key. `400 idempotency.key_missing` with
-///   [`require_key`](super::IdempotencyLayer::require_key), else the request passes
+///   [`require_key`](crate::idempotency::IdempotencyLayer::require_key), else the request passes
 ///   through untouched.
 /// - `Err(rejection)`: `400` with the [`KeyRejection`]'s code; neither the handler nor
 ///   the store sees the request.
@@ -142,7 +142,7 @@ impl ExtractedKey {
         &self.key
     }
 
-    pub(super) fn into_parts(self) -> (IdempotencyKey, Option<ClientId>) {
+    pub(crate) fn into_parts(self) -> (IdempotencyKey, Option<ClientId>) {
         (self.key, self.client)
     }
 }
@@ -209,13 +209,13 @@ impl ExtractKey for KeyFromHeader {
 /// | The body | Answer |
 /// |---|---|
 /// | not JSON | `400 idempotency.body_not_json` |
-/// | no key field (or `null`) | `400 idempotency.key_missing` with [`require_key`](super::IdempotencyLayer::require_key), else passed through |
+/// | no key field (or `null`) | `400 idempotency.key_missing` with [`require_key`](crate::idempotency::IdempotencyLayer::require_key), else passed through |
 /// | a key field that is not a string | `400 idempotency.key_invalid` |
 /// | a key that is not 1 to 255 visible ASCII characters | `400 idempotency.key_invalid` |
 /// | with [`client`](Self::client): no client field, or one that is not a string or an integer | `400 idempotency.client_invalid` |
 ///
 /// The body is parsed once more to find the fields (the handler parses it again);
-/// the layer's request limit ([`max_request_bytes`](super::IdempotencyLayer::max_request_bytes))
+/// the layer's request limit ([`max_request_bytes`](crate::idempotency::IdempotencyLayer::max_request_bytes))
 /// bounds that work.
 #[derive(Debug, Clone)]
 pub struct KeyFromJson {

@@ -1,12 +1,11 @@
-//! The HTTP adapter over the engine: a request's key, client, epoch and body become a
-//! scope and a fingerprint; the engine's decision becomes a response.
+//! The HTTP transport of the adapter (`adapter`): which requests a layer covers, where
+//! their key, client and epoch come from, what a refusal and a replay are.
 //!
-//! In the order a request meets them: [`layer`](IdempotencyLayer) (the settings),
-//! `service` (the request's path through the layer), `epoch` and `extract` (what the
-//! head and body say), `read` (the body, within its limits),
-//! `answer` and `replay` (every response the layer writes); `openapi` documents it.
+//! In the order a request meets them: `layer` (the HTTP settings), `epoch` and
+//! `extract` (what the head and body say), `transport` (what the adapter asks of
+//! HTTP), `stored` and `replay` (a response kept and given back); `openapi` documents
+//! it.
 
-mod answer;
 #[cfg(test)]
 mod budget_tests;
 mod epoch;
@@ -14,12 +13,11 @@ mod extract;
 mod layer;
 #[cfg(feature = "openapi")]
 pub(crate) mod openapi;
-mod read;
 mod replay;
-mod service;
 mod stored;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 mod transaction;
+mod transport;
 
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub use self::transaction::TransactionRejection;
@@ -27,9 +25,7 @@ pub use self::{
     epoch::{EpochFromExtension, EpochFromHeader, EpochRejection, ExtractEpoch, NoEpoch},
     extract::{ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeader, KeyFromJson},
     layer::{
-        IdempotencyLayer, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,
-        DEFAULT_MAX_RESPONSE_BYTES,
+        Http, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     },
     replay::{JsonReplayMarker, OnReplay},
-    service::Idempotency,
 };

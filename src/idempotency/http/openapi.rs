@@ -13,7 +13,7 @@ use utoipa::openapi::{
     ContentBuilder, RefOr, Required, Response, ResponseBuilder,
 };
 
-use super::IdempotencyLayer;
+use crate::idempotency::IdempotencyLayer;
 use crate::idempotency::{
     header::{
         ATTEMPT_ID, IDEMPOTENCY_EXPIRES, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY,

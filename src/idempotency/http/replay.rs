@@ -10,7 +10,7 @@ use crate::idempotency::ReplayInfo;
 
 /// Adjusts what a duplicate gets, from the stored response: its status, its headers,
 /// its body. Set per route with
-/// [`IdempotencyLayer::on_replay`](super::IdempotencyLayer::on_replay).
+/// [`IdempotencyLayer::on_replay`](crate::idempotency::IdempotencyLayer::on_replay).
 ///
 /// The hook gets a copy: the stored record is never changed, so every duplicate starts
 /// from the response the handler gave, and a hook that runs twice does not compound.

@@ -23,7 +23,7 @@ use crate::idempotency::{
     code::Code,
     core::{
         self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine, Finished,
-        Release, ReplayInfo, Unsettled, Verdict,
+        OutcomeClass, Release, ReplayInfo, Unsettled, Verdict,
     },
     store::{IdempotencyStore, MokaStore, Payload, PayloadFormat, Record},
 };
@@ -401,7 +401,7 @@ where
     R: Serialize + Send + 'static,
     St: IdempotencyStore,
 {
-    let classify = |outcome: &R, _: Classifying| classify(settings, outcome);
+    let classify = |outcome: &R, context: Classifying| classify(settings, outcome, context);
     // The delivery that ran is named by its correlation ID.
     let work = std::pin::pin!(inner.call(message));
     let (outcome, finished) = claimed.run(work, classify, None).await?;
@@ -419,13 +419,17 @@ where
     })
 }
 
-/// What of an outcome is kept: its JSON, unless the layer's `store_if` refuses it; one
-/// over the limit, or that does not serialise, is recorded as run without it.
-fn classify<R: Serialize>(settings: &MessageSettings<R>, outcome: &R) -> Classified {
-    if let Some(store_if) = &settings.store_if {
-        if !store_if(outcome) {
-            return Classified::Release(Release::NotStored);
-        }
+/// What of an outcome is kept: its JSON, a success by every storage rule, unless the
+/// layer's `store_if` refuses it; one over the limit, or that does not serialise, is
+/// recorded as run without it.
+fn classify<R: Serialize>(
+    settings: &MessageSettings<R>,
+    outcome: &R,
+    context: Classifying,
+) -> Classified {
+    let overridden = settings.store_if.as_ref().map(|store_if| store_if(outcome));
+    if !context.keeps(OutcomeClass::Success, false, overridden) {
+        return Classified::Release(Release::NotStored);
     }
     match serde_json::to_vec(outcome) {
         Ok(json) if json.len() <= settings.max_response_bytes => {

@@ -1,34 +1,32 @@
-//! Reading a protected request's body: within the size limit and the layer's byte
-//! budget, whole, so it can be fingerprinted, and handed on unchanged.
+//! Reading a covered call's body: within the size limit and the layer's byte budget,
+//! whole, so it can be fingerprinted, and handed on unchanged.
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Request, Response};
+use http::{header, Request, Response};
 
-use super::{answer::Reply, layer::Settings};
+use super::{Reply, Transport};
 use crate::body::Body;
 use crate::idempotency::{
     collect::{read_within, BoxError, Read, Reservation},
     core::refusal,
-    Fingerprint,
 };
 
 /// Reads the whole body so it can be fingerprinted, and hands it on unchanged, with
-/// the bytes it holds of the layer's budget; or the answer that refuses it: `413` over
-/// the limit, `503` when the budget cannot take it now, `400` when it fails mid-read.
-/// The refusals are counted (`rejected`) and logged here, as the engine never sees
-/// them.
-pub(super) async fn read_body<B, R>(
+/// the bytes it holds of the layer's budget; or the answer that refuses it: too large,
+/// the budget full now, or failed mid-read. The refusals are counted (`rejected`) and
+/// logged here, as the engine never sees them.
+pub(super) async fn read_body<T, B, R>(
     request: Request<B>,
-    settings: &Settings,
-    reply: Reply<'_>,
+    reply: Reply<'_, T>,
 ) -> Result<(Request<Body<B>>, Reservation), Response<Body<R>>>
 where
+    T: Transport,
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
-    let budget = &settings.budget;
+    let budget = &reply.settings.budget;
     // A body larger than the whole budget could never be read: too large, not busy.
-    let max = settings.max_request_bytes.min(budget.capacity());
+    let max = reply.settings.max_request_bytes.min(budget.capacity());
     let too_large = || {
         refusal::body_too_large(max);
         reply.body_too_large(max)
@@ -60,30 +58,4 @@ where
             Err(reply.body_unreadable())
         }
     }
-}
-
-/// A fingerprint's hash: [`Fingerprint::new`] or [`Fingerprint::collision_resistant`].
-pub(super) type FingerprintHash = fn(&str, &str, Option<&str>, Option<&[u8]>, &[u8]) -> Fingerprint;
-
-/// The fingerprint of a request whose body is `body`, by `hash`.
-pub(super) fn fingerprint(
-    hash: FingerprintHash,
-    parts: &http::request::Parts,
-    body: &[u8],
-) -> Fingerprint {
-    hash(
-        parts.method.as_str(),
-        parts.uri.path(),
-        parts.uri.query(),
-        parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .map(HeaderValue::as_bytes),
-        body,
-    )
-}
-
-/// The bytes of a body `read_body` completed.
-pub(super) fn buffered<B>(body: &Body<B>) -> Bytes {
-    body.complete_bytes().unwrap_or_default()
 }

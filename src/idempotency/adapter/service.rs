@@ -1,6 +1,5 @@
-//! A protected request's path through the HTTP layer: its key, client and epoch read,
-//! its body read within the limits, the engine asked, and its decision turned into a
-//! response.
+//! A covered call's path through the layer: its key, client and epoch read, its body
+//! read within the limits, the engine asked, and its decision turned into a response.
 
 use std::{
     future::Future,
@@ -12,31 +11,25 @@ use bytes::Bytes;
 use http::{Request, Response};
 use tower_service::Service;
 
-use super::{
-    answer::Reply,
-    extract::ExtractedKey,
-    layer::Settings,
-    read::{buffered, fingerprint, read_body, FingerprintHash},
-    stored::StoredResponse,
-    EpochRejection, ExtractEpoch, NoEpoch,
-};
+use super::{read::read_body, Owner, Reply, Settings, Transport, Whole};
 use crate::body::Body;
 use crate::idempotency::{
     client::{ClientRejection, IdentifyClient, NoClient},
     collect::{collect_up_to, BoxError, Collected},
     core::{
         observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
-        Finished, Release, Unsettled,
+        Finished, OutcomeClass, Release, Unsettled,
     },
-    response::{http_date, offer_transaction, unclaimed, ResponseFuture},
+    extract::ExtractedKey,
+    http::{EpochRejection, ExtractEpoch, Http, NoEpoch},
+    response::{offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore},
-    AttemptId, ClientId, Code, Fingerprint, IdempotencyKey, KeyRejection, ScopeKey,
-    IDEMPOTENCY_EXPIRES,
+    AttemptId, ClientId, Code, IdempotencyKey, KeyRejection, ScopeKey,
 };
 
-/// The service a protected route wraps, as the layer needs it: it takes the request
+/// The service a covered route wraps, as the layer needs it: it takes the request
 /// with its body buffered (or streamed on), and it and its future move across tasks.
-pub(super) trait Handler<ReqBody, ResBody>:
+pub(crate) trait Handler<ReqBody, ResBody>:
     Service<
         Request<Body<ReqBody>>,
         Response = Response<ResBody>,
@@ -59,7 +52,7 @@ impl<S, ReqBody, ResBody> Handler<ReqBody, ResBody> for S where
 }
 
 /// A request or response body the layer reads whole (within its limits).
-pub(super) trait ReadableBody:
+pub(crate) trait ReadableBody:
     http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
 {
 }
@@ -69,16 +62,16 @@ impl<B> ReadableBody for B where
 {
 }
 
-/// Middleware that runs each idempotent request once and replays its response.
+/// Middleware that runs each idempotent call once and replays its response.
 ///
 /// Made by [`IdempotencyLayer`](super::IdempotencyLayer); see the
 /// [module docs](crate::idempotency).
-pub struct Idempotency<S, St = MokaStore, C = NoClient, E = NoEpoch> {
-    pub(super) inner: S,
-    pub(super) engine: Engine<St>,
-    pub(super) identify: C,
-    pub(super) epoch: E,
-    pub(super) settings: Arc<Settings>,
+pub struct Idempotency<S, St = MokaStore, C = NoClient, E = NoEpoch, T = Http> {
+    pub(crate) inner: S,
+    pub(crate) engine: Engine<St>,
+    pub(crate) identify: C,
+    pub(crate) epoch: E,
+    pub(crate) settings: Arc<Settings<T>>,
 }
 
 impl<S> Idempotency<S> {
@@ -97,7 +90,7 @@ impl Idempotency<()> {
     }
 }
 
-impl<S, St, C, E> Idempotency<S, St, C, E> {
+impl<S, St, C, E, T> Idempotency<S, St, C, E, T> {
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -114,7 +107,7 @@ impl<S, St, C, E> Idempotency<S, St, C, E> {
     }
 }
 
-impl<S: Clone, St, C: Clone, E: Clone> Clone for Idempotency<S, St, C, E> {
+impl<S: Clone, St, C: Clone, E: Clone, T> Clone for Idempotency<S, St, C, E, T> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -126,7 +119,7 @@ impl<S: Clone, St, C: Clone, E: Clone> Clone for Idempotency<S, St, C, E> {
     }
 }
 
-impl<S: std::fmt::Debug, St, C, E> std::fmt::Debug for Idempotency<S, St, C, E> {
+impl<S: std::fmt::Debug, St, C, E, T> std::fmt::Debug for Idempotency<S, St, C, E, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
@@ -134,7 +127,7 @@ impl<S: std::fmt::Debug, St, C, E> std::fmt::Debug for Idempotency<S, St, C, E> 
     }
 }
 
-/// What one protected request is, once its key is read.
+/// What one covered call is, once its key is read.
 struct Protected {
     key: IdempotencyKey,
     client: Option<ClientId>,
@@ -144,12 +137,19 @@ struct Protected {
 }
 
 impl Protected {
-    fn reply<'a>(&'a self, settings: &'a Settings) -> Reply<'a> {
-        Reply::new(settings, Some(&self.key), self.attempt.as_ref())
+    fn reply<'a, T>(&'a self, settings: &'a Settings<T>) -> Reply<'a, T> {
+        Reply {
+            settings,
+            key: Some(&self.key),
+            attempt: self.attempt.as_ref(),
+        }
     }
 }
 
-impl<S, St, C, E, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, C, E>
+// The transport is the crate's own trait: a bound users never name, as `Http` and
+// `Grpc` are its only implementors.
+#[allow(private_bounds)]
+impl<S, St, C, E, T, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, C, E, T>
 where
     S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>>
         + Handler<ReqBody, ResBody>
@@ -157,6 +157,7 @@ where
     St: IdempotencyStore,
     C: IdentifyClient<ReqBody>,
     E: ExtractEpoch<ReqBody>,
+    T: Transport,
     ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
@@ -174,25 +175,30 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let settings = self.settings.clone();
 
-        if !settings.methods.contains(request.method()) {
+        if !T::covers(&settings, &request) {
             return unclaimed(pass_through(inner, request, None));
         }
         let attempt = match AttemptId::from_headers(request.headers()) {
             Ok(attempt) => attempt,
             Err(error) => {
-                let reply = Reply::new(&settings, None, None);
-                return unclaimed(ready(reply.reject_key(&error)));
+                let reply = Reply {
+                    settings: &*settings,
+                    key: None,
+                    attempt: None,
+                };
+                let refused = reply.refuse(error.reason(), error.refusal(), error.to_string());
+                return unclaimed(ready(refused));
             }
         };
         // Read from the head now (the body type changes once it is read), applied once
-        // the key is known: a request without a key never hears of them.
+        // the key is known: a call without a key never hears of them.
         let identity = Identity {
             epoch: self.epoch.extract_epoch(&request),
             client: self.identify.identify_client(&request),
             attempt,
         };
         let engine = self.engine.clone();
-        if settings.key.reads_body() {
+        if T::key(&settings).reads_body() {
             // The key is in the body: read it first (within the limits), then decide.
             return ResponseFuture {
                 work: Detaching::claiming(|claimed| {
@@ -201,7 +207,7 @@ where
             };
         }
         let (parts, body) = request.into_parts();
-        let extracted = settings.key.extract_key(&parts, &Bytes::new());
+        let extracted = T::key(&settings).extract_key(&parts, &Bytes::new());
         let protected = protect(&settings, extracted, identity, &parts);
         let request = Request::from_parts(parts, body);
         match protected {
@@ -216,25 +222,25 @@ where
     }
 }
 
-/// What the head of a covered request says besides its key, read before its body.
+/// What the head of a covered call says besides its key, read before its body.
 struct Identity {
     epoch: Result<Option<u64>, EpochRejection>,
     client: Result<Option<ClientId>, ClientRejection>,
     attempt: Option<AttemptId>,
 }
 
-/// What a covered request is, once its key is extracted.
+/// What a covered call is, once its key is extracted.
 enum Decided<B> {
     Protected(Protected),
     /// No key, and none required: passed through, with its attempt ID echoed.
     PassThrough(Option<AttemptId>),
-    /// A `400` or `401`.
+    /// Refused before the engine is asked.
     Refused(Response<Body<B>>),
 }
 
-/// Decides what a covered request is, once its key is extracted.
-fn protect<B>(
-    settings: &Settings,
+/// Decides what a covered call is, once its key is extracted.
+fn protect<T: Transport, B>(
+    settings: &Settings<T>,
     extracted: Result<Option<ExtractedKey>, KeyRejection>,
     identity: Identity,
     parts: &http::request::Parts,
@@ -244,15 +250,16 @@ fn protect<B>(
         client,
         attempt,
     } = identity;
-    let keyless = Reply::new(settings, None, attempt.as_ref());
+    let keyless = Reply {
+        settings,
+        key: None,
+        attempt: attempt.as_ref(),
+    };
     let (key, named) = match extracted {
         Ok(Some(extracted)) => extracted.into_parts(),
         Ok(None) if settings.require_key => {
-            return Decided::Refused(keyless.refuse(
-                "missing",
-                Code::KeyMissing,
-                settings.key.missing_detail().into_owned(),
-            ));
+            let detail = T::key(settings).missing_detail().into_owned();
+            return Decided::Refused(keyless.refuse("missing", Code::KeyMissing, detail));
         }
         Ok(None) => return Decided::PassThrough(attempt),
         Err(rejection) => {
@@ -264,20 +271,29 @@ fn protect<B>(
         }
     };
     // From here on every answer names the key.
-    let reply = Reply::new(settings, Some(&key), attempt.as_ref());
+    let reply = Reply {
+        settings,
+        key: Some(&key),
+        attempt: attempt.as_ref(),
+    };
     let epoch = match epoch {
         Ok(epoch) => epoch,
         Err(error) => {
-            return Decided::Refused(reply.refuse(
-                "epoch_invalid",
-                Code::EpochInvalid,
-                error.to_string(),
-            ));
+            let refused = reply.refuse("epoch_invalid", Code::EpochInvalid, error.to_string());
+            return Decided::Refused(refused);
         }
     };
     let client = match client {
         Ok(client) => client,
-        Err(error) => return Decided::Refused(reply.reject_client(&error)),
+        // Fixed text or a configured header name, never what the call sent.
+        Err(error) => {
+            let refused = reply.refuse(
+                error.logged_reason(),
+                Code::ClientInvalid,
+                error.to_string(),
+            );
+            return Decided::Refused(refused);
+        }
     };
     // The client the payload names, within the one the head names.
     let client = match (client, named) {
@@ -285,17 +301,17 @@ fn protect<B>(
         (caller, named) => caller.or(named),
     };
     if client.is_none() && settings.require_client {
-        return Decided::Refused(reply.refuse(
-            "client_missing",
-            Code::ClientMissing,
-            "this route keeps idempotency keys per client, and this request names none; send your credentials".into(),
-        ));
+        let detail = format!(
+            "this {} keeps idempotency keys per client, and this one names none; send your credentials",
+            T::NOUN
+        );
+        return Decided::Refused(reply.refuse("client_missing", Code::ClientMissing, detail));
     }
-    let (method, path) = (parts.method.as_str(), parts.uri.path());
-    let scope = match parts.uri.query().filter(|_| settings.include_query) {
-        Some(query) => ScopeKey::new("http", &[method, path, query], client.as_ref(), &key),
-        None => ScopeKey::new("http", &[method, path], client.as_ref(), &key),
+    let owner = Owner {
+        client: client.as_ref(),
+        key: &key,
     };
+    let scope = T::scope(settings, parts, owner);
     Decided::Protected(Protected {
         key,
         client,
@@ -318,25 +334,27 @@ where
     S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>>,
 {
     let response = inner.call(request.map(Body::inner)).await?;
-    let reply = Reply {
-        key: None,
-        attempt: attempt.as_ref(),
-        docs: None,
-    };
-    Ok(reply.finish(response.map(Body::inner)))
+    Ok(passed(response, attempt.as_ref()))
 }
 
-/// A protected request whose key is in its head: its body read (within the limits),
-/// then deduplicated.
+/// A response of a call that claimed no key, marked as not replayed.
+fn passed<B>(response: Response<B>, attempt: Option<&AttemptId>) -> Response<Body<B>> {
+    let mut response = response.map(Body::inner);
+    crate::idempotency::response::echo(response.headers_mut(), false, None, attempt);
+    response
+}
+
+/// A covered call whose key is in its head: its body read (within the limits), then
+/// deduplicated.
 ///
 /// An `async` block rather than an `async fn` here and in [`deduplicate`]: an `async fn`
 /// keeps its arguments twice in its future (as captured and as locals), and these
-/// futures are moved whole on every request.
+/// futures are moved whole on every call.
 #[allow(clippy::manual_async_fn)]
-fn run<S, St, ReqBody, ResBody>(
+fn run<S, St, T, ReqBody, ResBody>(
     inner: S,
     engine: Engine<St>,
-    settings: Arc<Settings>,
+    settings: Arc<Settings<T>>,
     request: Request<ReqBody>,
     protected: Protected,
     claimed: ClaimFlag,
@@ -344,6 +362,7 @@ fn run<S, St, ReqBody, ResBody>(
 where
     S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
+    T: Transport,
     ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
@@ -352,31 +371,30 @@ where
         let _in_flight = engine.track();
         // The body's bytes of the layer's budget, held until this work ends (dropped
         // with it on every path, including a cancelled or abandoned future).
-        let (request, _budget) =
-            match read_body(request, &settings, protected.reply(&settings)).await {
-                Ok(read) => read,
-                Err(refused) => return Ok(refused),
-            };
+        let (request, _budget) = match read_body(request, protected.reply(&settings)).await {
+            Ok(read) => read,
+            Err(refused) => return Ok(refused),
+        };
         deduplicate(inner, engine, settings, request, protected, claimed).await
     }
 }
 
-/// Records the protected request's key, scope and client on the request's span (see
+/// Records the covered call's key, scope and client on its span (see
 /// [`field`](crate::idempotency::field)), where its access line and every event of the
-/// request pick them up.
-fn record_protected(protected: &Protected, settings: &Settings) {
+/// call pick them up.
+fn record_protected<T>(protected: &Protected, settings: &Settings<T>) {
     // Warns once if the correlation layer is not outside this one.
     settings.layer_order.check();
     observe::protected(&protected.key, &protected.scope, protected.client.as_ref());
 }
 
 /// [`run`] for a route whose key is in the body: the body is read (within the limits,
-/// as a refusal of the head is), the key extracted, and
-/// the request deduplicated, passed through without a key, or refused.
-async fn run_keyed_by_body<S, St, ReqBody, ResBody>(
+/// as a refusal of the head is), the key extracted, and the call deduplicated, passed
+/// through without a key, or refused.
+async fn run_keyed_by_body<S, St, T, ReqBody, ResBody>(
     mut inner: S,
     engine: Engine<St>,
-    settings: Arc<Settings>,
+    settings: Arc<Settings<T>>,
     request: Request<ReqBody>,
     identity: Identity,
     claimed: ClaimFlag,
@@ -384,47 +402,46 @@ async fn run_keyed_by_body<S, St, ReqBody, ResBody>(
 where
     S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
+    T: Transport,
     ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
-    let keyless = Reply::new(&settings, None, identity.attempt.as_ref());
-    let (request, _budget) = match read_body(request, &settings, keyless).await {
+    let keyless = Reply {
+        settings: &*settings,
+        key: None,
+        attempt: identity.attempt.as_ref(),
+    };
+    let (request, _budget) = match read_body(request, keyless).await {
         Ok(read) => read,
         Err(refused) => return Ok(refused),
     };
     let (parts, body) = request.into_parts();
-    let extracted = settings
-        .key
-        .extract_key(&parts, &body.complete_bytes().unwrap_or_default());
+    let extracted =
+        T::key(&settings).extract_key(&parts, &body.complete_bytes().unwrap_or_default());
     let protected = protect(&settings, extracted, identity, &parts);
     let request = Request::from_parts(parts, body);
     match protected {
         Decided::Protected(protected) => {
-            // Counted from here: until its key is read, the request may pass through.
+            // Counted from here: until its key is read, the call may pass through.
             let _in_flight = engine.track();
             record_protected(&protected, &settings);
             deduplicate(inner, engine, settings, request, protected, claimed).await
         }
         Decided::PassThrough(attempt) => {
             let response = inner.call(request).await?;
-            let reply = Reply {
-                key: None,
-                attempt: attempt.as_ref(),
-                docs: None,
-            };
-            Ok(reply.finish(response.map(Body::inner)))
+            Ok(passed(response, attempt.as_ref()))
         }
         Decided::Refused(refused) => Ok(refused),
     }
 }
 
-/// Asks the engine what to do with a protected request whose body is read, and does
-/// it: runs the handler, or answers for the engine.
+/// Asks the engine what to do with a covered call whose body is read, and does it:
+/// runs the handler, or answers for the engine.
 #[allow(clippy::manual_async_fn)] // See `run`.
-fn deduplicate<S, St, ReqBody, ResBody>(
+fn deduplicate<S, St, T, ReqBody, ResBody>(
     mut inner: S,
     engine: Engine<St>,
-    settings: Arc<Settings>,
+    settings: Arc<Settings<T>>,
     request: Request<Body<ReqBody>>,
     protected: Protected,
     claimed: ClaimFlag,
@@ -432,53 +449,61 @@ fn deduplicate<S, St, ReqBody, ResBody>(
 where
     S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
+    T: Transport,
     ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
     async move {
+        let Protected {
+            key,
+            client,
+            scope,
+            attempt,
+            epoch,
+        } = protected;
+        let reply = Reply {
+            settings: &*settings,
+            key: Some(&key),
+            attempt: attempt.as_ref(),
+        };
         let (parts, body) = request.into_parts();
-        let bytes = buffered(&body);
+        let bytes = body.complete_bytes().unwrap_or_default();
+        if let Err((reason, code, detail)) = T::check_body(&bytes) {
+            return Ok(reply.refuse(reason, code, detail.into()));
+        }
         // The fast hash where the scope is one client's; a scope every caller shares
         // takes SHA-256, which no caller can collide on purpose (see `Fingerprint`).
-        let hash: FingerprintHash = match protected.client {
-            Some(_) => Fingerprint::new,
-            None => Fingerprint::collision_resistant,
-        };
-        let fingerprint = fingerprint(hash, &parts, &bytes);
-        let decision = engine
-            .decide(protected.scope, fingerprint, protected.epoch, &claimed)
-            .await;
+        let fingerprint = T::fingerprint(&parts, &bytes, client.is_none());
+        let decision = engine.decide(scope, fingerprint, epoch, &claimed).await;
         let request = Request::from_parts(parts, body);
-        let reply = protected.reply(&settings);
         match decision {
             // Boxed, so the replay path's future stays small.
-            Decision::Run(claimed) => {
-                Box::pin(execute(inner, &settings, request, claimed, reply)).await
-            }
+            Decision::Run(claimed) => Box::pin(execute(inner, request, claimed, reply)).await,
             Decision::FailOpen => {
                 let response = Box::pin(inner.call(request)).await?;
                 Ok(reply.finish(response.map(Body::inner)))
             }
-            Decision::Answer(verdict) => Ok(reply.decided(verdict, &settings)),
+            Decision::Answer(verdict) => Ok(reply.decided(verdict)),
         }
     }
 }
 
-/// Runs the claimed request: the engine renews its claim while the handler and its
+/// Runs the claimed call: the engine renews its claim while the handler and its
 /// response body run, this adapter says what of the response is kept, and the engine
 /// stores it or gives the key back.
-async fn execute<S, St, ReqBody, ResBody>(
+async fn execute<S, St, T, ReqBody, ResBody>(
     mut inner: S,
-    settings: &Settings,
     mut request: Request<Body<ReqBody>>,
     claimed: Claimed<St>,
-    reply: Reply<'_>,
+    reply: Reply<'_, T>,
 ) -> Result<Response<Body<ResBody>>, S::Error>
 where
     S: Handler<ReqBody, ResBody>,
     St: IdempotencyStore,
+    T: Transport,
     ResBody: ReadableBody,
 {
+    let settings = reply.settings;
     if let Some(offer) = claimed.transaction_offer() {
         offer_transaction(offer, request.extensions_mut());
     }
@@ -496,24 +521,27 @@ where
     };
     let attempt = reply.attempt.cloned();
     let ((mut parts, body), finished) = claimed.run(work, classify, attempt).await?;
+    let status = match &body {
+        Collected::Complete { trailers, .. } => Some(T::status(&parts, trailers.as_deref())),
+        Collected::TooLarge { .. } => T::status_before_body(&parts),
+        Collected::Failed(_) => None,
+    };
     let response = match (body, finished) {
         (_, Finished::Unsettled(unsettled)) => return Ok(reply.unsettled(&unsettled)),
         (_, Finished::Failed) | (Collected::Failed(_), _) => return Ok(reply.response_failed()),
         // A success whose writes were rolled back must not say it succeeded.
-        (_, Finished::RolledBack(error)) if parts.status.is_success() => {
+        (_, Finished::RolledBack(error))
+            if status.is_some_and(|status| T::class(status) == OutcomeClass::Success) =>
+        {
             return Ok(reply.unsettled(&Unsettled::NotCommitted(error)))
         }
-        (Collected::Complete { body, .. }, Finished::Kept { expires_at }) => {
-            if let Some(expires_at) = expires_at.filter(|_| settings.expiry_header) {
-                // Never over a header of the handler's own.
-                parts
-                    .headers
-                    .entry(IDEMPOTENCY_EXPIRES)
-                    .or_insert_with(|| http_date(expires_at));
+        (Collected::Complete { body, trailers }, finished) => {
+            if let Finished::Kept { expires_at } = finished {
+                T::kept(settings, &mut parts, expires_at);
             }
-            Response::from_parts(parts, Body::complete(body))
+            let trailers = trailers.filter(|_| T::KEEPS_TRAILERS);
+            Response::from_parts(parts, Body::with_trailers(body, trailers))
         }
-        (Collected::Complete { body, .. }, _) => Response::from_parts(parts, Body::complete(body)),
         (Collected::TooLarge { prefix, rest }, _) => {
             Response::from_parts(parts, Body::prefixed(prefix, rest))
         }
@@ -524,41 +552,41 @@ where
 /// What of a response is kept: the whole of it if the storage rule keeps its status (a
 /// server error in a transaction the handler took is rolled back, not stored: nothing
 /// it wrote remains, so its retry may run again); a response over the limit is
-/// recorded as run without it; the rest give the key back.
-fn classify<B>(
-    settings: &Settings,
+/// recorded as run without it (where the transport says its status only after the
+/// body, whatever that status); the rest give the key back.
+fn classify<T: Transport, B>(
+    settings: &Settings<T>,
     parts: &http::response::Parts,
     body: &Collected<B>,
     context: Classifying,
 ) -> Classified {
-    let status = parts.status;
-    let stores = match &settings.store_if {
-        Some(predicate) => predicate(status),
-        None => super::layer::stores(context.rule, status),
+    let storable = |status: T::Status| {
+        let class = T::class(status);
+        context.keeps(
+            class,
+            T::is_server_error(status),
+            T::store_if(settings, status),
+        )
     };
-    let storable = stores && !(status.is_server_error() && context.transaction_taken);
     match body {
         Collected::Failed(error) => Classified::Failed(error.to_string()),
-        _ if !storable => Classified::Release(Release::NotStored),
-        Collected::TooLarge { .. } => Classified::TooLarge {
-            max_bytes: settings.max_response_bytes,
+        Collected::TooLarge { .. } => match T::status_before_body(parts) {
+            Some(status) if !storable(status) => Classified::Release(Release::NotStored),
+            _ => Classified::TooLarge {
+                max_bytes: settings.max_response_bytes,
+            },
         },
-        Collected::Complete { body, .. } => {
-            // At most as many as the response has: no slack for the record to hold.
-            let mut headers = Vec::with_capacity(parts.headers.len());
-            headers.extend(
-                parts
-                    .headers
-                    .iter()
-                    .filter(|(name, _)| !settings.per_attempt.contains(name))
-                    .map(|(name, value)| (name.clone(), value.clone())),
-            );
-            let response = StoredResponse {
-                status,
-                headers,
-                body: body.clone(),
+        Collected::Complete { body, trailers } => {
+            let status = T::status(parts, trailers.as_deref());
+            if !storable(status) {
+                return Classified::Release(Release::NotStored);
+            }
+            let whole = Whole {
+                parts,
+                body,
+                trailers: trailers.as_deref(),
             };
-            Classified::Store(response.into_payload())
+            T::encode(settings, status, whole)
         }
     }
 }

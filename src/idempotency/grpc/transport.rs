@@ -1,0 +1,190 @@
+//! What the gRPC transport decides for the adapter: the key from the call's metadata,
+//! the method as its scope, one message as its body, its code as its status, a
+//! `tonic::Status` with `google.rpc` details for every refusal, and the whole call
+//! (metadata, messages, trailers) kept for replay.
+
+use std::{borrow::Cow, collections::HashMap, time::SystemTime};
+
+use bytes::Bytes;
+use http::{request, response, HeaderMap, Request, Response};
+use tonic::Code as GrpcCode;
+use tonic_types::{ErrorDetails, StatusExt as _};
+
+use super::{
+    call::{message_count, status_code, StoredCall},
+    Grpc,
+};
+use crate::body::Body;
+use crate::idempotency::{
+    adapter::{Answer, Owner, Settings, Transport, Whole},
+    core::{Classified, OutcomeClass},
+    extract::{ExtractKey, ExtractedKey},
+    store::{Payload, PayloadFormat, Record},
+    Code, Fingerprint, IdempotencyKey, KeyRejection, ScopeKey, IDEMPOTENCY_KEY,
+};
+
+/// The `domain` of every `google.rpc.ErrorInfo` the layer answers; its `reason` is the
+/// layer's stable code (`idempotency.in_flight`), as the HTTP layer's problems carry it.
+pub const ERROR_DOMAIN: &str = "tower-ids";
+
+/// A call's key: its `idempotency-key` metadata.
+struct MetadataKey;
+
+impl ExtractKey for MetadataKey {
+    fn reads_body(&self) -> bool {
+        false
+    }
+
+    fn extract_key(
+        &self,
+        parts: &request::Parts,
+        _: &Bytes,
+    ) -> Result<Option<ExtractedKey>, KeyRejection> {
+        Ok(IdempotencyKey::from_headers(&parts.headers, &[IDEMPOTENCY_KEY])?.map(Into::into))
+    }
+
+    fn missing_detail(&self) -> Cow<'static, str> {
+        Cow::Borrowed("this method requires `idempotency-key` metadata on every call")
+    }
+}
+
+impl Transport for Grpc {
+    type Status = GrpcCode;
+
+    const NOUN: &'static str = "call";
+
+    const KEEPS_TRAILERS: bool = true;
+
+    fn covers<B>(_: &Settings<Self>, _: &Request<B>) -> bool {
+        true
+    }
+
+    fn key(_: &Settings<Self>) -> &dyn ExtractKey {
+        &MetadataKey
+    }
+
+    fn scope(_: &Settings<Self>, parts: &request::Parts, owner: Owner<'_>) -> ScopeKey {
+        ScopeKey::new("grpc", &[parts.uri.path()], owner.client, owner.key)
+    }
+
+    fn check_body(body: &[u8]) -> Result<(), (&'static str, Code, &'static str)> {
+        match message_count(body) {
+            Some(1) => Ok(()),
+            Some(_) => Err((
+                "streaming_unsupported",
+                Code::StreamingUnsupported,
+                "a call with an idempotency key must send exactly one message; streaming calls are not deduplicated, send them without the key",
+            )),
+            None => Err((
+                "message_invalid",
+                Code::MessageInvalid,
+                "the call's body is not a sequence of length-prefixed gRPC messages",
+            )),
+        }
+    }
+
+    fn fingerprint(parts: &request::Parts, body: &[u8], shared: bool) -> Fingerprint {
+        let path = parts.uri.path();
+        if shared {
+            Fingerprint::collision_resistant("grpc", path, None, None, body)
+        } else {
+            Fingerprint::new("grpc", path, None, None, body)
+        }
+    }
+
+    fn render<B>(_: &Settings<Self>, answer: Answer<'_>) -> Response<Body<B>> {
+        let reason = answer.code.as_str();
+        let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, HashMap::new());
+        if let Some(delay) = answer.retry_after {
+            details.set_retry_info(Some(delay));
+        }
+        tonic::Status::with_error_details(answer.code.grpc(), answer.detail, details)
+            .into_http::<()>()
+            .map(|()| Body::complete(Bytes::new()))
+    }
+
+    fn status(parts: &response::Parts, trailers: Option<&HeaderMap>) -> GrpcCode {
+        status_code(&parts.headers, trailers)
+    }
+
+    fn status_before_body(_: &response::Parts) -> Option<GrpcCode> {
+        None
+    }
+
+    fn class(code: GrpcCode) -> OutcomeClass {
+        match code {
+            GrpcCode::Ok => OutcomeClass::Success,
+            GrpcCode::Unavailable | GrpcCode::ResourceExhausted | GrpcCode::Aborted => {
+                OutcomeClass::NotProcessed
+            }
+            GrpcCode::Unknown
+            | GrpcCode::DeadlineExceeded
+            | GrpcCode::Unimplemented
+            | GrpcCode::Internal
+            | GrpcCode::DataLoss => OutcomeClass::Failed,
+            _ => OutcomeClass::Refused,
+        }
+    }
+
+    fn store_if(settings: &Settings<Self>, code: GrpcCode) -> Option<bool> {
+        (settings.transport.store_if.as_ref()).map(|predicate| predicate(code))
+    }
+
+    fn is_server_error(code: GrpcCode) -> bool {
+        http_status(code) >= 500
+    }
+
+    fn encode(settings: &Settings<Self>, code: GrpcCode, whole: Whole<'_>) -> Classified {
+        let Whole {
+            parts,
+            body,
+            trailers,
+        } = whole;
+        match StoredCall::encode(&parts.headers, &settings.per_attempt, body, trailers) {
+            Some(call) => {
+                let status = u16::try_from(i32::from(code)).unwrap_or(u16::MAX);
+                Classified::Store(Payload::new(
+                    PayloadFormat::GRPC,
+                    status,
+                    Bytes::new(),
+                    call,
+                ))
+            }
+            None => Classified::Unencodable("the call's metadata could not be encoded".into()),
+        }
+    }
+
+    fn replay<B>(_: &Settings<Self>, record: &Record, _: u64) -> Option<Response<Body<B>>> {
+        // A record another transport wrote cannot be told here: not replayable.
+        let (headers, data, trailers) = record
+            .payload
+            .as_ref()
+            .filter(|payload| payload.format() == PayloadFormat::GRPC)
+            .and_then(|payload| StoredCall::decode(payload.body()))?;
+        let mut response = Response::new(Body::with_trailers(data, trailers.map(Box::new)));
+        *response.headers_mut() = headers;
+        Some(response)
+    }
+
+    fn kept(_: &Settings<Self>, _: &mut response::Parts, _: Option<SystemTime>) {}
+}
+
+/// The HTTP status the gRPC status `code` maps to, as gRPC's HTTP mapping says it: a
+/// `5xx` is a server error (a transaction the handler took is rolled back for it, as for
+/// the HTTP layer's).
+fn http_status(code: GrpcCode) -> u16 {
+    match code {
+        GrpcCode::Ok => 200,
+        GrpcCode::InvalidArgument | GrpcCode::FailedPrecondition | GrpcCode::OutOfRange => 400,
+        GrpcCode::Unauthenticated => 401,
+        GrpcCode::PermissionDenied => 403,
+        GrpcCode::NotFound => 404,
+        GrpcCode::AlreadyExists | GrpcCode::Aborted => 409,
+        GrpcCode::ResourceExhausted => 429,
+        GrpcCode::Cancelled => 499,
+        GrpcCode::Unimplemented => 501,
+        GrpcCode::Unavailable => 503,
+        GrpcCode::DeadlineExceeded => 504,
+        GrpcCode::Unknown | GrpcCode::Internal | GrpcCode::DataLoss => 500,
+    }
+}
