@@ -549,7 +549,7 @@ mod postgres_rows {
 }
 
 #[cfg(feature = "postgres")]
-#[path = "../tests/postgres/database.rs"]
+#[path = "../tests/support/postgres.rs"]
 mod database;
 
 criterion_group!(benches, idempotency);

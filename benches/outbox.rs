@@ -104,7 +104,7 @@
 //! Run: `cargo bench --bench outbox --features outbox,amqp,kafka` (about 3.5 minutes)
 #![allow(missing_docs)]
 
-#[path = "../tests/postgres/database.rs"]
+#[path = "../tests/support/postgres.rs"]
 mod database;
 #[path = "../tests/support/kafka.rs"]
 mod kafka_broker;

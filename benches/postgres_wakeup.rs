@@ -57,7 +57,7 @@ use tower_ids::idempotency::store::{
     PostgresStore, Record, ScopeKey, Settled, Settlement, Transaction,
 };
 
-#[path = "../tests/postgres/database.rs"]
+#[path = "../tests/support/postgres.rs"]
 mod database;
 
 use database::TestDatabase;

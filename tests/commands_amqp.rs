@@ -5,7 +5,7 @@
 //! broker or a database (and outside CI) the test says SKIPPED and passes.
 
 #[cfg(feature = "postgres")]
-#[path = "postgres/database.rs"]
+#[path = "support/postgres.rs"]
 mod database;
 #[path = "support/demo.rs"]
 mod demo;

@@ -15,7 +15,7 @@
 //! --test commands_crash` runs alone. The figures (kill points per phase, executions
 //! per key) are printed: `cargo test --test commands_crash -- --nocapture`.
 
-#[path = "postgres/database.rs"]
+#[path = "support/postgres.rs"]
 mod database;
 #[path = "support/demo.rs"]
 mod demo;

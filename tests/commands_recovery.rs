@@ -44,7 +44,7 @@
 //! (default `postgres://postgres@127.0.0.1:5432/postgres`), drops it at the end, and
 //! without a server prints `SKIPPED` and passes, except in CI (`CI` set).
 
-#[path = "postgres/database.rs"]
+#[path = "support/postgres.rs"]
 mod database;
 #[path = "support/demo.rs"]
 mod demo;

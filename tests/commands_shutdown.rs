@@ -38,7 +38,7 @@
 
 #[path = "support/demo.rs"]
 mod demo;
-#[path = "redis/server.rs"]
+#[path = "support/redis.rs"]
 #[allow(dead_code)]
 mod server;
 #[path = "support/mod.rs"]

@@ -21,12 +21,12 @@
 //! --all-features --test commands_storage_rule` runs alone.
 
 #[cfg(feature = "postgres")]
-#[path = "postgres/database.rs"]
+#[path = "support/postgres.rs"]
 mod database;
 #[path = "support/demo.rs"]
 mod demo;
 #[cfg(feature = "redis")]
-#[path = "redis/server.rs"]
+#[path = "support/redis.rs"]
 #[allow(dead_code)]
 mod server;
 #[path = "support/mod.rs"]

@@ -6,7 +6,7 @@
 //! is in flight. Without a server (and outside CI) the tests say SKIPPED and pass.
 #![allow(missing_docs)]
 
-#[path = "postgres/database.rs"]
+#[path = "support/postgres.rs"]
 mod database;
 #[path = "support/kafka.rs"]
 mod kafka_broker;

@@ -26,7 +26,7 @@
 //! (`tests/support/demo.rs`), so `cargo test --test inbox` runs alone; the figures are
 //! printed with `cargo test --all-features --test inbox -- --nocapture`.
 
-#[path = "postgres/database.rs"]
+#[path = "support/postgres.rs"]
 mod database;
 #[path = "support/demo.rs"]
 mod demo;

@@ -216,7 +216,7 @@ async fn a_message_consumer_reports_the_same_series() {
     assert_eq!(totals.in_flight, 0.0, "every message done");
 }
 
-#[path = "postgres/database.rs"]
+#[path = "support/postgres.rs"]
 mod database;
 
 /// The outbox relay's series: the backlog gauges, and publications, failures and dead

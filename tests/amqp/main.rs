@@ -11,7 +11,7 @@ mod broker;
 #[path = "../support/demo.rs"]
 mod demo;
 
-#[path = "../redis/server.rs"]
+#[path = "../support/redis.rs"]
 #[allow(dead_code)]
 mod server;
 

@@ -9,9 +9,9 @@ mod ledger {
     include!("ledger.v1.rs");
 }
 
-#[path = "../postgres/database.rs"]
+#[path = "../support/postgres.rs"]
 mod database;
-#[path = "../redis/server.rs"]
+#[path = "../support/redis.rs"]
 #[allow(dead_code)]
 mod server;
 

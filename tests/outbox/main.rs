@@ -7,7 +7,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-#[path = "../postgres/database.rs"]
+#[path = "../support/postgres.rs"]
 mod database;
 #[path = "../support/kafka.rs"]
 mod kafka_broker;

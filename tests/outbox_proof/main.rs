@@ -47,7 +47,7 @@
 //! and restarted, the broker disturbed), `amqp` and `kafka` (each broker's set-up and
 //! fault), `verify` (the databases and the logs checked, the figures printed).
 
-#[path = "../postgres/database.rs"]
+#[path = "../support/postgres.rs"]
 mod database;
 #[path = "../support/demo.rs"]
 mod demo;

@@ -8,7 +8,7 @@
 //! The tests build the example binary first (`tests/support/demo.rs`), so `cargo test
 //! --test partner` runs alone.
 
-#[path = "../postgres/database.rs"]
+#[path = "../support/postgres.rs"]
 mod database;
 #[path = "../support/demo.rs"]
 mod demo;

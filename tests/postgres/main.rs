@@ -20,6 +20,7 @@ mod replica;
 mod rabbitmq;
 
 mod crash;
+#[path = "../support/postgres.rs"]
 mod database;
 mod failover;
 mod failover_messages;

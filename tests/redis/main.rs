@@ -30,6 +30,7 @@ mod faults;
 mod late_commands;
 mod messages;
 mod outages;
+#[path = "../support/redis.rs"]
 mod server;
 
 use std::{
