@@ -7,7 +7,7 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use tokio::task::futures::TaskLocalFuture;
 use tracing::{instrument::Instrumented, Instrument as _};
 
-use super::{CorrelationId, DefaultValidator, InvalidCorrelationId, DEFAULT_MAX_LEN};
+use super::{CorrelationId, CorrelationIdError, DefaultValidator, DEFAULT_MAX_LEN};
 
 /// The headers of a message, as far as the correlation (and idempotency) headers go:
 /// `http::HeaderMap`, with the `kafka` feature rdkafka's `OwnedHeaders`, and with the `amqp` feature lapin's `FieldTable` (an AMQP
@@ -236,9 +236,9 @@ impl MessageCorrelation {
     pub fn read(
         &self,
         carrier: &impl Carrier,
-    ) -> Result<Option<CorrelationId>, InvalidCorrelationId> {
+    ) -> Result<Option<CorrelationId>, CorrelationIdError> {
         if carrier.is_repeated(&self.header) {
-            return Err(InvalidCorrelationId::multiple_values());
+            return Err(CorrelationIdError::multiple_values());
         }
         let Some(raw) = carrier.get(&self.header) else {
             return Ok(None);
@@ -246,9 +246,9 @@ impl MessageCorrelation {
         self.parse(raw).map(Some)
     }
 
-    fn parse(&self, raw: &[u8]) -> Result<CorrelationId, InvalidCorrelationId> {
+    fn parse(&self, raw: &[u8]) -> Result<CorrelationId, CorrelationIdError> {
         let value =
-            HeaderValue::from_bytes(raw).map_err(|_| InvalidCorrelationId::not_visible_ascii())?;
+            HeaderValue::from_bytes(raw).map_err(|_| CorrelationIdError::not_visible_ascii())?;
         CorrelationId::from_header_value(&value, self.max_len, &DefaultValidator)
     }
 
@@ -266,10 +266,7 @@ impl MessageCorrelation {
         self.delivered(value.map(|value| self.parse(value.as_bytes())).transpose())
     }
 
-    fn delivered(
-        &self,
-        read: Result<Option<CorrelationId>, InvalidCorrelationId>,
-    ) -> CorrelationId {
+    fn delivered(&self, read: Result<Option<CorrelationId>, CorrelationIdError>) -> CorrelationId {
         let id = match read {
             Ok(Some(id)) => id,
             Ok(None) => CorrelationId::new_with_max_len(self.max_len),

@@ -15,10 +15,10 @@ use crate::problem::Problem;
 /// task-local. Without the layer the handler is answered `500` with a problem naming the
 /// misconfiguration; extract `Option<CorrelationId>` to handle that case yourself.
 impl<S: Send + Sync> FromRequestParts<S> for CorrelationId {
-    type Rejection = CorrelationLayerMissing;
+    type Rejection = CorrelationIdRejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        find(parts).ok_or(CorrelationLayerMissing)
+        find(parts).ok_or(CorrelationIdRejection)
     }
 }
 
@@ -44,9 +44,9 @@ fn find(parts: &Parts) -> Option<CorrelationId> {
 /// Rejection of the [`CorrelationId`] extractor when no correlation layer ran.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
-pub struct CorrelationLayerMissing;
+pub struct CorrelationIdRejection;
 
-impl IntoResponse for CorrelationLayerMissing {
+impl IntoResponse for CorrelationIdRejection {
     fn into_response(self) -> Response {
         tracing::error!(
             event = "correlation.layer_missing",

@@ -81,7 +81,7 @@ impl CorrelationId {
 
     /// Parses an ID under the default rules: 1 to [`DEFAULT_MAX_LEN`] bytes of ASCII
     /// letters, digits and `-`, `.`, `_`, `:`.
-    pub fn parse(value: &str) -> Result<Self, InvalidCorrelationId> {
+    pub fn parse(value: &str) -> Result<Self, CorrelationIdError> {
         Self::parse_with(value, DEFAULT_MAX_LEN, &DefaultValidator)
     }
 
@@ -92,9 +92,9 @@ impl CorrelationId {
         value: &str,
         max_len: usize,
         validator: &V,
-    ) -> Result<Self, InvalidCorrelationId> {
+    ) -> Result<Self, CorrelationIdError> {
         let header = HeaderValue::from_str(value)
-            .map_err(|_| InvalidCorrelationId::new(Reason::NotVisibleAscii))?;
+            .map_err(|_| CorrelationIdError::new(Reason::NotVisibleAscii))?;
         Self::from_header_value(&header, max_len, validator)
     }
 
@@ -103,13 +103,13 @@ impl CorrelationId {
         value: &HeaderValue,
         max_len: usize,
         validator: &V,
-    ) -> Result<Self, InvalidCorrelationId> {
+    ) -> Result<Self, CorrelationIdError> {
         let len = value.len();
         if len == 0 {
-            return Err(InvalidCorrelationId::new(Reason::Empty));
+            return Err(CorrelationIdError::new(Reason::Empty));
         }
         if len > max_len {
-            return Err(InvalidCorrelationId::new(Reason::TooLong { len, max_len }));
+            return Err(CorrelationIdError::new(Reason::TooLong { len, max_len }));
         }
         let bytes = value.as_bytes();
         // Any validator sees visible ASCII only (VCHAR: no space, tab or control, nothing
@@ -118,10 +118,10 @@ impl CorrelationId {
             .iter()
             .fold(true, |ok, &b| ok & (b.wrapping_sub(0x21) < 0x5e));
         if !visible {
-            return Err(InvalidCorrelationId::new(Reason::NotVisibleAscii));
+            return Err(CorrelationIdError::new(Reason::NotVisibleAscii));
         }
         let text = std::str::from_utf8(bytes)
-            .map_err(|_| InvalidCorrelationId::new(Reason::NotVisibleAscii))?;
+            .map_err(|_| CorrelationIdError::new(Reason::NotVisibleAscii))?;
         validator.validate(text)?;
         Ok(Self::from_trusted(value.clone(), max_len))
     }
@@ -248,9 +248,9 @@ impl CorrelationId {
     ///
     /// The suffix is checked by the default rules; an extension past the length bound
     /// replaces the ID instead.
-    pub fn extend(&self, suffix: &str) -> Result<Self, InvalidCorrelationId> {
+    pub fn extend(&self, suffix: &str) -> Result<Self, CorrelationIdError> {
         if suffix.is_empty() {
-            return Err(InvalidCorrelationId::new(Reason::Empty));
+            return Err(CorrelationIdError::new(Reason::Empty));
         }
         DefaultValidator.validate(suffix)?;
         Ok(self
@@ -327,7 +327,7 @@ impl CorrelationId {
     /// extracted (the `correlationId` of an envelope, say) this validates it with the
     /// default rules and emits the replace pair from the provisional ID to it. An invalid
     /// value is refused with a WARN event that never carries the value itself.
-    pub fn restore(&self, real: &str) -> Result<Self, InvalidCorrelationId> {
+    pub fn restore(&self, real: &str) -> Result<Self, CorrelationIdError> {
         match Self::parse_with(real, self.0.max_len, &DefaultValidator) {
             Ok(real) => {
                 announce_replacement(self.as_str(), real.as_str(), "restored");
@@ -411,7 +411,7 @@ impl fmt::Debug for CorrelationId {
 }
 
 impl std::str::FromStr for CorrelationId {
-    type Err = InvalidCorrelationId;
+    type Err = CorrelationIdError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::parse(s)
@@ -447,7 +447,7 @@ impl From<&CorrelationId> for HeaderValue {
 /// Its `Display` and [`reason`](Self::reason) describe the value (its length, the position
 /// of the first bad byte) but never repeat it, so they are safe to log.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InvalidCorrelationId {
+pub struct CorrelationIdError {
     reason: Reason,
 }
 
@@ -461,7 +461,7 @@ enum Reason {
     Custom(&'static str),
 }
 
-impl InvalidCorrelationId {
+impl CorrelationIdError {
     fn new(reason: Reason) -> Self {
         Self { reason }
     }
@@ -494,7 +494,7 @@ impl InvalidCorrelationId {
     }
 }
 
-impl fmt::Display for InvalidCorrelationId {
+impl fmt::Display for CorrelationIdError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.reason {
             Reason::Empty => f.write_str("the correlation id is empty"),
@@ -515,34 +515,34 @@ impl fmt::Display for InvalidCorrelationId {
     }
 }
 
-impl std::error::Error for InvalidCorrelationId {}
+impl std::error::Error for CorrelationIdError {}
 
 /// Decides whether an incoming correlation ID may be used.
 ///
 /// Runs after the layer has checked the length bound and that the value is visible
-/// ASCII. Implemented for closures `Fn(&str) -> Result<(), InvalidCorrelationId>`.
+/// ASCII. Implemented for closures `Fn(&str) -> Result<(), CorrelationIdError>`.
 ///
 /// ```
-/// use tower_ids::correlation::{CorrelationLayer, InvalidCorrelationId};
+/// use tower_ids::correlation::{CorrelationLayer, CorrelationIdError};
 ///
 /// // Accept only UUIDs.
 /// let layer = CorrelationLayer::new().validator(|id: &str| {
 ///     uuid::Uuid::try_parse(id)
 ///         .map(|_| ())
-///         .map_err(|_| InvalidCorrelationId::custom("not_a_uuid"))
+///         .map_err(|_| CorrelationIdError::custom("not_a_uuid"))
 /// });
 /// # let _ = layer;
 /// ```
 pub trait ValidateCorrelationId {
     /// `Ok(())` to accept `candidate`.
-    fn validate(&self, candidate: &str) -> Result<(), InvalidCorrelationId>;
+    fn validate(&self, candidate: &str) -> Result<(), CorrelationIdError>;
 }
 
 impl<F> ValidateCorrelationId for F
 where
-    F: Fn(&str) -> Result<(), InvalidCorrelationId>,
+    F: Fn(&str) -> Result<(), CorrelationIdError>,
 {
-    fn validate(&self, candidate: &str) -> Result<(), InvalidCorrelationId> {
+    fn validate(&self, candidate: &str) -> Result<(), CorrelationIdError> {
         self(candidate)
     }
 }
@@ -556,13 +556,13 @@ where
 pub struct DefaultValidator;
 
 impl ValidateCorrelationId for DefaultValidator {
-    fn validate(&self, candidate: &str) -> Result<(), InvalidCorrelationId> {
+    fn validate(&self, candidate: &str) -> Result<(), CorrelationIdError> {
         let bytes = candidate.as_bytes();
         if bytes.iter().fold(true, |ok, &b| ok & is_id_byte(b)) {
             return Ok(());
         }
         let position = bytes.iter().position(|&b| !is_id_byte(b)).unwrap_or(0);
-        Err(InvalidCorrelationId::new(Reason::InvalidCharacter {
+        Err(CorrelationIdError::new(Reason::InvalidCharacter {
             position,
         }))
     }

@@ -270,14 +270,14 @@ use http::HeaderName;
 #[cfg(feature = "access-log")]
 pub use self::access_log::{AccessLine, AccessLog, AccessLogLayer, AccessSpan};
 #[cfg(feature = "axum")]
-pub use self::extract::CorrelationLayerMissing;
+pub use self::extract::CorrelationIdRejection;
 #[cfg(feature = "opentelemetry")]
 pub use self::otel::{TraceContext, BAGGAGE, BAGGAGE_CORRELATION_ID, TRACEPARENT, TRACESTATE};
 pub use self::{
     carrier::{Carrier, MessageCorrelation},
     future::ResponseFuture,
     id::{
-        CorrelationId, DefaultValidator, InvalidCorrelationId, ValidateCorrelationId,
+        CorrelationId, CorrelationIdError, DefaultValidator, ValidateCorrelationId,
         DEFAULT_MAX_LEN, EXTENSION_SEPARATOR, MIN_MAX_LEN, RANDOM_EXTENSION_BITS,
         REDELIVERY_TICK_SECS,
     },

@@ -9,7 +9,7 @@ use tower_service::Service;
 use super::{
     future::ResponseFuture,
     layer::{CorrelationLayer, Settings},
-    CorrelationId, DefaultMakeSpan, DefaultValidator, InvalidCorrelationId, MakeCorrelationId,
+    CorrelationId, CorrelationIdError, DefaultMakeSpan, DefaultValidator, MakeCorrelationId,
     MakeSpan, MakeUuidV7, ValidateCorrelationId,
 };
 use crate::{body::Body, problem::Problem};
@@ -64,7 +64,7 @@ enum Incoming<'a> {
     },
     Missing,
     Invalid {
-        error: InvalidCorrelationId,
+        error: CorrelationIdError,
         header: &'a HeaderName,
     },
 }
@@ -86,7 +86,7 @@ where
             };
             if values.next().is_some() {
                 return Incoming::Invalid {
-                    error: InvalidCorrelationId::multiple_values(),
+                    error: CorrelationIdError::multiple_values(),
                     header,
                 };
             }
@@ -235,7 +235,7 @@ where
 enum Refused<'a> {
     Missing,
     Invalid {
-        error: InvalidCorrelationId,
+        error: CorrelationIdError,
         header: &'a HeaderName,
     },
 }

@@ -29,7 +29,7 @@ impl IdempotencyKey {
     /// 8941, `"abc-123"`, with `\"` and `\\` escapes and any parameters, which are
     /// ignored: `"abc-123";p=1` is `abc-123`), or a bare token (`abc-123`, any visible
     /// ASCII, taken whole).
-    pub fn parse(raw: &[u8]) -> Result<Self, InvalidIdempotencyKey> {
+    pub fn parse(raw: &[u8]) -> Result<Self, IdempotencyKeyError> {
         let raw = trim_ows(raw);
         match raw.first() {
             Some(b'"') => Self::new(&sf_string(raw)?),
@@ -39,7 +39,7 @@ impl IdempotencyKey {
 
     /// [`parse`](Self::parse) for a header value: a bare key keeps the value's bytes
     /// rather than copying them.
-    pub(crate) fn from_header_value(value: &HeaderValue) -> Result<Self, InvalidIdempotencyKey> {
+    pub(crate) fn from_header_value(value: &HeaderValue) -> Result<Self, IdempotencyKeyError> {
         let bytes = value.as_bytes();
         match bytes {
             [b'"' | b' ' | b'\t', ..] | [.., b' ' | b'\t'] => Self::parse(bytes),
@@ -53,7 +53,7 @@ impl IdempotencyKey {
 
     /// Takes `text` as it is, as a key from a message or a body field, where no header
     /// quoting applies: 1 to [`MAX_LEN`](Self::MAX_LEN) visible ASCII characters, else refused.
-    pub fn new(text: &str) -> Result<Self, InvalidIdempotencyKey> {
+    pub fn new(text: &str) -> Result<Self, IdempotencyKeyError> {
         check_visible(text, Self::MAX_LEN)?;
         let value = HeaderValue::from_str(text).map_err(|_| KeyError::NotVisibleAscii)?;
         Ok(Self(value))
@@ -82,7 +82,7 @@ impl IdempotencyKey {
     pub fn from_headers(
         headers: &HeaderMap,
         names: &[HeaderName],
-    ) -> Result<Option<Self>, InvalidIdempotencyKey> {
+    ) -> Result<Option<Self>, IdempotencyKeyError> {
         let mut found: Option<(Self, &HeaderName)> = None;
         for name in names {
             let mut values = headers.get_all(name).iter();
@@ -150,7 +150,7 @@ impl AttemptId {
 
     /// Reads `attempt-id`: `Ok(None)` when absent; refused when repeated or not 1 to
     /// [`MAX_LEN`](Self::MAX_LEN) visible ASCII characters.
-    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, InvalidIdempotencyKey> {
+    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, IdempotencyKeyError> {
         let mut values = headers.get_all(ATTEMPT_ID).iter();
         let Some(value) = values.next() else {
             return Ok(None);
@@ -233,7 +233,7 @@ fn check_visible(text: &str, max_len: usize) -> Result<(), KeyError> {
 ///
 /// Neither `Display` nor [`reason`](Self::reason) repeats the value.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InvalidIdempotencyKey(KeyError);
+pub struct IdempotencyKeyError(KeyError);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum KeyError {
@@ -255,13 +255,13 @@ enum KeyError {
     AttemptId,
 }
 
-impl From<KeyError> for InvalidIdempotencyKey {
+impl From<KeyError> for IdempotencyKeyError {
     fn from(error: KeyError) -> Self {
         Self(error)
     }
 }
 
-impl InvalidIdempotencyKey {
+impl IdempotencyKeyError {
     /// A short stable reason: `empty`, `too_long`, `not_visible_ascii`, `malformed_string`,
     /// `repeated` (one key header sent on more than one line), `conflicting` (two
     /// key headers with different keys) or `invalid_attempt_id`.
@@ -290,7 +290,7 @@ impl InvalidIdempotencyKey {
     }
 }
 
-impl fmt::Display for InvalidIdempotencyKey {
+impl fmt::Display for IdempotencyKeyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.0 {
             KeyError::Empty => f.write_str("the idempotency key is empty"),
@@ -323,7 +323,7 @@ impl fmt::Display for InvalidIdempotencyKey {
     }
 }
 
-impl std::error::Error for InvalidIdempotencyKey {}
+impl std::error::Error for IdempotencyKeyError {}
 
 #[cfg(test)]
 mod tests {

@@ -395,7 +395,7 @@ pub mod store;
 pub use self::core::observe::field;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub use self::http::TransactionRejection;
-pub use self::key::{AttemptId, IdempotencyKey, InvalidIdempotencyKey};
+pub use self::key::{AttemptId, IdempotencyKey, IdempotencyKeyError};
 #[cfg(feature = "idempotency")]
 pub use self::{
     adapter::{Idempotency, IdempotencyLayer},

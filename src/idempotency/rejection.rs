@@ -3,7 +3,7 @@
 
 use std::{borrow::Cow, fmt};
 
-use crate::idempotency::{Code, InvalidIdempotencyKey};
+use crate::idempotency::{Code, IdempotencyKeyError};
 
 /// Why a request's key could not be read; the layer answers `400` (see
 /// [`code`](Self::code)) and logs a WARN `idempotency.rejected`.
@@ -17,14 +17,14 @@ pub struct KeyRejection {
 
 #[derive(Debug, Clone)]
 enum Kind {
-    Key(InvalidIdempotencyKey),
+    Key(IdempotencyKeyError),
     NotJson,
     FieldNotString {
         pointer: Cow<'static, str>,
     },
     FieldInvalid {
         pointer: Cow<'static, str>,
-        error: InvalidIdempotencyKey,
+        error: IdempotencyKeyError,
     },
     ClientField {
         pointer: Cow<'static, str>,
@@ -57,7 +57,7 @@ impl KeyRejection {
     }
 
     /// A short stable reason for the log line: the header parser's code
-    /// ([`InvalidIdempotencyKey::reason`]), `body_not_json`, `field_not_string`,
+    /// ([`IdempotencyKeyError::reason`]), `body_not_json`, `field_not_string`,
     /// `field_invalid`, `client_field_missing`, `client_field_invalid` or `refused`.
     pub fn reason(&self) -> &'static str {
         match &self.kind {
@@ -79,7 +79,7 @@ impl KeyRejection {
         }
     }
 
-    pub(crate) fn field_invalid(pointer: Cow<'static, str>, error: InvalidIdempotencyKey) -> Self {
+    pub(crate) fn field_invalid(pointer: Cow<'static, str>, error: IdempotencyKeyError) -> Self {
         Self {
             kind: Kind::FieldInvalid { pointer, error },
         }
@@ -98,8 +98,8 @@ impl KeyRejection {
     }
 }
 
-impl From<InvalidIdempotencyKey> for KeyRejection {
-    fn from(error: InvalidIdempotencyKey) -> Self {
+impl From<IdempotencyKeyError> for KeyRejection {
+    fn from(error: IdempotencyKeyError) -> Self {
         Self {
             kind: Kind::Key(error),
         }

@@ -464,7 +464,7 @@ async fn a_custom_validator_and_generator_and_span() {
     let layer = CorrelationLayer::new()
         .validator(|id: &str| {
             id.starts_with("tenant-").then_some(()).ok_or(
-                tower_ids::correlation::InvalidCorrelationId::custom("no_tenant_prefix"),
+                tower_ids::correlation::CorrelationIdError::custom("no_tenant_prefix"),
             )
         })
         .make_id(|_: &http::Request<axum::body::Body>| {

@@ -18,7 +18,7 @@ use crate::{
 /// ```
 /// use tower_ids::idempotency::{message::MessageKey, IdempotencyKey};
 ///
-/// # fn main() -> Result<(), tower_ids::idempotency::InvalidIdempotencyKey> {
+/// # fn main() -> Result<(), tower_ids::idempotency::IdempotencyKeyError> {
 /// let key = MessageKey::new(IdempotencyKey::new("a1c3-1111-2222-9f")?)
 ///     .scope("swarm-42")
 ///     .scope("swarm-start") // swarm-stop with the same key is another command
