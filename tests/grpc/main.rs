@@ -234,6 +234,9 @@ async fn ten_concurrent_duplicates_run_once() {
                     meta(status.metadata(), "idempotent-replayed"),
                     Some("false")
                 );
+                // When the first call came, and how many came: as an HTTP `409` says.
+                assert!(meta(status.metadata(), "idempotency-first-seen").is_some());
+                assert!(meta(status.metadata(), "idempotency-request-count").is_some());
             }
         }
     }
