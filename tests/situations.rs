@@ -59,7 +59,7 @@ use tower_ids::{
     idempotency::{
         extract::KeyRejection,
         grpc::GrpcIdempotencyLayer,
-        message::{Handled, MessageIdempotencyLayer, MessageKey, NoMessageKey},
+        message::{Handled, MessageIdempotencyLayer, MessageKey},
         metrics::{RELEASED, REQUESTS, STORE_FAILURES},
         store::{Begin, Claim, Completion, Lease, Record, Renewal, ScopeKey, Settled, StoreError},
         Drain, IdempotencyKey, IdempotencyLayer, IdempotencyStore, MokaStore, Policy, StorageRule,
@@ -680,7 +680,7 @@ fn message_key(command: &Command) -> Result<Option<MessageKey>, KeyRejection> {
 type KeyFn = fn(&Command) -> Result<Option<MessageKey>, KeyRejection>;
 
 fn messages<St: IdempotencyStore>(
-    layer: MessageIdempotencyLayer<Outcome, NoMessageKey, St>,
+    layer: MessageIdempotencyLayer<Outcome, St>,
     tweaks: &[Tweak],
     gate: Arc<Gate>,
 ) -> Endpoint {

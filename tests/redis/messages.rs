@@ -68,7 +68,7 @@ type Handler = BoxCloneSyncService<Delivery, Outcome, Infallible>;
 /// A consumer: its own `RedisStore` and layer over a counting handler.
 #[derive(Clone)]
 struct Consumer {
-    service: MessageIdempotency<Handler, Outcome, KeyOf, RedisStore>,
+    service: MessageIdempotency<Handler, Outcome, RedisStore, KeyOf>,
 }
 
 impl Consumer {

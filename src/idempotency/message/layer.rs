@@ -43,7 +43,7 @@ impl<R> Clone for MessageSettings<R> {
 /// store (behind `Arc`s): one layer cloned onto several consumers of one queue is one
 /// deduplication.
 #[must_use]
-pub struct MessageIdempotencyLayer<R, K = NoMessageKey, St = MokaStore> {
+pub struct MessageIdempotencyLayer<R, St = MokaStore, K = NoMessageKey> {
     pub(super) extract: Arc<K>,
     pub(super) engine: Engine<St>,
     pub(super) settings: Arc<MessageSettings<R>>,
@@ -66,7 +66,7 @@ impl<R> Default for MessageIdempotencyLayer<R> {
     }
 }
 
-impl<R, St: IdempotencyStore> MessageIdempotencyLayer<R, NoMessageKey, St> {
+impl<R, St: IdempotencyStore> MessageIdempotencyLayer<R, St> {
     /// A layer over `store` with the defaults: no key until [`key`](Self::key) says
     /// where it is, keys optional, TTL 24 h, lease 10 s (renewed while the handler
     /// runs), outcomes up to 1 MiB, duplicates of a message in flight handed back as
@@ -91,11 +91,11 @@ impl<R, St: IdempotencyStore> MessageIdempotencyLayer<R, NoMessageKey, St> {
     }
 }
 
-impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
+impl<R, St, K> MessageIdempotencyLayer<R, St, K> {
     /// Where a message's key (and what scopes and fingerprints it) comes from: an
     /// [`ExtractMessageKey`](super::ExtractMessageKey), or a closure
     /// `Fn(&M) -> Result<Option<MessageKey>, KeyRejection>`.
-    pub fn key<K2>(self, extract: K2) -> MessageIdempotencyLayer<R, K2, St> {
+    pub fn key<K2>(self, extract: K2) -> MessageIdempotencyLayer<R, St, K2> {
         MessageIdempotencyLayer {
             extract: Arc::new(extract),
             engine: self.engine,
@@ -140,7 +140,7 @@ impl<R, K, St> MessageIdempotencyLayer<R, K, St> {
     }
 }
 
-impl<R, K, St: IdempotencyStore> MessageIdempotencyLayer<R, K, St> {
+impl<R, St: IdempotencyStore, K> MessageIdempotencyLayer<R, St, K> {
     /// Sets the settings every idempotency layer shares: see [`Policy`]. For
     /// messages, the ttl is at least the longest redelivery window; a duplicate of a
     /// message in flight is handed back as [`Handled::InFlight`](super::Handled::InFlight)
@@ -160,7 +160,7 @@ impl<R, K, St: IdempotencyStore> MessageIdempotencyLayer<R, K, St> {
     }
 }
 
-impl<R, K, St> Clone for MessageIdempotencyLayer<R, K, St> {
+impl<R, St, K> Clone for MessageIdempotencyLayer<R, St, K> {
     fn clone(&self) -> Self {
         Self {
             extract: self.extract.clone(),
@@ -171,7 +171,7 @@ impl<R, K, St> Clone for MessageIdempotencyLayer<R, K, St> {
     }
 }
 
-impl<R, K, St> fmt::Debug for MessageIdempotencyLayer<R, K, St> {
+impl<R, St, K> fmt::Debug for MessageIdempotencyLayer<R, St, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MessageIdempotencyLayer")
             .field("require_key", &self.settings.require_key)
@@ -180,8 +180,8 @@ impl<R, K, St> fmt::Debug for MessageIdempotencyLayer<R, K, St> {
     }
 }
 
-impl<S, R, K, St: IdempotencyStore> Layer<S> for MessageIdempotencyLayer<R, K, St> {
-    type Service = MessageIdempotency<S, R, K, St>;
+impl<S, R, St: IdempotencyStore, K> Layer<S> for MessageIdempotencyLayer<R, St, K> {
+    type Service = MessageIdempotency<S, R, St, K>;
 
     fn layer(&self, inner: S) -> Self::Service {
         MessageIdempotency {

@@ -182,7 +182,7 @@ mod tests {
     }
 
     type KeyOf = fn(&Signal) -> Result<Option<MessageKey>, KeyRejection>;
-    type TestLayer = MessageIdempotencyLayer<Outcome, KeyOf>;
+    type TestLayer = MessageIdempotencyLayer<Outcome, MokaStore, KeyOf>;
 
     fn key_of(signal: &Signal) -> Result<Option<MessageKey>, KeyRejection> {
         let Some(key) = signal.key else {
@@ -320,7 +320,7 @@ mod tests {
         let gate = Arc::new(Notify::new());
         let runs = Arc::new(AtomicUsize::new(0));
         let store = MokaStore::new();
-        let slow = |layer: MessageIdempotencyLayer<Outcome, _>| {
+        let slow = |layer: MessageIdempotencyLayer<Outcome, _, _>| {
             let gate = gate.clone();
             let runs = runs.clone();
             tower_layer::Layer::layer(

@@ -31,14 +31,14 @@ use crate::idempotency::{
 /// Middleware that handles each message key once and hands its stored outcome to every
 /// duplicate. Made by [`MessageIdempotencyLayer`](super::MessageIdempotencyLayer); see
 /// the [module docs](crate::idempotency::message).
-pub struct MessageIdempotency<S, R, K, St> {
+pub struct MessageIdempotency<S, R, St, K> {
     pub(super) inner: S,
     pub(super) extract: Arc<K>,
     pub(super) engine: Engine<St>,
     pub(super) settings: Arc<MessageSettings<R>>,
 }
 
-impl<R> MessageIdempotency<(), R, super::NoMessageKey, MokaStore> {
+impl<R> MessageIdempotency<(), R, MokaStore, super::NoMessageKey> {
     /// The layer, over a store of its own ([`MokaStore::new`]), to configure (its
     /// [`key`](super::MessageIdempotencyLayer::key) first) and apply with
     /// `ServiceBuilder`: `MessageIdempotency::layer().key(extract)`.
@@ -47,7 +47,7 @@ impl<R> MessageIdempotency<(), R, super::NoMessageKey, MokaStore> {
     }
 }
 
-impl<S, R, K, St> MessageIdempotency<S, R, K, St> {
+impl<S, R, St, K> MessageIdempotency<S, R, St, K> {
     /// The wrapped handler.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -64,7 +64,7 @@ impl<S, R, K, St> MessageIdempotency<S, R, K, St> {
     }
 }
 
-impl<S: Clone, R, K, St> Clone for MessageIdempotency<S, R, K, St> {
+impl<S: Clone, R, St, K> Clone for MessageIdempotency<S, R, St, K> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -75,7 +75,7 @@ impl<S: Clone, R, K, St> Clone for MessageIdempotency<S, R, K, St> {
     }
 }
 
-impl<S: fmt::Debug, R, K, St> fmt::Debug for MessageIdempotency<S, R, K, St> {
+impl<S: fmt::Debug, R, St, K> fmt::Debug for MessageIdempotency<S, R, St, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MessageIdempotency")
             .field("inner", &self.inner)
@@ -214,7 +214,7 @@ impl<R: 'static, E: 'static> fmt::Debug for ResponseFuture<R, E> {
     }
 }
 
-impl<S, R, K, St, M> Service<M> for MessageIdempotency<S, R, K, St>
+impl<S, R, St, K, M> Service<M> for MessageIdempotency<S, R, St, K>
 where
     S: Service<M, Response = R> + Clone + Send + 'static,
     S::Future: Send + 'static,
