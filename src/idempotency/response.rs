@@ -1,6 +1,6 @@
-//! What the two adapters over HTTP bodies (the HTTP layer and the gRPC layer) share of
-//! their responses: the response future, the headers a replay carries, the headers that
-//! belong to one attempt, and where a handler finds the store's transaction.
+//! What every answer of the adapter over HTTP requests and gRPC calls carries: the
+//! response future, the headers a replay carries, the headers that belong to one
+//! attempt, and where a handler finds the store's transaction.
 
 use std::{
     future::Future,
