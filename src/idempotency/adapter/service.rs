@@ -146,9 +146,6 @@ impl Protected {
     }
 }
 
-// The transport is the crate's own trait: a bound users never name, as `Http` and
-// `Grpc` are its only implementors.
-#[allow(private_bounds)]
 impl<S, St, C, E, T, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, C, E, T>
 where
     S: Service<Request<Body<ReqBody>>, Response = Response<ResBody>>

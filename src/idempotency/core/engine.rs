@@ -461,8 +461,7 @@ impl<St: IdempotencyStore> Engine<St> {
             kept: Arc::default(),
             policy: Policy::new(),
         };
-        let lease = super::DEFAULT_LEASE.max(shortest_lease(&*engine.store));
-        engine.policy.lease = Some(lease);
+        engine.policy.lease = Some(default_lease(&*engine.store));
         engine
     }
 
@@ -480,12 +479,18 @@ impl<St: IdempotencyStore> Engine<St> {
         let lease = match policy.lease {
             Some(lease) if lease < shortest => return Err(PolicyError { lease, shortest }),
             Some(lease) => lease,
-            None => super::DEFAULT_LEASE.max(shortest),
+            None => default_lease(&*self.store),
         };
         policy.lease = Some(lease);
         self.policy = policy;
         Ok(())
     }
+}
+
+/// The lease of a policy that sets none: [`DEFAULT_LEASE`](super::DEFAULT_LEASE), or
+/// the shortest `store` allows if that is longer.
+fn default_lease<St: IdempotencyStore>(store: &St) -> Duration {
+    super::DEFAULT_LEASE.max(shortest_lease(store))
 }
 
 /// The shortest lease `store` allows: four times its recovery time and the pause
