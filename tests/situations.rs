@@ -505,22 +505,27 @@ async fn http_handler(State(gate): State<Arc<Gate>>, body: String) -> (StatusCod
     }
 }
 
+/// The layer with the situation's tweaks, the same on either transport.
+fn tweaked<St: IdempotencyStore, C, E, T: Clone>(
+    layer: IdempotencyLayer<St, C, E, T>,
+    tweaks: &[Tweak],
+) -> IdempotencyLayer<St, C, E, T> {
+    let layer = layer.policy(policy(tweaks)).unwrap();
+    tweaks.iter().fold(layer, |layer, tweak| match *tweak {
+        RequireKey => layer.require_key(true),
+        MaxRequestBytes(max) => layer.max_request_bytes(max),
+        MaxBufferedBytes(max) => layer.max_buffered_bytes(max),
+        MaxResponseBytes(max) => layer.max_response_bytes(max),
+        SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
+    })
+}
+
 async fn http<St: IdempotencyStore>(
     layer: IdempotencyLayer<St>,
     tweaks: &[Tweak],
     gate: Arc<Gate>,
 ) -> Endpoint {
-    let layer =
-        tweaks.iter().fold(
-            layer.policy(policy(tweaks)).unwrap(),
-            |layer, tweak| match *tweak {
-                RequireKey => layer.require_key(true),
-                MaxRequestBytes(max) => layer.max_request_bytes(max),
-                MaxBufferedBytes(max) => layer.max_buffered_bytes(max),
-                MaxResponseBytes(max) => layer.max_response_bytes(max),
-                SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
-            },
-        );
+    let layer = tweaked(layer, tweaks);
     let drain = layer.drain();
     let app = Router::new()
         .route("/commands", post(http_handler))
@@ -601,17 +606,7 @@ async fn grpc<St: IdempotencyStore>(
     tweaks: &[Tweak],
     gate: Arc<Gate>,
 ) -> Endpoint {
-    let layer =
-        tweaks.iter().fold(
-            layer.policy(policy(tweaks)).unwrap(),
-            |layer, tweak| match *tweak {
-                RequireKey => layer.require_key(true),
-                MaxRequestBytes(max) => layer.max_request_bytes(max),
-                MaxBufferedBytes(max) => layer.max_buffered_bytes(max),
-                MaxResponseBytes(max) => layer.max_response_bytes(max),
-                SuccessesOnly | StoreDown | PoolExhausted | FailOpen => layer,
-            },
-        );
+    let layer = tweaked(layer, tweaks);
     let drain = layer.drain();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
