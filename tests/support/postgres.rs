@@ -43,9 +43,13 @@ impl TestDatabase {
                 return None;
             }
         };
+        // The clock alone can give two tests of one process the same name: a counter
+        // tells them apart.
+        static CREATED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let name = format!(
-            "tower_ids_test_{}_{}",
+            "tower_ids_test_{}_{}_{}",
             std::process::id(),
+            CREATED.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)
                 .unwrap()
