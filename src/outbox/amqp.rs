@@ -20,12 +20,20 @@ use super::{Confirm, Outgoing, Sink, SinkError};
 ///   `x-partition-key` header.
 /// - A key's messages are in flight together: RabbitMQ handles a channel's publications
 ///   in the order sent, and the relay awaits their confirms in that order.
+/// - A key's messages never cross from one channel to the next out of order: once a
+///   channel closes (the broker closed the connection, or the channel for one
+///   message), the broker may have dropped what was sent on it last, so the sink opens
+///   no new channel until every publication of the closed one has settled. A message
+///   the relay sends before that is [unavailable](SinkError::unavailable), and it and
+///   its key's later messages go again in the next round, after those the closed
+///   channel lost.
 /// - A message no queue takes (returned as unroutable), or a channel error about the
 ///   message (a missing exchange, a refused access, too large) is
 ///   [rejected](SinkError::rejected): the relay tries it again later and dead-letters
 ///   it after its attempts. A channel the broker closes fails every confirm pending on
 ///   it, so a message caught by another's channel error is first sent again alone on a
-///   new channel, and refused only if it fails there too.
+///   new channel, in the order the relay awaits the confirms, and refused only if it
+///   fails there too.
 /// - A nack (a queue at its `x-max-length` with `x-overflow: reject-publish` refuses
 ///   so), and a connection or channel that fails otherwise, are
 ///   [unavailable](SinkError::unavailable): the relay backs off without counting an
@@ -46,13 +54,29 @@ struct Inner {
     uri: String,
     exchange: String,
     connect_timeout: Duration,
-    open: Mutex<Option<Open>>,
+    link: Mutex<Link>,
+}
+
+/// The channel publications go on, and the closed ones whose publications have not all
+/// settled.
+#[derive(Debug, Default)]
+struct Link {
+    open: Option<Open>,
+    retired: Vec<Arc<()>>,
 }
 
 #[derive(Debug)]
 struct Open {
     connection: Connection,
     channel: Channel,
+    /// Held by each publication on `channel` until its confirm settles.
+    unsettled: Arc<()>,
+}
+
+impl Open {
+    fn is_settled(&self) -> bool {
+        Arc::strong_count(&self.unsettled) == 1
+    }
 }
 
 /// One message as it goes on the wire, kept to send it again alone.
@@ -72,7 +96,7 @@ impl AmqpSink {
                 uri: uri.into(),
                 exchange: exchange.into(),
                 connect_timeout: Duration::from_secs(5),
-                open: Mutex::new(None),
+                link: Mutex::new(Link::default()),
             }),
         }
     }
@@ -89,24 +113,53 @@ impl AmqpSink {
 }
 
 impl Inner {
-    /// The channel, opening one first if there is none (on the connection, when it is
-    /// still open: a channel the broker closed for one message leaves it open).
-    async fn channel(&self) -> Result<Channel, SinkError> {
-        let mut open = self.open.lock().await;
-        self.ensure(&mut open).await
+    /// The channel for a new publication, and the publication's hold on it; opening one
+    /// first if there is none (on the connection, when it is still open: a channel the
+    /// broker closed for one message leaves it open), but not while a closed channel
+    /// has publications unsettled: the broker may have dropped them, and a key's later
+    /// message must not be taken before they are sent again.
+    async fn channel(&self) -> Result<(Channel, Arc<()>), SinkError> {
+        let mut link = self.link.lock().await;
+        link.retired
+            .retain(|unsettled| Arc::strong_count(unsettled) > 1);
+        let closed_unsettled = link
+            .open
+            .as_ref()
+            .is_some_and(|open| !open.channel.status().connected() && !open.is_settled());
+        if closed_unsettled || !link.retired.is_empty() {
+            return Err(SinkError::unavailable(
+                "the channel closed with publications unconfirmed: a new one opens once they \
+                 have settled, so that no later message of their keys overtakes them",
+            ));
+        }
+        self.ensure(&mut link).await
     }
 
-    /// [`channel`](Self::channel) with the lock held.
-    async fn ensure(&self, open: &mut Option<Open>) -> Result<Channel, SinkError> {
-        if let Some(current) = open.as_ref() {
+    /// The open channel, or a new one, with the lock held; and a hold on it.
+    async fn ensure(&self, link: &mut Link) -> Result<(Channel, Arc<()>), SinkError> {
+        if let Some(current) = link.open.as_ref() {
             if current.channel.status().connected() {
-                return Ok(current.channel.clone());
+                return Ok((current.channel.clone(), current.unsettled.clone()));
             }
         }
+        let previous = link.open.take();
+        let reusable = match previous {
+            Some(Open {
+                connection,
+                unsettled,
+                ..
+            }) => {
+                if Arc::strong_count(&unsettled) > 1 {
+                    link.retired.push(unsettled);
+                }
+                Some(connection).filter(|connection| connection.status().connected())
+            }
+            None => None,
+        };
         let opened = tokio::time::timeout(self.connect_timeout, async {
-            let connection = match open.take() {
-                Some(Open { connection, .. }) if connection.status().connected() => connection,
-                _ => Connection::connect(&self.uri, ConnectionProperties::default()).await?,
+            let connection = match reusable {
+                Some(connection) => connection,
+                None => Connection::connect(&self.uri, ConnectionProperties::default()).await?,
             };
             let channel = connection.create_channel().await?;
             channel
@@ -115,6 +168,7 @@ impl Inner {
             Ok::<_, lapin::Error>(Open {
                 connection,
                 channel,
+                unsettled: Arc::new(()),
             })
         })
         .await
@@ -125,9 +179,9 @@ impl Inner {
             ))
         })?
         .map_err(SinkError::unavailable)?;
-        let channel = opened.channel.clone();
-        *open = Some(opened);
-        Ok(channel)
+        let held = (opened.channel.clone(), opened.unsettled.clone());
+        link.open = Some(opened);
+        Ok(held)
     }
 
     /// Sends `publication` on `channel`: what to await for its confirm.
@@ -153,10 +207,11 @@ impl Inner {
     /// Sends `publication` again alone on a new channel (the lock keeps other
     /// publications off it) and waits for its confirm: after the broker closed a channel
     /// for one of the messages on it, not necessarily this one. Refused only if it is
-    /// the cause.
+    /// the cause. The relay calls it in the order it awaits a key's confirms, so a
+    /// key's messages go again in order.
     async fn alone(&self, publication: &Publication) -> Result<(), SinkError> {
-        let mut open = self.open.lock().await;
-        let channel = self.ensure(&mut open).await?;
+        let mut link = self.link.lock().await;
+        let (channel, _held) = self.ensure(&mut link).await?;
         let confirmed = match self.send(&channel, publication).await {
             Ok(confirm) => confirm.await,
             Err(error) => Err(error),
@@ -214,17 +269,15 @@ impl Sink for AmqpSink {
                 .with_headers(headers),
         };
         let inner = self.inner.clone();
-        let channel = inner.channel().await?;
-        let confirm = match inner.send(&channel, &publication).await {
-            Ok(confirm) => confirm,
-            // The channel was closed for an earlier message.
-            Err(error) if is_soft(&error) => {
-                inner.alone(&publication).await?;
-                return Ok(Confirm::taken());
-            }
-            Err(error) => return Err(SinkError::unavailable(error)),
-        };
+        let (channel, unsettled) = inner.channel().await?;
+        // Failing here, the channel closed since `channel` looked: its publications
+        // unsettled go again first.
+        let confirm = inner
+            .send(&channel, &publication)
+            .await
+            .map_err(SinkError::unavailable)?;
         Ok(Confirm::later(async move {
+            let _unsettled = unsettled;
             match confirm.await {
                 Ok(confirmation) => inner.taken(confirmation, &publication),
                 Err(error) if is_soft(&error) => inner.alone(&publication).await,

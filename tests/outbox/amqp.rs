@@ -1,5 +1,6 @@
 //! RabbitMQ through a TCP proxy that the test cuts: the relay backs off while the
-//! broker cannot be reached, resumes when it can, and loses nothing.
+//! broker cannot be reached, resumes when it can, and loses nothing; a connection closed
+//! while a round is publishing lets no message overtake an earlier one of its key.
 
 use std::{
     sync::{
@@ -11,7 +12,11 @@ use std::{
 
 use futures_util::StreamExt as _;
 use tokio::{
-    net::{TcpListener, TcpStream},
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+        TcpListener, TcpStream,
+    },
     sync::broadcast,
 };
 use tower_ids::outbox::{amqp::AmqpSink, Message};
@@ -19,11 +24,13 @@ use tower_ids::outbox::{amqp::AmqpSink, Message};
 use crate::{database::TestDatabase, outbox, rows, Queue};
 
 /// Forwards 127.0.0.1:PORT to RabbitMQ; `cut` closes every connection and refuses new
-/// ones until `restore`.
+/// ones until `restore`; `close` closes every connection as the broker does when told
+/// to (`rabbitmqctl close_all_connections`), and lets new ones in at once.
 struct Proxy {
     port: u16,
     open: Arc<AtomicBool>,
     cuts: broadcast::Sender<()>,
+    closes: broadcast::Sender<()>,
 }
 
 impl Proxy {
@@ -32,28 +39,39 @@ impl Proxy {
         let port = listener.local_addr().unwrap().port();
         let open = Arc::new(AtomicBool::new(true));
         let (cuts, _) = broadcast::channel(4);
-        let (accept_open, accept_cuts) = (open.clone(), cuts.clone());
+        let (closes, _) = broadcast::channel(4);
+        let (accept_open, accept_cuts, accept_closes) =
+            (open.clone(), cuts.clone(), closes.clone());
         tokio::spawn(async move {
             loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
+                let Ok((inbound, _)) = listener.accept().await else {
                     return;
                 };
                 if !accept_open.load(Ordering::SeqCst) {
                     continue; // dropped: the client sees the connection closed
                 }
-                let mut cut = accept_cuts.subscribe();
+                let (mut cut, close) = (accept_cuts.subscribe(), accept_closes.subscribe());
+                let closing = Arc::new(tokio::sync::Notify::new());
                 tokio::spawn(async move {
-                    let Ok(mut outbound) = TcpStream::connect("127.0.0.1:5672").await else {
+                    let Ok(outbound) = TcpStream::connect("127.0.0.1:5672").await else {
                         return;
                     };
+                    let (client_reads, client_writes) = inbound.into_split();
+                    let (broker_reads, broker_writes) = outbound.into_split();
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        () = to_broker(client_reads, broker_writes, close, closing.clone()) => {}
+                        () = to_client(broker_reads, client_writes, closing) => {}
                         _ = cut.recv() => {}
                     }
                 });
             }
         });
-        Self { port, open, cuts }
+        Self {
+            port,
+            open,
+            cuts,
+            closes,
+        }
     }
 
     fn cut(&self) {
@@ -64,6 +82,101 @@ impl Proxy {
     fn restore(&self) {
         self.open.store(true, Ordering::SeqCst);
     }
+
+    /// What RabbitMQ does to a connection it is told to close, at the worst moment for
+    /// a relay: once the client sends again, the broker takes that, drops whatever the
+    /// client sends after it, and sends the client a `connection.close` once it has
+    /// dropped some (so the client is still sending when it reads it). The sockets go 30 ms
+    /// after.
+    async fn close(&self) {
+        let _ = self.closes.send(());
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let _ = self.cuts.send(());
+    }
+}
+
+/// Copies what the client sends to the broker until either end goes; after `close`,
+/// copies the next read, then drops the rest, and tells `closing` once it has dropped
+/// some.
+async fn to_broker(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut close: broadcast::Receiver<()>,
+    closing: Arc<tokio::sync::Notify>,
+) {
+    let mut buffer = vec![0; 16 * 1024];
+    let (mut armed, mut deaf, mut told) = (false, false, false);
+    loop {
+        let read = tokio::select! {
+            read = from.read(&mut buffer) => read,
+            _ = close.recv(), if !armed => {
+                armed = true;
+                continue;
+            }
+        };
+        let read = match read {
+            Ok(0) | Err(_) => return,
+            Ok(read) => read,
+        };
+        if deaf {
+            if !told {
+                closing.notify_one();
+                told = true;
+            }
+            continue;
+        }
+        if to.write_all(&buffer[..read]).await.is_err() {
+            return;
+        }
+        deaf = armed;
+    }
+}
+
+/// Copies the broker's frames to the client, a whole frame at a time, until either end
+/// goes; once `closing`, sends the client a `connection.close` (320,
+/// `CONNECTION_FORCED`) between two frames, and nothing after it.
+async fn to_client(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    closing: Arc<tokio::sync::Notify>,
+) {
+    loop {
+        // A frame: type, channel, size (7 bytes), the payload, 0xCE.
+        let mut header = [0u8; 7];
+        tokio::select! {
+            read = from.read_exact(&mut header) => if read.is_err() { return },
+            () = closing.notified() => {
+                let _ = to.write_all(&connection_close()).await;
+                return std::future::pending().await;
+            }
+        }
+        let size = u32::from_be_bytes([header[3], header[4], header[5], header[6]]);
+        let mut rest = vec![0; size as usize + 1];
+        if from.read_exact(&mut rest).await.is_err()
+            || to.write_all(&header).await.is_err()
+            || to.write_all(&rest).await.is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// An AMQP 0-9-1 `connection.close` frame, as RabbitMQ sends it to a connection it was
+/// told to close.
+fn connection_close() -> Vec<u8> {
+    let text = b"CONNECTION_FORCED - closed by the test";
+    let mut method = Vec::new();
+    method.extend(10u16.to_be_bytes()); // class: connection
+    method.extend(50u16.to_be_bytes()); // method: close
+    method.extend(320u16.to_be_bytes()); // reply code
+    method.push(text.len() as u8);
+    method.extend(text);
+    method.extend([0, 0, 0, 0]); // the class and method that caused it: none
+    let mut frame = vec![1, 0, 0]; // a method frame on channel 0
+    frame.extend((method.len() as u32).to_be_bytes());
+    frame.extend(method);
+    frame.push(0xCE);
+    frame
 }
 
 #[tokio::test]
@@ -138,6 +251,109 @@ async fn a_broker_that_cannot_be_reached_is_backed_off_from_and_nothing_is_lost(
     assert_eq!(unavailable.len(), 1, "one WARN per outage: {}", logs.raw());
     assert_eq!(unavailable[0]["level"], "WARN");
     assert_eq!(logs.events("outbox.sink_recovered").len(), 1);
+    queue.delete().await;
+}
+
+/// What `rabbitmqctl close_all_connections` does to a relay in the middle of a round:
+/// the sink's connection drops with a key's messages sent on it and unconfirmed, and
+/// the sink connects again at once. A message of that key sent on the new connection
+/// must not reach the queue before the earlier ones that the old one lost: the first
+/// copy of each message the queue holds (a consumer's inbox drops the repeats) is in
+/// the key's commit order.
+#[tokio::test]
+async fn a_connection_closed_mid_round_lets_no_message_overtake_an_earlier_one_of_its_key() {
+    const MESSAGES: usize = 4_000;
+    const KEYS: usize = 4;
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let Some(queue) = Queue::declare("reset").await else {
+        return;
+    };
+    let (pool, outbox, _store) = outbox(&db, 8).await;
+    let mut transaction = pool.begin().await.unwrap();
+    for n in 0..MESSAGES {
+        let message =
+            Message::new(&queue.name, n.to_string()).partition_key(format!("k{}", n % KEYS));
+        outbox.enqueue(&mut transaction, message).await.unwrap();
+    }
+    transaction.commit().await.unwrap();
+
+    let proxy = Proxy::start().await;
+    let sink = AmqpSink::new(
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port),
+        "",
+    )
+    .connect_timeout(Duration::from_millis(500));
+    let relay = outbox
+        .relay(sink)
+        .poll_interval(Duration::from_millis(10))
+        .batch_size(256)
+        .max_outage_backoff(Duration::from_millis(50))
+        .publish_timeout(Duration::from_secs(2))
+        .build();
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(async move {
+        relay
+            .run(async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            })
+            .await;
+    });
+    // A close after each round the relay marks, so that each lands while it is at
+    // work: the next round's first publication is what the broker takes last.
+    let (mut closes, mut published) = (0, 0);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (pending, now_published, _) = rows(&pool).await;
+        if pending == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?} (pending, published, dead) after {closes} closes",
+            rows(&pool).await
+        );
+        if now_published > published && closes < 20 {
+            published = now_published;
+            proxy.close().await;
+            closes += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.send(true).unwrap();
+    running.await.unwrap();
+    assert!(closes >= 5, "only {closes} closes");
+
+    let copies = queue.waiting().await as usize;
+    let received = queue.receive(copies, Duration::from_secs(20)).await;
+    let mut seen = std::collections::HashSet::new();
+    let mut last: std::collections::HashMap<String, usize> = Default::default();
+    let mut overtaken = Vec::new();
+    for message in &received {
+        let n: usize = message.payload.parse().unwrap();
+        if !seen.insert(n) {
+            continue;
+        }
+        let key = message.headers["x-partition-key"].clone();
+        if let Some(previous) = last.insert(key.clone(), n) {
+            if n < previous {
+                overtaken.push(format!("{key}: {n} after {previous}"));
+            }
+        }
+    }
+    assert!(
+        overtaken.is_empty(),
+        "{} messages overtaken by a later one of their key ({closes} closes, {copies} \
+         copies): {:?}",
+        overtaken.len(),
+        &overtaken[..overtaken.len().min(10)]
+    );
+    assert_eq!(
+        seen.len(),
+        MESSAGES,
+        "every message, {copies} copies in all"
+    );
     queue.delete().await;
 }
 
