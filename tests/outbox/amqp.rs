@@ -21,7 +21,7 @@ use tokio::{
 };
 use tower_ids::outbox::{amqp::AmqpSink, Message};
 
-use crate::{database::TestDatabase, outbox, rows, Queue};
+use crate::{database::TestDatabase, outbox, rows, Queue, Running};
 
 /// Forwards 127.0.0.1:PORT to RabbitMQ; `cut` closes every connection and refuses new
 /// ones until `restore`; `close` closes every connection as the broker does when told
@@ -72,6 +72,15 @@ impl Proxy {
             cuts,
             closes,
         }
+    }
+
+    /// A sink to RabbitMQ through the proxy, quick to give up connecting.
+    fn sink(&self) -> AmqpSink {
+        AmqpSink::new(
+            format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port),
+            "",
+        )
+        .connect_timeout(Duration::from_millis(500))
     }
 
     fn cut(&self) {
@@ -189,26 +198,14 @@ async fn a_broker_that_cannot_be_reached_is_backed_off_from_and_nothing_is_lost(
     };
     let (pool, outbox, _store) = outbox(&db, 8).await;
     let proxy = Proxy::start().await;
-    let sink = AmqpSink::new(
-        format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port),
-        "",
-    )
-    .connect_timeout(Duration::from_millis(500));
     let relay = outbox
-        .relay(sink)
+        .relay(proxy.sink())
         .poll_interval(Duration::from_millis(10))
         .max_outage_backoff(Duration::from_millis(400))
         .publish_timeout(Duration::from_secs(2))
         .build();
     let (logs, _guard) = crate::support::Logs::capture();
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let running = tokio::spawn(async move {
-        relay
-            .run(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await;
-    });
+    let running = Running::start(relay);
 
     let enqueue = |from: usize, to: usize| {
         let (pool, outbox, queue) = (pool.clone(), outbox.clone(), queue.name.clone());
@@ -229,8 +226,7 @@ async fn a_broker_that_cannot_be_reached_is_backed_off_from_and_nothing_is_lost(
     assert_eq!(rows(&pool).await.0, 200, "nothing published while cut");
     proxy.restore();
     let rest = queue.receive(200, Duration::from_secs(20)).await;
-    stop.send(true).unwrap();
-    running.await.unwrap();
+    running.stop().await;
 
     let mut per_key: std::collections::HashMap<String, Vec<usize>> = Default::default();
     for message in first.iter().chain(&rest) {
@@ -280,26 +276,14 @@ async fn a_connection_closed_mid_round_lets_no_message_overtake_an_earlier_one_o
     transaction.commit().await.unwrap();
 
     let proxy = Proxy::start().await;
-    let sink = AmqpSink::new(
-        format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port),
-        "",
-    )
-    .connect_timeout(Duration::from_millis(500));
     let relay = outbox
-        .relay(sink)
+        .relay(proxy.sink())
         .poll_interval(Duration::from_millis(10))
         .batch_size(256)
         .max_outage_backoff(Duration::from_millis(50))
         .publish_timeout(Duration::from_secs(2))
         .build();
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let running = tokio::spawn(async move {
-        relay
-            .run(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await;
-    });
+    let running = Running::start(relay);
     // A close after each round the relay marks, so that each lands while it is at
     // work: the next round's first publication is what the broker takes last.
     let (mut closes, mut published) = (0, 0);
@@ -321,8 +305,7 @@ async fn a_connection_closed_mid_round_lets_no_message_overtake_an_earlier_one_o
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    stop.send(true).unwrap();
-    running.await.unwrap();
+    running.stop().await;
     assert!(closes >= 5, "only {closes} closes");
 
     let copies = queue.waiting().await as usize;
@@ -382,14 +365,7 @@ async fn a_full_queue_is_backed_off_from_and_counts_no_attempt() {
         .retry_backoff(Duration::from_millis(10), Duration::from_millis(10))
         .max_outage_backoff(Duration::from_millis(200))
         .build();
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let running = tokio::spawn(async move {
-        relay
-            .run(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await;
-    });
+    let running = Running::start(relay);
     let mut connection = pool.acquire().await.unwrap();
     for n in 0..10 {
         let message = Message::new(&queue.name, n.to_string()).partition_key("k");
@@ -439,8 +415,7 @@ async fn a_full_queue_is_backed_off_from_and_counts_no_attempt() {
                 .unwrap(),
         );
     }
-    stop.send(true).unwrap();
-    running.await.unwrap();
+    running.stop().await;
     assert_eq!(seen, (0..10).collect());
     let (pending, published, dead) = rows(&pool).await;
     assert_eq!((pending, published, dead), (0, 10, 0));

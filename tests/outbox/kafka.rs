@@ -12,7 +12,7 @@ use rdkafka::{
 };
 use tower_ids::outbox::{kafka::KafkaSink, Message};
 
-use crate::{database::TestDatabase, kafka_broker::Broker, outbox, rows};
+use crate::{database::TestDatabase, kafka_broker::Broker, outbox, rows, Running};
 
 const MESSAGES: usize = 600;
 const KEYS: usize = 12;
@@ -60,14 +60,7 @@ async fn records_keep_each_keys_order_and_headers_through_a_paused_broker() {
         .max_outage_backoff(Duration::from_millis(500))
         .publish_timeout(Duration::from_secs(4))
         .build();
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let running = tokio::spawn(async move {
-        relay
-            .run(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await;
-    });
+    let running = Running::start(relay);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while rows(&pool).await.1 < i64::try_from(MESSAGES / 2).unwrap() {
         assert!(
@@ -105,8 +98,7 @@ async fn records_keep_each_keys_order_and_headers_through_a_paused_broker() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.send(true).unwrap();
-    running.await.unwrap();
+    running.stop().await;
 
     let consumer: StreamConsumer = ClientConfig::new()
         .set("bootstrap.servers", &broker.addr)

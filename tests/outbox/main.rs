@@ -37,7 +37,7 @@ use tower_ids::{
         store::{PostgresMode, PostgresStore, Transaction},
         IdempotencyLayer,
     },
-    outbox::{Message, Outbox},
+    outbox::{Message, Outbox, Relay, Sink},
 };
 
 /// A message as a consumer received it.
@@ -158,6 +158,32 @@ impl Queue {
             .channel
             .queue_delete(self.name.as_str().into(), QueueDeleteOptions::default())
             .await;
+    }
+}
+
+/// A relay running on a task of its own until [`stop`](Self::stop).
+pub(crate) struct Running {
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    pub(crate) fn start<S: Sink>(relay: Relay<S>) -> Self {
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            relay
+                .run(async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                })
+                .await;
+        });
+        Self { stop, task }
+    }
+
+    /// Stops the relay and waits for it to finish its round.
+    pub(crate) async fn stop(self) {
+        self.stop.send(true).unwrap();
+        self.task.await.unwrap();
     }
 }
 

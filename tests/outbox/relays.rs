@@ -10,7 +10,7 @@ use std::{
 
 use tower_ids::outbox::{Confirm, Message, Outgoing, Sink, SinkError};
 
-use crate::{database::TestDatabase, outbox, rows};
+use crate::{database::TestDatabase, outbox, rows, Running};
 
 /// A sink that records what it was given, in order, taking a little while for each.
 #[derive(Clone, Default)]
@@ -52,23 +52,17 @@ async fn three_relays_share_the_work_and_keep_each_keys_commit_order() {
 
     // Three relays, running while the writers write.
     let sink = Counting::default();
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let mut relays = Vec::new();
-    for _ in 0..3 {
-        let relay = outbox
-            .relay(sink.clone())
-            .batch_size(32)
-            .poll_interval(Duration::from_millis(5))
-            .build();
-        let mut stopped = stopped.clone();
-        relays.push(tokio::spawn(async move {
-            relay
-                .run(async move {
-                    let _ = stopped.wait_for(|stop| *stop).await;
-                })
-                .await;
-        }));
-    }
+    let relays: Vec<Running> = (0..3)
+        .map(|_| {
+            Running::start(
+                outbox
+                    .relay(sink.clone())
+                    .batch_size(32)
+                    .poll_interval(Duration::from_millis(5))
+                    .build(),
+            )
+        })
+        .collect();
 
     // Writers: each transaction takes the key's next sequence number (a row lock held
     // to its commit, as a domain write would), enqueues, and sometimes dawdles before
@@ -119,9 +113,8 @@ async fn three_relays_share_the_work_and_keep_each_keys_commit_order() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    stop.send(true).unwrap();
     for relay in relays {
-        relay.await.unwrap();
+        relay.stop().await;
     }
 
     let published = sink.published.lock().unwrap().clone();
@@ -214,14 +207,7 @@ async fn an_idle_relay_is_woken_by_a_commit_and_by_a_backoff_that_ends() {
         .retry_backoff(Duration::from_millis(300), Duration::from_millis(300))
         .max_attempts(2)
         .build();
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let running = tokio::spawn(async move {
-        relay
-            .run(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await;
-    });
+    let running = Running::start(relay);
     let published = |count: usize| {
         let sink = sink.clone();
         async move {
@@ -265,8 +251,7 @@ async fn an_idle_relay_is_woken_by_a_commit_and_by_a_backoff_that_ends() {
         .await
         .unwrap();
     published(2).await;
-    stop.send(true).unwrap();
-    running.await.unwrap();
+    running.stop().await;
     assert_eq!(rows(&pool).await, (0, 2, 1));
 }
 
@@ -281,14 +266,7 @@ async fn a_relay_on_a_pool_of_one_connection_listens_and_still_publishes() {
     let one = tower_ids::outbox::Outbox::new(db.pool(1).await);
     let sink = Counting::default();
     let relay = one.relay(sink.clone()).build();
-    let (stop, mut stopped) = tokio::sync::watch::channel(false);
-    let running = tokio::spawn(async move {
-        relay
-            .run(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await;
-    });
+    let running = Running::start(relay);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut connection = pool.acquire().await.unwrap();
     outbox
@@ -303,6 +281,5 @@ async fn a_relay_on_a_pool_of_one_connection_listens_and_still_publishes() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    stop.send(true).unwrap();
-    running.await.unwrap();
+    running.stop().await;
 }
