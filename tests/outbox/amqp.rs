@@ -421,3 +421,54 @@ async fn a_full_queue_is_backed_off_from_and_counts_no_attempt() {
     assert_eq!((pending, published, dead), (0, 10, 0));
     queue.delete().await;
 }
+
+/// An exchange that does not exist makes RabbitMQ close the channel at the first
+/// message, which fails every confirm pending on it: each message is then sent again
+/// alone on a new channel, refused there, and dead-lettered after its attempts with the
+/// broker's reason. Channels that close round after round hold no message back for
+/// good.
+#[tokio::test]
+async fn a_missing_exchange_refuses_each_message_for_itself_and_dead_letters_them() {
+    const MESSAGES: usize = 12;
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let Some(queue) = Queue::declare("missing").await else {
+        return;
+    };
+    let (pool, outbox, _store) = outbox(&db, 4).await;
+    let mut connection = pool.acquire().await.unwrap();
+    for n in 0..MESSAGES {
+        let message = Message::new(&queue.name, n.to_string()).partition_key(format!("k{}", n % 3));
+        outbox.enqueue(&mut connection, message).await.unwrap();
+    }
+    drop(connection);
+    let exchange = format!("{}-missing", queue.name);
+    let relay = outbox
+        .relay(AmqpSink::new(crate::rabbitmq::url(), exchange.as_str()))
+        .max_attempts(2)
+        .retry_backoff(Duration::from_millis(20), Duration::from_millis(20))
+        .build();
+    let mut rounds = Vec::new();
+    for _ in 0..200 {
+        rounds.push(relay.round().await.unwrap());
+        if rows(&pool).await.0 == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        rows(&pool).await,
+        (0, 0, MESSAGES as i64),
+        "every message dead: {rounds:?}"
+    );
+    let dead = outbox.dead_letters(100).await.unwrap();
+    assert_eq!(dead.len(), MESSAGES);
+    for letter in &dead {
+        assert_eq!(letter.attempts, 2);
+        let error = letter.last_error.as_deref().unwrap_or_default();
+        assert!(error.contains("no exchange"), "{error}");
+    }
+    assert_eq!(queue.waiting().await, 0);
+    queue.delete().await;
+}
