@@ -73,10 +73,9 @@ struct Open {
     unsettled: Arc<()>,
 }
 
-impl Open {
-    fn is_settled(&self) -> bool {
-        Arc::strong_count(&self.unsettled) == 1
-    }
+/// Whether publications still hold `unsettled` (the sink keeps one clone of its own).
+fn has_unsettled(unsettled: &Arc<()>) -> bool {
+    Arc::strong_count(unsettled) > 1
 }
 
 /// One message as it goes on the wire, kept to send it again alone.
@@ -120,12 +119,10 @@ impl Inner {
     /// message must not be taken before they are sent again.
     async fn channel(&self) -> Result<(Channel, Arc<()>), SinkError> {
         let mut link = self.link.lock().await;
-        link.retired
-            .retain(|unsettled| Arc::strong_count(unsettled) > 1);
-        let closed_unsettled = link
-            .open
-            .as_ref()
-            .is_some_and(|open| !open.channel.status().connected() && !open.is_settled());
+        link.retired.retain(has_unsettled);
+        let closed_unsettled = link.open.as_ref().is_some_and(|open| {
+            !open.channel.status().connected() && has_unsettled(&open.unsettled)
+        });
         if closed_unsettled || !link.retired.is_empty() {
             return Err(SinkError::unavailable(
                 "the channel closed with publications unconfirmed: a new one opens once they \
@@ -149,7 +146,7 @@ impl Inner {
                 unsettled,
                 ..
             }) => {
-                if Arc::strong_count(&unsettled) > 1 {
+                if has_unsettled(&unsettled) {
                     link.retired.push(unsettled);
                 }
                 Some(connection).filter(|connection| connection.status().connected())

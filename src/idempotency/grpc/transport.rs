@@ -130,8 +130,18 @@ impl Transport for Grpc {
         (settings.transport.store_if.as_ref()).map(|predicate| predicate(code))
     }
 
+    // The codes gRPC's HTTP mapping gives a 5xx: a transaction the handler took is
+    // rolled back for them, as for the HTTP layer's server errors.
     fn is_server_error(code: GrpcCode) -> bool {
-        http_status(code) >= 500
+        matches!(
+            code,
+            GrpcCode::Unknown
+                | GrpcCode::Internal
+                | GrpcCode::DataLoss
+                | GrpcCode::Unimplemented
+                | GrpcCode::Unavailable
+                | GrpcCode::DeadlineExceeded
+        )
     }
 
     fn encode(settings: &Settings<Self>, code: GrpcCode, whole: Whole<'_>) -> Classified {
@@ -167,24 +177,4 @@ impl Transport for Grpc {
     }
 
     fn kept(_: &Settings<Self>, _: &mut response::Parts, _: Option<SystemTime>) {}
-}
-
-/// The HTTP status the gRPC status `code` maps to, as gRPC's HTTP mapping says it: a
-/// `5xx` is a server error (a transaction the handler took is rolled back for it, as for
-/// the HTTP layer's).
-fn http_status(code: GrpcCode) -> u16 {
-    match code {
-        GrpcCode::Ok => 200,
-        GrpcCode::InvalidArgument | GrpcCode::FailedPrecondition | GrpcCode::OutOfRange => 400,
-        GrpcCode::Unauthenticated => 401,
-        GrpcCode::PermissionDenied => 403,
-        GrpcCode::NotFound => 404,
-        GrpcCode::AlreadyExists | GrpcCode::Aborted => 409,
-        GrpcCode::ResourceExhausted => 429,
-        GrpcCode::Cancelled => 499,
-        GrpcCode::Unimplemented => 501,
-        GrpcCode::Unavailable => 503,
-        GrpcCode::DeadlineExceeded => 504,
-        GrpcCode::Unknown | GrpcCode::Internal | GrpcCode::DataLoss => 500,
-    }
 }
