@@ -144,8 +144,10 @@
 //!   3. tower-http's `TimeoutLayer` (`--request-timeout-ms`): `408` `request.timeout`;
 //!      bounds how long a request holds its concurrency slot, even when its client sends
 //!      the body a byte at a time, each just before `--body-timeout-ms`;
-//!   4. tower-http's `RequestBodyTimeoutLayer` (`--body-timeout-ms`): a body that stalls
-//!      gets `408` `request.body_timeout`, whatever the route made of the failed read.
+//!   4. under them all, the body-read timeout every example server shares
+//!      (`examples/support/http1.rs`, tower-http's `TimeoutBody`, `--body-timeout-ms`): a
+//!      body that stalls gets `408` `request.body_timeout`, whatever the route made of
+//!      the failed read.
 //!
 //!   The `408` and `413` answers carry `Connection: close`: the server closes the
 //!   connection after them, as the rest of the body may still be on its way.
@@ -430,8 +432,8 @@ use crate::{
     publisher::{publish, QUEUE_CAPACITY},
     routes::{app, AppState, Storage},
     server::{
-        listen, raise_open_files_limit, shutdown_signal, Limits, BODY_TIMEOUT_MS,
-        HEADER_READ_TIMEOUT_MS, MAX_BODY_BYTES, MAX_CONCURRENT_REQUESTS, REQUEST_TIMEOUT_MS,
+        listen, raise_open_files_limit, shutdown_signal, Limits, MAX_BODY_BYTES,
+        MAX_CONCURRENT_REQUESTS, REQUEST_TIMEOUT_MS,
     },
 };
 
@@ -500,15 +502,8 @@ struct Args {
     #[arg(long)]
     store_timeout_ms: Option<NonZeroU64>,
 
-    /// Milliseconds a connection may take to send a request's head, and may stay idle
-    /// between requests, before the server closes it.
-    #[arg(long, default_value_t = HEADER_READ_TIMEOUT_MS)]
-    header_read_timeout_ms: NonZeroU64,
-
-    /// Milliseconds a request body may go without sending a byte before the request is
-    /// answered 408 and its connection closed.
-    #[arg(long, default_value_t = BODY_TIMEOUT_MS)]
-    body_timeout_ms: NonZeroU64,
+    #[command(flatten)]
+    timeouts: http1::Timeouts,
 
     /// Milliseconds a request may take from its head to its answer before it is answered
     /// 408 and its connection closed.
@@ -593,8 +588,7 @@ struct Args {
 impl From<&Args> for Limits {
     fn from(args: &Args) -> Self {
         Self {
-            header_read_timeout: Duration::from_millis(args.header_read_timeout_ms.get()),
-            body_timeout: Duration::from_millis(args.body_timeout_ms.get()),
+            timeouts: args.timeouts,
             request_timeout: Duration::from_millis(args.request_timeout_ms.get()),
             max_body_bytes: args.max_body_bytes.get(),
             max_concurrent_requests: args.max_concurrent_requests.get(),
@@ -621,8 +615,8 @@ async fn main() -> std::io::Result<()> {
     let limits = Limits::from(&args);
     tracing::info!(
         event = "commands.limits",
-        header_read_timeout_ms = args.header_read_timeout_ms.get(),
-        body_timeout_ms = args.body_timeout_ms.get(),
+        header_read_timeout_ms = args.timeouts.header_read_timeout_ms.get(),
+        body_timeout_ms = args.timeouts.body_timeout_ms.get(),
         request_timeout_ms = args.request_timeout_ms.get(),
         max_body_bytes = limits.max_body_bytes,
         max_concurrent_requests = limits.max_concurrent_requests,
@@ -695,7 +689,7 @@ async fn main() -> std::io::Result<()> {
     #[cfg(not(feature = "redis"))]
     let (app, drain) = app_with(state, MokaStore::new(), "memory", &args, limits);
     let listener = listen_logged(args.addr)?;
-    http1::serve(listener, app, limits.header_read_timeout, shutdown_signal()).await;
+    http1::serve(listener, app, limits.timeouts, shutdown_signal()).await;
     // Every connection is done; what the idempotency layer still owes the store (an
     // outcome kept while Redis was away, a handler whose client hung up) is not.
     shutdown::drain(&[drain], args.drain.timeout()).await;
@@ -731,7 +725,7 @@ async fn run_on_database(
 
     let (app, drain) = app_with(app_state(database, args), store, "postgres", args, limits);
     let listener = listen_logged(args.addr)?;
-    http1::serve(listener, app, limits.header_read_timeout, shutdown_signal()).await;
+    http1::serve(listener, app, limits.timeouts, shutdown_signal()).await;
     shutdown::drain(&[drain], args.drain.timeout()).await;
 
     // The requests in flight have finished: the relay ends its round and stops.

@@ -27,24 +27,11 @@ use tower::{
 };
 use tower_http::{
     limit::RequestBodyLimitLayer,
-    timeout::{RequestBodyTimeoutLayer, TimeoutError, TimeoutLayer},
+    timeout::{TimeoutError, TimeoutLayer},
 };
 use tower_ids::PROBLEM_JSON;
 
 use crate::api::ApiError;
-
-/// Default `--header-read-timeout-ms`: how long a connection may take to send a request's
-/// head (request line and headers), and may stay idle between two requests. A client on
-/// a working network sends a few hundred bytes of headers in milliseconds; 10 s leaves
-/// room for a slow mobile link and a client's pooled connection, while a client that
-/// opens connections and sends nothing holds each for 10 s at most.
-pub(crate) const HEADER_READ_TIMEOUT_MS: NonZeroU64 = NonZeroU64::new(10_000).unwrap();
-
-/// Default `--body-timeout-ms`: how long a request body may go without sending a byte
-/// (tower-http's `RequestBodyTimeoutLayer`, which starts again at every chunk). A command
-/// is a few hundred bytes, sent in one go; 10 s of silence means a stalled client, and
-/// every second it waits it holds a connection and a concurrency slot.
-pub(crate) const BODY_TIMEOUT_MS: NonZeroU64 = NonZeroU64::new(10_000).unwrap();
 
 /// Default `--request-timeout-ms`: how long a request may take from its head to its answer
 /// (tower-http's `TimeoutLayer`). The handlers answer in microseconds (plus
@@ -77,8 +64,8 @@ const LISTEN_BACKLOG: u32 = 4096;
 /// The bounds on what one request may take (see [Limits](crate#limits)), from the flags.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
-    pub(crate) header_read_timeout: Duration,
-    pub(crate) body_timeout: Duration,
+    /// The head's and the body's, applied by the server the examples share.
+    pub(crate) timeouts: crate::http1::Timeouts,
     pub(crate) request_timeout: Duration,
     pub(crate) max_body_bytes: usize,
     pub(crate) max_concurrent_requests: usize,
@@ -145,7 +132,6 @@ pub(crate) fn with_request_limits(routes: Router, limits: Limits) -> Router {
                 StatusCode::REQUEST_TIMEOUT,
                 limits.request_timeout,
             ))
-            .layer(RequestBodyTimeoutLayer::new(limits.body_timeout))
             .map_request(into_axum_body)
             .layer(middleware::from_fn_with_state(limits, body_failures)),
     )
@@ -200,7 +186,7 @@ where
 /// How a request body failed in tower-http's layers.
 #[derive(Debug, Clone, Copy)]
 enum BodyFailure {
-    /// `RequestBodyTimeoutLayer`: no byte for `--body-timeout-ms`.
+    /// The shared server's body-read timeout: no byte for `--body-timeout-ms`.
     Stalled,
     /// `RequestBodyLimitLayer`: more than `--max-body-bytes`, without a `Content-Length`
     /// saying so up front.
@@ -244,7 +230,10 @@ async fn body_failures(State(limits): State<Limits>, request: Request, next: Nex
         return response;
     };
     let (error, reason) = match failure {
-        BodyFailure::Stalled => (ApiError::BodyTimeout(limits.body_timeout), "timeout"),
+        BodyFailure::Stalled => (
+            ApiError::BodyTimeout(limits.timeouts.body_read()),
+            "timeout",
+        ),
         BodyFailure::TooLarge => (ApiError::BodyTooLarge(limits.max_body_bytes), "too_large"),
     };
     tracing::info!(

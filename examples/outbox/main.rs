@@ -75,11 +75,6 @@ const MAX_AMOUNT: i64 = 100_000_000;
 /// The longest account name, in characters.
 const MAX_ACCOUNT_CHARS: usize = 64;
 
-/// How long a connection may take to send a request's head (and stay idle between
-/// requests): as the `commands` demo, so a client that holds a half-sent head open
-/// never holds up a stop.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// The longest a relay waits between tries while the broker is away (the library's
 /// default is 30 s): a broker back, or a connection the broker closed, is used again
 /// within 5 s.
@@ -162,6 +157,8 @@ struct ServeArgs {
     /// this bounds the requests handled at once.
     #[arg(long, default_value_t = 32)]
     connections: u32,
+    #[command(flatten)]
+    timeouts: http1::Timeouts,
     #[command(flatten)]
     drain: shutdown::DrainArgs,
 }
@@ -291,7 +288,7 @@ async fn serve(
     let listener = tokio::net::TcpListener::bind(cli.listen).await?;
     let url = format!("http://{}", listener.local_addr()?);
     tracing::info!(event = "outbox.ready", url = %url, broker = ?cli.broker, "listening on {url}");
-    http1::serve(listener, app, HEADER_READ_TIMEOUT, async {
+    http1::serve(listener, app, args.timeouts, async {
         shutdown::signal().await;
         tracing::info!(
             event = "outbox.stopping",

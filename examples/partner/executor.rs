@@ -108,7 +108,7 @@ pub(crate) async fn run(
     #[cfg(not(feature = "kafka"))]
     let kafka: Option<(tokio::task::JoinHandle<()>, Drain)> = None;
     tracing::info!(event = "partner.executor", executor_id = %options.executor_id, "executor ready");
-    crate::serve(listener, &url, app, stopping).await?;
+    crate::serve(listener, &url, app, common.timeouts, stopping).await?;
     let mut drains = vec![webhook];
     if let Some((consumer, drain)) = kafka {
         // It stops polling on the same signal, once the record in hand is handled.

@@ -18,6 +18,8 @@
 mod database;
 mod db;
 mod executor;
+#[path = "../support/http1.rs"]
+mod http1;
 #[cfg(feature = "kafka")]
 mod kafka;
 mod planner;
@@ -53,6 +55,8 @@ struct Common {
     /// Keep everything in this PostgreSQL database instead of in memory.
     #[arg(long, global = true)]
     database_url: Option<String>,
+    #[command(flatten)]
+    timeouts: http1::Timeouts,
     #[command(flatten)]
     drain: shutdown::DrainArgs,
 }
@@ -134,17 +138,17 @@ pub(crate) async fn stop_asked(mut stopping: Stopping) {
 }
 
 /// Serves `app` on `listener` until a stop is asked for; then stops accepting and lets
-/// the requests in flight finish (axum's graceful shutdown). The caller then waits for
-/// its idempotency layers ([`shutdown::drain`]).
+/// the requests in flight finish, each bounded by the examples' header- and body-read
+/// timeouts ([`http1::serve`]). The caller then waits for its idempotency layers
+/// ([`shutdown::drain`]).
 pub(crate) async fn serve(
     listener: TcpListener,
     url: &str,
     app: axum::Router,
+    timeouts: http1::Timeouts,
     stopping: Stopping,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tracing::info!("listening on {url}");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(stop_asked(stopping))
-        .await?;
+    http1::serve(listener, app, timeouts, stop_asked(stopping)).await;
     Ok(())
 }

@@ -164,7 +164,7 @@ pub(crate) async fn run(
         .layer(middleware::from_fn_with_state(tokens, authenticate))
         .layer(CorrelationLayer::new());
     tracing::info!(event = "partner.planner", planner_id = %planner_id, "planner ready");
-    crate::serve(listener, &url, app, stopping).await?;
+    crate::serve(listener, &url, app, common.timeouts, stopping).await?;
     if let Some(relay) = relay {
         let _ = relay.await;
     }

@@ -301,6 +301,7 @@ pub(crate) mod event {
     pub(crate) const RESPONSE_FAILED: &str = "idempotency.response_failed";
     pub(crate) const RESPONSE_TOO_LARGE: &str = "idempotency.response_too_large";
     pub(crate) const STORE_FAILED: &str = "idempotency.store_failed";
+    pub(crate) const STORE_NOT_DURABLE: &str = "idempotency.store_not_durable";
     pub(crate) const STORED: &str = "idempotency.stored";
     pub(crate) const TRANSACTION_MISSING: &str = "idempotency.transaction_missing";
     pub(crate) const UNANSWERED_CLAIM_RELEASED: &str = "idempotency.unanswered_claim_released";
@@ -340,6 +341,7 @@ pub(crate) mod event {
         RESPONSE_FAILED,
         RESPONSE_TOO_LARGE,
         STORE_FAILED,
+        STORE_NOT_DURABLE,
         STORED,
         TRANSACTION_MISSING,
         UNANSWERED_CLAIM_RELEASED,

@@ -260,9 +260,14 @@
 //!   answer no one took); `idempotency.drained` (a [`Drain`] saw everything settle).
 //! - WARN, once per layer: `idempotency.uncorrelated`, a request ran with no correlation
 //!   ID in scope (see [Layer order](#layer-order)).
+//! - WARN, once per PostgreSQL store, at its start: `idempotency.store_not_durable`
+//!   (with `synchronous_commit` and `fsync`), the database answers a COMMIT before it
+//!   is on disk, so a crash of the server can lose keys and outcomes already answered
+//!   for (the [guarantees](crate::guide::guarantees) page has the measured figure).
 //! - WARN: `idempotency.rejected` (the `400`s and the `401` on the key, the client or
 //!   the headers, with `reason`,
-//!   `detail` in the layer's own words, and `status`), `idempotency.conflict` (`422`),
+//!   `detail` in the layer's own words, and `status`, or `grpc_code` for a gRPC call:
+//!   `INVALID_ARGUMENT`), `idempotency.conflict` (`422`),
 //!   `idempotency.epoch_mismatch`, `idempotency.body_too_large`,
 //!   `idempotency.body_unreadable`, `idempotency.overloaded` (with `budget_bytes` and
 //!   `requested_bytes`), `idempotency.response_too_large`, `idempotency.lease_lost`,

@@ -2,13 +2,16 @@
 //! a Kafka broker (Tansu): messages commit with the request's transaction or not at
 //! all, relays share the work and keep each partition key's order, a refused message
 //! is dead-lettered and stays readable, an outage backs off and resumes, published
-//! messages are trimmed. Each test has a database and queues of its own. Without a
+//! messages are trimmed; and `examples/outbox serve` answers a half-sent request within
+//! its body timeout, and stops with one connected. Each test has a database and queues of its own. Without a
 //! server the tests print `SKIPPED` and pass, except under CI, where they fail.
 
 #![allow(clippy::unwrap_used)]
 
 #[path = "../support/postgres.rs"]
 mod database;
+#[path = "../support/demo.rs"]
+mod demo;
 #[path = "../support/kafka.rs"]
 mod kafka_broker;
 #[path = "../support/rabbitmq.rs"]
@@ -19,6 +22,7 @@ mod support;
 mod amqp;
 mod kafka;
 mod relays;
+mod serve;
 
 use std::{collections::HashMap, time::Duration};
 

@@ -243,6 +243,58 @@ async fn migrating_an_existing_table_again_logs_nothing_at_info() {
     );
 }
 
+/// A database that answers COMMITs before their WAL is on disk is named once, at the
+/// store's start, with the setting that makes it so; one that waits for the disk is
+/// not named. (Current-thread runtime: the check's task logs on the captured thread.)
+#[tokio::test]
+async fn a_store_on_a_database_that_commits_before_the_disk_warns_once() {
+    let (Some(durable), Some(hasty)) = (TestDatabase::create().await, TestDatabase::create().await)
+    else {
+        return;
+    };
+    let pool = hasty.pool(2).await;
+    sqlx::raw_sql(
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET synchronous_commit = off', current_database()); END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Connections made from now on take the database's setting.
+    pool.close().await;
+    let (logs, _capture) = support::Logs::capture();
+    let durable_store = PostgresStore::builder(durable.pool(2).await)
+        .table("durable_records")
+        .build()
+        .unwrap();
+    let hasty_store = PostgresStore::builder(hasty.pool(2).await)
+        .table("hasty_records")
+        .build()
+        .unwrap();
+    let transactional = hasty_store.with_mode(PostgresMode::Transactional);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while logs.events("idempotency.store_not_durable").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no warning for synchronous_commit = off"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Both checks have had time to answer: each reads once, on one connection.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let warnings = logs.events("idempotency.store_not_durable");
+    assert_eq!(
+        warnings.len(),
+        1,
+        "once, for the hasty store only: {warnings:?}"
+    );
+    let fields = &warnings[0]["fields"];
+    assert_eq!(warnings[0]["level"], "WARN");
+    assert_eq!(fields["table"], "hasty_records");
+    assert_eq!(fields["synchronous_commit"], "off");
+    assert_eq!(fields["fsync"], "on");
+    drop((durable_store, hasty_store, transactional));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_starting_together_all_migrate() {
     let Some(database) = TestDatabase::create().await else {

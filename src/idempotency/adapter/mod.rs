@@ -29,7 +29,7 @@ pub use self::{layer::IdempotencyLayer, service::Idempotency};
 use crate::body::Body;
 use crate::idempotency::{
     collect::Budget,
-    core::{observe::LayerOrder, Classified, OutcomeClass},
+    core::{observe::LayerOrder, refusal::Answered, Classified, OutcomeClass},
     extract::ExtractKey,
     store::Record,
     ClientId, Code, Fingerprint, IdempotencyKey, ScopeKey,
@@ -84,6 +84,9 @@ pub(crate) trait Transport: Clone + Send + Sync + Sized + 'static {
 
     /// Whether a response's trailers reach the client on a first execution.
     const KEEPS_TRAILERS: bool;
+
+    /// How a refusal with `code` is answered, for its WARN line.
+    fn answered(code: Code) -> Answered;
 
     /// Whether the layer deduplicates `request` at all (HTTP: its method).
     fn covers<B>(settings: &Settings<Self>, request: &Request<B>) -> bool;

@@ -68,7 +68,7 @@ impl<T: Transport> Reply<'_, T> {
         code: Code,
         detail: String,
     ) -> Response<Body<B>> {
-        core::refusal::rejected(reason, code, &detail, Some(code.http_status().as_u16()));
+        core::refusal::rejected(reason, code, &detail, T::answered(code));
         self.answer(code, detail, None)
     }
 

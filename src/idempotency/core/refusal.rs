@@ -7,19 +7,36 @@ use super::observe;
 use crate::idempotency::code::event;
 use crate::idempotency::Code;
 
+/// How a refusal was answered, in its transport's own terms, for its log line.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Answered {
+    /// An HTTP status: the line's `status`.
+    Http(u16),
+    /// A gRPC status code, by its canonical name (`INVALID_ARGUMENT`): the line's
+    /// `grpc_code`.
+    Grpc(&'static str),
+    /// Not answered on the wire (a message, settled by its driver).
+    Settled,
+}
+
 /// A refusal of the key, the client or the request's framing: WARN
 /// `idempotency.rejected` with `reason` (short and stable), `code` (the problem code)
-/// and `detail` (the layer's own text, never the request's); `status` is the answer's
-/// HTTP status, where the transport has one (gRPC's codes as the HTTP mapping of gRPC
-/// statuses says them).
-pub(crate) fn rejected(reason: &'static str, code: Code, detail: &str, status: Option<u16>) {
+/// and `detail` (the layer's own text, never the request's), and the answer as its
+/// transport says it: `status` (HTTP) or `grpc_code` (gRPC).
+pub(crate) fn rejected(reason: &'static str, code: Code, detail: &str, answered: Answered) {
     observe::outcome("rejected");
+    let (status, grpc_code) = match answered {
+        Answered::Http(status) => (Some(status), None),
+        Answered::Grpc(name) => (None, Some(name)),
+        Answered::Settled => (None, None),
+    };
     tracing::warn!(
         event = event::REJECTED,
         reason,
         code = code.as_str(),
         detail,
         status,
+        grpc_code,
         "refused before deduplication: {code}"
     );
 }

@@ -17,7 +17,7 @@ use super::{
 use crate::body::Body;
 use crate::idempotency::{
     adapter::{Answer, Owner, Settings, Transport, Whole},
-    core::{Classified, OutcomeClass},
+    core::{refusal::Answered, Classified, OutcomeClass},
     extract::{ExtractKey, ExtractedKey},
     store::{Payload, PayloadFormat, Record},
     Code, Fingerprint, IdempotencyKey, KeyRejection, ScopeKey, IDEMPOTENCY_KEY,
@@ -130,6 +130,10 @@ impl Transport for Grpc {
         (settings.transport.store_if.as_ref()).map(|predicate| predicate(code))
     }
 
+    fn answered(code: Code) -> Answered {
+        Answered::Grpc(code_name(code.grpc()))
+    }
+
     // The codes gRPC's HTTP mapping gives a 5xx: a transaction the handler took is
     // rolled back for them, as for the HTTP layer's server errors.
     fn is_server_error(code: GrpcCode) -> bool {
@@ -177,4 +181,27 @@ impl Transport for Grpc {
     }
 
     fn kept(_: &Settings<Self>, _: &mut response::Parts, _: Option<SystemTime>) {}
+}
+
+/// A gRPC status code's canonical name, as `grpc-status` documents and logs spell it.
+const fn code_name(code: GrpcCode) -> &'static str {
+    match code {
+        GrpcCode::Ok => "OK",
+        GrpcCode::Cancelled => "CANCELLED",
+        GrpcCode::Unknown => "UNKNOWN",
+        GrpcCode::InvalidArgument => "INVALID_ARGUMENT",
+        GrpcCode::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        GrpcCode::NotFound => "NOT_FOUND",
+        GrpcCode::AlreadyExists => "ALREADY_EXISTS",
+        GrpcCode::PermissionDenied => "PERMISSION_DENIED",
+        GrpcCode::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        GrpcCode::FailedPrecondition => "FAILED_PRECONDITION",
+        GrpcCode::Aborted => "ABORTED",
+        GrpcCode::OutOfRange => "OUT_OF_RANGE",
+        GrpcCode::Unimplemented => "UNIMPLEMENTED",
+        GrpcCode::Internal => "INTERNAL",
+        GrpcCode::Unavailable => "UNAVAILABLE",
+        GrpcCode::DataLoss => "DATA_LOSS",
+        GrpcCode::Unauthenticated => "UNAUTHENTICATED",
+    }
 }

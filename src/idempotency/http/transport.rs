@@ -10,7 +10,7 @@ use super::{replay, stored::StoredResponse, Http};
 use crate::body::Body;
 use crate::idempotency::{
     adapter::{Answer, Owner, Settings, Transport, Whole},
-    core::{Classified, OutcomeClass, ReplayInfo},
+    core::{refusal::Answered, Classified, OutcomeClass, ReplayInfo},
     extract::ExtractKey,
     response::http_date,
     store::Record,
@@ -105,6 +105,10 @@ impl Transport for Http {
 
     fn store_if(settings: &Settings<Self>, status: StatusCode) -> Option<bool> {
         (settings.transport.store_if.as_ref()).map(|predicate| predicate(status))
+    }
+
+    fn answered(code: Code) -> Answered {
+        Answered::Http(code.http_status().as_u16())
     }
 
     fn is_server_error(status: StatusCode) -> bool {

@@ -299,7 +299,9 @@ fn refuse<R>(code: Code, reason: &'static str, detail: String) -> Handled<R> {
         correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
         idempotency_outcome = tracing::field::Empty
     );
-    span.in_scope(|| core::refusal::rejected(reason, code, &detail, None));
+    span.in_scope(|| {
+        core::refusal::rejected(reason, code, &detail, core::refusal::Answered::Settled)
+    });
     Handled::Refused(Refusal::new(code, detail))
 }
 

@@ -284,6 +284,7 @@ impl PostgresStoreBuilder {
             self.cleanup_interval,
             self.cleanup_batch,
         ));
+        tokio::spawn(check_durability(Arc::downgrade(&shared)));
         Ok(PostgresStore {
             shared,
             mode: self.mode,
@@ -470,6 +471,52 @@ fn within<T>(
         Err(_) => Err(StoreError::new(format!(
             "{what}: timed out after {timeout:?}"
         ))),
+    }
+}
+
+/// How often the durability check is tried again while the database does not answer.
+const DURABILITY_CHECK_RETRY: Duration = Duration::from_secs(5);
+
+/// Reads, once, whether a COMMIT on the store's connections waits for its WAL to reach
+/// disk, and warns (WARN `idempotency.store_not_durable`) if it does not: with
+/// `synchronous_commit = off` (for the server, the database, the role or the
+/// connection) PostgreSQL answers a COMMIT before it is on disk, and with `fsync = off`
+/// it never waits for the disk at all, so a crash of the server can lose what the layer
+/// already answered for (a transactional `201` with no row behind it, a durable claim
+/// that is gone, so its handler runs again). Tried again while the database does not
+/// answer; ends with the store.
+async fn check_durability(shared: Weak<Shared>) {
+    loop {
+        let Some(store) = shared.upgrade() else {
+            return;
+        };
+        let read = bounded(
+            store.timeout,
+            "reading PostgreSQL's durability settings",
+            sqlx::query_as::<_, (String, String)>(
+                "SELECT current_setting('synchronous_commit'), current_setting('fsync')",
+            )
+            .fetch_one(&store.pool),
+        )
+        .await;
+        match read {
+            Ok((synchronous_commit, fsync)) => {
+                if synchronous_commit == "off" || fsync == "off" {
+                    tracing::warn!(
+                        event = event::STORE_NOT_DURABLE,
+                        table = %store.table,
+                        synchronous_commit,
+                        fsync,
+                        "PostgreSQL answers COMMITs before they are on disk: a crash of the server can lose keys and outcomes the layer already answered for; set synchronous_commit = on and fsync = on for this database"
+                    );
+                }
+                return;
+            }
+            Err(_) => {
+                drop(store);
+                tokio::time::sleep(DURABILITY_CHECK_RETRY).await;
+            }
+        }
     }
 }
 
