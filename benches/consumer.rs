@@ -341,7 +341,7 @@ impl Bench {
             .prefetch(PREFETCH)
             .run(service, stop)
             .await;
-        assert_eq!(stopped.left, 0);
+        assert!(stopped.is_complete(), "{stopped:?}");
     }
 
     async fn hand_loop(&self, progress: Arc<Progress>) {

@@ -1639,7 +1639,7 @@ fn idle_statements(runtime: &tokio::runtime::Runtime, pool: &PgPool) -> Option<I
             let pool = database.pool(IDLE_POOL).await;
             let relay = Outbox::new(pool.clone()).relay(NullSink).build();
             // Midway between two polls: the pool's connections the idle relay holds.
-            let ((), held) = tokio::join!(relay.run(tokio::time::sleep(IDLE_RUN)), async {
+            let (_, held) = tokio::join!(relay.run(tokio::time::sleep(IDLE_RUN)), async {
                 tokio::time::sleep(IDLE_RUN / 2 + Duration::from_millis(2_500)).await;
                 pool.size() - u32::try_from(pool.num_idle()).unwrap_or(0)
             });

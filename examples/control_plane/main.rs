@@ -453,7 +453,7 @@ async fn consume<St: IdempotencyStore>(
         .run(controller, stop)
         .await;
     shutdown::drain(&[drain], args.drain.timeout()).await;
-    tracing::info!(event = "controller.stopped", left = stopped.left, "stopped");
+    tracing::info!(event = "controller.stopped", left = ?stopped.left, "stopped");
     Ok(())
 }
 

@@ -9,7 +9,7 @@ use lapin::{
     types::FieldTable,
     BasicProperties, Channel, Connection, ConnectionProperties,
 };
-use tower_ids::idempotency::message::amqp::AmqpConsumer;
+use tower_ids::idempotency::{message::amqp::AmqpConsumer, Stopped};
 
 use crate::{shutdown, Inbox, Payment, RETRY_PAUSE};
 
@@ -76,9 +76,9 @@ pub(crate) async fn publish(args: &AmqpArgs, payments: &[&Payment]) -> Result<()
     Ok(())
 }
 
-/// Consumes the queue until Ctrl-C or SIGTERM, then drains within `drain`; says how
-/// many deliveries the drain left (they go back to the queue).
-pub(crate) async fn consume(args: &AmqpArgs, inbox: Inbox, drain: Duration) -> usize {
+/// Consumes the queue until Ctrl-C or SIGTERM, then drains within `drain`; names the
+/// deliveries the drain left (they go back to the queue).
+pub(crate) async fn consume(args: &AmqpArgs, inbox: Inbox, drain: Duration) -> Stopped {
     let stop = async {
         shutdown::signal().await;
     };
@@ -88,5 +88,4 @@ pub(crate) async fn consume(args: &AmqpArgs, inbox: Inbox, drain: Duration) -> u
         .drain_timeout(drain)
         .run(inbox, stop)
         .await
-        .left
 }

@@ -10,7 +10,7 @@ use rdkafka::{
     producer::{FutureProducer, FutureRecord},
     ClientConfig,
 };
-use tower_ids::idempotency::message::kafka::KafkaConsumer;
+use tower_ids::idempotency::{message::kafka::KafkaConsumer, Stopped};
 
 use crate::{shutdown, Inbox, Payment, RETRY_PAUSE};
 
@@ -75,13 +75,13 @@ pub(crate) async fn publish(args: &KafkaArgs, payments: &[&Payment]) -> Result<(
 }
 
 /// Consumes the topic in the group until Ctrl-C or SIGTERM, then drains within
-/// `drain`; says how many partitions the drain left unsettled (their offsets stay
-/// where they were).
+/// `drain`; names the messages the drain left unsettled (their offsets stay where they
+/// were).
 pub(crate) async fn consume(
     args: &KafkaArgs,
     inbox: Inbox,
     drain: Duration,
-) -> Result<usize, Error> {
+) -> Result<Stopped, Error> {
     let session = args.session_timeout_ms;
     let mut config = config(args);
     config
@@ -93,11 +93,11 @@ pub(crate) async fn consume(
     let stop = async {
         shutdown::signal().await;
     };
-    let stopped = KafkaConsumer::new(config, [&args.topic])
+    let stopped = KafkaConsumer::new(config, [&args.topic])?
         .partitions_at_once(args.partitions_at_once)
         .retry_pause(RETRY_PAUSE)
         .drain_timeout(drain)
         .run(inbox, stop)
-        .await?;
-    Ok(stopped.left)
+        .await;
+    Ok(stopped)
 }

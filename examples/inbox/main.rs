@@ -182,14 +182,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             };
             let (inbox, layer) = inbox(&args, concurrency).await?;
             let drain = args.drain.timeout();
-            let left = match cli.broker {
+            let stopped = match cli.broker {
                 BrokerKind::Amqp => amqp::consume(&cli.amqp, inbox, drain).await,
                 BrokerKind::Kafka => kafka::consume(&cli.kafka, inbox, drain).await?,
             };
             // A transactional store owes nothing once a delivery is answered; another
             // store may (an outcome kept while it was away).
             shutdown::drain(&[layer], drain).await;
-            tracing::info!(event = "inbox.stopped", left, "stopped");
+            tracing::info!(event = "inbox.stopped", left = ?stopped.left, "stopped");
             Ok(())
         }
     }

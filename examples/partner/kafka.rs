@@ -161,7 +161,7 @@ pub(crate) fn spawn_consumer(
         // A group forms in seconds, not the default 45 s session.
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "1000");
-    let consumer = KafkaConsumer::new(config, [&options.kafka_topic])
+    let consumer = KafkaConsumer::new(config, [&options.kafka_topic])?
         .retry_pause(Duration::from_secs(1))
         .drain_timeout(common.drain.timeout());
     let retention = options.webhook_retention;
@@ -228,16 +228,12 @@ fn start<St: IdempotencyStore>(
         own_record(service.clone(), record, executor_id.clone())
     });
     let task = tokio::spawn(async move {
-        match consumer.run(executor, stop_asked(stopping)).await {
-            Ok(stopped) => tracing::info!(
-                event = "partner.kafka_stopped",
-                left = stopped.left,
-                "the consumer polls no more records"
-            ),
-            Err(error) => {
-                tracing::error!(event = "partner.kafka_failed", error = %error, "cannot consume the feed");
-            }
-        }
+        let stopped = consumer.run(executor, stop_asked(stopping)).await;
+        tracing::info!(
+            event = "partner.kafka_stopped",
+            left = ?stopped.left,
+            "the consumer polls no more records"
+        );
     });
     (task, drain)
 }

@@ -141,7 +141,7 @@
 //! | `attempt-id` | response | this request's attempt ID, echoed |
 //! | `original-attempt-id` | replay | the attempt ID of the request that ran, else its correlation ID |
 //! | `idempotency-first-seen` | replay, `409`, `410` | when the original request arrived (HTTP-date); not on a `409` for a request held by another's open transaction (PostgreSQL's transactional mode), whose arrival the store cannot see |
-//! | `idempotency-request-count` | replay, `409`, `410` | requests seen with this key, this one included |
+//! | `idempotency-request-count` | replay, `409`, `410` | requests seen with this key, this one included; not on a `409` for a request held by another's open transaction, as for `idempotency-first-seen` |
 //! | `idempotency-expires` | a stored answer, first and replayed, on a route with [`expiry_header(true)`](IdempotencyLayer::expiry_header) (off by default) | when the stored answer expires and the key runs again (HTTP-date) |
 //! | `Retry-After` | `409`, `503` | seconds to wait before retrying |
 //!
@@ -398,17 +398,18 @@ pub mod store;
 
 #[cfg(feature = "idempotency")]
 pub use self::core::observe::field;
+#[cfg(feature = "idempotency")]
+pub(crate) use self::core::InHand;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub use self::http::TransactionRejection;
 pub use self::key::{AttemptId, IdempotencyKey, IdempotencyKeyError};
-#[cfg(feature = "idempotency")]
 pub use self::{
     adapter::{Idempotency, IdempotencyLayer},
     client::{ClientFromAuthorization, ClientFromExtension, ClientFromHeader},
     code::Code,
     core::{
-        Drain, Drained, InFlight, Policy, PolicyError, ReplayInfo, StorageRule, StoreFailure,
-        DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+        Drain, Drained, InFlight, Policy, PolicyError, ReplayInfo, Stopped, StorageRule,
+        StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     http::{
         EpochFromExtension, EpochFromHeader, Http, JsonReplayMarker, KeyFromHeader, KeyFromJson,

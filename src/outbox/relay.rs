@@ -15,7 +15,7 @@ use super::{
     take::{take, Pending},
     Outbox, OutboxError, Sink, SinkError,
 };
-use crate::idempotency::store::Chain;
+use crate::idempotency::{store::Chain, InHand, Stopped};
 
 /// Settings of a [`Relay`], with their defaults.
 #[derive(Debug, Clone)]
@@ -30,6 +30,7 @@ struct Settings {
     retention: Duration,
     trim_interval: Duration,
     observe_interval: Duration,
+    drain_timeout: Duration,
 }
 
 /// Messages a relay round takes by default: chosen from `benches/outbox.rs`, where 1,024
@@ -70,6 +71,12 @@ pub const DEFAULT_TRIM_INTERVAL: Duration = Duration::from_secs(60);
 /// pending rows' index, cheap at this rate, fresh enough for an alert.
 pub const DEFAULT_OBSERVE_INTERVAL: Duration = Duration::from_secs(10);
 
+/// How long a stop waits for the round under way by default: as long as the consumer
+/// drivers wait for their deliveries, and within Kubernetes' default grace period of
+/// 30 s. A healthy round takes milliseconds; one that takes longer is waiting on a
+/// broker or a database that has stopped answering.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl Default for Settings {
     fn default() -> Self {
         Self {
@@ -83,6 +90,7 @@ impl Default for Settings {
             retention: DEFAULT_RETENTION,
             trim_interval: DEFAULT_TRIM_INTERVAL,
             observe_interval: DEFAULT_OBSERVE_INTERVAL,
+            drain_timeout: DRAIN_TIMEOUT,
         }
     }
 }
@@ -188,6 +196,15 @@ impl<S: Sink> RelayBuilder<S> {
         self
     }
 
+    /// How long a stop waits for the round under way (10 s): past it, the round is
+    /// dropped (its transaction rolls back, so its messages stay pending, and the next
+    /// round of any relay publishes them again with their keys) and named in what
+    /// [`Relay::run`] returns.
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.drain_timeout = timeout;
+        self
+    }
+
     /// The relay.
     pub fn build(self) -> Relay<S> {
         #[cfg(feature = "metrics")]
@@ -236,7 +253,8 @@ pub struct Round {
 }
 
 impl<S: Sink> Relay<S> {
-    /// Runs rounds until `shutdown` completes (a round under way finishes first); beside
+    /// Runs rounds until `shutdown` completes (a round under way finishes first, within
+    /// the drain timeout); beside
     /// them, trims and observes the backlog as configured.
     ///
     /// Between rounds an idle relay waits for a message to be committed: every
@@ -246,24 +264,43 @@ impl<S: Sink> Relay<S> {
     /// backoff ends, and polls every [`poll_interval`](RelayBuilder::poll_interval) in
     /// case a notification was missed (the listening connection lost, a relay that died
     /// with messages in its round).
-    pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+    ///
+    /// A stop (`shutdown` resolving) lets the round under way finish within the
+    /// [drain timeout](RelayBuilder::drain_timeout), and returns what it left: nothing,
+    /// or the messages of a round that did not finish in time, by `outbox:{id}` (see
+    /// [`Stopped`]). Nothing else ends a run: an unavailable broker or database is
+    /// logged and waited out.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Stopped {
         let mut shutdown = std::pin::pin!(shutdown);
         // The gauges from the start: one count, before the first round moves them.
         self.observe().await;
         tokio::select! {
             biased;
-            () = self.publish_until(shutdown.as_mut()) => {}
-            () = self.maintain() => {}
+            stopped = self.publish_until(shutdown.as_mut()) => stopped,
+            never = self.maintain() => match never {},
         }
     }
 
     /// Rounds until `shutdown`, waiting between them as [`run`](Self::run) says.
-    async fn publish_until(&self, mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>) {
+    async fn publish_until(
+        &self,
+        mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Stopped {
         let mut wakeup = Wakeup::new(&self.outbox);
         wakeup.listen().await;
         let mut outage = Duration::ZERO;
         loop {
-            let wait = match self.round_with_error().await {
+            let in_hand = InHand::default();
+            let round = self.round_with_error(&in_hand);
+            let mut round = std::pin::pin!(round);
+            let finished = tokio::select! {
+                biased;
+                finished = round.as_mut() => finished,
+                () = shutdown.as_mut() => {
+                    return self.stop_during(round, &in_hand).await;
+                }
+            };
+            let wait = match finished {
                 Ok((_, Some(error))) => {
                     if outage.is_zero() {
                         tracing::warn!(event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
@@ -310,20 +347,42 @@ impl<S: Sink> Relay<S> {
             };
             if matches!(wait, Wait::Not) {
                 if shutdown.as_mut().now_or_never().is_some() {
-                    return;
+                    return Stopped::default();
                 }
                 continue;
             }
             tokio::select! {
                 biased;
-                () = shutdown.as_mut() => return,
+                () = shutdown.as_mut() => return Stopped::default(),
                 () = waiting => {}
             }
         }
     }
 
+    /// A stop during a round: waits for it up to the drain timeout, then drops it (its
+    /// transaction rolls back) and names its messages.
+    async fn stop_during<T>(
+        &self,
+        round: std::pin::Pin<&mut impl Future<Output = T>>,
+        in_hand: &InHand,
+    ) -> Stopped {
+        if tokio::time::timeout(self.settings.drain_timeout, round)
+            .await
+            .is_ok()
+        {
+            return Stopped::default();
+        }
+        let stopped = in_hand.stopped();
+        tracing::warn!(
+            event = "outbox.drain_unsettled",
+            left = ?stopped.left,
+            "stopped in the middle of a round: its messages stay pending and are published again"
+        );
+        stopped
+    }
+
     /// Trims and observes the backlog, each at its interval, off the publishing path.
-    async fn maintain(&self) {
+    async fn maintain(&self) -> std::convert::Infallible {
         let mut next_trim = Instant::now();
         let mut next_observe = Instant::now() + self.settings.observe_interval;
         loop {
@@ -356,11 +415,15 @@ impl<S: Sink> Relay<S> {
     /// transaction. [`run`](Self::run) calls it in a loop; call it yourself to drive
     /// the relay from a loop of your own.
     pub async fn round(&self) -> Result<Round, OutboxError> {
-        self.round_with_error().await.map(|(round, _)| round)
+        (self.round_with_error(&InHand::default()).await).map(|(round, _)| round)
     }
 
-    /// A round, and the first error of a broker that was unavailable.
-    async fn round_with_error(&self) -> Result<(Round, Option<SinkError>), OutboxError> {
+    /// A round, and the first error of a broker that was unavailable; the messages it
+    /// took are held in `in_hand` while it runs.
+    async fn round_with_error(
+        &self,
+        in_hand: &InHand,
+    ) -> Result<(Round, Option<SinkError>), OutboxError> {
         let sql = &self.outbox.shared.sql;
         let batch = self.settings.batch_size;
         let mut transaction = self
@@ -374,6 +437,10 @@ impl<S: Sink> Relay<S> {
             .await
             .map_err(|e| OutboxError::database("could not begin a relay round", e))?;
         let taken = take(&mut transaction, sql, batch).await?;
+        // Held to the round's end: what a stop names if the round cannot finish.
+        let _held: Vec<_> = (taken.iter())
+            .map(|message| in_hand.hold(format!("outbox:{}", message.id)))
+            .collect();
         let mut round = Round {
             taken: taken.len(),
             ..Round::default()

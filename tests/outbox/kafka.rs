@@ -153,3 +153,111 @@ async fn records_keep_each_keys_order_and_headers_through_a_paused_broker() {
         received - MESSAGES
     );
 }
+
+/// A stop while the broker does not answer: the round under way cannot finish, so the
+/// relay waits for it only its drain timeout, returns the round's messages by name,
+/// and leaves them pending; the next relay publishes them once the broker is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_mid_round_waits_its_drain_timeout_and_names_what_it_left() {
+    let Some(db) = TestDatabase::create().await else {
+        return;
+    };
+    let Some(broker) = Broker::start() else {
+        return;
+    };
+    let (pool, outbox, _store) = outbox(&db, 8).await;
+    let topic = format!("outbox-{}", uuid::Uuid::now_v7().simple());
+    let admin: AdminClient<_> = ClientConfig::new()
+        .set("bootstrap.servers", &broker.addr)
+        .create()
+        .unwrap();
+    admin
+        .create_topics(
+            [&NewTopic::new(&topic, 1, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap();
+    let relay = |drain: Duration| {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &broker.addr)
+            .set("message.timeout.ms", "20000");
+        outbox
+            .relay(KafkaSink::from_config(config).unwrap())
+            .poll_interval(Duration::from_millis(10))
+            .publish_timeout(Duration::from_secs(30))
+            .drain_timeout(drain)
+            .build()
+    };
+    let signal = |signal: &str| {
+        assert!(std::process::Command::new("kill")
+            .args([signal, &broker.pid().to_string()])
+            .status()
+            .unwrap()
+            .success());
+    };
+
+    signal("-STOP");
+    let mut connection = pool.acquire().await.unwrap();
+    for n in 0..5 {
+        let message = Message::new(&topic, n.to_string()).partition_key("k");
+        outbox.enqueue(&mut connection, message).await.unwrap();
+    }
+    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM tower_ids_outbox ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    // On this thread, so that its events are captured.
+    let (logs, _guard) = crate::support::Logs::capture();
+    let first = relay(Duration::from_millis(500));
+    let (stop, stopping) = tokio::sync::oneshot::channel::<()>();
+    let asked = std::sync::OnceLock::new();
+    let run = first.run(async {
+        let _ = stopping.await;
+        let _ = asked.set(std::time::Instant::now());
+    });
+    // The round takes the five at once (an idle relay polls every 10 ms) and waits on
+    // the paused broker for up to 30 s.
+    let ask = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stop.send(()).unwrap();
+    };
+    let (stopped, ()) =
+        tokio::time::timeout(Duration::from_secs(8), async { tokio::join!(run, ask) })
+            .await
+            .expect("the relay stops within its drain timeout, not its publish timeout");
+    let asked = *asked.get().unwrap();
+    let took = asked.elapsed();
+    assert!(
+        took >= Duration::from_millis(450) && took < Duration::from_secs(3),
+        "stopped after {took:?}, for a 500 ms drain timeout"
+    );
+    let mut left = stopped.left.clone();
+    left.sort();
+    let mut expected: Vec<String> = ids.iter().map(|id| format!("outbox:{id}")).collect();
+    expected.sort();
+    assert_eq!(left, expected, "the round's five messages, by name");
+    assert!(!stopped.is_complete());
+    let warned = logs.events("outbox.drain_unsettled");
+    assert_eq!(warned.len(), 1, "{}", logs.raw());
+    assert_eq!(warned[0]["level"], "WARN");
+    assert_eq!(rows(&pool).await.0, 5, "the five are still pending");
+
+    // Back: the next relay publishes them, and a stop with nothing in hand is complete.
+    signal("-CONT");
+    let second = relay(Duration::from_secs(10));
+    let published = async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while rows(&pool).await.1 < 5 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{:?}",
+                rows(&pool).await
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let stopped = second.run(published).await;
+    assert!(stopped.is_complete(), "{stopped:?}");
+}

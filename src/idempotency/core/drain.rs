@@ -150,6 +150,120 @@ impl Drained {
     }
 }
 
+/// How the `run` of a consumer driver
+/// ([`AmqpConsumer`](crate::idempotency::message::amqp::AmqpConsumer),
+/// [`KafkaConsumer`](crate::idempotency::message::kafka::KafkaConsumer)) or of an
+/// outbox relay (`tower_ids::outbox::Relay`) ended.
+///
+/// A run ends only when its shutdown future resolves: a broker or a database that
+/// fails is logged and waited out, never a reason to return. It then takes no more
+/// work and settles what it has in hand within its drain timeout; what is still
+/// unsettled at the deadline is named here, as its log lines name it (and a WARN
+/// `message.drain_unsettled` or `outbox.drain_unsettled` says so):
+///
+/// | Run | What is left | Named | Where it goes |
+/// |---|---|---|---|
+/// | `AmqpConsumer` | deliveries in hand, unacknowledged | the message ID, or `tag-{delivery tag}` | back to the queue, when the connection closes |
+/// | `KafkaConsumer` | each partition's message in hand | `topic:partition:offset` | handled again from the committed offset |
+/// | `Relay` | the messages of the round under way | `outbox:{message id}` | pending in the outbox: the next round (of any relay) publishes them |
+///
+/// Whatever is left runs again, and the layer replays what had committed, so nothing
+/// is lost; a stop that leaves nothing ([`is_complete`](Self::is_complete)) leaves
+/// nothing to run again.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stopped {
+    /// What was in hand and unsettled at the drain's deadline, by name, in no
+    /// particular order.
+    pub left: Vec<String>,
+}
+
+impl Stopped {
+    /// Whether everything in hand was settled before the deadline.
+    pub fn is_complete(&self) -> bool {
+        self.left.is_empty()
+    }
+}
+
+/// What a driver or a relay has in hand, by name, while it has it, and what it let go
+/// of unsettled: what a stop names in [`Stopped::left`].
+#[derive(Debug, Clone, Default)]
+#[cfg_attr(
+    not(any(feature = "amqp", feature = "kafka", feature = "outbox")),
+    allow(dead_code)
+)]
+pub(crate) struct InHand(Arc<Mutex<Hands>>);
+
+#[derive(Debug, Default)]
+struct Hands {
+    next: u64,
+    held: HashMap<u64, String>,
+    /// Let go of unsettled before the stop (a retry in place the stop ended).
+    left: Vec<String>,
+}
+
+#[cfg_attr(
+    not(any(feature = "amqp", feature = "kafka", feature = "outbox")),
+    allow(dead_code)
+)]
+impl InHand {
+    /// Holds `name` until the returned guard drops (settled, or its task aborted).
+    pub(crate) fn hold(&self, name: String) -> Held {
+        let mut hands = self.lock();
+        let id = hands.next;
+        hands.next += 1;
+        hands.held.insert(id, name);
+        Held {
+            in_hand: self.clone(),
+            id,
+        }
+    }
+
+    /// What is held now and what was let go of unsettled, as a stop reports it.
+    pub(crate) fn stopped(&self) -> Stopped {
+        let hands = self.lock();
+        Stopped {
+            left: hands
+                .left
+                .iter()
+                .chain(hands.held.values())
+                .cloned()
+                .collect(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Hands> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A name held in an [`InHand`] until this drops.
+#[derive(Debug)]
+pub(crate) struct Held {
+    in_hand: InHand,
+    id: u64,
+}
+
+#[cfg_attr(
+    not(any(feature = "amqp", feature = "kafka", feature = "outbox")),
+    allow(dead_code)
+)]
+impl Held {
+    /// Lets go of it unsettled: the stop names it among what it left.
+    pub(crate) fn leave(self) {
+        let mut hands = self.in_hand.lock();
+        if let Some(name) = hands.held.remove(&self.id) {
+            hands.left.push(name);
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.in_hand.lock().held.remove(&self.id);
+    }
+}
+
 impl Drain {
     pub(crate) fn new(settling: Arc<Settling>) -> Self {
         Self { settling }

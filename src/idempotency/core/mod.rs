@@ -20,7 +20,8 @@ mod settings;
 #[cfg(test)]
 mod tests;
 
-pub use self::drain::{Drain, Drained};
+pub(crate) use self::drain::InHand;
+pub use self::drain::{Drain, Drained, Stopped};
 pub use self::replay::ReplayInfo;
 pub use self::settings::{
     InFlight, Policy, PolicyError, StorageRule, StoreFailure, DEFAULT_LEASE,

@@ -54,7 +54,11 @@
 //! `false` in its metadata (in the initial metadata, or with the status of a
 //! trailers-only answer), and echoes the key and `attempt-id`. A replay also carries
 //! `idempotency-first-seen`, `idempotency-request-count` and `original-attempt-id`,
-//! as the HTTP layer's do, and an `ABORTED` for a call in flight carries the first two.
+//! as the HTTP layer's do, and an `ABORTED` for a call in flight carries the first two,
+//! except where the call is held by another call's open transaction (a PostgreSQL store
+//! in [transactional mode](crate::idempotency::store::PostgresMode::Transactional)):
+//! the store sees only the lock, not when the first call arrived nor how many came, so
+//! that `ABORTED` carries neither, as the HTTP layer's `409` does.
 //!
 //! | Case | Status | `ErrorInfo.reason` | `RetryInfo` |
 //! |---|---|---|---|
@@ -140,6 +144,129 @@
 //! the messages, past the point where the layer must settle the key without holding
 //! them. A handler's transaction is committed then too. Keep such calls under the
 //! limit, or unkeyed.
+//!
+//! # A handler in the request's transaction, with the outbox
+//!
+//! Over a PostgreSQL store in transactional mode, the layer begins the call's
+//! transaction, holds the key in it, and offers it to the handler twice: in the call's
+//! extensions (`request.extensions().get::<Transaction>()`) and as
+//! [`Transaction::current()`](crate::idempotency::store::Transaction::current) inside
+//! the call's task. The handler writes on it, and enqueues its messages on the same
+//! connection ([`Outbox::enqueue`](crate::outbox::Outbox::enqueue), feature `outbox`):
+//! its rows, its messages and the stored reply commit together, or none of them does.
+//! A server error (`INTERNAL`, `UNAVAILABLE`, ...) rolls them all back and frees the
+//! key.
+//!
+//! ```no_run
+//! # #[cfg(feature = "outbox")] {
+//! use tonic::{Request, Response, Status};
+//! use tower_ids::{
+//!     idempotency::{
+//!         store::{PostgresMode, PostgresStore, Transaction},
+//!         IdempotencyKey, IdempotencyLayer,
+//!     },
+//!     outbox::{Message, Outbox},
+//! };
+//! # #[derive(Clone, PartialEq, prost::Message)]
+//! # struct PlaceOrder { #[prost(string, tag = "1")] order_id: String, #[prost(string, tag = "2")] sku: String }
+//! # #[derive(Clone, PartialEq, prost::Message)]
+//! # struct OrderPlaced { #[prost(string, tag = "1")] order_id: String }
+//!
+//! struct Orders {
+//!     outbox: Outbox,
+//! }
+//!
+//! impl Orders {
+//!     // The body of `place_order` in your `impl orders_server::Orders for Orders`.
+//!     async fn place_order(
+//!         &self,
+//!         request: Request<PlaceOrder>,
+//!     ) -> Result<Response<OrderPlaced>, Status> {
+//!         let transaction = request
+//!             .extensions()
+//!             .get::<Transaction>()
+//!             .cloned()
+//!             .ok_or_else(|| Status::internal("no transaction: is the store transactional?"))?;
+//!         let order = request.into_inner();
+//!         let mut connection = transaction
+//!             .lock()
+//!             .await
+//!             .map_err(|e| Status::internal(e.to_string()))?;
+//!         sqlx::query("INSERT INTO orders (id, sku) VALUES ($1, $2)")
+//!             .bind(&order.order_id)
+//!             .bind(&order.sku)
+//!             .execute(&mut *connection)
+//!             .await
+//!             .map_err(|e| Status::internal(e.to_string()))?;
+//!         // The order's events in commit order (its partition key), and one key per
+//!         // business event (the outbox gives each message a key of its own): two
+//!         // calls that place one order send one `orders.placed` to the inbox.
+//!         let event = format!("{}.placed", order.order_id);
+//!         let placed = Message::new("orders.placed", format!(r#"{{"order":"{}"}}"#, order.order_id))
+//!             .partition_key(order.order_id.clone())
+//!             .idempotency_key(IdempotencyKey::new(&event).map_err(|e| Status::invalid_argument(e.to_string()))?);
+//!         self.outbox
+//!             .enqueue(&mut connection, placed)
+//!             .await
+//!             .map_err(|e| Status::internal(e.to_string()))?;
+//!         Ok(Response::new(OrderPlaced { order_id: order.order_id }))
+//!     }
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/orders").await?;
+//! let store = PostgresStore::builder(pool.clone())
+//!     .mode(PostgresMode::Transactional)
+//!     .build()?;
+//! store.migrate().await?;
+//! let outbox = Outbox::new(pool);
+//! outbox.migrate().await?;
+//! let orders = Orders { outbox };
+//! // Server::builder().layer(IdempotencyLayer::with_store(store).for_grpc())
+//! //     .add_service(OrdersServer::new(orders))
+//! # let _ = (IdempotencyLayer::with_store(store).for_grpc(), orders);
+//! # Ok(())
+//! # }
+//! # }
+//! ```
+//!
+//! A failed statement aborts the whole transaction (the reply can then not be stored
+//! with it, and the call is answered `UNAVAILABLE idempotency.not_committed`): run one
+//! that may fail in a savepoint, as the
+//! [store's docs](crate::idempotency::store::PostgresMode) say.
+//!
+//! # Code generation without `protoc`
+//!
+//! tonic's generated servers and clients come from `tonic-prost-build`, which by
+//! default runs `protoc`. [`protox`](https://docs.rs/protox), a `.proto` compiler in
+//! Rust, hands it the descriptors instead, so a build needs no system package. In
+//! `Cargo.toml`:
+//!
+//! ```toml
+//! [dependencies]
+//! tonic = "0.14"
+//! tonic-prost = "0.14"
+//! prost = "0.14"
+//!
+//! [build-dependencies]
+//! tonic-prost-build = "0.14"
+//! protox = "0.10"
+//! ```
+//!
+//! and a `build.rs`:
+//!
+//! ```no_run
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     println!("cargo:rerun-if-changed=proto");
+//!     let descriptors = protox::compile(["orders.proto"], ["proto"])?;
+//!     tonic_prost_build::configure().compile_fds(descriptors)?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! then `tonic::include_proto!("orders.v1");` (the proto's package) in your crate. The
+//! crate's own gRPC tests are built so (`tests/grpc`, with the generated code checked
+//! in and compared on every run).
 //!
 //! # Correlation
 //!

@@ -50,12 +50,13 @@ use tower_service::Service;
 
 use super::{
     drive::{
-        handle, key_of, settled_line, Next, Received, Stopped, ATTEMPTS_HEADER,
-        DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        handle, key_of, settled_line, Next, Received, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
+        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
     },
     Handled,
 };
 use crate::correlation::{Carrier, MessageCorrelation};
+use crate::idempotency::{InHand, Stopped};
 
 /// Deliveries handled at once by default (the channel's prefetch).
 pub const DEFAULT_PREFETCH: u16 = 16;
@@ -170,7 +171,9 @@ impl AmqpConsumer {
         self
     }
 
-    /// Consumes the queue through `service` until `shutdown` resolves, then drains.
+    /// Consumes the queue through `service` until `shutdown` resolves, then drains:
+    /// what it returns names the deliveries it left unsettled (see [`Stopped`]).
+    /// Nothing else ends it: a broker that cannot be reached is retried with backoff.
     pub async fn run<T, R, S>(self, service: S, shutdown: impl Future<Output = ()>) -> Stopped
     where
         T: DeserializeOwned + Send + 'static,
@@ -181,6 +184,7 @@ impl AmqpConsumer {
     {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut in_flight = JoinSet::new();
+        let in_hand = InHand::default();
         let mut chains = HashMap::new();
         let mut backoff = Duration::ZERO;
         let mut session = None;
@@ -224,8 +228,12 @@ impl AmqpConsumer {
                     delivery = deliveries.next() => match delivery {
                         Some(Ok(delivery)) => {
                             let after = self.predecessor(&delivery, &mut chains);
+                            // In hand from now until settled, waiting for its
+                            // predecessor included: unacknowledged either way.
+                            let held = in_hand.hold(name_of(&delivery));
                             let settle = self.clone().settle(delivery, service.clone(), publisher.clone());
                             in_flight.spawn(async move {
+                                let _held = held;
                                 let Waiting { before, done } = after;
                                 if let Some(before) = before {
                                     // Ended either way: settled, or its task gone.
@@ -250,13 +258,13 @@ impl AmqpConsumer {
                 }
             }
         }
-        let left = self.drain(&mut in_flight).await;
+        let stopped = self.drain(&mut in_flight, &in_hand).await;
         if let Some(connection) = session {
             // Deliveries prefetched and never started go back to the queue now.
             let close = connection.close(200, "stopped".into());
             let _ = tokio::time::timeout(BROKER_ANSWER_TIMEOUT, close).await;
         }
-        Stopped { left }
+        stopped
     }
 
     /// With [`ordered_by`](Self::ordered_by), the delivery's place in its value's
@@ -287,22 +295,22 @@ impl AmqpConsumer {
         }
     }
 
-    /// Waits for the deliveries in flight, up to the drain timeout; says how many it
-    /// left.
-    async fn drain(&self, in_flight: &mut JoinSet<()>) -> usize {
+    /// Waits for the deliveries in flight, up to the drain timeout; names those it left.
+    async fn drain(&self, in_flight: &mut JoinSet<()>, in_hand: &InHand) -> Stopped {
         let waiting = in_flight.len();
         let drained = tokio::time::timeout(self.drain_timeout, async {
             while in_flight.join_next().await.is_some() {}
         })
         .await;
-        let left = in_flight.len();
+        // Read before the tasks are aborted: an aborted task lets go of its name.
+        let stopped = in_hand.stopped();
         if drained.is_err() {
-            tracing::warn!(event = "message.drain_unsettled", queue = %self.queue, in_flight = waiting, left, "stopped with deliveries unsettled: they go back to the queue");
+            tracing::warn!(event = "message.drain_unsettled", queue = %self.queue, in_flight = waiting, left = ?stopped.left, "stopped with deliveries unsettled: they go back to the queue");
             in_flight.abort_all();
         } else {
             tracing::info!(event = "message.drained", queue = %self.queue, settled = waiting, "every delivery in flight settled");
         }
-        left
+        stopped
     }
 
     /// A connection, its consuming channel, its publishing channel in confirm mode (for
@@ -354,10 +362,7 @@ impl AmqpConsumer {
             message: (),
             headers: text_headers(&headers),
             attempts,
-            delivery: match delivery.properties.message_id() {
-                Some(id) => id.to_string(),
-                None => format!("tag-{}", delivery.delivery_tag),
-            },
+            delivery: name_of(&delivery),
         };
         let settling = async move {
             let (next, reason) = handle(
@@ -520,4 +525,13 @@ fn text_headers(headers: &FieldTable) -> Vec<(String, Vec<u8>)> {
             _ => None,
         })
         .collect()
+}
+
+/// A delivery's name in its lines and in [`Stopped::left`]: its message ID, or its
+/// delivery tag where it has none.
+fn name_of(delivery: &Delivery) -> String {
+    match delivery.properties.message_id() {
+        Some(id) => id.to_string(),
+        None => format!("tag-{}", delivery.delivery_tag),
+    }
 }

@@ -1,6 +1,5 @@
 //! What the broker drivers ([`amqp`](super::amqp), [`kafka`](super::kafka)) share:
-//! their defaults, the headers they write, what a stop reports, and the one line a
-//! settled delivery gets.
+//! their defaults, the headers they write, and the one line a settled delivery gets.
 
 use std::{fmt::Display, time::Duration};
 
@@ -29,15 +28,6 @@ pub const ERROR_HEADER: &str = "x-tower-ids-error";
 
 /// The metric of settled deliveries, by `outcome` (feature `metrics`).
 pub const DELIVERIES: &str = "tower_ids_consumer_deliveries_total";
-
-/// What a stop left: the deliveries still in flight at the drain's deadline.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Stopped {
-    /// Deliveries left unsettled: they come back (RabbitMQ requeues them; Kafka's
-    /// offsets were not committed past them).
-    pub left: usize,
-}
 
 /// What a driver does with a delivery, from what its handler answered: the table on
 /// each driver's page, decided here once for both.

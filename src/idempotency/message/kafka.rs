@@ -59,12 +59,13 @@ use tower_service::Service;
 
 use super::{
     drive::{
-        handle, key_of, settled_line, Next, Received, Stopped, ATTEMPTS_HEADER,
-        DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        handle, key_of, settled_line, Next, Received, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
+        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
     },
     Handled,
 };
 use crate::correlation::MessageCorrelation;
+use crate::idempotency::{InHand, Stopped};
 
 /// librdkafka's consumer-only properties, left out of the producer's configuration.
 const CONSUMER_ONLY: &[&str] = &[
@@ -136,7 +137,8 @@ pub const DEFAULT_PARTITIONS_AT_ONCE: usize = 16;
 /// Every message ends in one line, event `message.settled`, as for RabbitMQ.
 #[must_use]
 pub struct KafkaConsumer {
-    config: ClientConfig,
+    consumer: Arc<StreamConsumer>,
+    producer: FutureProducer,
     topics: Vec<String>,
     partitions_at_once: usize,
     max_attempts: u32,
@@ -154,16 +156,52 @@ impl std::fmt::Debug for KafkaConsumer {
 
 impl KafkaConsumer {
     /// A consumer of `topics` with `config` (`bootstrap.servers`, `group.id`, and any
-    /// other librdkafka setting).
-    pub fn new<I: IntoIterator<Item = impl Into<String>>>(config: ClientConfig, topics: I) -> Self {
-        Self {
-            config,
-            topics: topics.into_iter().map(Into::into).collect(),
+    /// other librdkafka setting), subscribed to them: it joins its group once
+    /// [`run`](Self::run) polls it, so build it where you run it.
+    ///
+    /// # Errors
+    ///
+    /// If the consumer or the producer (for copies and dead letters) cannot be created
+    /// from the configuration, or the topics cannot be subscribed to (no `group.id`, an
+    /// invalid topic name or pattern), as rdkafka's `ClientConfig::create` and
+    /// `subscribe` say.
+    pub fn new<I: IntoIterator<Item = impl Into<String>>>(
+        config: ClientConfig,
+        topics: I,
+    ) -> Result<Self, KafkaError> {
+        let topics: Vec<String> = topics.into_iter().map(Into::into).collect();
+        let mut consumer_config = config.clone();
+        consumer_config.set("enable.auto.offset.store", "false");
+        if consumer_config.get("enable.auto.commit").is_none() {
+            consumer_config.set("enable.auto.commit", "true");
+        }
+        if consumer_config.get("auto.commit.interval.ms").is_none() {
+            // What a killed consumer's successor handles again (and replays): a second
+            // of settled messages, not librdkafka's default five.
+            consumer_config.set("auto.commit.interval.ms", "1000");
+        }
+        let consumer: Arc<StreamConsumer> = Arc::new(consumer_config.create()?);
+        let subscribed: Vec<&str> = topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&subscribed)?;
+        // The same brokers and security for the producer of copies and dead letters,
+        // without the consumer's own settings (librdkafka warns of each).
+        let mut producer_config = ClientConfig::new();
+        for (key, value) in config.config_map() {
+            if !CONSUMER_ONLY.contains(&key) {
+                producer_config.set(key, value);
+            }
+        }
+        producer_config.set("enable.idempotence", "true");
+        let producer: FutureProducer = producer_config.create()?;
+        Ok(Self {
+            consumer,
+            producer,
+            topics,
             partitions_at_once: DEFAULT_PARTITIONS_AT_ONCE,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             retry_pause: DEFAULT_RETRY_PAUSE,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
-        }
+        })
     }
 
     /// Partitions handled at once ([`DEFAULT_PARTITIONS_AT_ONCE`]).
@@ -192,17 +230,10 @@ impl KafkaConsumer {
         self
     }
 
-    /// Consumes the topics through `service` until `shutdown` resolves, then drains.
-    ///
-    /// # Errors
-    ///
-    /// If the consumer or the producer (for copies and dead letters) cannot be created
-    /// from the configuration, or the topics cannot be subscribed to.
-    pub async fn run<T, R, S>(
-        self,
-        service: S,
-        shutdown: impl Future<Output = ()>,
-    ) -> Result<Stopped, KafkaError>
+    /// Consumes the topics through `service` until `shutdown` resolves, then drains:
+    /// what it returns names the messages it left unsettled (see [`Stopped`]).
+    /// Nothing else ends it: broker errors are logged and waited out.
+    pub async fn run<T, R, S>(self, service: S, shutdown: impl Future<Output = ()>) -> Stopped
     where
         T: DeserializeOwned + Send + 'static,
         R: Send + 'static,
@@ -210,43 +241,30 @@ impl KafkaConsumer {
         S::Error: Display + Send,
         S::Future: Send,
     {
-        let mut consumer_config = self.config.clone();
-        consumer_config.set("enable.auto.offset.store", "false");
-        if consumer_config.get("enable.auto.commit").is_none() {
-            consumer_config.set("enable.auto.commit", "true");
-        }
-        if consumer_config.get("auto.commit.interval.ms").is_none() {
-            // What a killed consumer's successor handles again (and replays): a second
-            // of settled messages, not librdkafka's default five.
-            consumer_config.set("auto.commit.interval.ms", "1000");
-        }
-        let consumer: Arc<StreamConsumer> = Arc::new(consumer_config.create()?);
-        let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
-        consumer.subscribe(&topics)?;
-        // The same brokers and security for the producer of copies and dead letters,
-        // without the consumer's own settings (librdkafka warns of each).
-        let mut producer_config = ClientConfig::new();
-        for (key, value) in self.config.config_map() {
-            if !CONSUMER_ONLY.contains(&key) {
-                producer_config.set(key, value);
-            }
-        }
-        producer_config.set("enable.idempotence", "true");
-        let producer: FutureProducer = producer_config.create()?;
+        let Self {
+            consumer,
+            producer,
+            topics,
+            partitions_at_once,
+            max_attempts,
+            retry_pause,
+            drain_timeout,
+        } = self;
         let settings = Arc::new(Settings {
-            max_attempts: self.max_attempts,
-            retry_pause: self.retry_pause,
+            max_attempts,
+            retry_pause,
             producer,
             consumer: consumer.clone(),
             stopping: AtomicBool::new(false),
+            in_hand: InHand::default(),
         });
-        tracing::info!(event = "message.consuming", topics = ?self.topics, "consuming");
+        tracing::info!(event = "message.consuming", ?topics, "consuming");
 
         let mut shutdown = std::pin::pin!(shutdown);
         let mut partitions: HashMap<Slot, Partition> = HashMap::new();
         let mut workers = JoinSet::new();
         let mut reserving: JoinSet<Reserved> = JoinSet::new();
-        let slots = Arc::new(tokio::sync::Semaphore::new(self.partitions_at_once));
+        let slots = Arc::new(tokio::sync::Semaphore::new(partitions_at_once));
         loop {
             tokio::select! {
                 biased;
@@ -287,16 +305,17 @@ impl KafkaConsumer {
         drop(partitions);
         reserving.abort_all();
         let waiting = workers.len();
-        let drained = tokio::time::timeout(self.drain_timeout, async {
+        let drained = tokio::time::timeout(drain_timeout, async {
             while workers.join_next().await.is_some() {}
         })
         .await;
-        let left = workers.len();
-        if drained.is_err() {
+        // Read before the workers are aborted: an aborted worker lets go of its name.
+        let stopped = settings.in_hand.stopped();
+        if drained.is_err() || !stopped.is_complete() {
             tracing::warn!(
                 event = "message.drain_unsettled",
                 partitions = waiting,
-                left,
+                left = ?stopped.left,
                 "stopped with messages unsettled: their offsets are not committed"
             );
             workers.abort_all();
@@ -312,7 +331,7 @@ impl KafkaConsumer {
             tracing::debug!(event = "message.commit_failed", error = %error, "could not commit the settled offsets at stop");
         }
         consumer.unsubscribe();
-        Ok(Stopped { left })
+        stopped
     }
 }
 
@@ -323,6 +342,8 @@ struct Settings {
     consumer: Arc<StreamConsumer>,
     /// Set at a stop: workers take no more messages and stop retrying in place.
     stopping: AtomicBool,
+    /// The message each partition's worker is settling, for what a stop leaves.
+    in_hand: InHand,
 }
 
 /// A partition's topic and number.
@@ -454,7 +475,9 @@ async fn partition_worker<T, R, S>(
             // it (from the committed offset), so this consumer leaves it alone.
             continue;
         }
+        let held = settings.in_hand.hold(name_of(&message));
         if !settle(&message, &mut service, &settings).await {
+            held.leave();
             return;
         }
         // Stored, it is committed with the next commit; for a partition revoked
@@ -466,7 +489,18 @@ async fn partition_worker<T, R, S>(
         {
             tracing::debug!(event = "message.offset_not_stored", error = %error, "the partition is no longer this consumer's: its new owner handles the message again");
         }
+        drop(held);
     }
+}
+
+/// A message's name in its lines and in [`Stopped::left`]: `topic:partition:offset`.
+fn name_of(message: &OwnedMessage) -> String {
+    format!(
+        "{}:{}:{}",
+        message.topic(),
+        message.partition(),
+        message.offset()
+    )
 }
 
 /// Whether `message`'s partition is still this consumer's.
@@ -506,12 +540,7 @@ where
         message: (),
         headers: headers.clone(),
         attempts,
-        delivery: format!(
-            "{}:{}:{}",
-            message.topic(),
-            message.partition(),
-            message.offset()
-        ),
+        delivery: name_of(message),
     };
     let correlation = MessageCorrelation::new();
     let id = correlation.for_delivery(&envelope);

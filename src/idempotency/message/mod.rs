@@ -141,8 +141,8 @@ mod service;
 
 #[cfg(any(feature = "amqp", feature = "kafka"))]
 pub use self::drive::{
-    Received, Stopped, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS,
-    DEFAULT_RETRY_PAUSE, DELIVERIES, ERROR_HEADER,
+    Received, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE,
+    DELIVERIES, ERROR_HEADER,
 };
 pub use self::{
     key::{ExtractMessageKey, MessageKey, NoMessageKey},
