@@ -27,9 +27,10 @@
 //!     }));
 //! let mut config = ClientConfig::new();
 //! config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "payments");
-//! KafkaConsumer::new(config, ["payments"])
+//! let stopped = KafkaConsumer::new(config, ["payments"])?
 //!     .run(service, async { let _ = tokio::signal::ctrl_c().await; })
-//!     .await?;
+//!     .await;
+//! assert!(stopped.is_complete(), "left unsettled: {:?}", stopped.left);
 //! # Ok(())
 //! # }
 //! ```
