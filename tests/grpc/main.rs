@@ -14,6 +14,8 @@ mod database;
 #[path = "../support/redis.rs"]
 #[allow(dead_code)]
 mod server;
+#[path = "../support/mod.rs"]
+mod support;
 
 use std::{
     net::SocketAddr,
@@ -278,6 +280,8 @@ async fn a_key_reused_with_another_message_is_failed_precondition() {
 async fn a_bad_or_missing_key_is_invalid_argument_and_nothing_runs() {
     let ledger = CountingLedger::default();
     let layer = IdempotencyLayer::new().for_grpc().require_key(true);
+    // Current-thread runtime: the server's task logs on this thread.
+    let (logs, _capture) = support::Logs::capture();
     let mut client = serve(ledger.clone(), layer).await;
 
     let too_long = "k".repeat(256);
@@ -304,6 +308,14 @@ async fn a_bad_or_missing_key_is_invalid_argument_and_nothing_runs() {
         Some("false")
     );
 
+    // Each refusal's WARN names the gRPC code it answered, not an HTTP status.
+    let rejected = logs.events("idempotency.rejected");
+    assert_eq!(rejected.len(), 3, "{}", logs.raw());
+    for line in &rejected {
+        assert_eq!(line["level"], "WARN");
+        assert_eq!(line["fields"]["grpc_code"], "INVALID_ARGUMENT", "{line}");
+        assert!(line["fields"].get("status").is_none(), "{line}");
+    }
     assert_eq!(ledger.runs.load(Ordering::SeqCst), 0);
 }
 
