@@ -398,11 +398,15 @@ pub mod store;
 
 #[cfg(feature = "idempotency")]
 pub use self::core::observe::field;
-#[cfg(feature = "idempotency")]
+#[cfg(all(
+    feature = "idempotency",
+    any(feature = "amqp", feature = "kafka", feature = "outbox")
+))]
 pub(crate) use self::core::InHand;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub use self::http::TransactionRejection;
 pub use self::key::{AttemptId, IdempotencyKey, IdempotencyKeyError};
+#[cfg(feature = "idempotency")]
 pub use self::{
     adapter::{Idempotency, IdempotencyLayer},
     client::{ClientFromAuthorization, ClientFromExtension, ClientFromHeader},

@@ -20,6 +20,7 @@ mod settings;
 #[cfg(test)]
 mod tests;
 
+#[cfg(any(feature = "amqp", feature = "kafka", feature = "outbox"))]
 pub(crate) use self::drain::InHand;
 pub use self::drain::{Drain, Drained, Stopped};
 pub use self::replay::ReplayInfo;

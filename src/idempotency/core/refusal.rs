@@ -14,6 +14,7 @@ pub(crate) enum Answered {
     Http(u16),
     /// A gRPC status code, by its canonical name (`INVALID_ARGUMENT`): the line's
     /// `grpc_code`.
+    #[cfg(feature = "grpc")]
     Grpc(&'static str),
     /// Not answered on the wire (a message, settled by its driver).
     Settled,
@@ -25,8 +26,9 @@ pub(crate) enum Answered {
 /// transport says it: `status` (HTTP) or `grpc_code` (gRPC).
 pub(crate) fn rejected(reason: &'static str, code: Code, detail: &str, answered: Answered) {
     observe::outcome("rejected");
-    let (status, grpc_code) = match answered {
+    let (status, grpc_code): (Option<u16>, Option<&str>) = match answered {
         Answered::Http(status) => (Some(status), None),
+        #[cfg(feature = "grpc")]
         Answered::Grpc(name) => (None, Some(name)),
         Answered::Settled => (None, None),
     };
