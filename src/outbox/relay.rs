@@ -293,37 +293,48 @@ impl<S: Sink> Relay<S> {
             let in_hand = InHand::default();
             let round = self.round_with_error(&in_hand);
             let mut round = std::pin::pin!(round);
-            let finished = tokio::select! {
+            // A stop during a round waits for it up to the drain timeout, and ends the
+            // run once the round is accounted for as any other.
+            let (finished, stopping) = tokio::select! {
                 biased;
-                finished = round.as_mut() => finished,
+                finished = round.as_mut() => (finished, false),
                 () = shutdown.as_mut() => {
-                    return self.stop_during(round, &in_hand).await;
+                    match tokio::time::timeout(self.settings.drain_timeout, round.as_mut()).await {
+                        Ok(finished) => (finished, true),
+                        Err(_) => return self.left_behind(&in_hand),
+                    }
                 }
             };
             let wait = match finished {
-                Ok((_, Some(error))) => {
-                    if outage.is_zero() {
-                        tracing::warn!(event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
-                    }
-                    outage = next_outage_wait(outage, self.settings.max_outage_backoff);
-                    Wait::For(outage)
-                }
-                Ok((round, None)) => {
-                    if outage > Duration::ZERO {
-                        if round.published > 0 {
-                            tracing::info!(
-                                event = "outbox.sink_recovered",
-                                "the broker takes messages again"
-                            );
-                        }
+                Ok((round, error)) => {
+                    // The broker answered a message (took it, or refused it for
+                    // itself): an outage is over, even if a later key of the same round
+                    // found it gone again (that starts a new outage, without a WARN
+                    // of its own). A round that sent nothing says nothing of the broker.
+                    let recovered =
+                        outage > Duration::ZERO && (round.published > 0 || round.rejected > 0);
+                    if recovered {
+                        tracing::info!(
+                            event = "outbox.sink_recovered",
+                            "the broker takes messages again"
+                        );
                         outage = Duration::ZERO;
                     }
-                    // A full batch, or a refusal whose backoff may be over already:
-                    // the next round at once (an idle wait would miss a zero backoff).
-                    if round.taken >= self.settings.batch_size || round.rejected > 0 {
-                        Wait::Not
-                    } else {
-                        Wait::Idle
+                    match error {
+                        Some(error) => {
+                            if outage.is_zero() && !recovered {
+                                tracing::warn!(event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
+                            }
+                            outage = next_outage_wait(outage, self.settings.max_outage_backoff);
+                            Wait::For(outage)
+                        }
+                        // A full batch, or a refusal whose backoff may be over already:
+                        // the next round at once (an idle wait would miss a zero
+                        // backoff).
+                        None if round.taken >= self.settings.batch_size || round.rejected > 0 => {
+                            Wait::Not
+                        }
+                        None => Wait::Idle,
                     }
                 }
                 Err(error) => {
@@ -345,6 +356,9 @@ impl<S: Sink> Relay<S> {
                     }
                 }
             };
+            if stopping {
+                return Stopped::default();
+            }
             if matches!(wait, Wait::Not) {
                 if shutdown.as_mut().now_or_never().is_some() {
                     return Stopped::default();
@@ -359,19 +373,9 @@ impl<S: Sink> Relay<S> {
         }
     }
 
-    /// A stop during a round: waits for it up to the drain timeout, then drops it (its
-    /// transaction rolls back) and names its messages.
-    async fn stop_during<T>(
-        &self,
-        round: std::pin::Pin<&mut impl Future<Output = T>>,
-        in_hand: &InHand,
-    ) -> Stopped {
-        if tokio::time::timeout(self.settings.drain_timeout, round)
-            .await
-            .is_ok()
-        {
-            return Stopped::default();
-        }
+    /// A stop whose round did not finish within the drain timeout: the round is dropped
+    /// (its transaction rolls back) and its messages named.
+    fn left_behind(&self, in_hand: &InHand) -> Stopped {
         let stopped = in_hand.stopped();
         tracing::warn!(
             event = "outbox.drain_unsettled",
