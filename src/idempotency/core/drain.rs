@@ -188,12 +188,10 @@ impl Stopped {
 /// What a driver or a relay has in hand, by name, while it has it, and what it let go
 /// of unsettled: what a stop names in [`Stopped::left`].
 #[derive(Debug, Clone, Default)]
-#[cfg_attr(
-    not(any(feature = "amqp", feature = "kafka", feature = "outbox")),
-    allow(dead_code)
-)]
+#[cfg(any(feature = "amqp", feature = "kafka", feature = "outbox"))]
 pub(crate) struct InHand(Arc<Mutex<Hands>>);
 
+#[cfg(any(feature = "amqp", feature = "kafka", feature = "outbox"))]
 #[derive(Debug, Default)]
 struct Hands {
     next: u64,
@@ -202,10 +200,7 @@ struct Hands {
     left: Vec<String>,
 }
 
-#[cfg_attr(
-    not(any(feature = "amqp", feature = "kafka", feature = "outbox")),
-    allow(dead_code)
-)]
+#[cfg(any(feature = "amqp", feature = "kafka", feature = "outbox"))]
 impl InHand {
     /// Holds `name` until the returned guard drops (settled, or its task aborted).
     pub(crate) fn hold(&self, name: String) -> Held {
@@ -238,16 +233,14 @@ impl InHand {
 }
 
 /// A name held in an [`InHand`] until this drops.
+#[cfg(any(feature = "amqp", feature = "kafka", feature = "outbox"))]
 #[derive(Debug)]
 pub(crate) struct Held {
     in_hand: InHand,
     id: u64,
 }
 
-#[cfg_attr(
-    not(any(feature = "amqp", feature = "kafka", feature = "outbox")),
-    allow(dead_code)
-)]
+#[cfg(any(feature = "amqp", feature = "kafka", feature = "outbox"))]
 impl Held {
     /// Lets go of it unsettled: the stop names it among what it left.
     pub(crate) fn leave(self) {
@@ -258,6 +251,7 @@ impl Held {
     }
 }
 
+#[cfg(any(feature = "amqp", feature = "kafka", feature = "outbox"))]
 impl Drop for Held {
     fn drop(&mut self) {
         self.in_hand.lock().held.remove(&self.id);
