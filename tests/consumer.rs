@@ -97,6 +97,10 @@ fn inbox(
                 if payment.account == "slow" {
                     tokio::time::sleep(SLOW).await;
                 }
+                if payment.account == "paused" {
+                    // Idle in its transaction, where a flapping database terminates it.
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
                 if payment.account.starts_with("ordered") {
                     // Some take longer than the ones behind them.
                     let pause = payment.amount.rem_euclid(4).unsigned_abs() * 15;
@@ -360,6 +364,93 @@ async fn poison_messages_are_dead_lettered_while_the_messages_behind_them_are_ap
     assert!(letters[1].1.starts_with("handler_failed"), "{letters:?}");
     assert_eq!(letters[2].0, "undecodable");
     assert!(letters[2].1.starts_with("undecodable"), "{letters:?}");
+}
+
+/// A database that terminates every transaction idle in it, ten times a second for three
+/// seconds: each handler then fails on its insert, but what failed was its transaction,
+/// not the handler. Requeued uncounted, no payment reaches the dead-letter queue (with
+/// two attempts, a counted failure would put one there at its second), and each is
+/// applied once when the database settles.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flapping_database_dead_letters_nothing_and_applies_each_message_once() {
+    let Some(setup) = setup("consumer-flapping").await else {
+        return;
+    };
+    let Setup {
+        pool,
+        vhost,
+        channel,
+        queue,
+        ..
+    } = &setup;
+    for n in 0..12 {
+        let body = serde_json::to_vec(&Payment {
+            account: "paused".into(),
+            amount: n,
+        })
+        .unwrap();
+        publish(channel, queue, Some(&format!("flap-{n}")), &body).await;
+    }
+    let flapping = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            let mut terminated = 0;
+            let until = tokio::time::Instant::now() + Duration::from_secs(3);
+            while tokio::time::Instant::now() < until {
+                let killed: Vec<bool> = sqlx::query_scalar(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                     WHERE datname = current_database() AND state = 'idle in transaction'",
+                )
+                .fetch_all(&pool)
+                .await
+                .unwrap_or_default();
+                terminated += killed.iter().filter(|k| **k).count();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            terminated
+        }
+    });
+    let runs = Runs::default();
+    let consumer = AmqpConsumer::new(&vhost.url, queue.as_str())
+        .prefetch(4)
+        .max_attempts(2)
+        .retry_pause(Duration::from_millis(50));
+    let (stop, running) = running(consumer, pool, &runs);
+    let terminated = flapping.await.unwrap();
+    until(
+        pool,
+        "every payment applied once the database settles",
+        |rows| rows.len() == 12,
+    )
+    .await;
+    stop.send(()).unwrap();
+    let stopped = running.await.unwrap();
+
+    let rows = rows(pool).await;
+    let repeated = runs.0.lock().unwrap().values().filter(|n| **n > 1).count();
+    let dead = channel
+        .queue_declare(
+            format!("{queue}.dead").as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count();
+    eprintln!("12 payments, {terminated} transactions terminated: {repeated} handlers ran again, {dead} dead letters");
+    assert!(
+        terminated > 0 && repeated > 0,
+        "the database's faults reached the handlers"
+    );
+    assert_eq!(dead, 0, "a passing fault dead-letters nothing");
+    assert!(stopped.is_complete(), "{stopped:?}");
+    assert!(
+        rows.values().all(|n| *n == 1),
+        "each payment applied once: {rows:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

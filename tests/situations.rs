@@ -2,7 +2,7 @@
 //! the three adapters over the one engine (the HTTP layer on a real axum server, the
 //! gRPC layer on a real tonic server, the message layer called as a tower service),
 //! each comparing what operators see: the `idempotency.*` events (name, level, the
-//! names of their fields but `status` and `detail`, which only some transports have,
+//! names of their fields but `status`, `grpc_code` and `detail`, which only some transports have,
 //! and the values of the label-like fields `reason`, `code`, `phase` and `mode`), the
 //! `idempotency_outcome` recorded on the request's span, and the increments of the
 //! counters `tower_ids_idempotency_{requests,released,store_failures}_total`.
@@ -250,7 +250,7 @@ fn notes() -> &'static Mutex<Notes> {
 }
 
 /// Fields an event of one transport has and another's cannot.
-const TRANSPORT_FIELDS: [&str; 4] = ["status", "detail", "message", "event"];
+const TRANSPORT_FIELDS: [&str; 5] = ["status", "grpc_code", "detail", "message", "event"];
 /// Fields whose values, not only their names, must read the same.
 const LABEL_FIELDS: [&str; 4] = ["reason", "code", "phase", "mode"];
 

@@ -303,6 +303,7 @@ pub(crate) mod event {
     pub(crate) const STORE_FAILED: &str = "idempotency.store_failed";
     pub(crate) const STORE_NOT_DURABLE: &str = "idempotency.store_not_durable";
     pub(crate) const STORED: &str = "idempotency.stored";
+    pub(crate) const TRANSACTION_BROKE: &str = "idempotency.transaction_broke";
     pub(crate) const TRANSACTION_MISSING: &str = "idempotency.transaction_missing";
     pub(crate) const UNANSWERED_CLAIM_RELEASED: &str = "idempotency.unanswered_claim_released";
     pub(crate) const UNCORRELATED: &str = "idempotency.uncorrelated";
@@ -343,6 +344,7 @@ pub(crate) mod event {
         STORE_FAILED,
         STORE_NOT_DURABLE,
         STORED,
+        TRANSACTION_BROKE,
         TRANSACTION_MISSING,
         UNANSWERED_CLAIM_RELEASED,
         UNCORRELATED,

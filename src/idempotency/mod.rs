@@ -280,6 +280,9 @@
 //!   completion met another request's claim; the outcome is kept until it settles),
 //!   `idempotency.drain_unsettled` (with `owed`), `idempotency.kept_over_budget`,
 //!   `idempotency.commit_failed` (the handler's transaction did not commit),
+//!   `idempotency.transaction_broke` (the handler's transaction broke under it: its
+//!   connection lost, its backend terminated; answered as not committed, never as the
+//!   handler's failure),
 //!   `idempotency.outcome_unknown` (whether it committed is not known),
 //!   `idempotency.outcome_unserialisable` (an outcome that does not encode: not kept,
 //!   its duplicates refused as not replayable), `idempotency.outcome_undecodable` (a
@@ -336,7 +339,7 @@
 //! | `tower_ids_idempotency_requests_in_flight` | gauge | | protected requests inside the layer now |
 //! | `tower_ids_idempotency_store_call_duration_seconds` | histogram | `operation` | each store call: `begin`, `renew`, `complete`, `release`, `wait` |
 //! | `tower_ids_idempotency_store_failures_total` | counter | `operation` | store calls that failed |
-//! | `tower_ids_idempotency_released_total` | counter | `reason` | keys given up so a retry runs again: `handler_error`, `not_stored`, `response_failed`, `handler_panicked`, `abandoned`, `rolled_back`, `commit_failed`, `outcome_unknown` |
+//! | `tower_ids_idempotency_released_total` | counter | `reason` | keys given up so a retry runs again: `handler_error`, `not_stored`, `response_failed`, `handler_panicked`, `abandoned`, `rolled_back`, `commit_failed`, `transaction_broke`, `outcome_unknown` |
 //!
 //! Every counter series whose label values are listed here, and the gauge, is
 //! exported at 0 as soon as a layer is built (install the recorder first), so `rate()`

@@ -289,6 +289,10 @@ impl<S: Sink> Relay<S> {
         let mut wakeup = Wakeup::new(&self.outbox);
         wakeup.listen().await;
         let mut outage = Duration::ZERO;
+        // Whether the WARN of an outage went out and its `sink_recovered` is owed: a
+        // round's backoff alone (a key that found the broker gone in a round that
+        // otherwise went through) is not an outage to announce or end.
+        let mut announced = false;
         loop {
             let in_hand = InHand::default();
             let round = self.round_with_error(&in_hand);
@@ -309,32 +313,38 @@ impl<S: Sink> Relay<S> {
                 Ok((round, error)) => {
                     // The broker answered a message (took it, or refused it for
                     // itself): an outage is over, even if a later key of the same round
-                    // found it gone again (that starts a new outage, without a WARN
-                    // of its own). A round that sent nothing says nothing of the broker.
-                    let recovered =
-                        outage > Duration::ZERO && (round.published > 0 || round.rejected > 0);
-                    if recovered {
-                        tracing::info!(
-                            event = "outbox.sink_recovered",
-                            "the broker takes messages again"
-                        );
+                    // found it gone again (that key backs off, unannounced). A round
+                    // that sent nothing says nothing of the broker.
+                    let answered = round.published > 0 || round.rejected > 0;
+                    if answered {
+                        if announced {
+                            tracing::info!(
+                                event = "outbox.sink_recovered",
+                                "the broker takes messages again"
+                            );
+                        }
                         outage = Duration::ZERO;
                     }
                     match error {
                         Some(error) => {
-                            if outage.is_zero() && !recovered {
+                            if !announced && !answered {
                                 tracing::warn!(event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
                             }
+                            announced = !answered;
                             outage = next_outage_wait(outage, self.settings.max_outage_backoff);
                             Wait::For(outage)
                         }
-                        // A full batch, or a refusal whose backoff may be over already:
-                        // the next round at once (an idle wait would miss a zero
-                        // backoff).
-                        None if round.taken >= self.settings.batch_size || round.rejected > 0 => {
-                            Wait::Not
+                        None => {
+                            announced &= !answered;
+                            // A full batch, or a refusal whose backoff may be over
+                            // already: the next round at once (an idle wait would miss a
+                            // zero backoff).
+                            if round.taken >= self.settings.batch_size || round.rejected > 0 {
+                                Wait::Not
+                            } else {
+                                Wait::Idle
+                            }
                         }
-                        None => Wait::Idle,
                     }
                 }
                 Err(error) => {

@@ -40,10 +40,6 @@ const KEYS: usize = 12;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_keep_each_keys_order_and_headers_through_a_paused_broker() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
     let Some(db) = TestDatabase::create().await else {
         return;
     };

@@ -30,19 +30,30 @@ struct App {
     runs: Arc<AtomicUsize>,
 }
 
-/// Inserts a command in the request's transaction; `x-status`, `x-delay-ms`,
-/// `x-panic` and `x-name` steer it.
+/// Inserts a command in the request's transaction (a `500` if the database fails it);
+/// `x-status`, `x-delay-ms` (after the insert), `x-delay-before-ms`, `x-panic` and
+/// `x-name` steer it.
 async fn create(State(app): State<App>, tx: Transaction, headers: HeaderMap) -> Response {
     let run = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
     let header = |name: &str| headers.get(name).map(|v| v.to_str().unwrap().to_owned());
     let name = header("x-name").unwrap_or_else(|| format!("run-{run}"));
+    if let Some(ms) = header("x-delay-before-ms") {
+        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+    }
     {
         let mut connection = tx.lock().await.unwrap();
-        sqlx::query("INSERT INTO commands (name) VALUES ($1)")
+        let inserted = sqlx::query("INSERT INTO commands (name) VALUES ($1)")
             .bind(&name)
             .execute(&mut *connection)
-            .await
-            .unwrap();
+            .await;
+        if let Err(error) = inserted {
+            return Response::builder()
+                .status(StatusCode::INTERNAL_SERVER_ERROR)
+                .body(axum::body::Body::from(format!(
+                    "the database failed: {error}"
+                )))
+                .unwrap();
+        }
     }
     if let Some(ms) = header("x-delay-ms") {
         tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
@@ -331,6 +342,42 @@ async fn a_terminated_backend_frees_the_key_at_once() {
     );
     assert_eq!(server.record_stored(true).await, 1);
     assert_eq!(server.post("k-7", &[]).await.body, retry.body);
+}
+
+/// The database, not the handler, failed: the handler's `500` (its insert met a
+/// terminated backend) is answered as what it is, a passing fault the client retries,
+/// and the retry runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_on_a_terminated_backend_is_answered_503_not_its_500() {
+    let Some(database) = TestDatabase::create().await else {
+        return;
+    };
+    let server = Arc::new(Server::start(&database).await);
+    let first = tokio::spawn({
+        let server = server.clone();
+        async move { server.post("k-8", &[("x-delay-before-ms", "800")]).await }
+    });
+    server.until_inserted(1).await;
+    server.terminate_the_open_transaction().await;
+    let first = first.await.unwrap();
+
+    assert_eq!(
+        first.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        first.body
+    );
+    assert_eq!(first.json()["code"], "idempotency.not_committed");
+    assert!(first.header("retry-after").is_some());
+    assert_eq!(first.header("idempotent-replayed"), Some("false"));
+    let retry = server.post("k-8", &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(server.runs(), 2);
+    assert_eq!(
+        server.commands().await,
+        ["run-2"],
+        "the retry's command alone"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

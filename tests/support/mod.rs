@@ -191,7 +191,8 @@ impl Logs {
                 .with_span_list(true)
                 .with_env_filter("trace,hyper=info,hyper_util=info,h2=info")
                 .with_writer(ThreadWriter)
-                .init();
+                .try_init()
+                .expect("no other subscriber is installed in a test binary that captures logs");
         });
         let logs = Self::default();
         THREAD_LOGS.with(|current| *current.borrow_mut() = Some(logs.clone()));

@@ -17,7 +17,7 @@ use crate::idempotency::{
     client::{ClientRejection, IdentifyClient, NoClient},
     collect::{collect_up_to, BoxError, Collected},
     core::{
-        observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine,
+        observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine, Failure,
         Finished, OutcomeClass, Release, Unsettled,
     },
     extract::ExtractedKey,
@@ -517,7 +517,13 @@ where
         classify(settings, parts, body, context)
     };
     let attempt = reply.attempt.cloned();
-    let ((mut parts, body), finished) = claimed.run(work, classify, attempt).await?;
+    let ((mut parts, body), finished) = match claimed.run(work, classify, attempt).await {
+        Ok(ran) => ran,
+        Err(Failure::Handler(error)) => return Err(error),
+        Err(Failure::TransactionBroke(_, error)) => {
+            return Ok(reply.unsettled(&Unsettled::NotCommitted(error)))
+        }
+    };
     let status = match &body {
         Collected::Complete { trailers, .. } => Some(T::status(&parts, trailers.as_deref())),
         Collected::TooLarge { .. } => T::status_before_body(&parts),

@@ -108,6 +108,29 @@ pub(crate) enum Finished {
     Unsettled(Unsettled),
 }
 
+/// A handler that failed (its service's error, not a response), as the engine settled
+/// it: its key is given back either way.
+#[derive(Debug)]
+pub(crate) enum Failure<E> {
+    /// The handler's own failure: the adapter passes its error on.
+    Handler(E),
+    /// The transaction the handler was given broke under it, which is most likely what
+    /// it failed on: a passing fault, answered as not committed (a `503`, a message
+    /// requeued uncounted), never as the handler's failure. Its error is kept for the
+    /// adapter that logs it.
+    TransactionBroke(E, StoreError),
+}
+
+/// How a claimed key was given back.
+enum Released {
+    /// Through the store (or it was settled already).
+    Lease,
+    /// By rolling back the transaction that held it.
+    RolledBack,
+    /// With the transaction that held it, which had broken.
+    Broke(StoreError),
+}
+
 /// Why a claimed request's outcome does not stand, as far as the layer knows.
 #[derive(Debug)]
 pub(crate) enum Unsettled {
@@ -181,7 +204,7 @@ impl<St: IdempotencyStore> Claimed<St> {
         work: impl Future<Output = Result<T, E>>,
         classify: impl Classify<T>,
         attempt: Option<AttemptId>,
-    ) -> Result<(T, Finished), E> {
+    ) -> Result<(T, Finished), Failure<E>> {
         let original_attempt = attempt.or_else(|| {
             CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()))
         });
@@ -195,8 +218,10 @@ impl<St: IdempotencyStore> Claimed<St> {
         let produced = match produced {
             Ok(produced) => produced,
             Err(error) => {
-                self.release(Release::HandlerError).await;
-                return Err(error);
+                return Err(match self.release(Release::HandlerError).await {
+                    Released::Broke(broke) => Failure::TransactionBroke(error, broke),
+                    Released::Lease | Released::RolledBack => Failure::Handler(error),
+                });
             }
         };
         let context = Classifying {
@@ -231,10 +256,11 @@ impl<St: IdempotencyStore> Claimed<St> {
                 Finished::Failed
             }
             Classified::Release(reason) => match self.release(reason).await {
-                true => Finished::RolledBack(StoreError::new(
+                Released::RolledBack => Finished::RolledBack(StoreError::new(
                     "its outcome is not kept, so the transaction that held its key was rolled back",
                 )),
-                false => Finished::Released,
+                Released::Broke(error) => Finished::Unsettled(Unsettled::NotCommitted(error)),
+                Released::Lease => Finished::Released,
             },
         };
         Ok((produced, finished))
@@ -407,24 +433,32 @@ impl<St: IdempotencyStore> Claimed<St> {
     }
 
     /// Gives the key up so a retry runs again: for a request that produced nothing to
-    /// keep (the handler failed, or its response is not stored). True if that rolled
-    /// back the transaction that held the key.
-    async fn release(&mut self, reason: Release) -> bool {
+    /// keep (the handler failed, or its response is not stored).
+    async fn release(&mut self, reason: Release) -> Released {
         let Some(lease) = self.lease.take() else {
-            return false;
+            return Released::Lease;
         };
         let started = std::time::Instant::now();
         if let Some(transaction) = self.transaction.take() {
             // Nothing to store: whatever the handler wrote in it is rolled back, and the
             // claim ends with it.
-            transaction.settle(self.scope, None).await;
-            lease::released_with_transaction(reason);
+            let settlement = transaction.settle(self.scope, None).await;
             observe::store_time(self.store_time + started.elapsed());
-            return true;
+            if let Settlement::Failed(error) | Settlement::Unknown(error) = settlement {
+                tracing::warn!(
+                    event = event::TRANSACTION_BROKE,
+                    error = %Chain(&error),
+                    "the request's transaction broke under its handler: a passing fault, not the handler's; nothing it wrote stands, and a retry runs again"
+                );
+                lease::released_with_transaction(Release::TransactionBroke);
+                return Released::Broke(error);
+            }
+            lease::released_with_transaction(reason);
+            return Released::RolledBack;
         }
         self.give_back(&lease, reason).await;
         observe::store_time(self.store_time + started.elapsed());
-        false
+        Released::Lease
     }
 
     async fn give_back(&self, lease: &Lease, reason: Release) {

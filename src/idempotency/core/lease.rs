@@ -57,12 +57,15 @@ pub(crate) enum Release {
     RolledBack,
     /// The handler's transaction did not commit.
     CommitFailed,
+    /// The handler's transaction broke under it (its connection lost, its backend
+    /// terminated, the server gone): nothing it wrote stands.
+    TransactionBroke,
 }
 
 impl Release {
     /// Every reason, for the metric series registered at 0.
     #[cfg(feature = "metrics")]
-    pub(crate) const ALL: [Release; 7] = [
+    pub(crate) const ALL: [Release; 8] = [
         Release::HandlerError,
         Release::NotStored,
         Release::ResponseFailed,
@@ -70,6 +73,7 @@ impl Release {
         Release::Abandoned,
         Release::RolledBack,
         Release::CommitFailed,
+        Release::TransactionBroke,
     ];
 
     /// The reason as events and metrics say it.
@@ -82,6 +86,7 @@ impl Release {
             Release::ResponseFailed => "response_failed",
             Release::RolledBack => "rolled_back",
             Release::CommitFailed => "commit_failed",
+            Release::TransactionBroke => "transaction_broke",
         }
     }
 }

@@ -29,7 +29,7 @@ pub use self::settings::{
     DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
 };
 pub(crate) use self::{
-    claimed::{Claimed, Classified, Classifying, Finished, Unsettled},
+    claimed::{Claimed, Classified, Classifying, Failure, Finished, Unsettled},
     detach::{ClaimFlag, Detaching},
     engine::{replay_failed, Decision, Engine, Verdict},
     lease::Release,

@@ -22,8 +22,8 @@ use super::{layer::MessageSettings, ExtractMessageKey, MessageKey};
 use crate::idempotency::{
     code::Code,
     core::{
-        self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine, Finished,
-        OutcomeClass, Release, ReplayInfo, Unsettled, Verdict,
+        self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine, Failure,
+        Finished, OutcomeClass, Release, ReplayInfo, Unsettled, Verdict,
     },
     store::{IdempotencyStore, MokaStore, Payload, PayloadFormat, Record},
 };
@@ -170,7 +170,7 @@ impl Refusal {
     /// | `idempotency.original_failed` | yes | waiting mode: the delivery waited for failed and stored nothing |
     /// | `idempotency.store_unavailable` | yes | the store failed (fail closed) |
     /// | `idempotency.pool_exhausted` | yes | every connection of the store's pool was in use |
-    /// | `idempotency.not_committed` | yes | the store refused the outcome's transaction; or, over a store in transactional mode, `store_if` did not keep the outcome, so its writes were rolled back |
+    /// | `idempotency.not_committed` | yes | the store refused the outcome's transaction; or the handler failed on a transaction that broke under it (its backend terminated, its connection lost: a passing fault, not the handler's); or, over a store in transactional mode, `store_if` did not keep the outcome, so its writes were rolled back |
     /// | `idempotency.outcome_unknown` | yes | the outcome's commit got no answer and could not be read back: the redelivery replays it if it landed |
     pub fn code(&self) -> Code {
         self.code
@@ -406,7 +406,21 @@ where
     let classify = |outcome: &R, context: Classifying| classify(settings, outcome, context);
     // The delivery that ran is named by its correlation ID.
     let work = std::pin::pin!(inner.call(message));
-    let (outcome, finished) = claimed.run(work, classify, None).await?;
+    let (outcome, finished) = match claimed.run(work, classify, None).await {
+        Ok(ran) => ran,
+        Err(Failure::Handler(error)) => return Err(error),
+        // What the handler failed on was its transaction's connection: a passing fault,
+        // requeued uncounted, never a step toward the dead-letter queue.
+        Err(Failure::TransactionBroke(_, error)) => {
+            return Ok(Handled::Refused(Refusal::new(
+                Code::NotCommitted,
+                format!(
+                "the handler's transaction broke under it ({}); nothing it wrote stands; requeue",
+                crate::idempotency::store::Chain(&error)
+            ),
+            )))
+        }
+    };
     Ok(match finished {
         Finished::Unsettled(Unsettled::NotCommitted(error)) => Handled::Refused(Refusal::new(Code::NotCommitted,
             format!("the outcome's transaction did not commit ({error}); requeue"))),

@@ -25,7 +25,10 @@ pub trait HandlerTransaction: Send + Sync + 'static {
 
     /// After the handler: stores `outcome` (the record and its TTL) in the transaction
     /// and commits; with no outcome (the response is not stored, or the handler
-    /// failed), rolls it back. Either way the claim ends with it.
+    /// failed), rolls it back, and answers [`Settlement::Failed`] if the transaction
+    /// broke under the handler (its rollback failed: the connection lost, the backend
+    /// terminated), so the layer answers a passing fault rather than the handler's
+    /// failure. Either way the claim ends with it.
     fn settle(
         self: Box<Self>,
         scope: ScopeKey,
@@ -91,7 +94,8 @@ pub enum Settlement {
     RolledBack,
     /// The transaction did not commit (the database refused it, a statement before the
     /// commit failed, or another request holds the key): nothing the handler wrote in
-    /// it stands, and the key is free to run again. Only for a commit known not to have
+    /// it stands, and the key is free to run again; with no outcome to store, the
+    /// transaction broke under the handler. Only for a commit known not to have
     /// landed: one whose answer was lost is [`Unknown`](Self::Unknown) until the store
     /// has found out.
     Failed(StoreError),

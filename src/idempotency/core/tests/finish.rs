@@ -64,9 +64,10 @@ pub(super) enum Ran {
     Failed,
     Unsettled,
     WorkFailed(&'static str),
+    TransactionBroke(&'static str),
 }
 
-pub(super) fn ran(result: Result<((), Finished), &'static str>) -> Ran {
+pub(super) fn ran(result: Result<((), Finished), Failure<&'static str>>) -> Ran {
     match result {
         Ok(((), Finished::Kept { expires_at })) => Ran::Kept {
             stored_now: expires_at.is_some(),
@@ -76,7 +77,8 @@ pub(super) fn ran(result: Result<((), Finished), &'static str>) -> Ran {
         Ok(((), Finished::RolledBack(_))) => Ran::RolledBack,
         Ok(((), Finished::Failed)) => Ran::Failed,
         Ok(((), Finished::Unsettled(_))) => Ran::Unsettled,
-        Err(error) => Ran::WorkFailed(error),
+        Err(Failure::Handler(error)) => Ran::WorkFailed(error),
+        Err(Failure::TransactionBroke(error, _)) => Ran::TransactionBroke(error),
     }
 }
 

@@ -13,8 +13,8 @@ use bytes::Bytes;
 use tracing_subscriber::layer::SubscriberExt as _;
 
 use super::{
-    engine::AFTER_WAIT, ClaimFlag, Claimed, Classified, Decision, Engine, Finished, InFlight,
-    Policy, Release, StoreFailure, Verdict, DEFAULT_RETRY_AFTER,
+    engine::AFTER_WAIT, ClaimFlag, Claimed, Classified, Decision, Engine, Failure, Finished,
+    InFlight, Policy, Release, StoreFailure, Verdict, DEFAULT_RETRY_AFTER,
 };
 use crate::idempotency::{
     store::{

@@ -117,7 +117,8 @@ async fn a_transactional_claim_is_given_back_by_rolling_back_never_by_a_store_ca
         &'static str,
     );
     let failed = || Err("boom");
-    let cases: [Case; 3] = [
+    let broke = || Some(Settlement::Failed(StoreError::new("connection lost")));
+    let cases: [Case; 5] = [
         (
             "an outcome the rule does not keep: its writes are rolled back",
             Classified::Release(Release::NotStored),
@@ -133,6 +134,22 @@ async fn a_transactional_claim_is_given_back_by_rolling_back_never_by_a_store_ca
             None,
             Ran::WorkFailed("boom"),
             "handler_error",
+        ),
+        (
+            "work that fails on a transaction that broke: a passing fault, not its own",
+            Classified::Store(message(b"done")),
+            true,
+            broke(),
+            Ran::TransactionBroke("boom"),
+            "transaction_broke",
+        ),
+        (
+            "an outcome not kept, of a transaction that broke: not committed",
+            Classified::Release(Release::NotStored),
+            false,
+            broke(),
+            Ran::Unsettled,
+            "transaction_broke",
         ),
         (
             "a commit the database refuses",

@@ -176,10 +176,22 @@ impl HandlerTransaction for Offered {
                 return Settlement::RolledBack;
             };
             let Some((record, ttl)) = outcome else {
-                // Dropped unanswered, the connection rolls back as the pool takes it
-                // back: either way the lock is gone.
-                let _ = tokio::time::timeout(slot.shared.timeout, transaction.rollback()).await;
-                return Settlement::RolledBack;
+                // A rollback fails only on a connection that broke (lost, its backend
+                // terminated, the server gone or stalled): what the handler saw fail was
+                // then the database, not the handler. Dropped unanswered, the
+                // connection rolls back as the pool takes it back: the lock is gone.
+                return match tokio::time::timeout(slot.shared.timeout, transaction.rollback())
+                    .await
+                {
+                    Ok(Ok(())) => Settlement::RolledBack,
+                    Ok(Err(error)) => Settlement::Failed(StoreError::with_source(
+                        "the request's transaction broke under its handler",
+                        error,
+                    )),
+                    Err(_) => Settlement::Failed(StoreError::new(
+                        "the request's transaction broke under its handler: its rollback got no answer in time",
+                    )),
+                };
             };
             match commit(&slot.shared, transaction, &scope, &self.lease, &record, ttl).await {
                 Ok(()) => Settlement::Committed,
