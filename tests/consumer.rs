@@ -32,7 +32,7 @@ use tower::{service_fn, ServiceBuilder};
 use tower_ids::idempotency::{
     message::{
         amqp::AmqpConsumer, kafka::KafkaConsumer, MessageIdempotencyLayer, MessageKey, Received,
-        ERROR_HEADER,
+        ERROR_HEADER, SOURCE_HEADER,
     },
     store::{PostgresMode, PostgresStore, Transaction},
     IdempotencyKey,
@@ -299,6 +299,11 @@ async fn dead_letters(channel: &Channel, queue: &str, count: usize) -> Vec<(Stri
             Some(AMQPValue::LongString(text)) => text.to_string(),
             _ => String::new(),
         };
+        assert_eq!(
+            text(SOURCE_HEADER),
+            queue.trim_end_matches(".dead"),
+            "a dead letter names the queue it came from"
+        );
         letters.push((text("idempotency-key"), text(ERROR_HEADER)));
     }
     letters.sort();
@@ -453,6 +458,59 @@ async fn a_flapping_database_dead_letters_nothing_and_applies_each_message_once(
     );
 }
 
+/// A consumer started before its first publisher: its queue does not exist yet, and the
+/// consumer declares it (durable), so what is published later is applied at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_started_before_its_queue_exists_declares_it_and_consumes() {
+    let Some(setup) = setup("consumer-declares").await else {
+        return;
+    };
+    let Setup {
+        pool,
+        vhost,
+        channel,
+        ..
+    } = &setup;
+    let queue = "declared-by-the-consumer";
+    let runs = Runs::default();
+    let (stop, running) = running(AmqpConsumer::new(&vhost.url, queue), pool, &runs);
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = async {
+        loop {
+            // A passive declare of a missing queue closes its channel: one each time.
+            let probe = setup._connection.create_channel().await.unwrap();
+            if let Ok(found) = probe
+                .queue_declare(queue.into(), passive, FieldTable::default())
+                .await
+            {
+                return found;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), declared)
+        .await
+        .expect("the consumer declared its queue");
+    publish(channel, queue, Some("first"), &payment(1)).await;
+    until(pool, "the payment applied", |rows| rows.len() == 1).await;
+    stop.send(()).unwrap();
+    assert!(running.await.unwrap().is_complete());
+    let durable = std::process::Command::new("rabbitmqctl")
+        .args(["list_queues", "-q", "-p", &vhost.name, "name", "durable"])
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&durable.stdout);
+    assert!(
+        listed
+            .lines()
+            .any(|line| line.split_whitespace().eq([queue, "true"])),
+        "declared durable: {listed}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_connection_closed_mid_stream_loses_and_doubles_nothing() {
     let Some(setup) = setup("consumer-closed").await else {
@@ -528,7 +586,8 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
         .set("bootstrap.servers", &broker.addr)
         .create()
         .unwrap();
-    let send = |key: Option<String>, account: String, body: Vec<u8>| {
+    // To `partition`, else the partitioner's pick; the partition it went to.
+    let send = |key: Option<String>, account: String, body: Vec<u8>, partition: Option<i32>| {
         let (producer, topic) = (producer.clone(), topic.clone());
         async move {
             let mut headers = OwnedHeaders::new();
@@ -538,31 +597,46 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
                     value: Some(key.as_str()),
                 });
             }
+            let mut record = FutureRecord::to(&topic)
+                .key(&account)
+                .payload(&body)
+                .headers(headers);
+            if let Some(partition) = partition {
+                record = record.partition(partition);
+            }
             producer
-                .send(
-                    FutureRecord::to(&topic)
-                        .key(&account)
-                        .payload(&body)
-                        .headers(headers),
-                    Duration::from_secs(5),
-                )
+                .send(record, Duration::from_secs(5))
                 .await
-                .unwrap();
+                .unwrap()
+                .partition
         }
     };
     send(
         Some("undecodable".into()),
         "acct-0".into(),
         b"not json".to_vec(),
+        None,
     )
     .await;
-    send(Some("fails".into()), "acct-1".into(), payment(-1)).await;
-    send(None, "acct-2".into(), payment(5)).await;
+    // The failing record goes to the partition librdkafka's partitioner would not pick
+    // for its key (as a producer that partitions otherwise would send it): its retried
+    // copies must stay there.
+    let picked = send(Some("good-30".into()), "acct-1".into(), payment(30), None).await;
+    let foreign = 1 - picked;
+    send(
+        Some("fails".into()),
+        "acct-1".into(),
+        payment(-1),
+        Some(foreign),
+    )
+    .await;
+    send(None, "acct-2".into(), payment(5), None).await;
     for n in 0..30 {
         send(
             Some(format!("good-{n}")),
             format!("acct-{}", n % 4),
             payment(n),
+            None,
         )
         .await;
     }
@@ -582,7 +656,7 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
         let _ = stopped.await;
     }));
     until(&pool, "every good payment applied", |rows| {
-        (0..30).all(|n| rows.contains_key(&format!("good-{n}")))
+        (0..31).all(|n| rows.contains_key(&format!("good-{n}")))
     })
     .await;
     let reader: StreamConsumer = ClientConfig::new()
@@ -610,7 +684,11 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
                 .map(|v| String::from_utf8_lossy(v).into_owned())
                 .unwrap_or_default()
         };
-        letters.push((text("idempotency-key"), text(ERROR_HEADER)));
+        letters.push((
+            text("idempotency-key"),
+            text(ERROR_HEADER),
+            text(SOURCE_HEADER),
+        ));
     }
     letters.sort();
     stop.send(()).unwrap();
@@ -622,7 +700,11 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
     );
     assert!(stopped.is_complete(), "{stopped:?}");
     assert!(
-        rows.values().all(|n| *n == 1) && rows.len() == 30,
+        letters[1].2.starts_with(&format!("{topic}:{foreign}:")),
+        "the failing record's copies stayed on its partition {foreign}, not the partitioner's {picked}: {letters:?}"
+    );
+    assert!(
+        rows.values().all(|n| *n == 1) && rows.len() == 31,
         "each good payment once, nothing of the poison: {rows:?}"
     );
     assert_eq!(

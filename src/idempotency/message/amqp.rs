@@ -51,7 +51,7 @@ use tower_service::Service;
 use super::{
     drive::{
         handle, key_of, settled_line, Next, Received, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
-        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER, SOURCE_HEADER,
     },
     Handled,
 };
@@ -83,8 +83,10 @@ const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
 /// | a body that does not decode | dead-lettered at once |
 ///
 /// A dead letter is published, confirmed, to the [dead-letter queue](Self::dead_letter_queue)
-/// (declared durable) with the message's headers and body and its reason in
-/// [`ERROR_HEADER`], then the delivery is acknowledged; it is logged once at ERROR.
+/// (declared durable) with the message's headers and body, its reason in
+/// [`ERROR_HEADER`] and the queue it came from in [`SOURCE_HEADER`] (its attempts so far
+/// are in [`ATTEMPTS_HEADER`]), then the delivery is acknowledged; it is logged once at
+/// ERROR.
 /// So a poison message never blocks the messages behind it, and its attempts are
 /// counted in the message itself, across redeliveries and restarts.
 ///
@@ -103,6 +105,7 @@ pub struct AmqpConsumer {
     uri: String,
     queue: String,
     dead_letter_queue: String,
+    declare_queue: bool,
     prefetch: u16,
     ordered_by: Option<String>,
     max_attempts: u32,
@@ -112,12 +115,15 @@ pub struct AmqpConsumer {
 
 impl AmqpConsumer {
     /// A consumer of `queue` on the broker at `uri` (`amqp://user:pass@host:port/vhost`).
-    /// The queue must exist; its dead letters go to `{queue}.dead` unless set.
+    /// The queue is declared durable at start if it does not exist (see
+    /// [`declare_queue`](Self::declare_queue)); its dead letters go to `{queue}.dead`
+    /// unless set.
     pub fn new(uri: impl Into<String>, queue: impl Into<String>) -> Self {
         let queue = queue.into();
         Self {
             uri: uri.into(),
             dead_letter_queue: format!("{queue}.dead"),
+            declare_queue: true,
             queue,
             prefetch: DEFAULT_PREFETCH,
             ordered_by: None,
@@ -149,6 +155,17 @@ impl AmqpConsumer {
     /// ([`DEFAULT_MAX_ATTEMPTS`]).
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// Whether the consumer declares its queue, durable and without arguments, when it
+    /// does not exist (on by default), so that a consumer started before its first
+    /// publisher consumes at once. A queue that exists is left as it is, whatever its
+    /// arguments (`x-max-length`, a quorum queue): the check is passive. Off, a missing
+    /// queue is an error the consumer logs and retries (`message.broker_unavailable`),
+    /// for a queue that only the topology's owner declares.
+    pub fn declare_queue(mut self, declare: bool) -> Self {
+        self.declare_queue = declare;
         self
     }
 
@@ -331,6 +348,9 @@ impl AmqpConsumer {
                 FieldTable::default(),
             )
             .await?;
+        if self.declare_queue {
+            self.declare_if_missing(&connection, &publisher).await?;
+        }
         let channel = connection.create_channel().await?;
         channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
@@ -344,6 +364,38 @@ impl AmqpConsumer {
             )
             .await?;
         Ok((connection, channel, publisher, deliveries))
+    }
+
+    /// Declares the queue durable if a passive check finds it missing. The check runs on
+    /// a channel of its own, which the broker closes when the queue is missing.
+    async fn declare_if_missing(
+        &self,
+        connection: &Connection,
+        publisher: &Channel,
+    ) -> Result<(), lapin::Error> {
+        let probe = connection.create_channel().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let found =
+            (probe.queue_declare(self.queue.as_str().into(), passive, FieldTable::default())).await;
+        if found.is_ok() {
+            let _ = probe.close(200, "".into()).await;
+            return Ok(());
+        }
+        publisher
+            .queue_declare(
+                self.queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        tracing::info!(event = "message.queue_declared", queue = %self.queue, "the queue did not exist: declared it, durable");
+        Ok(())
     }
 
     /// One delivery: decoded, handled under its correlation ID, settled.
@@ -418,6 +470,10 @@ impl AmqpConsumer {
         headers.insert(
             ERROR_HEADER.into(),
             AMQPValue::LongString(LongString::from(reason)),
+        );
+        headers.insert(
+            SOURCE_HEADER.into(),
+            AMQPValue::LongString(LongString::from(self.queue.as_str())),
         );
         match publish(publisher, &self.dead_letter_queue, delivery, headers).await {
             Ok(()) => {

@@ -25,6 +25,9 @@ pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 pub const ATTEMPTS_HEADER: &str = "x-tower-ids-attempts";
 /// The header a dead letter carries its reason in.
 pub const ERROR_HEADER: &str = "x-tower-ids-error";
+/// The header a dead letter names its source in, to replay it or find its neighbours:
+/// on Kafka `topic:partition:offset`, on RabbitMQ the queue it was consumed from.
+pub const SOURCE_HEADER: &str = "x-tower-ids-source";
 
 /// The metric of settled deliveries, by `outcome` (feature `metrics`).
 pub const DELIVERIES: &str = "tower_ids_consumer_deliveries_total";

@@ -61,7 +61,7 @@ use tower_service::Service;
 use super::{
     drive::{
         handle, key_of, settled_line, Next, Received, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
-        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER, SOURCE_HEADER,
     },
     Handled,
 };
@@ -118,12 +118,14 @@ pub const DEFAULT_PARTITIONS_AT_ONCE: usize = 16;
 /// | `Handled::InFlight { retry_after }` | handled again after `retry_after`, in place |
 /// | `Handled::Refused(r)`, `r.retryable()` | handled again after the [retry pause](Self::retry_pause), in place: a passing fault, not counted |
 /// | `Handled::Refused(r)`, not retryable | dead-lettered, then settled |
-/// | the handler failed (`Err`) | produced again at the end of its partition with its attempt counted (the `x-tower-ids-attempts` header), then settled; dead-lettered at its [last attempt](Self::max_attempts) |
+/// | the handler failed (`Err`) | produced again at the end of the partition it came from (explicitly: never the partitioner's pick, so a key whose producer partitions otherwise stays on one partition) with its attempt counted (the `x-tower-ids-attempts` header), then settled; dead-lettered at its [last attempt](Self::max_attempts) |
 /// | a body that does not decode | dead-lettered, then settled |
 ///
 /// Dead letters go to `{topic}.dead` (which must exist, or the broker must create
-/// topics), with the message's key, headers and body and the reason in the
-/// `x-tower-ids-error` header; each is logged once at ERROR. A partition revoked in a
+/// topics), with the message's key, headers and body, the reason in the
+/// `x-tower-ids-error` header and its source, `topic:partition:offset`, in
+/// [`SOURCE_HEADER`] (its attempts so far are in the attempts header); each is logged
+/// once at ERROR. A partition revoked in a
 /// rebalance is abandoned: the message in flight runs to its end, but its offset is
 /// not stored (the partition is no longer this consumer's), so its new owner gets it
 /// again and the layer replays it; the messages fetched behind it are left to the new
@@ -583,8 +585,9 @@ where
     correlation.scope(id, &envelope, settling).await
 }
 
-/// Produces the message again to its topic and partition key with `attempts`
-/// counted, and waits for the acknowledgement; `"retried"`, or, if it is not taken,
+/// Produces the message again to its topic and partition, the one it came from (not the
+/// one the producer's partitioner would pick for its key: a record from a producer that
+/// partitions otherwise would leave its key's partition), with `attempts` counted, and waits for the acknowledgement; `"retried"`, or, if it is not taken,
 /// `"requeued"` after the retry pause (the message is then settled only by being handled
 /// again: the offset is stored anyway, so the copy must land: it is retried until it
 /// does).
@@ -597,7 +600,17 @@ async fn produce_again(
     let attempts = attempts.to_string();
     let extra = [(ATTEMPTS_HEADER, attempts.as_bytes())];
     loop {
-        match produce(message.topic(), message, headers, &extra, settings).await {
+        let partition = Some(message.partition());
+        match produce(
+            message.topic(),
+            partition,
+            message,
+            headers,
+            &extra,
+            settings,
+        )
+        .await
+        {
             Ok(()) => return "retried",
             Err(error) => {
                 tracing::warn!(event = "message.republish_failed", error = %error, "could not produce the message again; trying again");
@@ -617,9 +630,13 @@ async fn dead_letter(
     reason: &str,
 ) -> &'static str {
     let topic = format!("{}.dead", message.topic());
-    let extra = [(ERROR_HEADER, reason.as_bytes())];
+    let source = name_of(message);
+    let extra = [
+        (ERROR_HEADER, reason.as_bytes()),
+        (SOURCE_HEADER, source.as_bytes()),
+    ];
     loop {
-        match produce(&topic, message, headers, &extra, settings).await {
+        match produce(&topic, None, message, headers, &extra, settings).await {
             Ok(()) => {
                 tracing::error!(event = "message.dead_lettered", topic = message.topic(), dead_letter_topic = %topic, code, reason, "a message that cannot be handled went to the dead-letter topic; the messages behind it go on");
                 return "dead_lettered";
@@ -632,10 +649,12 @@ async fn dead_letter(
     }
 }
 
-/// Produces the message's key and body to `topic` with its headers and `extra` ones
-/// (replacing those of the same name), and waits for the acknowledgement.
+/// Produces the message's key and body to `topic` (to `partition`, else the
+/// partitioner's pick) with its headers and `extra` ones (replacing those of the same
+/// name), and waits for the acknowledgement.
 async fn produce(
     topic: &str,
+    partition: Option<i32>,
     message: &OwnedMessage,
     headers: &[(String, Vec<u8>)],
     extra: &[(&str, &[u8])],
@@ -662,6 +681,9 @@ async fn produce(
         .headers(record_headers);
     if let Some(key) = message.key() {
         record = record.key(key);
+    }
+    if let Some(partition) = partition {
+        record = record.partition(partition);
     }
     settings
         .producer

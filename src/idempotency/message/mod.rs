@@ -142,7 +142,7 @@ mod service;
 #[cfg(any(feature = "amqp", feature = "kafka"))]
 pub use self::drive::{
     Received, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE,
-    DELIVERIES, ERROR_HEADER,
+    DELIVERIES, ERROR_HEADER, SOURCE_HEADER,
 };
 pub use self::{
     key::{ExtractMessageKey, MessageKey, NoMessageKey},
