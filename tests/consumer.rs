@@ -12,6 +12,8 @@ mod database;
 mod kafka_broker;
 #[path = "support/rabbitmq.rs"]
 mod rabbitmq;
+#[path = "support/mod.rs"]
+mod support;
 
 use std::{
     collections::HashMap,
@@ -46,6 +48,13 @@ struct Payment {
     account: String,
     /// Negative: the handler fails.
     amount: i64,
+    /// The envelope's correlation ID, where a contract puts it rather than a header.
+    #[serde(
+        default,
+        rename = "correlationId",
+        skip_serializing_if = "Option::is_none"
+    )]
+    correlation_id: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -242,6 +251,7 @@ fn payment(amount: i64) -> Vec<u8> {
     serde_json::to_vec(&Payment {
         account: "acct-1".into(),
         amount,
+        correlation_id: None,
     })
     .unwrap()
 }
@@ -392,6 +402,7 @@ async fn a_flapping_database_dead_letters_nothing_and_applies_each_message_once(
         let body = serde_json::to_vec(&Payment {
             account: "paused".into(),
             amount: n,
+            correlation_id: None,
         })
         .unwrap();
         publish(channel, queue, Some(&format!("flap-{n}")), &body).await;
@@ -508,6 +519,57 @@ async fn a_consumer_started_before_its_queue_exists_declares_it_and_consumes() {
             .lines()
             .any(|line| line.split_whitespace().eq([queue, "true"])),
         "declared durable: {listed}"
+    );
+}
+
+/// A signal whose contract puts its correlation ID in the envelope, not in a header:
+/// with `correlation_from`, every line of its delivery (the layer's and the driver's)
+/// is under that ID, extended for the delivery, so the sender's ID finds its story.
+/// (Current-thread: the log capture is the thread's, and the consumer runs on it.)
+#[tokio::test]
+async fn a_correlation_id_only_in_the_envelope_is_the_deliverys() {
+    let Some(setup) = setup("consumer-envelope").await else {
+        return;
+    };
+    let Setup {
+        pool,
+        vhost,
+        channel,
+        queue,
+        ..
+    } = &setup;
+    let (logs, _capture) = support::Logs::capture();
+    let body = serde_json::to_vec(&Payment {
+        account: "acct-1".into(),
+        amount: 7,
+        correlation_id: Some("signal-7".into()),
+    })
+    .unwrap();
+    publish(channel, queue, Some("enveloped"), &body).await;
+    let runs = Runs::default();
+    let consumer = AmqpConsumer::new(&vhost.url, queue.as_str())
+        .correlation_from(|payment: &Payment| payment.correlation_id.as_deref());
+    let (stop, running) = running(consumer, pool, &runs);
+    until(pool, "the signal applied", |rows| rows.len() == 1).await;
+    stop.send(()).unwrap();
+    assert!(running.await.unwrap().is_complete());
+
+    let settled = logs.events("message.settled");
+    assert_eq!(settled.len(), 1, "{}", logs.raw());
+    let id = settled[0]["fields"]["correlation_id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        id.starts_with("signal-7."),
+        "the envelope's ID, extended: {id}"
+    );
+    let stored = logs.events("idempotency.stored");
+    assert_eq!(stored.len(), 1, "{}", logs.raw());
+    assert!(
+        stored[0].to_string().contains(&id),
+        "the layer's line is under it too: {}",
+        stored[0]
     );
 }
 
@@ -744,6 +806,7 @@ async fn messages_sharing_a_partition_key_are_applied_in_the_queues_order() {
         let body = serde_json::to_vec(&Payment {
             account: account.clone(),
             amount: n,
+            correlation_id: None,
         })
         .unwrap();
         let key = format!("o-{n}");
@@ -810,6 +873,7 @@ async fn a_stop_drains_what_is_in_flight_and_what_it_leaves_comes_back() {
         serde_json::to_vec(&Payment {
             account: "slow".into(),
             amount: n,
+            correlation_id: None,
         })
         .unwrap()
     };

@@ -21,8 +21,8 @@
 //!
 //! Consumes `sig.#` from its queue through the library's driver, [`AmqpConsumer`]
 //! (manual acks, a prefetch of `--prefetch`). Per delivery: the correlation ID from the
-//! `x-correlation-id` header, extended for the delivery (`attempt-001.Aq9`), in the span
-//! of every log line; the signal through the [`MessageIdempotencyLayer`], keyed on
+//! envelope's `correlationId` (else the `x-correlation-id` header), extended for the
+//! delivery (`attempt-001.Aq9`), in the span of every log line; the signal through the [`MessageIdempotencyLayer`], keyed on
 //! `(swarmId, type, idempotencyKey)` with the signal's `data` as fingerprint; the
 //! handler sleeps `--handler-ms`, appends one line to `--executions-file` (if given) and
 //! builds the outcome. The outcome (the stored one, unchanged, on a duplicate) is
@@ -447,6 +447,9 @@ async fn consume<St: IdempotencyStore>(
         );
     };
     let stopped = AmqpConsumer::new(amqp_url, &args.queue)
+        // The contract puts the ID in the envelope: a signal without the header is
+        // still logged under its sender's ID.
+        .correlation_from(|signal: &Envelope| signal.correlation_id.as_deref())
         .prefetch(args.prefetch)
         .retry_pause(Duration::from_secs(1))
         .drain_timeout(args.drain.timeout())

@@ -50,8 +50,9 @@ use tower_service::Service;
 
 use super::{
     drive::{
-        handle, key_of, settled_line, Next, Received, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
-        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER, SOURCE_HEADER,
+        handle, key_of, settled_line, EnvelopeCorrelation, Next, Received, ATTEMPTS_HEADER,
+        DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        SOURCE_HEADER,
     },
     Handled,
 };
@@ -106,6 +107,7 @@ pub struct AmqpConsumer {
     queue: String,
     dead_letter_queue: String,
     declare_queue: bool,
+    correlation_from: EnvelopeCorrelation,
     prefetch: u16,
     ordered_by: Option<String>,
     max_attempts: u32,
@@ -124,6 +126,7 @@ impl AmqpConsumer {
             uri: uri.into(),
             dead_letter_queue: format!("{queue}.dead"),
             declare_queue: true,
+            correlation_from: EnvelopeCorrelation::default(),
             queue,
             prefetch: DEFAULT_PREFETCH,
             ordered_by: None,
@@ -166,6 +169,21 @@ impl AmqpConsumer {
     /// for a queue that only the topology's owner declares.
     pub fn declare_queue(mut self, declare: bool) -> Self {
         self.declare_queue = declare;
+        self
+    }
+
+    /// Reads the delivery's correlation ID from the decoded message, where a contract
+    /// puts it in the message's envelope (a JSON `correlationId`), rather than from the
+    /// `x-correlation-id` header: the envelope's ID, when the body decodes into `T` (the
+    /// handler's message type) and carries one, wins over the header's; a delivery
+    /// without one keeps the header's (or a fresh one). It is validated, extended for
+    /// the delivery, and every line of the delivery is under it. An invalid one is
+    /// replaced, with WARN `correlation.invalid`.
+    pub fn correlation_from<T: 'static>(
+        mut self,
+        read: impl Fn(&T) -> Option<&str> + Send + Sync + 'static,
+    ) -> Self {
+        self.correlation_from = EnvelopeCorrelation::new(read);
         self
     }
 
@@ -401,14 +419,14 @@ impl AmqpConsumer {
     /// One delivery: decoded, handled under its correlation ID, settled.
     async fn settle<T, R, S>(self, delivery: Delivery, mut service: S, publisher: Channel)
     where
-        T: DeserializeOwned,
+        T: DeserializeOwned + 'static,
         S: Service<Received<T>, Response = Handled<R>>,
         S::Error: Display,
     {
         let headers = delivery.properties.headers().clone().unwrap_or_default();
         let attempts = attempts_of(&headers);
         let correlation = MessageCorrelation::new();
-        let id = correlation.for_delivery(&headers);
+        let id = (self.correlation_from).delivery_id::<T>(&correlation, &headers, &delivery.data);
         let key = key_of(&headers);
         let envelope = Received {
             message: (),

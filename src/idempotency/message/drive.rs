@@ -1,14 +1,17 @@
 //! What the broker drivers ([`amqp`](super::amqp), [`kafka`](super::kafka)) share:
 //! their defaults, the headers they write, and the one line a settled delivery gets.
 
-use std::{fmt::Display, time::Duration};
+use std::{any::Any, fmt::Display, time::Duration};
 
 use futures_util::future::poll_fn;
 use serde::de::DeserializeOwned;
 use tower_service::Service;
 
 use super::Handled;
-use crate::{correlation::Carrier, idempotency::IdempotencyKey};
+use crate::{
+    correlation::{Carrier, CorrelationId, MessageCorrelation},
+    idempotency::IdempotencyKey,
+};
 
 /// Deliveries a message's handler may fail by default before it is dead-lettered: a
 /// passing fault gets a few more tries, a message that always fails stops costing
@@ -135,6 +138,56 @@ pub(super) fn settled_line(
     );
     #[cfg(feature = "metrics")]
     ::metrics::counter!(DELIVERIES, "outcome" => outcome).increment(1);
+}
+
+/// Where a driver reads a delivery's correlation ID from the decoded message (the
+/// `correlationId` of a signal's envelope, say), set with a driver's `correlation_from`.
+#[derive(Clone, Default)]
+pub(super) struct EnvelopeCorrelation(Option<std::sync::Arc<ReadEnvelope>>);
+
+/// Reads the ID from a decoded message, of the type the reader was made for.
+type ReadEnvelope = dyn Fn(&dyn Any) -> Option<String> + Send + Sync;
+
+impl std::fmt::Debug for EnvelopeCorrelation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "from the envelope"
+        } else {
+            "from the headers"
+        })
+    }
+}
+
+impl EnvelopeCorrelation {
+    pub(super) fn new<T: 'static>(
+        read: impl Fn(&T) -> Option<&str> + Send + Sync + 'static,
+    ) -> Self {
+        Self(Some(std::sync::Arc::new(move |message: &dyn Any| {
+            message
+                .downcast_ref::<T>()
+                .and_then(&read)
+                .map(str::to_owned)
+        })))
+    }
+
+    /// The delivery's correlation ID: the envelope's if the message decodes and carries
+    /// one, else the headers' (or a fresh one), extended per delivery as the
+    /// correlation's settings say; every line of the delivery is under it.
+    pub(super) fn delivery_id<T: DeserializeOwned + 'static>(
+        &self,
+        correlation: &MessageCorrelation,
+        carrier: &impl Carrier,
+        body: &[u8],
+    ) -> CorrelationId {
+        let from_envelope = self.0.as_ref().and_then(|read| {
+            let message = serde_json::from_slice::<T>(body).ok()?;
+            read(&message)
+        });
+        match from_envelope {
+            Some(id) => correlation.for_envelope(Some(&id)),
+            None => correlation.for_delivery(carrier),
+        }
+    }
 }
 
 /// A message as a driver hands it to the handler: the decoded message, its headers

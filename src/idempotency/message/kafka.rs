@@ -60,8 +60,9 @@ use tower_service::Service;
 
 use super::{
     drive::{
-        handle, key_of, settled_line, Next, Received, ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT,
-        DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER, SOURCE_HEADER,
+        handle, key_of, settled_line, EnvelopeCorrelation, Next, Received, ATTEMPTS_HEADER,
+        DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
+        SOURCE_HEADER,
     },
     Handled,
 };
@@ -147,6 +148,7 @@ pub struct KafkaConsumer {
     max_attempts: u32,
     retry_pause: Duration,
     drain_timeout: Duration,
+    correlation_from: EnvelopeCorrelation,
 }
 
 impl std::fmt::Debug for KafkaConsumer {
@@ -204,6 +206,7 @@ impl KafkaConsumer {
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             retry_pause: DEFAULT_RETRY_PAUSE,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+            correlation_from: EnvelopeCorrelation::default(),
         })
     }
 
@@ -217,6 +220,21 @@ impl KafkaConsumer {
     /// ([`DEFAULT_MAX_ATTEMPTS`]).
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// Reads the delivery's correlation ID from the decoded message, where a contract
+    /// puts it in the message's envelope (a JSON `correlationId`), rather than from the
+    /// `x-correlation-id` header: the envelope's ID, when the body decodes into `T` (the
+    /// handler's message type) and carries one, wins over the header's; a delivery
+    /// without one keeps the header's (or a fresh one). It is validated, extended for
+    /// the delivery, and every line of the delivery is under it. An invalid one is
+    /// replaced, with WARN `correlation.invalid`.
+    pub fn correlation_from<T: 'static>(
+        mut self,
+        read: impl Fn(&T) -> Option<&str> + Send + Sync + 'static,
+    ) -> Self {
+        self.correlation_from = EnvelopeCorrelation::new(read);
         self
     }
 
@@ -252,10 +270,12 @@ impl KafkaConsumer {
             max_attempts,
             retry_pause,
             drain_timeout,
+            correlation_from,
         } = self;
         let settings = Arc::new(Settings {
             max_attempts,
             retry_pause,
+            correlation_from,
             producer,
             consumer: consumer.clone(),
             stopping: AtomicBool::new(false),
@@ -341,6 +361,7 @@ impl KafkaConsumer {
 struct Settings {
     max_attempts: u32,
     retry_pause: Duration,
+    correlation_from: EnvelopeCorrelation,
     producer: FutureProducer,
     consumer: Arc<StreamConsumer>,
     /// Set at a stop: workers take no more messages and stop retrying in place.
@@ -462,7 +483,7 @@ async fn partition_worker<T, R, S>(
     settings: Arc<Settings>,
     slots: Arc<tokio::sync::Semaphore>,
 ) where
-    T: DeserializeOwned,
+    T: DeserializeOwned + 'static,
     S: Service<Received<T>, Response = Handled<R>>,
     S::Error: Display,
 {
@@ -521,7 +542,7 @@ fn assigned(consumer: &StreamConsumer, message: &OwnedMessage) -> bool {
 /// or a stop ends its retries in place (`false`).
 async fn settle<T, R, S>(message: &OwnedMessage, service: &mut S, settings: &Settings) -> bool
 where
-    T: DeserializeOwned,
+    T: DeserializeOwned + 'static,
     S: Service<Received<T>, Response = Handled<R>>,
     S::Error: Display,
 {
@@ -546,7 +567,8 @@ where
         delivery: name_of(message),
     };
     let correlation = MessageCorrelation::new();
-    let id = correlation.for_delivery(&envelope);
+    let payload = message.payload().unwrap_or_default();
+    let id = (settings.correlation_from).delivery_id::<T>(&correlation, &envelope, payload);
     let key = key_of(&envelope);
     let settling = async {
         let payload = message.payload().unwrap_or_default();
