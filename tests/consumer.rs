@@ -70,6 +70,11 @@ impl Runs {
     fn of(&self, key: &str) -> usize {
         self.0.lock().unwrap().get(key).copied().unwrap_or(0)
     }
+
+    /// Keys whose handler ran more than once.
+    fn repeated(&self) -> usize {
+        self.0.lock().unwrap().values().filter(|n| **n > 1).count()
+    }
 }
 
 /// The inbox: a payment's row in the delivery's transaction, or a failure for a
@@ -443,7 +448,7 @@ async fn a_flapping_database_dead_letters_nothing_and_applies_each_message_once(
     let stopped = running.await.unwrap();
 
     let rows = rows(pool).await;
-    let repeated = runs.0.lock().unwrap().values().filter(|n| **n > 1).count();
+    let repeated = runs.repeated();
     let dead = channel
         .queue_declare(
             format!("{queue}.dead").as_str().into(),
@@ -601,7 +606,7 @@ async fn every_connection_closed_mid_stream_loses_and_doubles_nothing() {
     stop.send(()).unwrap();
     let stopped = running.await.unwrap();
     let rows = rows(pool).await;
-    let ran_twice = runs.0.lock().unwrap().values().filter(|n| **n > 1).count();
+    let ran_twice = runs.repeated();
     eprintln!("300 payments, every connection closed once: {ran_twice} handler runs repeated (rolled back or replayed)");
     assert!(stopped.is_complete(), "{stopped:?}");
     assert!(

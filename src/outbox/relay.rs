@@ -323,19 +323,19 @@ impl<S: Sink> Relay<S> {
                                 "the broker takes messages again"
                             );
                         }
+                        announced = false;
                         outage = Duration::ZERO;
                     }
                     match error {
                         Some(error) => {
                             if !announced && !answered {
                                 tracing::warn!(event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
+                                announced = true;
                             }
-                            announced = !answered;
                             outage = next_outage_wait(outage, self.settings.max_outage_backoff);
                             Wait::For(outage)
                         }
                         None => {
-                            announced &= !answered;
                             // A full batch, or a refusal whose backoff may be over
                             // already: the next round at once (an idle wait would miss a
                             // zero backoff).
