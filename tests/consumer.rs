@@ -90,6 +90,7 @@ fn inbox(
 > + Clone
        + Send
        + 'static {
+    let own = pool.clone();
     let store = PostgresStore::builder(pool)
         .mode(PostgresMode::Transactional)
         .build()
@@ -104,10 +105,41 @@ fn inbox(
         )
         .service(service_fn(move |received: Received<Payment>| {
             let runs = runs.clone();
+            let own = own.clone();
             async move {
                 let key = received.header("idempotency-key").unwrap_or("").to_owned();
-                *runs.0.lock().unwrap().entry(key.clone()).or_default() += 1;
+                let run = {
+                    let mut runs = runs.0.lock().unwrap();
+                    let run = runs.entry(key.clone()).or_default();
+                    *run += 1;
+                    *run
+                };
                 let payment = received.into_message();
+                // The database's passing faults, on the handler's first three runs: a
+                // serialization failure and a deadlock on the delivery's transaction,
+                // a backend terminated under a query on a pool of the handler's own.
+                if run <= 3 {
+                    let refused: Option<&'static str> = match payment.account.as_str() {
+                        "conflicted" => Some(
+                            "DO $$ BEGIN RAISE EXCEPTION 'emulated' USING ERRCODE = '40001'; END $$",
+                        ),
+                        "deadlocked" => Some(
+                            "DO $$ BEGIN RAISE EXCEPTION 'emulated' USING ERRCODE = '40P01'; END $$",
+                        ),
+                        _ => None,
+                    };
+                    if let Some(statement) = refused {
+                        let transaction =
+                            Transaction::current().ok_or("no delivery transaction")?;
+                        let mut connection = transaction.lock().await?;
+                        sqlx::query(statement).execute(&mut *connection).await?;
+                    }
+                    if payment.account == "unreachable" {
+                        sqlx::query("SELECT pg_terminate_backend(pg_backend_pid())")
+                            .execute(&own)
+                            .await?;
+                    }
+                }
                 if payment.account == "slow" {
                     tokio::time::sleep(SLOW).await;
                 }
@@ -472,6 +504,83 @@ async fn a_flapping_database_dead_letters_nothing_and_applies_each_message_once(
         rows.values().all(|n| *n == 1),
         "each payment applied once: {rows:?}"
     );
+}
+
+/// A handler that fails on the database's passing faults (not its transaction broken,
+/// but its statements refused: a serialization failure, a deadlock, a backend
+/// terminated on its own pool) three times, with two attempts allowed: requeued
+/// uncounted each time, applied once, nothing dead-lettered.
+// One thread: the log capture is the test thread's.
+#[tokio::test]
+async fn a_handler_failing_on_the_databases_passing_faults_is_requeued_uncounted() {
+    let Some(setup) = setup("consumer-transient").await else {
+        return;
+    };
+    let Setup {
+        pool,
+        vhost,
+        channel,
+        queue,
+        ..
+    } = &setup;
+    let accounts = ["conflicted", "deadlocked", "unreachable"];
+    for account in accounts {
+        let body = serde_json::to_vec(&Payment {
+            account: account.into(),
+            amount: 1,
+            correlation_id: None,
+        })
+        .unwrap();
+        publish(channel, queue, Some(account), &body).await;
+    }
+    let runs = Runs::default();
+    let consumer = AmqpConsumer::new(&vhost.url, queue.as_str())
+        .max_attempts(2)
+        .retry_pause(Duration::from_millis(20));
+    let (logs, _capture) = support::Logs::capture();
+    let (stop, running) = running(consumer, pool, &runs);
+    until(pool, "every payment applied", |rows| rows.len() == 3).await;
+    stop.send(()).unwrap();
+    assert!(running.await.unwrap().is_complete());
+
+    for account in accounts {
+        assert_eq!(
+            runs.of(account),
+            4,
+            "{account}: three passing faults, then applied"
+        );
+    }
+    assert!(rows(pool).await.values().all(|n| *n == 1));
+    let dead = channel
+        .queue_declare(
+            format!("{queue}.dead").as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count();
+    assert_eq!(dead, 0, "a passing fault dead-letters nothing");
+    let faults: Vec<String> = (logs.events("idempotency.transient_failure").iter())
+        .map(|line| line["fields"]["error"].to_string())
+        .collect();
+    assert_eq!(faults.len(), 9, "one WARN per passing fault: {faults:?}");
+    for fault in ["40001", "40P01", "terminating connection"] {
+        assert!(
+            faults.iter().any(|error| error.contains(fault)),
+            "the WARN names the fault ({fault}): {faults:?}"
+        );
+    }
+    let requeued = (logs.events("message.settled").iter())
+        .filter(|line| {
+            line["fields"]["outcome"] == "requeued"
+                && line["fields"]["reason"] == "idempotency.handler_unavailable"
+        })
+        .count();
+    assert_eq!(requeued, 9, "each requeue's line says why");
 }
 
 /// A consumer started before its first publisher: its queue does not exist yet, and the

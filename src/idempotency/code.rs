@@ -69,6 +69,9 @@ pub enum Code {
     /// `idempotency.outcome_unknown`: whether the handler's transaction committed is
     /// not known; a retry replays it if it did.
     OutcomeUnknown,
+    /// `idempotency.handler_unavailable`: the handler failed on a passing fault (its
+    /// database unreachable, a deadlock); nothing is kept and a retry runs it again.
+    HandlerUnavailable,
     /// `idempotency.streaming_unsupported`: a keyed gRPC call sent more than one
     /// message.
     StreamingUnsupported,
@@ -80,7 +83,7 @@ pub enum Code {
 impl Code {
     /// Every code, in the order of the status table.
     #[cfg(any(test, feature = "openapi"))]
-    pub(crate) const ALL: [Code; 26] = [
+    pub(crate) const ALL: [Code; 27] = [
         Code::KeyMissing,
         Code::KeyInvalid,
         Code::KeysDisagree,
@@ -107,6 +110,7 @@ impl Code {
         Code::PoolExhausted,
         Code::NotCommitted,
         Code::OutcomeUnknown,
+        Code::HandlerUnavailable,
     ];
 
     /// The stable text of the code: `idempotency.in_flight`.
@@ -136,6 +140,7 @@ impl Code {
             Code::PoolExhausted => "idempotency.pool_exhausted",
             Code::NotCommitted => "idempotency.not_committed",
             Code::OutcomeUnknown => "idempotency.outcome_unknown",
+            Code::HandlerUnavailable => "idempotency.handler_unavailable",
             Code::StreamingUnsupported => "idempotency.streaming_unsupported",
             Code::MessageInvalid => "idempotency.message_invalid",
         }
@@ -165,7 +170,8 @@ impl Code {
             | Code::StoreUnavailable
             | Code::PoolExhausted
             | Code::NotCommitted
-            | Code::OutcomeUnknown => StatusCode::SERVICE_UNAVAILABLE,
+            | Code::OutcomeUnknown
+            | Code::HandlerUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -194,6 +200,7 @@ impl Code {
             Code::StoreUnavailable => "Idempotency store unavailable",
             Code::NotCommitted => "Request not committed",
             Code::OutcomeUnknown => "Request outcome unknown",
+            Code::HandlerUnavailable => "Handler unavailable",
             Code::StreamingUnsupported => "Streaming call not deduplicated",
             Code::MessageInvalid => "Invalid gRPC message",
         }
@@ -211,6 +218,7 @@ impl Code {
                 | Code::PoolExhausted
                 | Code::NotCommitted
                 | Code::OutcomeUnknown
+                | Code::HandlerUnavailable
         )
     }
 
@@ -241,7 +249,8 @@ impl Code {
             Code::Overloaded
             | Code::StoreUnavailable
             | Code::NotCommitted
-            | Code::OutcomeUnknown => Grpc::Unavailable,
+            | Code::OutcomeUnknown
+            | Code::HandlerUnavailable => Grpc::Unavailable,
         }
     }
 }
@@ -305,6 +314,7 @@ pub(crate) mod event {
     pub(crate) const STORED: &str = "idempotency.stored";
     pub(crate) const TRANSACTION_BROKE: &str = "idempotency.transaction_broke";
     pub(crate) const TRANSACTION_MISSING: &str = "idempotency.transaction_missing";
+    pub(crate) const TRANSIENT_FAILURE: &str = "idempotency.transient_failure";
     pub(crate) const UNANSWERED_CLAIM_RELEASED: &str = "idempotency.unanswered_claim_released";
     pub(crate) const UNCORRELATED: &str = "idempotency.uncorrelated";
 
@@ -346,6 +356,7 @@ pub(crate) mod event {
         STORED,
         TRANSACTION_BROKE,
         TRANSACTION_MISSING,
+        TRANSIENT_FAILURE,
         UNANSWERED_CLAIM_RELEASED,
         UNCORRELATED,
     ];

@@ -186,6 +186,7 @@
 //! | `503` | <a id="idempotency.pool_exhausted"></a>`idempotency.pool_exhausted` | the store's pool had no free connection in time (PostgreSQL in transactional mode holds one per running request): nothing ran; retry after `Retry-After` |
 //! | `503` | <a id="idempotency.not_committed"></a>`idempotency.not_committed` | transactional mode: the handler's transaction did not commit; nothing it wrote stands; retry |
 //! | `503` | <a id="idempotency.outcome_unknown"></a>`idempotency.outcome_unknown` | transactional mode: the commit got no answer and the store could not be read back in time; retry with the same key (replays if it committed) |
+//! | `503` | <a id="idempotency.handler_unavailable"></a>`idempotency.handler_unavailable` | the handler failed (its service's error, not a response) on a passing fault: its database unreachable or restarting, a serialization failure or deadlock, its pool timed out ([`store::is_transient`], and the layer's `transient_if`); nothing is kept, the key is free; retry with the same key |
 //!
 //! Why `410` for a response too large to keep: the request ran, so running it again
 //! would break the one-execution promise, and a truncated replay would be a lie; `410
@@ -282,7 +283,9 @@
 //!   `idempotency.commit_failed` (the handler's transaction did not commit),
 //!   `idempotency.transaction_broke` (the handler's transaction broke under it: its
 //!   connection lost, its backend terminated; answered as not committed, never as the
-//!   handler's failure),
+//!   handler's failure), `idempotency.transient_failure` (the handler failed on a
+//!   passing fault, with the `error` it recognised: answered `handler_unavailable`,
+//!   a message requeued uncounted),
 //!   `idempotency.outcome_unknown` (whether it committed is not known),
 //!   `idempotency.outcome_unserialisable` (an outcome that does not encode: not kept,
 //!   its duplicates refused as not replayable), `idempotency.outcome_undecodable` (a
@@ -339,7 +342,7 @@
 //! | `tower_ids_idempotency_requests_in_flight` | gauge | | protected requests inside the layer now |
 //! | `tower_ids_idempotency_store_call_duration_seconds` | histogram | `operation` | each store call: `begin`, `renew`, `complete`, `release`, `wait` |
 //! | `tower_ids_idempotency_store_failures_total` | counter | `operation` | store calls that failed |
-//! | `tower_ids_idempotency_released_total` | counter | `reason` | keys given up so a retry runs again: `handler_error`, `not_stored`, `response_failed`, `handler_panicked`, `abandoned`, `rolled_back`, `commit_failed`, `transaction_broke`, `outcome_unknown` |
+//! | `tower_ids_idempotency_released_total` | counter | `reason` | keys given up so a retry runs again: `handler_error`, `not_stored`, `response_failed`, `handler_panicked`, `abandoned`, `rolled_back`, `commit_failed`, `transaction_broke`, `transient`, `outcome_unknown` |
 //!
 //! Every counter series whose label values are listed here, and the gauge, is
 //! exported at 0 as soon as a layer is built (install the recorder first), so `rate()`

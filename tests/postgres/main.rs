@@ -28,6 +28,7 @@ mod faults;
 mod proxy;
 mod server;
 mod transactional;
+mod transient;
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 use tower_ids::idempotency::Policy;

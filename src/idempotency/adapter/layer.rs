@@ -157,6 +157,25 @@ impl<St: IdempotencyStore, C, E, T> IdempotencyLayer<St, C, E, T> {
         self.engine.set_policy(policy)?;
         Ok(self)
     }
+
+    /// Also counts as a passing fault a handler's error of type `E` that `hook` says is
+    /// one, beside the database faults the layer recognises by itself
+    /// ([`store::is_transient`](crate::idempotency::store::is_transient) on an
+    /// `sqlx::Error` or a `BoxError`, feature `postgres`).
+    ///
+    /// A handler that fails so (its service's `Err`, not a response: an axum handler's
+    /// errors are responses, and a `503` it answers is never kept anyway) is answered
+    /// `503 idempotency.handler_unavailable` (gRPC `UNAVAILABLE`) with `Retry-After`,
+    /// WARN `idempotency.transient_failure`; nothing is kept and the key is free, so
+    /// the client's retry runs it again. Any other error is passed on as it is. Hooks
+    /// add up; each sees only errors of its type.
+    pub fn transient_if<Error: std::fmt::Display + 'static>(
+        mut self,
+        hook: impl Fn(&Error) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.engine.transient_if(hook);
+        self
+    }
 }
 
 impl<St, C: Clone, E: Clone, T> Clone for IdempotencyLayer<St, C, E, T> {

@@ -123,6 +123,13 @@ impl<T: Transport> Reply<'_, T> {
         self.answer(code, detail, Some(RETRY_LATER))
     }
 
+    /// The handler failed on a passing fault: nothing is kept, and the key is free.
+    pub(crate) fn handler_unavailable<B>(self) -> Response<Body<B>> {
+        let noun = T::NOUN;
+        let detail = format!("the {noun}'s handler failed on a passing fault (its database unavailable, or its transaction in conflict); nothing of it is kept; retry with the same key");
+        self.answer(Code::HandlerUnavailable, detail, Some(RETRY_LATER))
+    }
+
     /// The answer the engine decided on instead of running the handler.
     pub(crate) fn decided<B>(self, verdict: Verdict) -> Response<Body<B>> {
         let noun = T::NOUN;

@@ -523,6 +523,7 @@ where
         Err(Failure::TransactionBroke(_, error)) => {
             return Ok(reply.unsettled(&Unsettled::NotCommitted(error)))
         }
+        Err(Failure::Transient(_)) => return Ok(reply.handler_unavailable()),
     };
     let status = match &body {
         Collected::Complete { trailers, .. } => Some(T::status(&parts, trailers.as_deref())),

@@ -15,10 +15,12 @@ use tracing::Instrument as _;
 
 use super::{
     drain::Owed,
+    engine::Held,
     kept::{report, KeptOutcomes, Outcome},
     lease::{self, Release, Renewed, RENEWAL_RETRY_PAUSE},
     observe,
     settings::{OutcomeClass, Policy, StorageRule},
+    transient::Transient,
 };
 use crate::correlation::CorrelationId;
 use crate::idempotency::{
@@ -119,6 +121,10 @@ pub(crate) enum Failure<E> {
     /// requeued uncounted), never as the handler's failure. Its error is kept for the
     /// adapter that logs it.
     TransactionBroke(E, StoreError),
+    /// The handler failed on a passing fault (a database error `is_transient`
+    /// recognises, or a `transient_if` hook): answered as unavailable (a `503`, a
+    /// message requeued uncounted), never kept as the handler's failure.
+    Transient(E),
 }
 
 /// How a claimed key was given back.
@@ -158,6 +164,8 @@ pub(crate) struct Claimed<St: IdempotencyStore> {
     /// The transaction that holds the claim, for a store whose claims are transactions:
     /// the handler is offered it, the record commits in it, and no lease is renewed.
     transaction: Option<Box<dyn HandlerTransaction>>,
+    /// Which of the handler's errors are passing faults.
+    transient: Transient,
     /// Time spent in store calls on the request's path so far.
     pub(super) store_time: Duration,
 }
@@ -165,12 +173,10 @@ pub(crate) struct Claimed<St: IdempotencyStore> {
 impl<St: IdempotencyStore> Claimed<St> {
     pub(super) fn new(
         store: Arc<St>,
-        scope: ScopeKey,
-        claim: Claim,
-        lease: Lease,
-        transaction: Option<Box<dyn HandlerTransaction>>,
+        (scope, claim, lease, transaction): Held,
         kept: Arc<KeptOutcomes>,
         policy: &Policy,
+        transient: Transient,
     ) -> Self {
         Self {
             store,
@@ -182,6 +188,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             max_kept_bytes: policy.max_kept_bytes,
             rule: policy.storage,
             transaction,
+            transient,
             store_time: Duration::ZERO,
         }
     }
@@ -196,10 +203,11 @@ impl<St: IdempotencyStore> Claimed<St> {
 
     /// Runs `work`, renewing the claim while it runs; then has `classify` say what
     /// becomes of its output, and stores it or gives the key back. A `work` that fails
-    /// gives the key back (`handler_error`) and returns its error. The attempt that
+    /// gives the key back (`handler_error`, or `transient` for a passing fault) and
+    /// returns its error, as the handler's or as a passing fault's. The attempt that
     /// ran, which replays name (`original-attempt-id`), is `attempt` (the attempt ID
     /// the request sent), else the correlation ID in scope.
-    pub(crate) async fn run<T, E>(
+    pub(crate) async fn run<T, E: 'static>(
         mut self,
         work: impl Future<Output = Result<T, E>>,
         classify: impl Classify<T>,
@@ -217,12 +225,7 @@ impl<St: IdempotencyStore> Claimed<St> {
         };
         let produced = match produced {
             Ok(produced) => produced,
-            Err(error) => {
-                return Err(match self.release(Release::HandlerError).await {
-                    Released::Broke(broke) => Failure::TransactionBroke(error, broke),
-                    Released::Lease | Released::RolledBack => Failure::Handler(error),
-                });
-            }
+            Err(error) => return Err(self.failed(error).await),
         };
         let context = Classifying {
             rule: self.rule,
@@ -434,6 +437,28 @@ impl<St: IdempotencyStore> Claimed<St> {
 
     /// Gives the key up so a retry runs again: for a request that produced nothing to
     /// keep (the handler failed, or its response is not stored).
+    /// Gives the key back after the handler failed, and says whether it failed on a
+    /// passing fault: its transaction broke under it, or its error is one.
+    async fn failed<E: 'static>(&mut self, error: E) -> Failure<E> {
+        let transient = self.transient.recognise(&error);
+        let reason = match transient {
+            Some(_) => Release::Transient,
+            None => Release::HandlerError,
+        };
+        match (self.release(reason).await, transient) {
+            (Released::Broke(broke), _) => Failure::TransactionBroke(error, broke),
+            (Released::Lease | Released::RolledBack, Some(why)) => {
+                tracing::warn!(
+                    event = event::TRANSIENT_FAILURE,
+                    error = why.as_str(),
+                    "the handler failed on a passing fault: nothing is kept, and a retry runs again"
+                );
+                Failure::Transient(error)
+            }
+            (Released::Lease | Released::RolledBack, None) => Failure::Handler(error),
+        }
+    }
+
     async fn release(&mut self, reason: Release) -> Released {
         let Some(lease) = self.lease.take() else {
             return Released::Lease;

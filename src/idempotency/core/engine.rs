@@ -16,6 +16,7 @@ use super::{
     lease::{self, Release},
     observe,
     settings::{InFlight, Policy, PolicyError, StoreFailure},
+    transient::Transient,
 };
 use crate::idempotency::{
     store::{
@@ -27,7 +28,7 @@ use crate::idempotency::{
 
 /// A key this request holds: its scope, its claim, the lease, and the transaction that
 /// holds it, if one does.
-type Held = (ScopeKey, Claim, Lease, Option<Box<dyn HandlerTransaction>>);
+pub(super) type Held = (ScopeKey, Claim, Lease, Option<Box<dyn HandlerTransaction>>);
 
 /// What is known of the work in flight a duplicate waits for.
 struct Running {
@@ -44,6 +45,7 @@ pub(crate) struct Engine<St> {
     store: Arc<St>,
     kept: Arc<KeptOutcomes>,
     policy: Policy,
+    transient: Transient,
 }
 
 impl<St> Clone for Engine<St> {
@@ -52,6 +54,7 @@ impl<St> Clone for Engine<St> {
             store: self.store.clone(),
             kept: self.kept.clone(),
             policy: self.policy,
+            transient: self.transient.clone(),
         }
     }
 }
@@ -298,16 +301,13 @@ impl<St: IdempotencyStore> Engine<St> {
     /// transaction that holds it, if one does); `claimed` is set, so that the response
     /// future finishes it if dropped.
     fn run(&self, held: Held, claimed: &ClaimFlag) -> Decision<St> {
-        let (scope, claim, lease, transaction) = held;
         claimed.set(&self.kept.settling);
         Decision::Run(Claimed::new(
             self.store.clone(),
-            scope,
-            claim,
-            lease,
-            transaction,
+            held,
             self.kept.clone(),
             &self.policy,
+            self.transient.clone(),
         ))
     }
 
@@ -460,6 +460,7 @@ impl<St: IdempotencyStore> Engine<St> {
             store,
             kept: Arc::default(),
             policy: Policy::new(),
+            transient: Transient::default(),
         };
         engine.policy.lease = Some(default_lease(&*engine.store));
         engine
@@ -484,6 +485,15 @@ impl<St: IdempotencyStore> Engine<St> {
         policy.lease = Some(lease);
         self.policy = policy;
         Ok(())
+    }
+
+    /// Also counts as a passing fault a handler's error of type `E` that `hook` says
+    /// is one.
+    pub(crate) fn transient_if<E: std::fmt::Display + 'static>(
+        &mut self,
+        hook: impl Fn(&E) -> bool + Send + Sync + 'static,
+    ) {
+        self.transient.add(hook);
     }
 }
 

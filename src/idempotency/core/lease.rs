@@ -60,12 +60,14 @@ pub(crate) enum Release {
     /// The handler's transaction broke under it (its connection lost, its backend
     /// terminated, the server gone): nothing it wrote stands.
     TransactionBroke,
+    /// The handler failed on a passing fault (its database unreachable, a deadlock).
+    Transient,
 }
 
 impl Release {
     /// Every reason, for the metric series registered at 0.
     #[cfg(feature = "metrics")]
-    pub(crate) const ALL: [Release; 8] = [
+    pub(crate) const ALL: [Release; 9] = [
         Release::HandlerError,
         Release::NotStored,
         Release::ResponseFailed,
@@ -74,6 +76,7 @@ impl Release {
         Release::RolledBack,
         Release::CommitFailed,
         Release::TransactionBroke,
+        Release::Transient,
     ];
 
     /// The reason as events and metrics say it.
@@ -87,6 +90,7 @@ impl Release {
             Release::RolledBack => "rolled_back",
             Release::CommitFailed => "commit_failed",
             Release::TransactionBroke => "transaction_broke",
+            Release::Transient => "transient",
         }
     }
 }

@@ -19,6 +19,7 @@ mod replay;
 mod settings;
 #[cfg(test)]
 mod tests;
+mod transient;
 
 #[cfg(any(feature = "amqp", feature = "kafka", feature = "outbox"))]
 pub(crate) use self::drain::InHand;

@@ -77,6 +77,7 @@
 //! | no connection of the store's pool free in time: nothing ran | `RESOURCE_EXHAUSTED` | `idempotency.pool_exhausted` | `1s` |
 //! | byte budget full: nothing ran | `UNAVAILABLE` | `idempotency.overloaded` | `1s` |
 //! | the outcome's transaction did not commit, or its commit is unknown | `UNAVAILABLE` | `idempotency.not_committed`, `idempotency.outcome_unknown` | `1s` |
+//! | the handler failed (its service's `Err`) on a passing fault: its database unreachable, a deadlock ([`transient_if`](crate::idempotency::IdempotencyLayer::transient_if)) | `UNAVAILABLE` | `idempotency.handler_unavailable` | `1s` |
 //! | request over [`max_request_bytes`](GrpcIdempotencyLayer::max_request_bytes) | `RESOURCE_EXHAUSTED` | `idempotency.body_too_large` | - |
 //! | a keyed call that sent more or fewer than one message | `UNIMPLEMENTED` | `idempotency.streaming_unsupported` | - |
 //! | a body that is not length-prefixed messages, or could not be read | `INVALID_ARGUMENT` | `idempotency.message_invalid`, `idempotency.body_unreadable` | - |

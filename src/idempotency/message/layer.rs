@@ -158,6 +158,27 @@ impl<R, St: IdempotencyStore, K> MessageIdempotencyLayer<R, St, K> {
         self.engine.set_policy(policy)?;
         Ok(self)
     }
+
+    /// Also counts as a passing fault a handler's error of type `E` that `hook` says is
+    /// one, beside the database faults the layer recognises by itself
+    /// ([`store::is_transient`](crate::idempotency::store::is_transient) on an
+    /// `sqlx::Error` or a `BoxError`, feature `postgres`: a connection lost or
+    /// terminated, the server restarting, a serialization failure or deadlock, the
+    /// pool timing out).
+    ///
+    /// A handler that fails so is refused retryable (`idempotency.handler_unavailable`,
+    /// WARN `idempotency.transient_failure`): the drivers hand it over again after
+    /// their pause without counting an attempt, so a database that flaps for a minute
+    /// dead-letters nothing. Nothing of it is kept. Any other error is the handler's
+    /// failure, counted toward the dead-letter queue. Hooks add up; each sees only
+    /// errors of its type.
+    pub fn transient_if<E: std::fmt::Display + 'static>(
+        mut self,
+        hook: impl Fn(&E) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.engine.transient_if(hook);
+        self
+    }
 }
 
 impl<R, St, K> Clone for MessageIdempotencyLayer<R, St, K> {

@@ -171,6 +171,7 @@ impl Refusal {
     /// | `idempotency.store_unavailable` | yes | the store failed (fail closed) |
     /// | `idempotency.pool_exhausted` | yes | every connection of the store's pool was in use |
     /// | `idempotency.not_committed` | yes | the store refused the outcome's transaction; or the handler failed on a transaction that broke under it (its backend terminated, its connection lost: a passing fault, not the handler's); or, over a store in transactional mode, `store_if` did not keep the outcome, so its writes were rolled back |
+    /// | `idempotency.handler_unavailable` | yes | the handler failed on a passing fault ([`transient_if`](super::MessageIdempotencyLayer::transient_if)): the database unreachable or restarting, a serialization failure or deadlock, the pool timing out; nothing is kept, and the drivers requeue it uncounted |
     /// | `idempotency.outcome_unknown` | yes | the outcome's commit got no answer and could not be read back: the redelivery replays it if it landed |
     pub fn code(&self) -> Code {
         self.code
@@ -318,6 +319,7 @@ async fn deduplicate<S, R, St, M>(
 where
     S: Service<M, Response = R> + Send + 'static,
     S::Future: Send + 'static,
+    S::Error: 'static,
     R: Serialize + DeserializeOwned + Send + 'static,
     St: IdempotencyStore,
 {
@@ -400,6 +402,7 @@ async fn execute<S, R, St, M>(
 where
     S: Service<M, Response = R> + Send + 'static,
     S::Future: Send + 'static,
+    S::Error: 'static,
     R: Serialize + Send + 'static,
     St: IdempotencyStore,
 {
@@ -418,6 +421,12 @@ where
                 "the handler's transaction broke under it ({}); nothing it wrote stands; requeue",
                 crate::idempotency::store::Chain(&error)
             ),
+            )))
+        }
+        Err(Failure::Transient(_)) => {
+            return Ok(Handled::Refused(Refusal::new(
+                Code::HandlerUnavailable,
+                "the handler failed on a passing fault (its database unavailable, or its transaction in conflict); nothing of it is kept; requeue",
             )))
         }
     };

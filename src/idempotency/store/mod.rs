@@ -34,7 +34,7 @@ pub use self::moka::{
 };
 #[cfg(feature = "postgres")]
 pub use self::postgres::{
-    PostgresMode, PostgresStore, PostgresStoreBuilder, Transaction, TransactionError,
+    is_transient, PostgresMode, PostgresStore, PostgresStoreBuilder, Transaction, TransactionError,
     TransactionGuard, DEFAULT_POSTGRES_CLEANUP_BATCH, DEFAULT_POSTGRES_CLEANUP_INTERVAL,
     DEFAULT_POSTGRES_COMMAND_TIMEOUT, DEFAULT_POSTGRES_TABLE,
 };

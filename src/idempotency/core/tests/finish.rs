@@ -65,6 +65,7 @@ pub(super) enum Ran {
     Unsettled,
     WorkFailed(&'static str),
     TransactionBroke(&'static str),
+    Transient(&'static str),
 }
 
 pub(super) fn ran(result: Result<((), Finished), Failure<&'static str>>) -> Ran {
@@ -79,12 +80,15 @@ pub(super) fn ran(result: Result<((), Finished), Failure<&'static str>>) -> Ran 
         Ok(((), Finished::Unsettled(_))) => Ran::Unsettled,
         Err(Failure::Handler(error)) => Ran::WorkFailed(error),
         Err(Failure::TransactionBroke(error, _)) => Ran::TransactionBroke(error),
+        Err(Failure::Transient(error)) => Ran::Transient(error),
     }
 }
 
 enum Work {
     Ready,
     Fails,
+    /// Fails with an error the engine's `transient_if` hook recognises.
+    FailsPassing,
     /// Takes this long (in paused time).
     Takes(Duration),
 }
@@ -217,6 +221,17 @@ async fn run_settles_the_outcome_with_the_store() {
             )
         },
         RunCase {
+            work: Work::FailsPassing,
+            ..case(
+                "work that fails on a passing fault gives the key back as transient",
+                done(),
+                vec![],
+                Ran::Transient("deadlock"),
+                &[Call::Begin, releases()],
+                &["transient"],
+            )
+        },
+        RunCase {
             // The claim is held for 15 s (10 s and half again) and renewed every sixth
             // of that: at 2.5 s and 5 s.
             work: Work::Takes(Duration::from_secs(6)),
@@ -238,12 +253,14 @@ async fn run_settles_the_outcome_with_the_store() {
                 .begins(Ok(claimed(TOKEN)))
                 .completes(case.complete),
         );
-        let engine = engine(&store, Policy::new());
+        let mut engine = engine(&store, Policy::new());
+        engine.transient_if(|error: &&'static str| *error == "deadlock");
         let claimed = claim(&engine).await;
         let work = async move {
             match case.work {
                 Work::Ready => Ok(()),
                 Work::Fails => Err("boom"),
+                Work::FailsPassing => Err("deadlock"),
                 Work::Takes(duration) => {
                     tokio::time::sleep(duration).await;
                     Ok(())
