@@ -724,6 +724,83 @@ async fn every_connection_closed_mid_stream_loses_and_doubles_nothing() {
     );
 }
 
+/// At start, the Kafka driver says whether the dead-letter topic exists: a WARN when it
+/// does not (and nothing is created), the topic created when asked, then found.
+// One thread: the log capture is the test thread's.
+#[tokio::test]
+async fn the_kafka_consumer_says_at_start_whether_its_dead_letter_topic_exists() {
+    use rdkafka::{
+        admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+        consumer::{BaseConsumer, Consumer as _},
+        ClientConfig,
+    };
+
+    let Some(broker) = kafka_broker::Broker::start() else {
+        return;
+    };
+    let topic = format!("signals-{}", uuid::Uuid::now_v7().simple());
+    let dead = format!("{topic}.dead");
+    let admin: AdminClient<_> = ClientConfig::new()
+        .set("bootstrap.servers", &broker.addr)
+        .create()
+        .unwrap();
+    admin
+        .create_topics(
+            [&NewTopic::new(&topic, 3, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap();
+    let topics = || {
+        let reader: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &broker.addr)
+            .create()
+            .unwrap();
+        let metadata = reader.fetch_metadata(None, Duration::from_secs(5)).unwrap();
+        (metadata.topics().iter())
+            .map(|topic| (topic.name().to_owned(), topic.partitions().len()))
+            .collect::<HashMap<_, _>>()
+    };
+    let (logs, _capture) = support::Logs::capture();
+    for create in [false, true, true] {
+        let mut config = rdkafka::ClientConfig::new();
+        config
+            .set("bootstrap.servers", &broker.addr)
+            .set("group.id", format!("g-{}", uuid::Uuid::now_v7()));
+        let consumer = KafkaConsumer::new(config, [topic.clone()])
+            .unwrap()
+            .create_dead_letter_topics(create);
+        let service = service_fn(|_: Received<Payment>| async {
+            Ok::<_, std::io::Error>(tower_ids::idempotency::message::Handled::Ran(()))
+        });
+        // Started and stopped: the check is the start's.
+        consumer
+            .run(service, tokio::time::sleep(Duration::from_millis(300)))
+            .await;
+        if !create {
+            assert!(!topics().contains_key(&dead), "nothing created unasked");
+        }
+    }
+    let missing = logs.events("message.dead_letter_topic_missing");
+    assert_eq!(missing.len(), 1, "{}", logs.raw());
+    assert_eq!(missing[0]["level"], "WARN");
+    assert_eq!(missing[0]["fields"]["dead_letter_topic"], dead.as_str());
+    let ready: Vec<_> = (logs.events("message.dead_letter_topic").iter())
+        .map(|line| {
+            line["fields"]["status"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(ready, ["created", "exists"]);
+    assert_eq!(
+        topics().get(&dead),
+        Some(&3),
+        "created with the topic's partitions"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_are_applied() {
     use rdkafka::{
@@ -748,12 +825,10 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
         .set("bootstrap.servers", &broker.addr)
         .create()
         .unwrap();
+    // The dead-letter topic is the consumer's to create.
     admin
         .create_topics(
-            [
-                &NewTopic::new(&topic, 2, TopicReplication::Fixed(1)),
-                &NewTopic::new(&dead, 1, TopicReplication::Fixed(1)),
-            ],
+            [&NewTopic::new(&topic, 2, TopicReplication::Fixed(1))],
             &AdminOptions::new(),
         )
         .await
@@ -827,7 +902,8 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let consumer = KafkaConsumer::new(config, [topic.clone()])
         .unwrap()
-        .max_attempts(3);
+        .max_attempts(3)
+        .create_dead_letter_topics(true);
     let running = tokio::spawn(consumer.run(inbox(pool.clone(), runs.clone()), async {
         let _ = stopped.await;
     }));

@@ -34,13 +34,15 @@ use super::{Confirm, Outgoing, Sink, SinkError};
 ///   it, so a message caught by another's channel error is first sent again alone on a
 ///   new channel, in the order the relay awaits the confirms, and refused only if it
 ///   fails there too.
-/// - A nack (a queue at its `x-max-length` with `x-overflow: reject-publish` refuses
-///   so), and a connection or channel that fails otherwise, are
+/// - A connection or channel that fails otherwise is
 ///   [unavailable](SinkError::unavailable): the relay backs off without counting an
-///   attempt, and the next publication connects again if it must. A key's messages
-///   sent after a nacked one may have been taken before room ran out: they are sent
-///   again after it, so a consumer sees them before it and again after it (the inbox
-///   absorbs the repeats).
+///   attempt, and the next publication connects again if it must.
+/// - A nack (a queue at its `x-max-length` with `x-overflow: reject-publish` refuses
+///   so) is [full](SinkError::full): backed off from the same way, and the relay then
+///   sends the destination's keys one message at a time, each once the previous is
+///   confirmed, so that none is taken before a nacked one of its key. A key's messages
+///   already in flight behind the first nack of a full spell may still be taken before
+///   it (the [`Relay`](super::Relay) says how often).
 ///
 /// The exchange must exist (declare it, and bind the consumers' queues, at the
 /// application's start).
@@ -233,7 +235,7 @@ impl Inner {
                 publication.routing_key.as_str(),
                 self.exchange
             ))),
-            Confirmation::Nack(_) => Err(SinkError::unavailable(
+            Confirmation::Nack(_) => Err(SinkError::full(
                 "the broker nacked the message (a full queue with reject-publish refuses so)",
             )),
             Confirmation::NotRequested => {

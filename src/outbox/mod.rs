@@ -105,7 +105,8 @@ pub mod metrics {
     pub const PUBLISHED: &str = "tower_ids_outbox_published_total";
     /// Counter: failed publications, by `destination` and `reason` (`unavailable`: the
     /// broker could not be reached, the message is tried again without counting an
-    /// attempt; `rejected`: the broker refused this message, an attempt is counted).
+    /// attempt; `full`: the destination had no room, the same; `rejected`: the broker
+    /// refused this message, an attempt is counted).
     pub const FAILURES: &str = "tower_ids_outbox_failures_total";
     /// Counter: messages dead-lettered after their last attempt, by `destination`.
     pub const DEAD_LETTERED: &str = "tower_ids_outbox_dead_lettered_total";

@@ -16,7 +16,7 @@ use crate::{
 pub(super) enum Published<'m> {
     Taken(i64),
     Refused(&'m Pending, SinkError),
-    Unavailable(SinkError),
+    Unavailable(&'m Pending, SinkError),
 }
 
 /// A message on its way: in a span that continues its request's trace, under a
@@ -149,7 +149,13 @@ impl<'m> Publication<'m> {
         ::metrics::counter!(
             super::metrics::FAILURES,
             "destination" => message.destination.clone(),
-            "reason" => if error.is_rejected() { "rejected" } else { "unavailable" },
+            "reason" => if error.is_rejected() {
+                "rejected"
+            } else if error.is_full() {
+                "full"
+            } else {
+                "unavailable"
+            },
         )
         .increment(1);
         if error.is_rejected() {
@@ -162,7 +168,7 @@ impl<'m> Publication<'m> {
             Published::Refused(message, error)
         } else {
             tracing::debug!(event = "outbox.unavailable", error = %Chain(&error), "the broker is unavailable");
-            Published::Unavailable(error)
+            Published::Unavailable(message, error)
         }
     }
 }

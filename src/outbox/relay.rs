@@ -1,7 +1,12 @@
 //! The relay: publishes committed messages, backs off through outages, dead-letters
 //! what the broker keeps refusing, trims what it published.
 
-use std::{collections::HashMap, future::Future, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    future::Future,
+    sync::Mutex,
+    time::Duration,
+};
 
 use futures_util::FutureExt as _;
 use sqlx::{
@@ -70,6 +75,12 @@ pub const DEFAULT_TRIM_INTERVAL: Duration = Duration::from_secs(60);
 /// How often a relay measures the backlog for its gauges by default: a count over the
 /// pending rows' index, cheap at this rate, fresh enough for an alert.
 pub const DEFAULT_OBSERVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How long a destination that had no room ([`SinkError::full`]) gets its keys one
+/// message at a time after its last refusal: a queue that fills once usually fills again
+/// while its consumers catch up, and a spell of backpressure costs one pipeline's
+/// worth of order at its start, not one per refusal.
+const FULL_SPELL: Duration = Duration::from_secs(30);
 
 /// How long a stop waits for the round under way by default: as long as the consumer
 /// drivers wait for their deliveries, and within Kubernetes' default grace period of
@@ -213,6 +224,7 @@ impl<S: Sink> RelayBuilder<S> {
             outbox: self.outbox,
             sink: self.sink,
             settings: self.settings,
+            full: Mutex::default(),
         }
     }
 }
@@ -229,11 +241,21 @@ impl<S: Sink> RelayBuilder<S> {
 /// commit. A relay that dies mid-round
 /// leaves its messages pending: they are published again, with the same idempotency
 /// key.
+///
+/// A destination that has no room for a message ([`SinkError::full`]: a RabbitMQ queue
+/// at its `x-max-length` with `reject-publish`) may take the key's next one a moment
+/// later, which would then overtake it. So once one has refused so, the relay sends its
+/// keys one message at a time, each once the previous is confirmed, until 30 s have
+/// passed without such a refusal (INFO `outbox.destination_full` when the spell
+/// starts). What was already in flight behind the first refusal of a spell may still
+/// be taken before it: `tests/outbox/amqp.rs` measures it.
 #[derive(Debug)]
 pub struct Relay<S> {
     outbox: Outbox,
     sink: S,
     settings: Settings,
+    /// The destinations in a full spell, and when it ends.
+    full: Mutex<HashMap<String, Instant>>,
 }
 
 /// What one round of a [`Relay`] did.
@@ -483,9 +505,11 @@ impl<S: Sink> Relay<S> {
                 None => chains.push(vec![message]),
             }
         }
-        let outcomes = futures_util::future::join_all(
-            chains.into_iter().map(|chain| self.publish_chain(chain)),
-        )
+        let full = self.in_full_spell();
+        let outcomes = futures_util::future::join_all(chains.into_iter().map(|chain| {
+            let one_at_a_time = (chain.iter()).any(|message| full.contains(&message.destination));
+            self.publish_chain(chain, one_at_a_time)
+        }))
         .await;
 
         let mut published = Vec::new();
@@ -495,7 +519,10 @@ impl<S: Sink> Relay<S> {
             match outcome {
                 Published::Taken(id) => published.push(id),
                 Published::Refused(message, error) => refused.push((message, error)),
-                Published::Unavailable(error) => {
+                Published::Unavailable(message, error) => {
+                    if error.is_full() {
+                        self.full_spell(&message.destination);
+                    }
                     round.unavailable = true;
                     unavailable.get_or_insert(error);
                 }
@@ -525,10 +552,45 @@ impl<S: Sink> Relay<S> {
         Ok((round, unavailable))
     }
 
+    /// The destinations whose full spell has not ended.
+    fn in_full_spell(&self) -> HashSet<String> {
+        let mut full = self
+            .full
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now = Instant::now();
+        full.retain(|_, until| *until > now);
+        full.keys().cloned().collect()
+    }
+
+    /// Starts or extends `destination`'s full spell.
+    fn full_spell(&self, destination: &str) {
+        let mut full = self
+            .full
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let until = Instant::now() + FULL_SPELL;
+        if full.insert(destination.to_owned(), until).is_none() {
+            tracing::info!(
+                event = "outbox.destination_full",
+                destination,
+                "the destination has no room: its keys go one message at a time, so that none overtakes a refused one"
+            );
+        }
+    }
+
     /// Publishes one partition key's messages: sends them in order, then awaits their
     /// confirms in order, stopping at the first that fails (the key's later messages,
-    /// sent or not, stay pending and go again in a later round).
-    async fn publish_chain<'m>(&self, chain: Vec<&'m Pending>) -> Vec<Published<'m>> {
+    /// sent or not, stay pending and go again in a later round). `one_at_a_time`, each
+    /// is sent once the previous is confirmed.
+    async fn publish_chain<'m>(
+        &self,
+        chain: Vec<&'m Pending>,
+        one_at_a_time: bool,
+    ) -> Vec<Published<'m>> {
+        if one_at_a_time {
+            return self.publish_one_at_a_time(chain).await;
+        }
         let mut outcomes = Vec::with_capacity(chain.len());
         let mut sent = Vec::with_capacity(chain.len());
         let mut unsent = None;
@@ -557,6 +619,26 @@ impl<S: Sink> Relay<S> {
         }
         if let Some((publication, error)) = unsent {
             outcomes.push(publication.failed(error));
+        }
+        outcomes
+    }
+
+    /// Publishes one partition key's messages, each once the previous is confirmed,
+    /// stopping at the first that fails.
+    async fn publish_one_at_a_time<'m>(&self, chain: Vec<&'m Pending>) -> Vec<Published<'m>> {
+        let mut outcomes = Vec::with_capacity(chain.len());
+        let timeout = self.settings.publish_timeout;
+        for message in chain {
+            let publication = Publication::of(message);
+            let outcome = match publication.send(&self.sink, timeout).await {
+                Ok(confirm) => publication.confirmed(confirm, timeout).await,
+                Err(error) => publication.failed(error),
+            };
+            let stop = !matches!(outcome, Published::Taken(_));
+            outcomes.push(outcome);
+            if stop {
+                break;
+            }
         }
         outcomes
     }

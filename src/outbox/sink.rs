@@ -112,18 +112,38 @@ impl<'a> Outgoing<'a> {
 /// Why a [`Sink`] did not publish a message.
 #[derive(Debug)]
 pub struct SinkError {
-    rejected: bool,
+    kind: Kind,
     source: Box<dyn Error + Send + Sync>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Unavailable,
+    Full,
+    Rejected,
 }
 
 impl SinkError {
     /// The broker could not take the message now: it could not be reached, did not
-    /// answer in time, or refused for capacity (a full queue's `reject-publish`, a
-    /// producer's full queue). Nothing is wrong with the message: the relay backs off
-    /// and tries again, without counting an attempt against it.
+    /// answer in time, or its client's own queue is full. Nothing is wrong with the
+    /// message: the relay backs off and tries again, without counting an attempt
+    /// against it.
     pub fn unavailable(source: impl Into<Box<dyn Error + Send + Sync>>) -> Self {
         Self {
-            rejected: false,
+            kind: Kind::Unavailable,
+            source: source.into(),
+        }
+    }
+
+    /// The destination has no room for the message now, and may take the key's next
+    /// one a moment later (a RabbitMQ queue at its `x-max-length` with `x-overflow:
+    /// reject-publish` nacks so). Unavailable, as above; and since a message the
+    /// broker took after this one would overtake it, the relay sends the
+    /// destination's keys one message at a time for a while (see
+    /// [`Relay`](super::Relay)).
+    pub fn full(source: impl Into<Box<dyn Error + Send + Sync>>) -> Self {
+        Self {
+            kind: Kind::Full,
             source: source.into(),
         }
     }
@@ -133,14 +153,19 @@ impl SinkError {
     /// last attempt.
     pub fn rejected(source: impl Into<Box<dyn Error + Send + Sync>>) -> Self {
         Self {
-            rejected: true,
+            kind: Kind::Rejected,
             source: source.into(),
         }
     }
 
     /// Whether the broker refused the message itself.
     pub fn is_rejected(&self) -> bool {
-        self.rejected
+        self.kind == Kind::Rejected
+    }
+
+    /// Whether the destination had no room for it ([`full`](Self::full)).
+    pub fn is_full(&self) -> bool {
+        self.kind == Kind::Full
     }
 }
 
@@ -148,11 +173,11 @@ impl SinkError {
 // walks the chain prints it once.
 impl fmt::Display for SinkError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.rejected {
-            f.write_str("the broker refused the message")
-        } else {
-            f.write_str("the broker is unavailable")
-        }
+        f.write_str(match self.kind {
+            Kind::Rejected => "the broker refused the message",
+            Kind::Full => "the destination has no room for the message",
+            Kind::Unavailable => "the broker is unavailable",
+        })
     }
 }
 

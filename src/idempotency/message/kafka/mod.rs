@@ -35,6 +35,8 @@
 //! # }
 //! ```
 
+mod topics;
+
 use std::{
     collections::{HashMap, VecDeque},
     fmt::Display,
@@ -58,6 +60,7 @@ use serde::de::DeserializeOwned;
 use tokio::{sync::mpsc, task::JoinSet};
 use tower_service::Service;
 
+use self::topics::{check_dead_letter_topics, dead_letter_topic};
 use super::{
     drive::{
         handle, key_of, settled_line, EnvelopeCorrelation, Next, Received, ATTEMPTS_HEADER,
@@ -122,11 +125,15 @@ pub const DEFAULT_PARTITIONS_AT_ONCE: usize = 16;
 /// | the handler failed (`Err`) | produced again at the end of the partition it came from (explicitly: never the partitioner's pick, so a key whose producer partitions otherwise stays on one partition) with its attempt counted (the `x-tower-ids-attempts` header), then settled; dead-lettered at its [last attempt](Self::max_attempts) |
 /// | a body that does not decode | dead-lettered, then settled |
 ///
-/// Dead letters go to `{topic}.dead` (which must exist, or the broker must create
-/// topics), with the message's key, headers and body, the reason in the
+/// Dead letters go to `{topic}.dead`, with the message's key, headers and body, the reason in the
 /// `x-tower-ids-error` header and its source, `topic:partition:offset`, in
 /// [`SOURCE_HEADER`] (its attempts so far are in the attempts header); each is logged
-/// once at ERROR. A partition revoked in a
+/// once at ERROR. At start the consumer says whether each subscribed topic's
+/// dead-letter topic exists (INFO `message.dead_letter_topic`, `status=exists`), or
+/// WARNs `message.dead_letter_topic_missing`: a dead letter then waits, retried, until
+/// it exists (or the broker creates topics on first use). With
+/// [`create_dead_letter_topics`](Self::create_dead_letter_topics) it creates a missing
+/// one (`status=created`). A partition revoked in a
 /// rebalance is abandoned: the message in flight runs to its end, but its offset is
 /// not stored (the partition is no longer this consumer's), so its new owner gets it
 /// again and the layer replays it; the messages fetched behind it are left to the new
@@ -143,6 +150,10 @@ pub const DEFAULT_PARTITIONS_AT_ONCE: usize = 16;
 pub struct KafkaConsumer {
     consumer: Arc<StreamConsumer>,
     producer: FutureProducer,
+    /// The brokers and security, without the consumer's own settings: for the admin
+    /// client that creates dead-letter topics.
+    clients: ClientConfig,
+    create_dead_letter_topics: bool,
     topics: Vec<String>,
     partitions_at_once: usize,
     max_attempts: u32,
@@ -196,11 +207,14 @@ impl KafkaConsumer {
                 producer_config.set(key, value);
             }
         }
+        let clients = producer_config.clone();
         producer_config.set("enable.idempotence", "true");
         let producer: FutureProducer = producer_config.create()?;
         Ok(Self {
             consumer,
             producer,
+            clients,
+            create_dead_letter_topics: false,
             topics,
             partitions_at_once: DEFAULT_PARTITIONS_AT_ONCE,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
@@ -245,6 +259,15 @@ impl KafkaConsumer {
         self
     }
 
+    /// At start, creates each subscribed topic's dead-letter topic (`{topic}.dead`)
+    /// that does not exist, with the topic's partitions and replicas (default: only
+    /// checks, and WARNs of a missing one). Creating topics needs the `CREATE` ACL on the
+    /// cluster or the topic.
+    pub fn create_dead_letter_topics(mut self, create: bool) -> Self {
+        self.create_dead_letter_topics = create;
+        self
+    }
+
     /// How long a stop waits for the messages in flight ([`DEFAULT_DRAIN_TIMEOUT`]).
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.drain_timeout = timeout;
@@ -265,6 +288,8 @@ impl KafkaConsumer {
         let Self {
             consumer,
             producer,
+            clients,
+            create_dead_letter_topics,
             topics,
             partitions_at_once,
             max_attempts,
@@ -281,6 +306,7 @@ impl KafkaConsumer {
             stopping: AtomicBool::new(false),
             in_hand: InHand::default(),
         });
+        check_dead_letter_topics(&consumer, &clients, &topics, create_dead_letter_topics).await;
         tracing::info!(event = "message.consuming", ?topics, "consuming");
 
         let mut shutdown = std::pin::pin!(shutdown);
@@ -651,7 +677,7 @@ async fn dead_letter(
     code: &str,
     reason: &str,
 ) -> &'static str {
-    let topic = format!("{}.dead", message.topic());
+    let topic = dead_letter_topic(message.topic());
     let source = name_of(message);
     let extra = [
         (ERROR_HEADER, reason.as_bytes()),
