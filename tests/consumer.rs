@@ -163,11 +163,30 @@ fn inbox(
                 .fetch_one(&mut *connection)
                 .await?;
                 if payment.amount < 0 {
-                    return Err("a negative amount cannot be applied".into());
+                    return Err(NotApplied(std::io::Error::other(
+                        "a negative amount cannot be applied",
+                    ))
+                    .into());
                 }
                 Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Receipt { id })
             }
         }))
+}
+
+/// A handler's failure with a cause: a dead letter's reason carries the chain.
+#[derive(Debug)]
+struct NotApplied(std::io::Error);
+
+impl std::fmt::Display for NotApplied {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the payment was not applied")
+    }
+}
+
+impl std::error::Error for NotApplied {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
 }
 
 struct Setup {
@@ -413,7 +432,11 @@ async fn poison_messages_are_dead_lettered_while_the_messages_behind_them_are_ap
         "{letters:?}"
     );
     assert_eq!(letters[1].0, "fails");
-    assert!(letters[1].1.starts_with("handler_failed"), "{letters:?}");
+    assert_eq!(
+        letters[1].1,
+        "handler_failed: the payment was not applied: a negative amount cannot be applied",
+        "the reason, with the error's chain"
+    );
     assert_eq!(letters[2].0, "undecodable");
     assert!(letters[2].1.starts_with("undecodable"), "{letters:?}");
 }
@@ -970,7 +993,11 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
         "{letters:?}"
     );
     assert_eq!(letters[1].0, "fails");
-    assert!(letters[1].1.starts_with("handler_failed"), "{letters:?}");
+    assert_eq!(
+        letters[1].1,
+        "handler_failed: the payment was not applied: a negative amount cannot be applied",
+        "the reason, with the error's chain"
+    );
     assert_eq!(letters[2].0, "undecodable");
     assert!(letters[2].1.starts_with("undecodable"), "{letters:?}");
 }

@@ -474,7 +474,13 @@ struct NotPublished(lapin::Error);
 
 impl std::fmt::Display for NotPublished {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the outcome was not published: {}", self.0)
+        f.write_str("the outcome was not published")
+    }
+}
+
+impl std::error::Error for NotPublished {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
     }
 }
 

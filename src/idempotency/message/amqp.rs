@@ -32,7 +32,7 @@
 //! # }
 //! ```
 
-use std::{collections::HashMap, fmt::Display, future::Future, time::Duration};
+use std::{collections::HashMap, future::Future, time::Duration};
 
 use futures_util::StreamExt as _;
 use lapin::{
@@ -50,9 +50,9 @@ use tower_service::Service;
 
 use super::{
     drive::{
-        handle, key_of, settled_line, EnvelopeCorrelation, Next, Received, ATTEMPTS_HEADER,
-        DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
-        SOURCE_HEADER,
+        handle, key_of, settled_line, BoxError, EnvelopeCorrelation, Next, Received,
+        ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE,
+        ERROR_HEADER, SOURCE_HEADER,
     },
     Handled,
 };
@@ -214,7 +214,7 @@ impl AmqpConsumer {
         T: DeserializeOwned + Send + 'static,
         R: Send + 'static,
         S: Service<Received<T>, Response = Handled<R>> + Clone + Send + 'static,
-        S::Error: Display + Send,
+        S::Error: Into<BoxError> + Send,
         S::Future: Send,
     {
         let mut shutdown = std::pin::pin!(shutdown);
@@ -421,7 +421,7 @@ impl AmqpConsumer {
     where
         T: DeserializeOwned + 'static,
         S: Service<Received<T>, Response = Handled<R>>,
-        S::Error: Display,
+        S::Error: Into<BoxError>,
     {
         let headers = delivery.properties.headers().clone().unwrap_or_default();
         let attempts = attempts_of(&headers);

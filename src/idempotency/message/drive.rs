@@ -1,7 +1,7 @@
 //! What the broker drivers ([`amqp`](super::amqp), [`kafka`](super::kafka)) share:
 //! their defaults, the headers they write, and the one line a settled delivery gets.
 
-use std::{any::Any, fmt::Display, time::Duration};
+use std::{any::Any, time::Duration};
 
 use futures_util::future::poll_fn;
 use serde::de::DeserializeOwned;
@@ -10,8 +10,11 @@ use tower_service::Service;
 use super::Handled;
 use crate::{
     correlation::{Carrier, CorrelationId, MessageCorrelation},
-    idempotency::IdempotencyKey,
+    idempotency::{store::Chain, IdempotencyKey},
 };
+
+/// A handler's error, as the drivers take it: any error tower's services return.
+pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Deliveries a message's handler may fail by default before it is dead-lettered: a
 /// passing fault gets a few more tries, a message that always fails stops costing
@@ -62,7 +65,7 @@ pub(super) async fn handle<T, R, S>(
 where
     T: DeserializeOwned,
     S: Service<Received<T>, Response = Handled<R>>,
-    S::Error: Display,
+    S::Error: Into<BoxError>,
 {
     let Ok(message) = serde_json::from_slice::<T>(body) else {
         let reason = "undecodable: the body is not the handler's message (JSON)";
@@ -97,7 +100,9 @@ where
             refusal.code().to_string(),
         ),
         Err(error) => {
-            let error = error.to_string();
+            // Its whole chain: the cause an operator needs is often a source or two down.
+            let error: BoxError = error.into();
+            let error = Chain(&*error).to_string();
             let next = if attempts + 1 >= max_attempts {
                 Next::DeadLetter("handler_failed", format!("handler_failed: {error}"))
             } else {
@@ -118,8 +123,8 @@ pub(super) fn key_of(carrier: &impl Carrier) -> String {
         .unwrap_or_default()
 }
 
-/// A settled delivery's one line: its outcome, delivery, idempotency key and
-/// correlation ID.
+/// A settled delivery's one line: its outcome, delivery, failed attempts so far,
+/// idempotency key and correlation ID.
 pub(super) fn settled_line(
     outcome: &'static str,
     envelope: &Received<()>,
@@ -131,6 +136,7 @@ pub(super) fn settled_line(
         event = "message.settled",
         outcome,
         delivery = envelope.delivery,
+        attempts = envelope.attempts,
         key,
         correlation_id = correlation_id.as_ref().map(|id| id.as_str()),
         reason,

@@ -39,7 +39,6 @@ mod topics;
 
 use std::{
     collections::{HashMap, VecDeque},
-    fmt::Display,
     future::Future,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -63,9 +62,9 @@ use tower_service::Service;
 use self::topics::{check_dead_letter_topics, dead_letter_topic};
 use super::{
     drive::{
-        handle, key_of, settled_line, EnvelopeCorrelation, Next, Received, ATTEMPTS_HEADER,
-        DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE, ERROR_HEADER,
-        SOURCE_HEADER,
+        handle, key_of, settled_line, BoxError, EnvelopeCorrelation, Next, Received,
+        ATTEMPTS_HEADER, DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETRY_PAUSE,
+        ERROR_HEADER, SOURCE_HEADER,
     },
     Handled,
 };
@@ -282,7 +281,7 @@ impl KafkaConsumer {
         T: DeserializeOwned + Send + 'static,
         R: Send + 'static,
         S: Service<Received<T>, Response = Handled<R>> + Clone + Send + 'static,
-        S::Error: Display + Send,
+        S::Error: Into<BoxError> + Send,
         S::Future: Send,
     {
         let Self {
@@ -425,7 +424,7 @@ impl Partition {
         T: DeserializeOwned + Send + 'static,
         R: Send + 'static,
         S: Service<Received<T>, Response = Handled<R>> + Send + 'static,
-        S::Error: Display + Send,
+        S::Error: Into<BoxError> + Send,
         S::Future: Send,
     {
         let (sender, receiver) = mpsc::channel(FETCHED_AHEAD);
@@ -511,7 +510,7 @@ async fn partition_worker<T, R, S>(
 ) where
     T: DeserializeOwned + 'static,
     S: Service<Received<T>, Response = Handled<R>>,
-    S::Error: Display,
+    S::Error: Into<BoxError>,
 {
     while let Some(message) = receiver.recv().await {
         let Ok(_slot) = slots.acquire().await else {
@@ -570,7 +569,7 @@ async fn settle<T, R, S>(message: &OwnedMessage, service: &mut S, settings: &Set
 where
     T: DeserializeOwned + 'static,
     S: Service<Received<T>, Response = Handled<R>>,
-    S::Error: Display,
+    S::Error: Into<BoxError>,
 {
     let headers: Vec<(String, Vec<u8>)> = message
         .headers()
@@ -686,7 +685,7 @@ async fn dead_letter(
     loop {
         match produce(&topic, None, message, headers, &extra, settings).await {
             Ok(()) => {
-                tracing::error!(event = "message.dead_lettered", topic = message.topic(), dead_letter_topic = %topic, code, reason, "a message that cannot be handled went to the dead-letter topic; the messages behind it go on");
+                tracing::error!(event = "message.dead_lettered", topic = message.topic(), source = source.as_str(), dead_letter_topic = %topic, code, reason, "a message that cannot be handled went to the dead-letter topic; the messages behind it go on");
                 return "dead_lettered";
             }
             Err(error) => {
