@@ -12,8 +12,14 @@ mod database;
 mod kafka_broker;
 #[path = "support/rabbitmq.rs"]
 mod rabbitmq;
+// The throwaway server the full trials crash; they use part of it.
+#[allow(dead_code)]
+#[path = "postgres/server.rs"]
+mod server;
 #[path = "support/mod.rs"]
 mod support;
+#[path = "consumer/trials.rs"]
+mod trials;
 
 use std::{
     collections::HashMap,
@@ -146,6 +152,10 @@ fn inbox(
                 if payment.account == "paused" {
                     // Idle in its transaction, where a flapping database terminates it.
                     tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                if payment.account == "held" {
+                    // Longer than the full trials' flap interval.
+                    tokio::time::sleep(Duration::from_millis(400)).await;
                 }
                 if payment.account.starts_with("ordered") {
                     // Some take longer than the ones behind them.
@@ -304,8 +314,12 @@ async fn publish_with(
 }
 
 fn payment(amount: i64) -> Vec<u8> {
+    payment_of("acct-1", amount)
+}
+
+fn payment_of(account: &str, amount: i64) -> Vec<u8> {
     serde_json::to_vec(&Payment {
-        account: "acct-1".into(),
+        account: account.into(),
         amount,
         correlation_id: None,
     })
