@@ -480,6 +480,16 @@ async fn a_missing_exchange_refuses_each_message_for_itself_and_dead_letters_the
 /// only window, and the test prints what it let through.
 #[tokio::test]
 async fn a_full_queue_under_sustained_backpressure_keeps_each_keys_order() {
+    sustained_backpressure(false).await;
+}
+
+/// The same, the relay's connection closed by the broker every 200 messages consumed.
+#[tokio::test]
+async fn a_full_queue_under_backpressure_and_closed_connections_keeps_each_keys_order() {
+    sustained_backpressure(true).await;
+}
+
+async fn sustained_backpressure(closing: bool) {
     const KEYS: usize = 8;
     const PER_KEY: usize = 250;
     let Some(db) = TestDatabase::create().await else {
@@ -504,8 +514,9 @@ async fn a_full_queue_under_sustained_backpressure_keeps_each_keys_order() {
     transaction.commit().await.unwrap();
 
     let (logs, _capture) = crate::support::Logs::capture();
+    let proxy = Proxy::start().await;
     let relay = outbox
-        .relay(AmqpSink::new("amqp://guest:guest@127.0.0.1:5672/%2f", ""))
+        .relay(proxy.sink())
         .batch_size(256)
         .max_attempts(2)
         .max_outage_backoff(Duration::from_millis(20))
@@ -536,6 +547,9 @@ async fn a_full_queue_under_sustained_backpressure_keeps_each_keys_order() {
             .expect("the consumer stays open")
             .unwrap();
         copies += 1;
+        if closing && copies % 200 == 0 {
+            proxy.close().await;
+        }
         let n: usize = std::str::from_utf8(&delivery.data)
             .unwrap()
             .parse()
@@ -559,8 +573,9 @@ async fn a_full_queue_under_sustained_backpressure_keeps_each_keys_order() {
     running.stop().await;
     let spells = logs.events("outbox.destination_full").len();
     eprintln!(
-        "{} messages through a queue of 16: {copies} deliveries, {} overtaken by a later one of their key, {spells} full spells",
+        "{} messages through a queue of 16{}: {copies} deliveries, {} overtaken by a later one of their key, {spells} full spells",
         KEYS * PER_KEY,
+        if closing { ", its connection closed every 200" } else { "" },
         overtaken.len()
     );
     assert_eq!(spells, 1, "the queue was full: one spell of backpressure");
