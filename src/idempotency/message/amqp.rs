@@ -78,7 +78,7 @@ const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
 /// |---|---|
 /// | `Handled::Ran`, `Handled::Replayed` | acknowledged: after the outcome is stored (over a transactional store, after its commit) |
 /// | `Handled::InFlight { retry_after }` | back to the queue after `retry_after` (nack, requeue) |
-/// | `Handled::Refused(r)`, `r.retryable()` (the store unavailable, a commit not known, the handler's transaction broke under it) | back to the queue after the [retry pause](Self::retry_pause): a passing fault, not counted |
+/// | `Handled::Refused(r)`, `r.retryable()` (the store unavailable, a commit not known, the handler's transaction broke under it, the handler failed on the database's passing fault: see [`transient_if`](super::MessageIdempotencyLayer::transient_if)) | back to the queue after the [retry pause](Self::retry_pause): a passing fault, not counted |
 /// | `Handled::Refused(r)`, not retryable (a key missing or invalid, another payload under the key) | dead-lettered at once |
 /// | the handler failed (`Err`) | published again at the back of the queue with its attempt counted ([`ATTEMPTS_HEADER`]), then acknowledged; dead-lettered at its [last attempt](Self::max_attempts) |
 /// | a body that does not decode | dead-lettered at once |
