@@ -767,7 +767,6 @@ async fn every_connection_closed_mid_stream_loses_and_doubles_nothing() {
 #[tokio::test]
 async fn the_kafka_consumer_says_at_start_whether_its_dead_letter_topic_exists() {
     use rdkafka::{
-        admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
         consumer::{BaseConsumer, Consumer as _},
         ClientConfig,
     };
@@ -775,19 +774,8 @@ async fn the_kafka_consumer_says_at_start_whether_its_dead_letter_topic_exists()
     let Some(broker) = kafka_broker::Broker::start() else {
         return;
     };
-    let topic = format!("signals-{}", uuid::Uuid::now_v7().simple());
+    let topic = broker.topic("signals", 3).await;
     let dead = format!("{topic}.dead");
-    let admin: AdminClient<_> = ClientConfig::new()
-        .set("bootstrap.servers", &broker.addr)
-        .create()
-        .unwrap();
-    admin
-        .create_topics(
-            [&NewTopic::new(&topic, 3, TopicReplication::Fixed(1))],
-            &AdminOptions::new(),
-        )
-        .await
-        .unwrap();
     let topics = || {
         let reader: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", &broker.addr)
@@ -841,7 +829,6 @@ async fn the_kafka_consumer_says_at_start_whether_its_dead_letter_topic_exists()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_are_applied() {
     use rdkafka::{
-        admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
         consumer::{Consumer as _, StreamConsumer},
         message::{Header, Headers as _, OwnedHeaders},
         producer::{FutureProducer, FutureRecord},
@@ -856,20 +843,9 @@ async fn kafka_poison_records_are_dead_lettered_while_the_records_behind_them_ar
     };
     let pool = db.pool(16).await;
     tables(&pool).await;
-    let topic = format!("payments-{}", uuid::Uuid::now_v7().simple());
-    let dead = format!("{topic}.dead");
-    let admin: AdminClient<_> = ClientConfig::new()
-        .set("bootstrap.servers", &broker.addr)
-        .create()
-        .unwrap();
     // The dead-letter topic is the consumer's to create.
-    admin
-        .create_topics(
-            [&NewTopic::new(&topic, 2, TopicReplication::Fixed(1))],
-            &AdminOptions::new(),
-        )
-        .await
-        .unwrap();
+    let topic = broker.topic("payments", 2).await;
+    let dead = format!("{topic}.dead");
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &broker.addr)
         .create()

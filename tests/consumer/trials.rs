@@ -225,7 +225,6 @@ async fn trials_rabbitmq_through_a_flapping_then_crashing_database() {
 #[tokio::test]
 async fn trials_kafka_through_a_flapping_then_crashing_database() {
     use rdkafka::{
-        admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
         consumer::{BaseConsumer, Consumer as _},
         producer::{FutureProducer, FutureRecord},
         ClientConfig,
@@ -240,18 +239,7 @@ async fn trials_kafka_through_a_flapping_then_crashing_database() {
     let Some(broker) = kafka_broker::Broker::start() else {
         return;
     };
-    let topic = format!("payments-{}", uuid::Uuid::now_v7().simple());
-    let admin: AdminClient<_> = ClientConfig::new()
-        .set("bootstrap.servers", &broker.addr)
-        .create()
-        .unwrap();
-    admin
-        .create_topics(
-            [&NewTopic::new(&topic, 2, TopicReplication::Fixed(1))],
-            &AdminOptions::new(),
-        )
-        .await
-        .unwrap();
+    let topic = broker.topic("payments", 2).await;
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &broker.addr)
         .create()

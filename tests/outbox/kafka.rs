@@ -5,7 +5,6 @@
 use std::{collections::HashMap, time::Duration};
 
 use rdkafka::{
-    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
     consumer::{Consumer as _, StreamConsumer},
     message::Headers as _,
     ClientConfig, Message as _,
@@ -16,26 +15,6 @@ use crate::{database::TestDatabase, kafka_broker::Broker, outbox, rows, Running}
 
 const MESSAGES: usize = 600;
 
-/// A topic of its own on `broker`, with `partitions`.
-async fn create_topic(broker: &Broker, partitions: i32) -> String {
-    let topic = format!("outbox-{}", uuid::Uuid::now_v7().simple());
-    let admin: AdminClient<_> = ClientConfig::new()
-        .set("bootstrap.servers", &broker.addr)
-        .create()
-        .unwrap();
-    admin
-        .create_topics(
-            [&NewTopic::new(
-                &topic,
-                partitions,
-                TopicReplication::Fixed(1),
-            )],
-            &AdminOptions::new(),
-        )
-        .await
-        .unwrap();
-    topic
-}
 const KEYS: usize = 12;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -47,7 +26,7 @@ async fn records_keep_each_keys_order_and_headers_through_a_paused_broker() {
         return;
     };
     let (pool, outbox, _store) = outbox(&db, 8).await;
-    let topic = create_topic(&broker, 3).await;
+    let topic = broker.topic("outbox", 3).await;
 
     let mut connection = pool.acquire().await.unwrap();
     for n in 0..MESSAGES / 2 {
@@ -172,7 +151,7 @@ async fn a_stop_mid_round_waits_its_drain_timeout_and_names_what_it_left() {
         return;
     };
     let (pool, outbox, _store) = outbox(&db, 8).await;
-    let topic = create_topic(&broker, 1).await;
+    let topic = broker.topic("outbox", 1).await;
     let relay = |drain: Duration| {
         let mut config = ClientConfig::new();
         config

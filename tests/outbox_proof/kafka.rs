@@ -2,11 +2,6 @@
 //! partitions created up front, the arguments that point the relays and
 //! [`KAFKA_CONSUMERS`] consumers of one group at it; and the fault, the broker paused.
 
-use rdkafka::{
-    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
-    ClientConfig,
-};
-
 use crate::{
     chaos::{Fault, Fleet},
     database::TestDatabase,
@@ -25,21 +20,8 @@ pub(crate) async fn trial() -> Option<(Trial, kafka_broker::Broker)> {
     else {
         return None;
     };
-    let topic = format!("outbox-proof-{}", uuid::Uuid::now_v7());
+    let topic = broker.topic("outbox-proof", PARTITIONS).await;
     let group = format!("outbox-proof-{}", uuid::Uuid::now_v7());
-    let admin: AdminClient<_> = ClientConfig::new()
-        .set("bootstrap.servers", &broker.addr)
-        .create()
-        .unwrap();
-    let new = NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1));
-    for created in admin
-        .create_topics([&new], &AdminOptions::new())
-        .await
-        .unwrap()
-    {
-        created.unwrap();
-    }
-    drop(admin);
     let outbox: Vec<String> = [
         "--broker",
         "kafka",

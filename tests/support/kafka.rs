@@ -56,6 +56,25 @@ impl Broker {
         Some(Broker { child, addr })
     }
 
+    /// A topic of its own, `{prefix}-{uuid}`, with `partitions` (one replica).
+    pub async fn topic(&self, prefix: &str, partitions: i32) -> String {
+        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+        let topic = format!("{prefix}-{}", uuid::Uuid::now_v7().simple());
+        let admin: AdminClient<_> = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &self.addr)
+            .create()
+            .unwrap();
+        let new = NewTopic::new(&topic, partitions, TopicReplication::Fixed(1));
+        for created in admin
+            .create_topics([&new], &AdminOptions::new())
+            .await
+            .unwrap()
+        {
+            created.unwrap();
+        }
+        topic
+    }
+
     /// The broker's process ID, to pause it (SIGSTOP) and resume it.
     pub fn pid(&self) -> u32 {
         self.child.id()
