@@ -353,6 +353,22 @@ async fn until(pool: &PgPool, what: &str, done: impl Fn(&HashMap<String, i64>) -
     }
 }
 
+/// How many dead letters `queue`'s dead-letter queue holds (the driver declared it).
+async fn dead_letter_count(channel: &Channel, queue: &str) -> u32 {
+    channel
+        .queue_declare(
+            format!("{queue}.dead").as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("the driver declared the dead-letter queue")
+        .message_count()
+}
+
 /// The dead letters: their `idempotency-key` and reason.
 async fn dead_letters(channel: &Channel, queue: &str, count: usize) -> Vec<(String, String)> {
     let mut consumer = channel
@@ -518,18 +534,7 @@ async fn a_flapping_database_dead_letters_nothing_and_applies_each_message_once(
 
     let rows = rows(pool).await;
     let repeated = runs.repeated();
-    let dead = channel
-        .queue_declare(
-            format!("{queue}.dead").as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap()
-        .message_count();
+    let dead = dead_letter_count(channel, queue).await;
     eprintln!("12 payments, {terminated} transactions terminated: {repeated} handlers ran again, {dead} dead letters");
     assert!(
         terminated > 0 && repeated > 0,
@@ -588,18 +593,7 @@ async fn a_handler_failing_on_the_databases_passing_faults_is_requeued_uncounted
         );
     }
     assert!(rows(pool).await.values().all(|n| *n == 1));
-    let dead = channel
-        .queue_declare(
-            format!("{queue}.dead").as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap()
-        .message_count();
+    let dead = dead_letter_count(channel, queue).await;
     assert_eq!(dead, 0, "a passing fault dead-letters nothing");
     let faults: Vec<String> = (logs.events("idempotency.transient_failure").iter())
         .map(|line| line["fields"]["error"].to_string())

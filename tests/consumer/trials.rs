@@ -205,17 +205,7 @@ async fn trials_rabbitmq_through_a_flapping_then_crashing_database() {
     applied(&pool, Duration::from_secs(180)).await;
     stop.send(()).unwrap();
     assert!(running.await.unwrap().is_complete());
-    let dead = channel
-        .queue_declare(
-            "payments.dead".into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            Default::default(),
-        )
-        .await
-        .map_or(0, |queue| queue.message_count() as usize);
+    let dead = super::dead_letter_count(&channel, "payments").await as usize;
     let tally = tally(&logs, terminated, &runs, dead);
     assert_clean("RabbitMQ", &tally, &rows(&pool).await);
     drop(server);

@@ -11,9 +11,11 @@ type Recognise = Arc<dyn Fn(&dyn Any) -> Option<String> + Send + Sync>;
 ///
 /// The handler's error type is the service's, which the engine does not name: each
 /// hook is typed on the error it recognises and skips any other.
+///
+/// Each claimed request holds a clone: a reference count, not a copy of the hooks.
 #[derive(Clone, Default)]
 pub(crate) struct Transient {
-    hooks: Vec<Recognise>,
+    hooks: Arc<Vec<Recognise>>,
 }
 
 impl Transient {
@@ -22,7 +24,7 @@ impl Transient {
         &mut self,
         hook: impl Fn(&E) -> bool + Send + Sync + 'static,
     ) {
-        self.hooks.push(Arc::new(move |error: &dyn Any| {
+        Arc::make_mut(&mut self.hooks).push(Arc::new(move |error: &dyn Any| {
             let error = error.downcast_ref::<E>()?;
             hook(error).then(|| error.to_string())
         }));
