@@ -18,7 +18,7 @@ mod read;
 mod reply;
 mod service;
 
-use std::{sync::Arc, time::Duration, time::SystemTime};
+use std::{sync::Arc, time::SystemTime};
 
 use bytes::Bytes;
 use http::{request, response, HeaderMap, HeaderName, Request, Response};
@@ -29,7 +29,7 @@ pub use self::{layer::IdempotencyLayer, service::Idempotency};
 use crate::body::Body;
 use crate::idempotency::{
     collect::Budget,
-    core::{observe::LayerOrder, refusal::Answered, Classified, OutcomeClass},
+    core::{observe::LayerOrder, refusal::Answered, Answer, Classified, OutcomeClass},
     extract::ExtractKey,
     store::Record,
     ClientId, Code, Fingerprint, IdempotencyKey, ScopeKey,
@@ -53,15 +53,6 @@ pub(crate) struct Settings<T> {
 pub(crate) struct Owner<'a> {
     pub(crate) client: Option<&'a ClientId>,
     pub(crate) key: &'a IdempotencyKey,
-}
-
-/// An answer the layer gives for the handler: `code`, with `detail` (the layer's own
-/// text), `retry_after` where a retry can succeed, and the key where the call sent one.
-pub(crate) struct Answer<'a> {
-    pub(crate) key: Option<&'a IdempotencyKey>,
-    pub(crate) code: Code,
-    pub(crate) detail: String,
-    pub(crate) retry_after: Option<Duration>,
 }
 
 /// A response read whole: its head, its body and its trailers.
@@ -106,7 +97,11 @@ pub(crate) trait Transport: Clone + Send + Sync + Sized + 'static {
     fn fingerprint(parts: &request::Parts, body: &[u8], shared: bool) -> Fingerprint;
 
     /// `answer` as the transport writes it.
-    fn render<B>(settings: &Settings<Self>, answer: Answer<'_>) -> Response<Body<B>>;
+    fn render<B>(
+        settings: &Settings<Self>,
+        key: Option<&IdempotencyKey>,
+        answer: Answer,
+    ) -> Response<Body<B>>;
 
     /// The status of a response read whole.
     fn status(parts: &response::Parts, trailers: Option<&HeaderMap>) -> Self::Status;

@@ -8,7 +8,7 @@ use super::{Reply, Transport};
 use crate::body::Body;
 use crate::idempotency::{
     collect::{read_within, BoxError, Read, Reservation},
-    core::refusal,
+    core::{refusal, Answer},
 };
 
 /// Reads the whole body so it can be fingerprinted, and hands it on unchanged, with
@@ -29,7 +29,7 @@ where
     let max = reply.settings.max_request_bytes.min(budget.capacity());
     let too_large = || {
         refusal::body_too_large(max);
-        reply.body_too_large(max)
+        reply.answer(Answer::body_too_large(T::NOUN, max))
     };
     let declared = request
         .headers()
@@ -51,11 +51,11 @@ where
         Read::TooLarge => Err(too_large()),
         Read::Overloaded { requested } => {
             refusal::overloaded(budget.capacity(), requested);
-            Err(reply.overloaded())
+            Err(reply.answer(Answer::overloaded(T::NOUN)))
         }
         Read::Failed(error) => {
             refusal::body_unreadable(&error);
-            Err(reply.body_unreadable())
+            Err(reply.answer(Answer::body_unreadable(T::NOUN)))
         }
     }
 }

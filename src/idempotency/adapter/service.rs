@@ -3,6 +3,7 @@
 
 use std::{
     future::Future,
+    marker::PhantomData,
     sync::Arc,
     task::{Context, Poll},
 };
@@ -10,6 +11,7 @@ use std::{
 use bytes::Bytes;
 use http::{Request, Response};
 use tower_service::Service;
+use tracing::{Instrument as _, Span};
 
 use super::{read::read_body, Owner, Reply, Settings, Transport, Whole};
 use crate::body::Body;
@@ -17,13 +19,13 @@ use crate::idempotency::{
     client::{ClientRejection, IdentifyClient, NoClient},
     collect::{collect_up_to, BoxError, Collected},
     core::{
-        observe, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine, Failure,
-        Finished, OutcomeClass, Release, Unsettled,
+        observe, Answer, ClaimFlag, Classified, Classify, Classifying, Detaching, Engine, Exchange,
+        Keyed, OutcomeClass, Release, Resolution,
     },
     extract::ExtractedKey,
     http::{EpochRejection, ExtractEpoch, Http, NoEpoch},
     response::{offer_transaction, unclaimed, ResponseFuture},
-    store::{IdempotencyStore, MokaStore},
+    store::{IdempotencyStore, MokaStore, TransactionOffer},
     AttemptId, ClientId, Code, IdempotencyKey, KeyRejection, ScopeKey,
 };
 
@@ -364,25 +366,34 @@ where
     ResBody: ReadableBody,
 {
     async move {
-        record_protected(&protected, &settings);
-        let _in_flight = engine.track();
-        // The body's bytes of the layer's budget, held until this work ends (dropped
-        // with it on every path, including a cancelled or abandoned future).
-        let (request, _budget) = match read_body(request, protected.reply(&settings)).await {
-            Ok(read) => read,
-            Err(refused) => return Ok(refused),
+        let span = record_protected(&protected, &settings);
+        let work = async move {
+            let _in_flight = engine.track();
+            // The body's bytes of the layer's budget, held until this work ends (dropped
+            // with it on every path, including a cancelled or abandoned future).
+            let (request, _budget) = match read_body(request, protected.reply(&settings)).await {
+                Ok(read) => read,
+                Err(refused) => return Ok(refused),
+            };
+            deduplicate(inner, engine, settings, request, protected, claimed).await
         };
-        deduplicate(inner, engine, settings, request, protected, claimed).await
+        match span {
+            Some(span) => work.instrument(span).await,
+            None => work.await,
+        }
     }
 }
 
 /// Records the covered call's key, scope and client on its span (see
 /// [`field`](crate::idempotency::field)), where its access line and every event of the
 /// call pick them up.
-fn record_protected<T>(protected: &Protected, settings: &Settings<T>) {
+/// `None` when that is the current span; else the layer's own span, which has them
+/// (see [`observe::protected_span`]).
+fn record_protected<T>(protected: &Protected, settings: &Settings<T>) -> Option<Span> {
     // Warns once if the correlation layer is not outside this one.
     settings.layer_order.check();
-    observe::protected(&protected.key, &protected.scope, protected.client.as_ref());
+    let client = protected.client.as_ref();
+    observe::protected_span(Some(&protected.key), Some(&protected.scope), client)
 }
 
 /// [`run`] for a route whose key is in the body: the body is read (within the limits,
@@ -421,8 +432,12 @@ where
         Decided::Protected(protected) => {
             // Counted from here: until its key is read, the call may pass through.
             let _in_flight = engine.track();
-            record_protected(&protected, &settings);
-            deduplicate(inner, engine, settings, request, protected, claimed).await
+            let span = record_protected(&protected, &settings);
+            let work = deduplicate(inner, engine, settings, request, protected, claimed);
+            match span {
+                Some(span) => work.instrument(span).await,
+                None => work.await,
+            }
         }
         Decided::PassThrough(attempt) => {
             let response = inner.call(request).await?;
@@ -432,11 +447,11 @@ where
     }
 }
 
-/// Asks the engine what to do with a covered call whose body is read, and does it:
-/// runs the handler, or answers for the engine.
+/// Hands a covered call whose body is read to the engine, and renders what it says:
+/// the handler's response (with what the layer says of it), a replay, or an answer.
 #[allow(clippy::manual_async_fn)] // See `run`.
 fn deduplicate<S, St, T, ReqBody, ResBody>(
-    mut inner: S,
+    inner: S,
     engine: Engine<St>,
     settings: Arc<Settings<T>>,
     request: Request<Body<ReqBody>>,
@@ -471,86 +486,106 @@ where
         // The fast hash where the scope is one client's; a scope every caller shares
         // takes SHA-256, which no caller can collide on purpose (see `Fingerprint`).
         let fingerprint = T::fingerprint(&parts, &bytes, client.is_none());
-        let decision = engine.decide(scope, fingerprint, epoch, &claimed).await;
-        let request = Request::from_parts(parts, body);
-        match decision {
-            // Boxed, so the replay path's future stays small.
-            Decision::Run(claimed) => Box::pin(execute(inner, request, claimed, reply)).await,
-            Decision::FailOpen => {
+        let keyed = Keyed {
+            scope,
+            fingerprint,
+            epoch,
+            attempt: attempt.clone(),
+            noun: T::NOUN,
+        };
+        let call = Call {
+            inner,
+            request: Request::from_parts(parts, body),
+            max_response_bytes: settings.max_response_bytes,
+            response: PhantomData,
+        };
+        match engine
+            .handle(keyed, &claimed, call, &Keeping(&settings))
+            .await
+        {
+            Resolution::Ran {
+                output: (mut parts, body),
+                expires_at,
+            } => {
+                T::kept(&settings, &mut parts, expires_at);
+                let body = match body {
+                    Collected::Complete { body, trailers } => {
+                        Body::with_trailers(body, trailers.filter(|_| T::KEEPS_TRAILERS))
+                    }
+                    Collected::TooLarge { prefix, rest } => Body::prefixed(prefix, rest),
+                    // Classified as failed, so answered as such by the engine.
+                    Collected::Failed(_) => return Ok(reply.answer(Answer::response_failed())),
+                };
+                Ok(reply.finish(Response::from_parts(parts, body)))
+            }
+            Resolution::FailOpen(Call {
+                mut inner, request, ..
+            }) => {
                 let response = Box::pin(inner.call(request)).await?;
                 Ok(reply.finish(response.map(Body::inner)))
             }
-            Decision::Answer(verdict) => Ok(reply.decided(verdict)),
+            Resolution::Replay {
+                record,
+                request_count,
+            } => Ok(reply.replay(record, request_count)),
+            Resolution::Answer(answer) => Ok(reply.answer(answer)),
+            Resolution::Failed(error) => Err(error),
         }
     }
 }
 
-/// Runs the claimed call: the engine renews its claim while the handler and its
-/// response body run, this adapter says what of the response is kept, and the engine
-/// stores it or gives the key back.
-async fn execute<S, St, T, ReqBody, ResBody>(
-    mut inner: S,
-    mut request: Request<Body<ReqBody>>,
-    claimed: Claimed<St>,
-    reply: Reply<'_, T>,
-) -> Result<Response<Body<ResBody>>, S::Error>
+/// A claimed call's handler, for the engine: the response read within the limit of
+/// what is kept (the rest streamed on).
+struct Call<S, ReqBody, ResBody> {
+    inner: S,
+    request: Request<Body<ReqBody>>,
+    max_response_bytes: usize,
+    response: PhantomData<fn() -> ResBody>,
+}
+
+impl<S, ReqBody, ResBody> Exchange for Call<S, ReqBody, ResBody>
 where
     S: Handler<ReqBody, ResBody>,
-    St: IdempotencyStore,
-    T: Transport,
+    ReqBody: ReadableBody,
     ResBody: ReadableBody,
 {
-    let settings = reply.settings;
-    if let Some(offer) = claimed.transaction_offer() {
-        offer_transaction(offer, request.extensions_mut());
+    type Output = (http::response::Parts, Collected<ResBody>);
+    type Error = S::Error;
+
+    fn run(
+        mut self,
+        offer: Option<TransactionOffer>,
+    ) -> impl Future<Output = Result<Self::Output, S::Error>> + Send {
+        if let Some(offer) = offer {
+            offer_transaction(offer, self.request.extensions_mut());
+        }
+        async move {
+            let (parts, body) = self.inner.call(self.request).await?.into_parts();
+            Ok((parts, collect_up_to(body, self.max_response_bytes).await))
+        }
     }
-    // Runs in the caller's task; if the caller goes away, the response future's drop moves
-    // this work to a task of its own, so it still completes and is stored.
-    // Pinned here: the engine takes a pointer to it rather than moving it again.
-    let work = std::pin::pin!(async {
-        let (parts, body) = inner.call(request).await?.into_parts();
-        let body = collect_up_to(body, settings.max_response_bytes).await;
-        Ok((parts, body))
-    });
-    let classify = |(parts, body): &(http::response::Parts, Collected<ResBody>),
-                    context: Classifying| {
-        classify(settings, parts, body, context)
-    };
-    let attempt = reply.attempt.cloned();
-    let ((mut parts, body), finished) = match claimed.run(work, classify, attempt).await {
-        Ok(ran) => ran,
-        Err(Failure::Handler(error)) => return Err(error),
-        Err(Failure::TransactionBroke(_, error)) => {
-            return Ok(reply.unsettled(&Unsettled::NotCommitted(error)))
-        }
-        Err(Failure::Transient(_)) => return Ok(reply.handler_unavailable()),
-    };
-    let status = match &body {
-        Collected::Complete { trailers, .. } => Some(T::status(&parts, trailers.as_deref())),
-        Collected::TooLarge { .. } => T::status_before_body(&parts),
-        Collected::Failed(_) => None,
-    };
-    let response = match (body, finished) {
-        (_, Finished::Unsettled(unsettled)) => return Ok(reply.unsettled(&unsettled)),
-        (_, Finished::Failed) | (Collected::Failed(_), _) => return Ok(reply.response_failed()),
-        // A success whose writes were rolled back must not say it succeeded.
-        (_, Finished::RolledBack(error))
-            if status.is_some_and(|status| T::class(status) == OutcomeClass::Success) =>
-        {
-            return Ok(reply.unsettled(&Unsettled::NotCommitted(error)))
-        }
-        (Collected::Complete { body, trailers }, finished) => {
-            if let Finished::Kept { expires_at } = finished {
-                T::kept(settings, &mut parts, expires_at);
-            }
-            let trailers = trailers.filter(|_| T::KEEPS_TRAILERS);
-            Response::from_parts(parts, Body::with_trailers(body, trailers))
-        }
-        (Collected::TooLarge { prefix, rest }, _) => {
-            Response::from_parts(parts, Body::prefixed(prefix, rest))
-        }
-    };
-    Ok(reply.finish(response))
+}
+
+/// What of a response is kept, by the layer's settings.
+struct Keeping<'a, T>(&'a Settings<T>);
+
+impl<T: Transport, B> Classify<(http::response::Parts, Collected<B>)> for Keeping<'_, T> {
+    fn classify(
+        &self,
+        (parts, body): &(http::response::Parts, Collected<B>),
+        context: Classifying,
+    ) -> Classified {
+        classify(self.0, parts, body, context)
+    }
+
+    fn succeeded(&self, (parts, body): &(http::response::Parts, Collected<B>)) -> bool {
+        let status = match body {
+            Collected::Complete { trailers, .. } => Some(T::status(parts, trailers.as_deref())),
+            Collected::TooLarge { .. } => T::status_before_body(parts),
+            Collected::Failed(_) => None,
+        };
+        status.is_some_and(|status| T::class(status) == OutcomeClass::Success)
+    }
 }
 
 /// What of a response is kept: the whole of it if the storage rule keeps its status (a

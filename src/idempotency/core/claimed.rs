@@ -80,12 +80,22 @@ impl Classifying {
 /// completion, in the spirit of tower-http's response classifiers.
 pub(crate) trait Classify<T> {
     /// What becomes of `produced`.
-    fn classify(self, produced: &T, context: Classifying) -> Classified;
+    fn classify(&self, produced: &T, context: Classifying) -> Classified;
+
+    /// Whether `produced` says the work succeeded: a success whose transaction was
+    /// rolled back is answered as not committed, never handed back.
+    fn succeeded(&self, produced: &T) -> bool;
 }
 
-impl<T, F: FnOnce(&T, Classifying) -> Classified> Classify<T> for F {
-    fn classify(self, produced: &T, context: Classifying) -> Classified {
+/// The engine's tests classify with a closure; every outcome of theirs is a success.
+#[cfg(test)]
+impl<T, F: Fn(&T, Classifying) -> Classified> Classify<T> for F {
+    fn classify(&self, produced: &T, context: Classifying) -> Classified {
         self(produced, context)
+    }
+
+    fn succeeded(&self, _: &T) -> bool {
+        true
     }
 }
 
@@ -210,7 +220,7 @@ impl<St: IdempotencyStore> Claimed<St> {
     pub(crate) async fn run<T, E: 'static>(
         mut self,
         work: impl Future<Output = Result<T, E>>,
-        classify: impl Classify<T>,
+        classify: &impl Classify<T>,
         attempt: Option<AttemptId>,
     ) -> Result<(T, Finished), Failure<E>> {
         let original_attempt = attempt.or_else(|| {

@@ -1,16 +1,19 @@
 //! The deduplication engine every transport shares.
 //!
-//! An adapter (the HTTP layer, the message layer) turns its request into a scope, a
-//! fingerprint and an optional epoch, asks [`Engine::decide`] what to do, and
-//! translates the [`Decision`] into its transport's answer; nothing else. The engine
-//! owns the store, the outcomes kept for it, the lease and its renewal, the one
-//! completion path ([`Claimed`]), and every event and metric of the decision, so a
-//! fix or a metric lands once for every transport.
+//! An adapter (the HTTP and gRPC layer, the message layer) turns its request into a
+//! scope, a fingerprint and an optional epoch ([`Keyed`]), hands [`Engine::handle`] its
+//! handler ([`Exchange`]) and what of its output is kept ([`Classify`]), and renders
+//! the [`Resolution`] it gets back; nothing else. The engine owns the decision, the
+//! store, the outcomes kept for it, the lease and its renewal, the one completion path,
+//! the answers' text ([`Answer`]), and every event and metric, so a fix, a refusal's
+//! wording or a metric lands once for every transport.
 
+mod answer;
 mod claimed;
 mod detach;
 mod drain;
 mod engine;
+mod handle;
 mod kept;
 mod lease;
 pub(crate) mod observe;
@@ -30,9 +33,11 @@ pub use self::settings::{
     DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
 };
 pub(crate) use self::{
-    claimed::{Claimed, Classified, Classifying, Failure, Finished, Unsettled},
+    answer::Answer,
+    claimed::{Classified, Classify, Classifying},
     detach::{ClaimFlag, Detaching},
-    engine::{replay_failed, Decision, Engine, Verdict},
+    engine::{replay_failed, Engine},
+    handle::{Exchange, Keyed, Resolution},
     lease::Release,
     settings::OutcomeClass,
 };

@@ -171,8 +171,42 @@ pub(crate) fn store_time(spent: Duration) {
     record(field::STORE_MS, crate::correlation::log_millis(spent));
 }
 
+/// The span a protected request's events and fields go in: the current span when it
+/// declares the layer's fields (the correlation layer's request span, an
+/// [`AccessSpan`](crate::correlation::AccessSpan)), which gets the key, scope and client
+/// now; else a span of the layer's own, `idempotency`, with them and the correlation ID,
+/// so that a formatter that prints only the current span still ties the layer's lines
+/// to the request. `None` when that is the current span, which the work is already in.
+/// The same for every transport.
+pub(crate) fn protected_span(
+    key: Option<&IdempotencyKey>,
+    scope: Option<&ScopeKey>,
+    client: Option<&ClientId>,
+) -> Option<Span> {
+    if !tracing::level_enabled!(tracing::Level::INFO) {
+        return None;
+    }
+    if Span::current().has_field(field::OUTCOME) {
+        if let (Some(key), Some(scope)) = (key, scope) {
+            protected(key, scope, client);
+        }
+        return None;
+    }
+    let correlation_id = CorrelationId::current();
+    Some(tracing::info_span!(
+        "idempotency",
+        correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
+        idempotency_key = key.map(IdempotencyKey::as_str),
+        idempotency_scope = scope.map(tracing::field::display),
+        idempotency_client = client.map(tracing::field::display),
+        idempotency_outcome = tracing::field::Empty,
+        idempotency_request_count = tracing::field::Empty,
+        idempotency_store_ms = tracing::field::Empty,
+    ))
+}
+
 /// Records a protected request's key, scope and client on its request's span.
-pub(crate) fn protected(key: &IdempotencyKey, scope: &ScopeKey, client: Option<&ClientId>) {
+fn protected(key: &IdempotencyKey, scope: &ScopeKey, client: Option<&ClientId>) {
     if !tracing::level_enabled!(tracing::Level::INFO) {
         return;
     }

@@ -23,8 +23,12 @@ pub(crate) enum Answered {
 /// A refusal of the key, the client or the request's framing: WARN
 /// `idempotency.rejected` with `reason` (short and stable), `code` (the problem code)
 /// and `detail` (the layer's own text, never the request's), and the answer as its
-/// transport says it: `status` (HTTP) or `grpc_code` (gRPC).
+/// transport says it: `status` (HTTP) or `grpc_code` (gRPC). In the request's span,
+/// or one of the layer's own where that span lacks the layer's fields, as every keyed
+/// request's events are ([`observe::protected_span`]).
 pub(crate) fn rejected(reason: &'static str, code: Code, detail: &str, answered: Answered) {
+    let span = observe::protected_span(None, None, None);
+    let _entered = span.as_ref().map(tracing::Span::enter);
     observe::outcome("rejected");
     let (status, grpc_code): (Option<u16>, Option<&str>) = match answered {
         Answered::Http(status) => (Some(status), None),

@@ -16,8 +16,8 @@ use super::{
 };
 use crate::body::Body;
 use crate::idempotency::{
-    adapter::{Answer, Owner, Settings, Transport, Whole},
-    core::{refusal::Answered, Classified, OutcomeClass},
+    adapter::{Owner, Settings, Transport, Whole},
+    core::{refusal::Answered, Answer, Classified, OutcomeClass},
     extract::{ExtractKey, ExtractedKey},
     store::{Payload, PayloadFormat, Record},
     Code, Fingerprint, IdempotencyKey, KeyRejection, ScopeKey, IDEMPOTENCY_KEY,
@@ -92,7 +92,11 @@ impl Transport for Grpc {
         }
     }
 
-    fn render<B>(_: &Settings<Self>, answer: Answer<'_>) -> Response<Body<B>> {
+    fn render<B>(
+        _: &Settings<Self>,
+        _: Option<&IdempotencyKey>,
+        answer: Answer,
+    ) -> Response<Body<B>> {
         let reason = answer.code.as_str();
         let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, HashMap::new());
         if let Some(delay) = answer.retry_after {

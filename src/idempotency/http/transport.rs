@@ -9,12 +9,12 @@ use http::{header, request, response, HeaderMap, HeaderValue, Request, Response,
 use super::{replay, stored::StoredResponse, Http};
 use crate::body::Body;
 use crate::idempotency::{
-    adapter::{Answer, Owner, Settings, Transport, Whole},
-    core::{refusal::Answered, Classified, OutcomeClass, ReplayInfo},
+    adapter::{Owner, Settings, Transport, Whole},
+    core::{refusal::Answered, Answer, Classified, OutcomeClass, ReplayInfo},
     extract::ExtractKey,
     response::http_date,
     store::Record,
-    Code, Fingerprint, ScopeKey, IDEMPOTENCY_EXPIRES,
+    Code, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_EXPIRES,
 };
 use crate::problem::Problem;
 
@@ -70,10 +70,14 @@ impl Transport for Http {
         )
     }
 
-    fn render<B>(settings: &Settings<Self>, answer: Answer<'_>) -> Response<Body<B>> {
+    fn render<B>(
+        settings: &Settings<Self>,
+        key: Option<&IdempotencyKey>,
+        answer: Answer,
+    ) -> Response<Body<B>> {
         let mut response = Problem::idempotency(answer.code, answer.detail)
             .docs(settings.transport.problem_docs.as_deref())
-            .idempotency_key(answer.key)
+            .idempotency_key(key)
             .into_response();
         if let Some(delay) = answer.retry_after {
             let seconds = delay.as_secs().max(u64::from(delay.subsec_nanos() > 0));

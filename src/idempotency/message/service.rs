@@ -16,16 +16,14 @@ use serde::{de::DeserializeOwned, Serialize};
 use tower_service::Service;
 use tracing::Instrument as _;
 
-use crate::correlation::CorrelationId;
-
 use super::{layer::MessageSettings, ExtractMessageKey, MessageKey};
 use crate::idempotency::{
     code::Code,
     core::{
-        self, ClaimFlag, Claimed, Classified, Classifying, Decision, Detaching, Engine, Failure,
-        Finished, OutcomeClass, Release, ReplayInfo, Unsettled, Verdict,
+        self, observe, Answer, ClaimFlag, Classified, Classify, Classifying, Detaching, Engine,
+        Exchange, Keyed, OutcomeClass, Release, ReplayInfo, Resolution,
     },
-    store::{IdempotencyStore, MokaStore, Payload, PayloadFormat, Record},
+    store::{IdempotencyStore, MokaStore, Payload, PayloadFormat, Record, TransactionOffer},
 };
 
 /// Middleware that handles each message key once and hands its stored outcome to every
@@ -257,22 +255,17 @@ where
                 ));
             }
         };
-        // The correlation ID again, so a formatter that prints only the current span
-        // still ties the layer's lines to the delivery.
-        let correlation_id = CorrelationId::current();
-        let span = tracing::info_span!(
-            "idempotency",
-            correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
-            idempotency_key = key.key().as_str(),
-            idempotency_scope = %key.scope_key(),
-            idempotency_outcome = tracing::field::Empty,
-            idempotency_request_count = tracing::field::Empty,
-            idempotency_store_ms = tracing::field::Empty,
-        );
+        // The layer's own span, as every transport's keyed work has where the current
+        // span lacks the layer's fields.
+        let span = observe::protected_span(Some(key.key()), Some(&key.scope_key()), None);
         let engine = self.engine.clone();
         ResponseFuture {
-            work: Detaching::claiming(|claimed| {
-                deduplicate(inner, engine, settings, message, key, claimed).instrument(span)
+            work: Detaching::claiming(|claimed| async move {
+                let work = deduplicate(inner, engine, settings, message, key, claimed);
+                match span {
+                    Some(span) => work.instrument(span).await,
+                    None => work.await,
+                }
             }),
         }
     }
@@ -290,26 +283,19 @@ fn ready<R: Send + 'static, E: Send + 'static>(handled: Handled<R>) -> ResponseF
     unclaimed(std::future::ready(Ok(handled)))
 }
 
-/// A refusal of a message the layer cannot key: in a span of the layer's own, as a
-/// keyed message's events are, which records the outcome as the HTTP layer's request
-/// span does.
+/// A refusal of a message the layer cannot key, counted and logged as every
+/// transport's refusals are.
 fn refuse<R>(code: Code, reason: &'static str, detail: String) -> Handled<R> {
-    let correlation_id = CorrelationId::current();
-    let span = tracing::info_span!(
-        "idempotency",
-        correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
-        idempotency_outcome = tracing::field::Empty
-    );
-    span.in_scope(|| {
-        core::refusal::rejected(reason, code, &detail, core::refusal::Answered::Settled)
-    });
+    core::refusal::rejected(reason, code, &detail, core::refusal::Answered::Settled);
     Handled::Refused(Refusal::new(code, detail))
 }
 
-/// Asks the engine what to do with a keyed message, and does it: runs the handler, or
-/// answers for the engine.
+/// The noun of the engine's answers for a message.
+const NOUN: &str = "message";
+
+/// Hands a keyed message to the engine, and says what became of it.
 async fn deduplicate<S, R, St, M>(
-    mut inner: S,
+    inner: S,
     engine: Engine<St>,
     settings: Arc<MessageSettings<R>>,
     message: M,
@@ -319,49 +305,74 @@ async fn deduplicate<S, R, St, M>(
 where
     S: Service<M, Response = R> + Send + 'static,
     S::Future: Send + 'static,
-    S::Error: 'static,
+    S::Error: Send + 'static,
     R: Serialize + DeserializeOwned + Send + 'static,
     St: IdempotencyStore,
+    M: Send + 'static,
 {
     let _in_flight = engine.track();
-    let decision = engine
-        .decide(key.scope_key(), key.fingerprint_digest(), None, &claimed)
-        .await;
-    match decision {
-        Decision::Run(claimed) => Box::pin(execute(inner, &settings, message, claimed)).await,
-        Decision::FailOpen => inner.call(message).await.map(Handled::Ran),
-        Decision::Answer(verdict) => Ok(decided(verdict)),
+    let keyed = Keyed {
+        scope: key.scope_key(),
+        fingerprint: key.fingerprint_digest(),
+        epoch: None,
+        // The delivery that ran is named by its correlation ID.
+        attempt: None,
+        noun: NOUN,
+    };
+    let delivery = Delivery { inner, message };
+    Ok(
+        match engine.handle(keyed, &claimed, delivery, &*settings).await {
+            Resolution::Ran { output, .. } => Handled::Ran(output),
+            Resolution::FailOpen(Delivery { mut inner, message }) => {
+                return inner.call(message).await.map(Handled::Ran)
+            }
+            Resolution::Replay {
+                record,
+                request_count,
+            } => replay(record, request_count),
+            Resolution::Answer(answer) => answered(answer),
+            Resolution::Failed(error) => return Err(error),
+        },
+    )
+}
+
+/// A claimed message's handler, for the engine (which puts the transaction it offers,
+/// if any, where [`Transaction::current`](crate::idempotency::store::postgres::Transaction)
+/// finds it).
+struct Delivery<S, M> {
+    inner: S,
+    message: M,
+}
+
+impl<S, R, M> Exchange for Delivery<S, M>
+where
+    S: Service<M, Response = R> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    R: Send + 'static,
+    M: Send + 'static,
+{
+    type Output = R;
+    type Error = S::Error;
+
+    fn run(
+        mut self,
+        _: Option<TransactionOffer>,
+    ) -> impl Future<Output = Result<R, S::Error>> + Send {
+        self.inner.call(self.message)
     }
 }
 
-/// What a delivery gets instead of running the handler.
-fn decided<R: DeserializeOwned>(verdict: Verdict) -> Handled<R> {
-    match verdict {
-        Verdict::Replay {
-            record,
-            request_count,
-        } => replay(&record, request_count),
-        Verdict::NotReplayable { .. } => not_replayable(),
-        Verdict::InFlight { retry_after, .. } => Handled::InFlight { retry_after },
-        // Messages carry no epoch, so a mismatch cannot happen; a conflict if it did.
-        Verdict::Conflict | Verdict::EpochMismatch { .. } => Handled::Refused(Refusal::new(Code::FingerprintMismatch,
-            "this idempotency key came before with a different message; use a new key for a new command")),
-        Verdict::OriginalFailed => Handled::Refused(Refusal::new(Code::OriginalFailed,
-            "the delivery with this key that was being handled failed and stored nothing; a redelivery runs it again")),
-        Verdict::StoreUnavailable => Handled::Refused(Refusal::new(Code::StoreUnavailable,
-            "the idempotency store cannot check this key now, so nothing ran; requeue")),
-        Verdict::PoolExhausted => Handled::Refused(Refusal::new(Code::PoolExhausted,
-            "every database connection is in use, so nothing ran; requeue")),
+/// The engine's answer, as the consumer acts on it.
+fn answered<R>(answer: Answer) -> Handled<R> {
+    match (answer.code, answer.retry_after) {
+        (Code::InFlight, Some(retry_after)) => Handled::InFlight { retry_after },
+        (code, _) => Handled::Refused(Refusal::new(code, answer.detail)),
     }
-}
-
-fn not_replayable<R>() -> Handled<R> {
-    Handled::Refused(Refusal::new(Code::NotReplayable,
-        "the message with this key was handled, but its outcome was not kept; it will not run again"))
 }
 
 /// The stored outcome, decoded, for a duplicate of a message that was handled.
-fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R> {
+fn replay<R: DeserializeOwned>(record: Arc<Record>, request_count: u64) -> Handled<R> {
     let Some(stored) = record
         .payload
         .as_ref()
@@ -369,12 +380,12 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
         .map(Payload::body)
     else {
         core::replay_failed(request_count);
-        return not_replayable();
+        return answered(Answer::not_replayable(NOUN, record, request_count));
     };
     match serde_json::from_slice(stored) {
         Ok(outcome) => Handled::Replayed {
             outcome,
-            replay: ReplayInfo::of(record, request_count),
+            replay: ReplayInfo::of(&record, request_count),
         },
         Err(error) => {
             core::replay_failed(request_count);
@@ -384,86 +395,34 @@ fn replay<R: DeserializeOwned>(record: &Record, request_count: u64) -> Handled<R
                 request_count,
                 "the stored outcome does not decode into the outcome type"
             );
-            Handled::Refused(Refusal::new(Code::OutcomeUndecodable,
-                "the message with this key was handled, but its stored outcome does not decode into this consumer's outcome type; it will not run again"))
+            answered(Answer::undecodable(NOUN))
         }
     }
-}
-
-/// Runs the claimed message: the engine renews its claim while the handler runs, this
-/// adapter says what of the outcome is kept, and the engine stores it or gives the key
-/// back.
-async fn execute<S, R, St, M>(
-    mut inner: S,
-    settings: &MessageSettings<R>,
-    message: M,
-    claimed: Claimed<St>,
-) -> Result<Handled<R>, S::Error>
-where
-    S: Service<M, Response = R> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: 'static,
-    R: Serialize + Send + 'static,
-    St: IdempotencyStore,
-{
-    let classify = |outcome: &R, context: Classifying| classify(settings, outcome, context);
-    // The delivery that ran is named by its correlation ID.
-    let work = std::pin::pin!(inner.call(message));
-    let (outcome, finished) = match claimed.run(work, classify, None).await {
-        Ok(ran) => ran,
-        Err(Failure::Handler(error)) => return Err(error),
-        // What the handler failed on was its transaction's connection: a passing fault,
-        // requeued uncounted, never a step toward the dead-letter queue.
-        Err(Failure::TransactionBroke(_, error)) => {
-            return Ok(Handled::Refused(Refusal::new(
-                Code::NotCommitted,
-                format!(
-                "the handler's transaction broke under it ({}); nothing it wrote stands; requeue",
-                crate::idempotency::store::Chain(&error)
-            ),
-            )))
-        }
-        Err(Failure::Transient(_)) => {
-            return Ok(Handled::Refused(Refusal::new(
-                Code::HandlerUnavailable,
-                "the handler failed on a passing fault (its database unavailable, or its transaction in conflict); nothing of it is kept; requeue",
-            )))
-        }
-    };
-    Ok(match finished {
-        Finished::Unsettled(Unsettled::NotCommitted(error)) => Handled::Refused(Refusal::new(Code::NotCommitted,
-            format!("the outcome's transaction did not commit ({error}); requeue"))),
-        Finished::Unsettled(Unsettled::Unknown(error)) => Handled::Refused(Refusal::new(Code::OutcomeUnknown,
-            format!("whether the outcome's transaction committed is not known ({error}); requeue: the redelivery replays it if it committed"))),
-        // Acked, the delivery would be lost: its writes were rolled back.
-        Finished::RolledBack(error) => Handled::Refused(Refusal::new(Code::NotCommitted,
-            format!("the outcome's transaction was rolled back ({error}); requeue"))),
-        Finished::Kept { .. } | Finished::NotKept | Finished::Released | Finished::Failed => {
-            Handled::Ran(outcome)
-        }
-    })
 }
 
 /// What of an outcome is kept: its JSON, a success by every storage rule, unless the
 /// layer's `store_if` refuses it; one over the limit, or that does not serialise, is
 /// recorded as run without it.
-fn classify<R: Serialize>(
-    settings: &MessageSettings<R>,
-    outcome: &R,
-    context: Classifying,
-) -> Classified {
-    let overridden = settings.store_if.as_ref().map(|store_if| store_if(outcome));
-    if !context.keeps(OutcomeClass::Success, false, overridden) {
-        return Classified::Release(Release::NotStored);
-    }
-    match serde_json::to_vec(outcome) {
-        Ok(json) if json.len() <= settings.max_response_bytes => {
-            let json = Bytes::from(json);
-            Classified::Store(Payload::new(PayloadFormat::MESSAGE, 0, Bytes::new(), json))
+impl<R: Serialize> Classify<R> for MessageSettings<R> {
+    fn classify(&self, outcome: &R, context: Classifying) -> Classified {
+        let overridden = self.store_if.as_ref().map(|store_if| store_if(outcome));
+        if !context.keeps(OutcomeClass::Success, false, overridden) {
+            return Classified::Release(Release::NotStored);
         }
-        Ok(_) => Classified::TooLarge {
-            max_bytes: settings.max_response_bytes,
-        },
-        Err(error) => Classified::Unencodable(error.to_string()),
+        match serde_json::to_vec(outcome) {
+            Ok(json) if json.len() <= self.max_response_bytes => {
+                let json = Bytes::from(json);
+                Classified::Store(Payload::new(PayloadFormat::MESSAGE, 0, Bytes::new(), json))
+            }
+            Ok(_) => Classified::TooLarge {
+                max_bytes: self.max_response_bytes,
+            },
+            Err(error) => Classified::Unencodable(error.to_string()),
+        }
+    }
+
+    /// Every outcome a message handler returns is a success; its failures are errors.
+    fn succeeded(&self, _: &R) -> bool {
+        true
     }
 }

@@ -13,8 +13,9 @@ use bytes::Bytes;
 use tracing_subscriber::layer::SubscriberExt as _;
 
 use super::{
-    engine::AFTER_WAIT, ClaimFlag, Claimed, Classified, Decision, Engine, Failure, Finished,
-    InFlight, Policy, Release, StoreFailure, Verdict, DEFAULT_RETRY_AFTER,
+    claimed::{Claimed, Failure, Finished},
+    engine::{Decision, Verdict, AFTER_WAIT},
+    ClaimFlag, Classified, Engine, InFlight, Policy, Release, StoreFailure, DEFAULT_RETRY_AFTER,
 };
 use crate::idempotency::{
     store::{
@@ -270,4 +271,10 @@ fn decided(decision: &Decision<ScriptedStore>) -> Decided {
             Verdict::StoreUnavailable | Verdict::PoolExhausted => Decided::StoreUnavailable,
         },
     }
+}
+
+/// Classifies the one outcome of a test's work as `classified`.
+fn once(classified: Classified) -> impl super::Classify<()> {
+    let classified = std::cell::Cell::new(Some(classified));
+    move |_: &(), _| classified.take().expect("classified once")
 }
