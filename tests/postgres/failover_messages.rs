@@ -70,11 +70,12 @@ use tower_ids::{
 };
 
 use super::{
-    failover::{full, promote, waiting_on, Replication, Streaming, SERIAL},
+    failover::{promote, waiting_on, Replication, Streaming, SERIAL},
     faults::{self, COMMIT_FAULTS},
     proxy::Proxy,
     rabbitmq,
     replica::Ledger,
+    support::full_trials,
 };
 
 /// The stream before the failover, and after the endpoint's move.
@@ -290,10 +291,10 @@ where
 }
 
 /// The trials: each of `moments` with synchronous replication (asserted) and the first
-/// with asynchronous (printed), once; with `TOWER_IDS_FULL_TRIALS`, `more` too, each
+/// with asynchronous (printed), once; with `TOWER_IDS_FULL_TRIALS=1`, `more` too, each
 /// twice.
 fn plans<M: Copy>(moments: &[M], more: &[M]) -> Vec<(Replication, M, usize)> {
-    let (synchronous, repeats) = if full() {
+    let (synchronous, repeats) = if full_trials() {
         ([moments, more].concat(), 2)
     } else {
         (moments.to_vec(), 1)
