@@ -37,7 +37,6 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     future::Future,
-    process::Command,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex,
@@ -120,7 +119,7 @@ impl Vhost {
             .unwrap_or("guest")
             .to_owned();
         let name = format!("tower-ids-failover-{}", uuid::Uuid::now_v7());
-        if rabbitmqctl(&["add_vhost", &name]).is_err() {
+        if rabbitmq::rabbitmqctl(&["add_vhost", &name]).is_err() {
             return Some(Self {
                 url: base,
                 name: None,
@@ -131,7 +130,7 @@ impl Vhost {
             url: format!("{server}/{name}"),
             name: Some(name.clone()),
         };
-        rabbitmqctl(&["set_permissions", "-p", &name, &user, ".*", ".*", ".*"])
+        rabbitmq::rabbitmqctl(&["set_permissions", "-p", &name, &user, ".*", ".*", ".*"])
             .expect("the vhost's permissions");
         Some(vhost)
     }
@@ -175,27 +174,10 @@ impl Vhost {
 impl Drop for Vhost {
     fn drop(&mut self) {
         if let Some(name) = &self.name {
-            if let Err(error) = rabbitmqctl(&["delete_vhost", name]) {
+            if let Err(error) = rabbitmq::rabbitmqctl(&["delete_vhost", name]) {
                 eprintln!("could not delete the vhost {name}: {error}");
             }
         }
-    }
-}
-
-/// `rabbitmqctl ARGS`, or why it failed.
-fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
-    let output = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .map_err(|e| format!("rabbitmqctl: {e}"))?;
-    if output.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "rabbitmqctl {args:?}: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ))
     }
 }
 
