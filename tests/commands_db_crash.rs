@@ -57,7 +57,7 @@ use http::StatusCode;
 use serde_json::json;
 use server::PostgresServer;
 use sqlx::{Connection, PgConnection};
-use support::{client, try_send, HttpClient, Reply};
+use support::{client, full_trials, try_send, HttpClient, Reply};
 
 /// How long the stalled `COMMIT` would take had the server lived: the kill lands in it.
 const SLOW_COMMIT: Duration = Duration::from_secs(3);
@@ -193,10 +193,6 @@ impl Example {
                  DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION stall_commit();"
         )
     }
-}
-
-fn full_trials() -> bool {
-    std::env::var_os("TOWER_IDS_FULL_TRIALS").is_some_and(|v| v != "0" && !v.is_empty())
 }
 
 /// `url` with `application_name=name`.

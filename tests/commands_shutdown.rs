@@ -50,7 +50,7 @@ use demo::Demo;
 use http::StatusCode;
 use serde_json::Value;
 use server::RedisServer;
-use support::{client, try_send, Reply};
+use support::{client, full_trials, try_send, Reply};
 
 const COMMAND: &str =
     r#"{"device_id":"thermostat-42","name":"set_temperature","payload":{"celsius":21.5}}"#;
@@ -80,10 +80,6 @@ const MORE_DEADLINE_LEADS_MS: [u64; 1] = [20];
 
 /// The trials share two cores and measure in milliseconds: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn full() -> bool {
-    std::env::var_os("TOWER_IDS_FULL_TRIALS").is_some_and(|v| v != "0" && !v.is_empty())
-}
 
 /// What one trial saw, in milliseconds from the first send.
 struct Trial {
@@ -462,7 +458,7 @@ fn assert_drained(name: &str, trial: &Trial) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_stopped_with_a_kept_outcome_stores_it_before_it_exits() {
     let _serial = SERIAL.lock().await;
-    let leads: Vec<u64> = if full() {
+    let leads: Vec<u64> = if full_trials() {
         LEADS_MS.iter().chain(&MORE_LEADS_MS).copied().collect()
     } else {
         LEADS_MS.to_vec()
@@ -479,7 +475,7 @@ async fn a_replica_stopped_with_a_kept_outcome_stores_it_before_it_exits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_whose_deadline_passes_names_the_key_it_leaves() {
     let _serial = SERIAL.lock().await;
-    let leads: Vec<u64> = if full() {
+    let leads: Vec<u64> = if full_trials() {
         DEADLINE_LEADS_MS
             .iter()
             .chain(&MORE_DEADLINE_LEADS_MS)

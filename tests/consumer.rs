@@ -654,11 +654,9 @@ async fn a_consumer_started_before_its_queue_exists_declares_it_and_consumes() {
     until(pool, "the payment applied", |rows| rows.len() == 1).await;
     stop.send(()).unwrap();
     assert!(running.await.unwrap().is_complete());
-    let durable = std::process::Command::new("rabbitmqctl")
-        .args(["list_queues", "-q", "-p", &vhost.name, "name", "durable"])
-        .output()
-        .unwrap();
-    let listed = String::from_utf8_lossy(&durable.stdout);
+    let listed =
+        rabbitmq::rabbitmqctl(&["list_queues", "-q", "-p", &vhost.name, "name", "durable"])
+            .expect("rabbitmqctl list_queues");
     assert!(
         listed
             .lines()

@@ -189,6 +189,21 @@ enum Attempt<T, E> {
     DeadlineHit,
 }
 
+/// How the loop goes on after an attempt.
+enum Decision<T, E> {
+    /// This response is the answer, for this reason.
+    Answer(Response<T>, StopReason),
+    /// The layer stops with this error.
+    Fail(RetryError<E>),
+    /// Another attempt after `delay`; `status` is this attempt's, if it had one.
+    Retry {
+        delay: Duration,
+        status: Option<StatusCode>,
+    },
+}
+
+/// The attempts of one logical request, until one is the answer or the layer stops:
+/// each attempt is built, sent within its time limit and decided on, in that order.
 pub(super) async fn run<S, B, T>(
     mut service: S,
     settings: Arc<Settings>,
@@ -210,173 +225,224 @@ where
         attempt += 1;
         let correlation_id = call.parent.next_child();
         let request = attempt_request(&settings, &mut call, attempt, max_attempts, &correlation_id);
-        let mut log = AttemptLog {
+        let mut log = AttemptLog::new(attempt, &correlation_id, call.key.as_ref());
+        let outcome = send(&mut service, request, attempt, &settings, call.deadline).await;
+        let decision = decide(
+            &settings,
+            &call,
             attempt,
-            correlation_id: &correlation_id,
-            key: call.key.as_ref(),
-            outcome: Outcome::Kind(""),
-            delay: None,
-            reason: None,
-            error: None,
-        };
-
-        let started = Instant::now();
-        let attempt_end = started.checked_add(settings.attempt_timeout);
-        let (end, by_deadline) = match (attempt_end, call.deadline) {
-            (Some(a), Some(d)) if d <= a => (Some(d), true),
-            (None, Some(d)) => (Some(d), true),
-            (a, _) => (a, false),
-        };
-        let ready = attempt > 1;
-        let send = async {
-            if ready {
-                if let Err(error) = poll_fn(|cx| service.poll_ready(cx)).await {
-                    return Attempt::NotReady(error);
+            max_attempts,
+            last_status,
+            outcome,
+            &mut log,
+        );
+        match decision {
+            Decision::Answer(response, stop) => {
+                return Ok(finish(response, attempt, stop, call, correlation_id))
+            }
+            Decision::Fail(error) => return Err(error),
+            Decision::Retry { delay, status } => {
+                if status.is_some() {
+                    last_status = status;
                 }
+                tokio::time::sleep(delay).await;
             }
-            match service.call(request).await {
-                Ok(response) => Attempt::Response(response),
-                Err(error) => Attempt::Failed(error),
-            }
-        };
-        let outcome = match end {
-            Some(end) => match tokio::time::timeout_at(end, send).await {
-                Ok(outcome) => outcome,
-                Err(_) if by_deadline => Attempt::DeadlineHit,
-                Err(_) => Attempt::TimedOut,
-            },
-            None => send.await,
-        };
-
-        // What the attempt was, and whether it is worth another.
-        let (response, error) = match outcome {
-            Attempt::Response(response) => {
-                log.outcome = Outcome::Status(response.status());
-                if !(settings.retry_if)(response.status(), response.headers()) {
-                    log.done();
-                    return Ok(finish(
-                        response,
-                        attempt,
-                        StopReason::NotRetryable,
-                        call,
-                        correlation_id,
-                    ));
-                }
-                (Some(response), None)
-            }
-            Attempt::Failed(error) => {
-                log.outcome = Outcome::Kind("transport_error");
-                (None, Some(error))
-            }
-            Attempt::NotReady(error) => {
-                log.outcome = Outcome::Kind("not_ready");
-                log.give_up("not_ready", Some(&error));
-                return Err(RetryError::Transport {
-                    attempts: attempt,
-                    exhausted: false,
-                    source: error,
-                });
-            }
-            Attempt::TimedOut => {
-                log.outcome = Outcome::Kind("timed_out");
-                (None, None)
-            }
-            Attempt::DeadlineHit => {
-                log.outcome = Outcome::Kind("deadline_exceeded");
-                log.give_up("deadline_reached", None);
-                return Err(RetryError::DeadlineExceeded {
-                    attempts: attempt,
-                    deadline: settings.deadline,
-                    last_status,
-                    source: None,
-                });
-            }
-        };
-        let status = response.as_ref().map(Response::status);
-
-        // Stop: not safe to repeat, or every attempt used.
-        let stop = if !call.repeatable {
-            Some(StopReason::NotSafeToRepeat)
-        } else if attempt >= max_attempts {
-            Some(StopReason::AttemptsExhausted)
-        } else {
-            None
-        };
-        if let Some(stop) = stop {
-            log.give_up(stop.code(), error.as_ref().map(display));
-            let exhausted = stop == StopReason::AttemptsExhausted;
-            return match (response, error) {
-                (Some(response), _) => Ok(finish(response, attempt, stop, call, correlation_id)),
-                (None, Some(source)) => Err(RetryError::Transport {
-                    attempts: attempt,
-                    exhausted,
-                    source,
-                }),
-                (None, None) => Err(RetryError::TimedOut {
-                    attempts: attempt,
-                    exhausted,
-                    timeout: settings.attempt_timeout,
-                }),
-            };
         }
+    }
+}
 
-        // Stop: the next attempt cannot start before the deadline.
-        let ceiling = backoff::ceiling(settings.backoff_base, settings.backoff_cap, attempt);
-        let mut delay = backoff::full_jitter(ceiling, rand::random());
-        if let Some(asked) = response
-            .as_ref()
-            .and_then(|r| backoff::retry_after(r.headers(), SystemTime::now()))
-        {
-            delay = delay.max(asked);
+/// Sends attempt `attempt` and waits for it until the per-attempt timeout or the
+/// overall deadline, whichever comes first (the outcome says which). A retry waits for
+/// the client to be ready first; the first attempt's readiness is the caller's
+/// `poll_ready`.
+async fn send<S, B, T>(
+    service: &mut S,
+    request: Request<B>,
+    attempt: u32,
+    settings: &Settings,
+    deadline: Option<Instant>,
+) -> Attempt<T, S::Error>
+where
+    S: Service<Request<B>, Response = Response<T>>,
+{
+    let attempt_end = Instant::now().checked_add(settings.attempt_timeout);
+    let (end, by_deadline) = match (attempt_end, deadline) {
+        (Some(a), Some(d)) if d <= a => (Some(d), true),
+        (None, Some(d)) => (Some(d), true),
+        (a, _) => (a, false),
+    };
+    let ready = attempt > 1;
+    let send = async {
+        if ready {
+            if let Err(error) = poll_fn(|cx| service.poll_ready(cx)).await {
+                return Attempt::NotReady(error);
+            }
         }
-        let next = Instant::now().checked_add(delay);
-        let past_deadline = match (next, call.deadline) {
-            (_, None) => false,
-            (Some(next), Some(deadline)) => next >= deadline,
-            (None, Some(_)) => true,
-        };
-        if past_deadline {
-            log.delay = Some(delay);
-            log.give_up(
-                StopReason::DeadlineReached.code(),
-                error.as_ref().map(display),
-            );
-            return match response {
-                Some(response) => Ok(finish(
-                    response,
-                    attempt,
-                    StopReason::DeadlineReached,
-                    call,
-                    correlation_id,
-                )),
-                None => Err(RetryError::DeadlineExceeded {
-                    attempts: attempt,
-                    deadline: settings.deadline,
-                    last_status,
-                    source: error,
-                }),
-            };
+        match service.call(request).await {
+            Ok(response) => Attempt::Response(response),
+            Err(error) => Attempt::Failed(error),
         }
+    };
+    match end {
+        Some(end) => match tokio::time::timeout_at(end, send).await {
+            Ok(outcome) => outcome,
+            Err(_) if by_deadline => Attempt::DeadlineHit,
+            Err(_) => Attempt::TimedOut,
+        },
+        None => send.await,
+    }
+}
 
-        // Stop: the body streamed and is gone.
-        if call.body.is_none() {
-            log.give_up("body_not_replayable", error.as_ref().map(display));
-            return Err(RetryError::BodyNotReplayable {
+/// What follows attempt `attempt`'s `outcome`, logged: the answer, a stop, or a retry
+/// after a backoff. The checks run in this order: the outcome itself, then whether the
+/// request may be sent again, whether the wait would pass the deadline, and whether
+/// the body is still there to send.
+fn decide<T, B, E: fmt::Display>(
+    settings: &Settings,
+    call: &LogicalRequest<B>,
+    attempt: u32,
+    max_attempts: u32,
+    last_status: Option<StatusCode>,
+    outcome: Attempt<T, E>,
+    log: &mut AttemptLog<'_>,
+) -> Decision<T, E> {
+    let (response, error) = match retryable(settings, attempt, last_status, outcome, log) {
+        Ok(failed) => failed,
+        Err(decision) => return decision,
+    };
+    let status = response.as_ref().map(Response::status);
+
+    // Stop: not safe to repeat, or every attempt used.
+    let stop = if !call.repeatable {
+        Some(StopReason::NotSafeToRepeat)
+    } else if attempt >= max_attempts {
+        Some(StopReason::AttemptsExhausted)
+    } else {
+        None
+    };
+    if let Some(stop) = stop {
+        log.give_up(stop.code(), error.as_ref().map(display));
+        let exhausted = stop == StopReason::AttemptsExhausted;
+        return match (response, error) {
+            (Some(response), _) => Decision::Answer(response, stop),
+            (None, Some(source)) => Decision::Fail(RetryError::Transport {
                 attempts: attempt,
-                last_status: status,
-                source: error,
-            });
-        }
+                exhausted,
+                source,
+            }),
+            (None, None) => Decision::Fail(RetryError::TimedOut {
+                attempts: attempt,
+                exhausted,
+                timeout: settings.attempt_timeout,
+            }),
+        };
+    }
 
+    // Stop: the next attempt cannot start before the deadline.
+    let delay = backoff_delay(settings, attempt, response.as_ref());
+    if starts_past(delay, call.deadline) {
         log.delay = Some(delay);
-        log.retry(error.as_ref().map(display));
-        if status.is_some() {
-            last_status = status;
+        log.give_up(
+            StopReason::DeadlineReached.code(),
+            error.as_ref().map(display),
+        );
+        return match response {
+            Some(response) => Decision::Answer(response, StopReason::DeadlineReached),
+            None => Decision::Fail(RetryError::DeadlineExceeded {
+                attempts: attempt,
+                deadline: settings.deadline,
+                last_status,
+                source: error,
+            }),
+        };
+    }
+
+    // Stop: the body streamed and is gone.
+    if call.body.is_none() {
+        log.give_up("body_not_replayable", error.as_ref().map(display));
+        return Decision::Fail(RetryError::BodyNotReplayable {
+            attempts: attempt,
+            last_status: status,
+            source: error,
+        });
+    }
+
+    log.delay = Some(delay);
+    log.retry(error.as_ref().map(display));
+    // Returning drops the failed response (and its connection) before the wait.
+    Decision::Retry { delay, status }
+}
+
+/// An attempt worth another: its response (one the settings retry) or its error, or
+/// neither after a per-attempt timeout.
+type Retryable<T, E> = (Option<Response<T>>, Option<E>);
+
+/// What the attempt was, and whether it is worth another: `Err` with the decision when
+/// the outcome settles it alone (an answer, a client not ready, the deadline hit).
+fn retryable<T, E: fmt::Display>(
+    settings: &Settings,
+    attempt: u32,
+    last_status: Option<StatusCode>,
+    outcome: Attempt<T, E>,
+    log: &mut AttemptLog<'_>,
+) -> Result<Retryable<T, E>, Decision<T, E>> {
+    match outcome {
+        Attempt::Response(response) => {
+            log.outcome = Outcome::Status(response.status());
+            if !(settings.retry_if)(response.status(), response.headers()) {
+                log.done();
+                return Err(Decision::Answer(response, StopReason::NotRetryable));
+            }
+            Ok((Some(response), None))
         }
-        // Drop the failed response (and its connection) before waiting.
-        drop(response);
-        drop(error);
-        tokio::time::sleep(delay).await;
+        Attempt::Failed(error) => {
+            log.outcome = Outcome::Kind("transport_error");
+            Ok((None, Some(error)))
+        }
+        Attempt::NotReady(error) => {
+            log.outcome = Outcome::Kind("not_ready");
+            log.give_up("not_ready", Some(&error));
+            Err(Decision::Fail(RetryError::Transport {
+                attempts: attempt,
+                exhausted: false,
+                source: error,
+            }))
+        }
+        Attempt::TimedOut => {
+            log.outcome = Outcome::Kind("timed_out");
+            Ok((None, None))
+        }
+        Attempt::DeadlineHit => {
+            log.outcome = Outcome::Kind("deadline_exceeded");
+            log.give_up("deadline_reached", None);
+            Err(Decision::Fail(RetryError::DeadlineExceeded {
+                attempts: attempt,
+                deadline: settings.deadline,
+                last_status,
+                source: None,
+            }))
+        }
+    }
+}
+
+/// The wait before the attempt after `attempt`: full-jitter backoff, or longer if the
+/// response asked for it (`Retry-After`).
+fn backoff_delay<T>(settings: &Settings, attempt: u32, response: Option<&Response<T>>) -> Duration {
+    let ceiling = backoff::ceiling(settings.backoff_base, settings.backoff_cap, attempt);
+    let delay = backoff::full_jitter(ceiling, rand::random());
+    match response.and_then(|r| backoff::retry_after(r.headers(), SystemTime::now())) {
+        Some(asked) => delay.max(asked),
+        None => delay,
+    }
+}
+
+/// Whether an attempt started `delay` from now would start at or after `deadline`
+/// (or so far ahead that the clock cannot say when).
+fn starts_past(delay: Duration, deadline: Option<Instant>) -> bool {
+    match (Instant::now().checked_add(delay), deadline) {
+        (_, None) => false,
+        (Some(next), Some(deadline)) => next >= deadline,
+        (None, Some(_)) => true,
     }
 }
 
@@ -490,7 +556,24 @@ macro_rules! attempt_event {
     };
 }
 
-impl AttemptLog<'_> {
+impl<'a> AttemptLog<'a> {
+    /// The event of attempt `attempt`, its outcome yet to be told.
+    fn new(
+        attempt: u32,
+        correlation_id: &'a CorrelationId,
+        key: Option<&'a IdempotencyKey>,
+    ) -> Self {
+        Self {
+            attempt,
+            correlation_id,
+            key,
+            outcome: Outcome::Kind(""),
+            delay: None,
+            reason: None,
+            error: None,
+        }
+    }
+
     /// DEBUG: the response is the answer.
     fn done(&self) {
         attempt_event!(tracing::Level::DEBUG, self, "done", "Request answered");

@@ -310,11 +310,7 @@ impl<S: Sink> Relay<S> {
     ) -> Stopped {
         let mut wakeup = Wakeup::new(&self.outbox);
         wakeup.listen().await;
-        let mut outage = Duration::ZERO;
-        // Whether the WARN of an outage went out and its `sink_recovered` is owed: a
-        // round's backoff alone (a key that found the broker gone in a round that
-        // otherwise went through) is not an outage to announce or end.
-        let mut announced = false;
+        let mut outage = Outage::default();
         loop {
             let in_hand = InHand::default();
             let round = self.round_with_error(&in_hand);
@@ -331,63 +327,7 @@ impl<S: Sink> Relay<S> {
                     }
                 }
             };
-            let wait = match finished {
-                Ok((round, error)) => {
-                    // The broker answered a message (took it, or refused it for
-                    // itself): an outage is over, even if a later key of the same round
-                    // found it gone again (that key backs off, unannounced). A round
-                    // that sent nothing says nothing of the broker.
-                    let answered = round.published > 0 || round.rejected > 0;
-                    if answered {
-                        if announced {
-                            tracing::info!(
-                                event = "outbox.sink_recovered",
-                                "the broker takes messages again"
-                            );
-                        }
-                        announced = false;
-                        outage = Duration::ZERO;
-                    }
-                    match error {
-                        Some(error) => {
-                            if !announced && !answered {
-                                tracing::warn!(event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
-                                announced = true;
-                            }
-                            outage = next_outage_wait(outage, self.settings.max_outage_backoff);
-                            Wait::For(outage)
-                        }
-                        None => {
-                            // A full batch, or a refusal whose backoff may be over
-                            // already: the next round at once (an idle wait would miss a
-                            // zero backoff).
-                            if round.taken >= self.settings.batch_size || round.rejected > 0 {
-                                Wait::Not
-                            } else {
-                                Wait::Idle
-                            }
-                        }
-                    }
-                }
-                Err(error) => {
-                    outage = next_outage_wait(outage, self.settings.max_outage_backoff);
-                    tracing::warn!(event = "outbox.round_failed", error = %Chain(&error), "could not read or mark the outbox; backing off");
-                    Wait::For(outage)
-                }
-            };
-            let waiting = async {
-                match wait {
-                    Wait::Not => {}
-                    Wait::For(wait) => tokio::time::sleep(wait).await,
-                    Wait::Idle => {
-                        let until_due = self.next_due().await;
-                        let at_most = until_due.map_or(self.settings.poll_interval, |due| {
-                            due.min(self.settings.poll_interval)
-                        });
-                        wakeup.wait(at_most).await;
-                    }
-                }
-            };
+            let wait = outage.after(finished, &self.settings);
             if stopping {
                 return Stopped::default();
             }
@@ -400,7 +340,23 @@ impl<S: Sink> Relay<S> {
             tokio::select! {
                 biased;
                 () = shutdown.as_mut() => return Stopped::default(),
-                () = waiting => {}
+                () = self.wait(wait, &mut wakeup) => {}
+            }
+        }
+    }
+
+    /// Waits as a round asked: its backoff, or while idle until a message is committed
+    /// or due, polling at least every `poll_interval`.
+    async fn wait(&self, wait: Wait, wakeup: &mut Wakeup<'_>) {
+        match wait {
+            Wait::Not => {}
+            Wait::For(wait) => tokio::time::sleep(wait).await,
+            Wait::Idle => {
+                let until_due = self.next_due().await;
+                let at_most = until_due.map_or(self.settings.poll_interval, |due| {
+                    due.min(self.settings.poll_interval)
+                });
+                wakeup.wait(at_most).await;
             }
         }
     }
@@ -489,67 +445,79 @@ impl<S: Sink> Relay<S> {
             return Ok((round, None));
         }
 
-        // One chain per partition key (a message without one is a chain of its own),
-        // in the order of its oldest message; a chain stops at its first failure.
-        let mut chains: Vec<Vec<&Pending>> = Vec::new();
-        let mut chain_of: HashMap<&str, usize> = HashMap::new();
-        for message in &taken {
-            match message.partition_key.as_deref() {
-                Some(key) => match chain_of.get(key) {
-                    Some(&chain) => chains[chain].push(message),
-                    None => {
-                        chain_of.insert(key, chains.len());
-                        chains.push(vec![message]);
-                    }
-                },
-                None => chains.push(vec![message]),
-            }
-        }
-        let full = self.in_full_spell();
-        let outcomes = futures_util::future::join_all(chains.into_iter().map(|chain| {
-            let one_at_a_time = (chain.iter()).any(|message| full.contains(&message.destination));
-            self.publish_chain(chain, one_at_a_time)
-        }))
-        .await;
-
-        let mut published = Vec::new();
-        let mut refused = Vec::new();
-        let mut unavailable = None;
-        for outcome in outcomes.into_iter().flatten() {
-            match outcome {
-                Published::Taken(id) => published.push(id),
-                Published::Refused(message, error) => refused.push((message, error)),
-                Published::Unavailable(message, error) => {
-                    if error.is_full() {
-                        self.full_spell(&message.destination);
-                    }
-                    round.unavailable = true;
-                    unavailable.get_or_insert(error);
-                }
-            }
-        }
-        round.published = published.len();
-        round.rejected = refused.len();
-        if !published.is_empty() {
-            let mark = if self.settings.retention.is_zero() {
-                &sql.forget
-            } else {
-                &sql.mark
-            };
-            sqlx::query(mark)
-                .bind(&published)
-                .execute(&mut *transaction)
-                .await
-                .map_err(|e| OutboxError::database("could not mark messages published", e))?;
-        }
-        if !refused.is_empty() {
-            round.dead_lettered = self.refused(&mut transaction, refused).await?;
+        let outcomes = self.publish_chains(chains_by_key(&taken)).await;
+        let answers = self.answers(outcomes);
+        round.published = answers.published.len();
+        round.rejected = answers.refused.len();
+        round.unavailable = answers.unavailable.is_some();
+        self.mark_published(&mut transaction, &answers.published)
+            .await?;
+        if !answers.refused.is_empty() {
+            round.dead_lettered = self.refused(&mut transaction, answers.refused).await?;
         }
         transaction
             .commit()
             .await
             .map_err(|e| OutboxError::database("could not end a relay round", e))?;
-        Ok((round, unavailable))
+        Ok((round, answers.unavailable))
+    }
+
+    /// Publishes every chain at once, each a key's messages in order; a chain with a
+    /// message for a destination in a full spell goes one message at a time.
+    async fn publish_chains<'m>(&self, chains: Vec<Vec<&'m Pending>>) -> Vec<Vec<Published<'m>>> {
+        let full = self.in_full_spell();
+        futures_util::future::join_all(chains.into_iter().map(|chain| {
+            let one_at_a_time = (chain.iter()).any(|message| full.contains(&message.destination));
+            self.publish_chain(chain, one_at_a_time)
+        }))
+        .await
+    }
+
+    /// What the broker answered, sorted; a destination without room starts or extends
+    /// its full spell.
+    fn answers<'m>(&self, outcomes: Vec<Vec<Published<'m>>>) -> Answers<'m> {
+        let mut answers = Answers {
+            published: Vec::new(),
+            refused: Vec::new(),
+            unavailable: None,
+        };
+        for outcome in outcomes.into_iter().flatten() {
+            match outcome {
+                Published::Taken(id) => answers.published.push(id),
+                Published::Refused(message, error) => answers.refused.push((message, error)),
+                Published::Unavailable(message, error) => {
+                    if error.is_full() {
+                        self.full_spell(&message.destination);
+                    }
+                    answers.unavailable.get_or_insert(error);
+                }
+            }
+        }
+        answers
+    }
+
+    /// Marks the messages the broker took as published, or deletes them at once when
+    /// nothing is retained.
+    async fn mark_published(
+        &self,
+        connection: &mut PgConnection,
+        published: &[i64],
+    ) -> Result<(), OutboxError> {
+        if published.is_empty() {
+            return Ok(());
+        }
+        let sql = &self.outbox.shared.sql;
+        let mark = if self.settings.retention.is_zero() {
+            &sql.forget
+        } else {
+            &sql.mark
+        };
+        sqlx::query(mark)
+            .bind(published)
+            .execute(&mut *connection)
+            .await
+            .map_err(|e| OutboxError::database("could not mark messages published", e))?;
+        Ok(())
     }
 
     /// The destinations whose full spell has not ended.
@@ -736,6 +704,95 @@ fn next_outage_wait(previous: Duration, max: Duration) -> Duration {
         Duration::from_millis(100).min(max)
     } else {
         previous.saturating_mul(2).min(max)
+    }
+}
+
+/// One chain per partition key (a message without one is a chain of its own), in the
+/// order of its oldest message; a chain stops at its first failure.
+fn chains_by_key(taken: &[Pending]) -> Vec<Vec<&Pending>> {
+    let mut chains: Vec<Vec<&Pending>> = Vec::new();
+    let mut chain_of: HashMap<&str, usize> = HashMap::new();
+    for message in taken {
+        match message.partition_key.as_deref() {
+            Some(key) => match chain_of.get(key) {
+                Some(&chain) => chains[chain].push(message),
+                None => {
+                    chain_of.insert(key, chains.len());
+                    chains.push(vec![message]);
+                }
+            },
+            None => chains.push(vec![message]),
+        }
+    }
+    chains
+}
+
+/// What the broker answered in a round.
+struct Answers<'m> {
+    /// The IDs of the messages it took.
+    published: Vec<i64>,
+    /// The messages it refused for themselves, with why.
+    refused: Vec<(&'m Pending, SinkError)>,
+    /// The first error of a broker that was unavailable, if it was.
+    unavailable: Option<SinkError>,
+}
+
+/// What the relay knows of an outage across rounds.
+#[derive(Default)]
+struct Outage {
+    /// The wait after the last failed round; zero when none failed since the broker
+    /// last answered.
+    backoff: Duration,
+    /// Whether the WARN of an outage went out and its `sink_recovered` is owed: a
+    /// round's backoff alone (a key that found the broker gone in a round that
+    /// otherwise went through) is not an outage to announce or end.
+    announced: bool,
+}
+
+impl Outage {
+    /// What a round says of the broker (announcing an outage's start and end), and the
+    /// wait it asks for.
+    fn after(
+        &mut self,
+        finished: Result<(Round, Option<SinkError>), OutboxError>,
+        settings: &Settings,
+    ) -> Wait {
+        let (round, error) = match finished {
+            Ok(finished) => finished,
+            Err(error) => {
+                self.backoff = next_outage_wait(self.backoff, settings.max_outage_backoff);
+                tracing::warn!(event = "outbox.round_failed", error = %Chain(&error), "could not read or mark the outbox; backing off");
+                return Wait::For(self.backoff);
+            }
+        };
+        // The broker answered a message (took it, or refused it for itself): an outage
+        // is over, even if a later key of the same round found it gone again (that key
+        // backs off, unannounced). A round that sent nothing says nothing of the broker.
+        let answered = round.published > 0 || round.rejected > 0;
+        if answered {
+            if self.announced {
+                tracing::info!(
+                    event = "outbox.sink_recovered",
+                    "the broker takes messages again"
+                );
+            }
+            self.announced = false;
+            self.backoff = Duration::ZERO;
+        }
+        match error {
+            Some(error) => {
+                if !self.announced && !answered {
+                    tracing::warn!(event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
+                    self.announced = true;
+                }
+                self.backoff = next_outage_wait(self.backoff, settings.max_outage_backoff);
+                Wait::For(self.backoff)
+            }
+            // A full batch, or a refusal whose backoff may be over already: the next
+            // round at once (an idle wait would miss a zero backoff).
+            None if round.taken >= settings.batch_size || round.rejected > 0 => Wait::Not,
+            None => Wait::Idle,
+        }
     }
 }
 

@@ -19,17 +19,14 @@ use sqlx::{postgres::PgPoolOptions, Connection as _, PgPool};
 use tower_ids::idempotency::message::{amqp::AmqpConsumer, kafka::KafkaConsumer};
 
 use super::{
-    inbox, kafka_broker, payment_of, rabbitmq, rows, server::PostgresServer, support, tables, Runs,
+    inbox, kafka_broker, payment_of, rabbitmq, rows, server::PostgresServer, support,
+    support::full_trials, tables, Runs,
 };
 
 const PAYMENTS: usize = 60;
 const FLAP: Duration = Duration::from_secs(40);
 const FLAP_EVERY: Duration = Duration::from_millis(300);
 const KILLS: usize = 4;
-
-fn full_trials() -> bool {
-    std::env::var_os("TOWER_IDS_FULL_TRIALS").is_some_and(|v| v != "0" && !v.is_empty())
-}
 
 /// What a trial saw.
 struct Tally {

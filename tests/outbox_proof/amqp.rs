@@ -2,12 +2,11 @@
 //! removed after the run; the arguments that point the relays and one consumer per queue
 //! at it; and the fault, every connection of the vhost closed by the broker.
 
-use std::process::Command;
-
 use crate::{
     chaos::{Fault, Fleet},
     database::TestDatabase,
-    rabbitmq, Trial, QUEUES,
+    rabbitmq::{self, rabbitmqctl},
+    Trial, QUEUES,
 };
 
 /// A vhost of the run's own, deleted on drop.
@@ -200,21 +199,4 @@ pub(crate) fn close_connections(vhost: Option<&str>) -> String {
         .unwrap_or("?")
         .to_owned();
     format!("RabbitMQ closed {closed} connections of the run (rabbitmqctl close_all_connections)")
-}
-
-/// `rabbitmqctl ARGS`: its stdout, or why it failed.
-fn rabbitmqctl(args: &[&str]) -> Result<String, String> {
-    let output = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .map_err(|e| format!("rabbitmqctl: {e}"))?;
-    if output.status.success() {
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
-    } else {
-        Err(format!(
-            "rabbitmqctl {args:?}: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ))
-    }
 }

@@ -22,6 +22,7 @@ use super::{
     faults::{pool, prepare, replica, seen, transaction_of, Mode, COMMIT_FAULTS},
     replica::{Ledger, Replica},
     server::PostgresServer,
+    support::full_trials,
 };
 
 /// The store's timeout: the COMMIT's answer is lost once the server is killed (the
@@ -34,10 +35,6 @@ const DOWN: Duration = Duration::from_millis(300);
 /// The traffic's clients on replica B, and how long each of their handlers takes.
 const CLIENTS: usize = 4;
 const TRAFFIC_HANDLER: Duration = Duration::from_millis(20);
-
-fn full_trials() -> bool {
-    std::env::var_os("TOWER_IDS_FULL_TRIALS").is_some_and(|v| v != "0" && !v.is_empty())
-}
 
 async fn committed_runs(pool: &PgPool, key: &str) -> Vec<i64> {
     sqlx::query_scalar("SELECT run FROM commands WHERE key = $1 ORDER BY run")

@@ -52,7 +52,7 @@ use super::{
     proxy::Proxy,
     replica::{Ledger, Replica},
     server::PostgresServer,
-    support::Reply,
+    support::{full_trials, Reply},
 };
 
 /// The handler's time for every key but the slowed one (`x-delay-ms`).
@@ -68,11 +68,6 @@ const CUT_LEAD: Duration = Duration::from_millis(200);
 /// The trials share two cores and time a failover to the tens of milliseconds: one at
 /// a time.
 pub(super) static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// Whether `TOWER_IDS_FULL_TRIALS` asks for the whole matrix.
-pub(super) fn full() -> bool {
-    std::env::var_os("TOWER_IDS_FULL_TRIALS").is_some_and(|v| v != "0" && !v.is_empty())
-}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) enum Replication {
@@ -680,9 +675,9 @@ async fn trials(plans: Vec<Plan>) {
 }
 
 /// Each of `moments` (how A's COMMIT is slowed, when the kill comes), once; with
-/// `TOWER_IDS_FULL_TRIALS`, `more` too, and each twice.
+/// `TOWER_IDS_FULL_TRIALS=1`, `more` too, and each twice.
 fn plans(replication: Replication, moments: &[(Slowed, u64)], more: &[(Slowed, u64)]) -> Vec<Plan> {
-    let (moments, repeats) = if full() {
+    let (moments, repeats) = if full_trials() {
         ([moments, more].concat(), 2)
     } else {
         (moments.to_vec(), 1)
@@ -729,7 +724,7 @@ async fn a_failover_under_asynchronous_replication_counts_what_is_lost() {
         &[(trigger, 500)],
         &[(Slowed::Trigger(Duration::from_secs(3)), 1500)],
     );
-    if !full() {
+    if !full_trials() {
         // Two trials in the default run too: the figures vary.
         plans.push(Plan {
             trial: 2,

@@ -37,7 +37,6 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     future::Future,
-    process::Command,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex,
@@ -70,11 +69,12 @@ use tower_ids::{
 };
 
 use super::{
-    failover::{full, promote, waiting_on, Replication, Streaming, SERIAL},
+    failover::{promote, waiting_on, Replication, Streaming, SERIAL},
     faults::{self, COMMIT_FAULTS},
     proxy::Proxy,
     rabbitmq,
     replica::Ledger,
+    support::full_trials,
 };
 
 /// The stream before the failover, and after the endpoint's move.
@@ -119,7 +119,7 @@ impl Vhost {
             .unwrap_or("guest")
             .to_owned();
         let name = format!("tower-ids-failover-{}", uuid::Uuid::now_v7());
-        if rabbitmqctl(&["add_vhost", &name]).is_err() {
+        if rabbitmq::rabbitmqctl(&["add_vhost", &name]).is_err() {
             return Some(Self {
                 url: base,
                 name: None,
@@ -130,7 +130,7 @@ impl Vhost {
             url: format!("{server}/{name}"),
             name: Some(name.clone()),
         };
-        rabbitmqctl(&["set_permissions", "-p", &name, &user, ".*", ".*", ".*"])
+        rabbitmq::rabbitmqctl(&["set_permissions", "-p", &name, &user, ".*", ".*", ".*"])
             .expect("the vhost's permissions");
         Some(vhost)
     }
@@ -174,27 +174,10 @@ impl Vhost {
 impl Drop for Vhost {
     fn drop(&mut self) {
         if let Some(name) = &self.name {
-            if let Err(error) = rabbitmqctl(&["delete_vhost", name]) {
+            if let Err(error) = rabbitmq::rabbitmqctl(&["delete_vhost", name]) {
                 eprintln!("could not delete the vhost {name}: {error}");
             }
         }
-    }
-}
-
-/// `rabbitmqctl ARGS`, or why it failed.
-fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
-    let output = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .map_err(|e| format!("rabbitmqctl: {e}"))?;
-    if output.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "rabbitmqctl {args:?}: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ))
     }
 }
 
@@ -290,10 +273,10 @@ where
 }
 
 /// The trials: each of `moments` with synchronous replication (asserted) and the first
-/// with asynchronous (printed), once; with `TOWER_IDS_FULL_TRIALS`, `more` too, each
+/// with asynchronous (printed), once; with `TOWER_IDS_FULL_TRIALS=1`, `more` too, each
 /// twice.
 fn plans<M: Copy>(moments: &[M], more: &[M]) -> Vec<(Replication, M, usize)> {
-    let (synchronous, repeats) = if full() {
+    let (synchronous, repeats) = if full_trials() {
         ([moments, more].concat(), 2)
     } else {
         (moments.to_vec(), 1)

@@ -42,7 +42,7 @@ use super::{
     cluster_server::RedisCluster,
     contract,
     replica::{Ledger, Replica},
-    support::Reply,
+    support::{full_trials, Reply},
 };
 
 /// A replica whose layer has `lease`, or the default.
@@ -207,11 +207,6 @@ struct Seen {
     a: Replica,
     b: Replica,
     _cluster: RedisCluster,
-}
-
-/// Whether the whole trial matrix runs (`TOWER_IDS_FULL_TRIALS=1`), or CI's slice.
-fn full_trials() -> bool {
-    std::env::var_os("TOWER_IDS_FULL_TRIALS").is_some()
 }
 
 /// With `TOWER_IDS_TRIAL_LOG` set to a filter (`tower_ids=debug,redis=info`), the
@@ -473,7 +468,7 @@ fn tally(statuses: &[u16]) -> String {
         .join(" ")
 }
 
-/// Runs `plans`, twice each with `TOWER_IDS_FULL_TRIALS`; returns the plans whose
+/// Runs `plans`, twice each with `TOWER_IDS_FULL_TRIALS=1`; returns the plans whose
 /// handler ran more than once, with the count.
 async fn failovers(plans: &[Plan]) -> Vec<(Plan, usize)> {
     let repeats = if full_trials() { 2 } else { 1 };

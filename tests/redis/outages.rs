@@ -22,7 +22,7 @@ use super::{
     faults::{or_never, replica, retry_until, tally, warm_up, Broken, Fault},
     replica::Ledger,
     server::RedisServer,
-    support::Reply,
+    support::{full_trials, Reply},
 };
 
 /// Where in the handler's run Redis goes down.
@@ -77,7 +77,7 @@ impl Plan {
 
 /// Every plan of the matrix, or CI's slice of it: one per lease, at 0.95 of it.
 fn plans() -> Vec<Plan> {
-    let full = std::env::var_os("TOWER_IDS_FULL_TRIALS").is_some();
+    let full = full_trials();
     let leases = [2, 3, 4, 10].map(Duration::from_secs);
     let mut plans = Vec::new();
     for lease in leases {

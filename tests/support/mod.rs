@@ -20,6 +20,14 @@ use tracing_subscriber::fmt::MakeWriter;
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// Whether the fault tests run their whole trial matrix rather than the slice CI runs:
+/// `TOWER_IDS_FULL_TRIALS` set, and neither empty nor `0`. So
+/// `TOWER_IDS_FULL_TRIALS=1` runs it, and `TOWER_IDS_FULL_TRIALS=0` (or unset, or
+/// empty) runs the slice.
+pub fn full_trials() -> bool {
+    std::env::var_os("TOWER_IDS_FULL_TRIALS").is_some_and(|v| v != "0" && !v.is_empty())
+}
+
 /// Serves `app` on 127.0.0.1 on a free port until the test ends.
 pub async fn serve(app: axum::Router) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

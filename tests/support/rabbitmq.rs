@@ -62,7 +62,7 @@ impl Vhost {
             .to_owned();
         let name = format!("tower-ids-{prefix}-{}", uuid::Uuid::now_v7());
         let made = rabbitmqctl(&["add_vhost", &name])
-            .and_then(|()| rabbitmqctl(&["set_permissions", "-p", &name, &user, ".*", ".*", ".*"]));
+            .and_then(|_| rabbitmqctl(&["set_permissions", "-p", &name, &user, ".*", ".*", ".*"]));
         if let Err(error) = made {
             assert!(
                 std::env::var_os("CI").is_none(),
@@ -100,15 +100,21 @@ impl Drop for Vhost {
     }
 }
 
-/// Runs `rabbitmqctl` with `args`.
-pub fn rabbitmqctl(args: &[&str]) -> Result<(), String> {
+/// Runs `rabbitmqctl ARGS` on this machine: its stdout, or why it failed (no
+/// `rabbitmqctl`, or the arguments and everything it printed). The one place the tests
+/// start `rabbitmqctl`.
+pub fn rabbitmqctl(args: &[&str]) -> Result<String, String> {
     let output = std::process::Command::new("rabbitmqctl")
         .args(args)
         .output()
         .map_err(|e| format!("rabbitmqctl: {e}"))?;
     if output.status.success() {
-        Ok(())
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     } else {
-        Err(String::from_utf8_lossy(&output.stderr).into_owned())
+        Err(format!(
+            "rabbitmqctl {args:?}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ))
     }
 }

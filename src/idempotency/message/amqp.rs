@@ -224,30 +224,10 @@ impl AmqpConsumer {
         let mut backoff = Duration::ZERO;
         let mut session = None;
         'connect: loop {
-            if !backoff.is_zero() {
-                tokio::select! {
-                    () = shutdown.as_mut() => break 'connect,
-                    () = tokio::time::sleep(backoff) => {}
-                }
-            }
-            let opened = tokio::select! {
-                () = shutdown.as_mut() => break 'connect,
-                opened = self.open() => opened,
+            let Some(opened) = self.connect(&mut backoff, shutdown.as_mut()).await else {
+                break 'connect;
             };
-            let (connection, consuming, publisher, mut deliveries) = match opened {
-                Ok(opened) => opened,
-                Err(error) => {
-                    if backoff.is_zero() {
-                        tracing::warn!(event = "message.broker_unavailable", queue = %self.queue, error = %error, "cannot consume from RabbitMQ; trying again");
-                    }
-                    backoff =
-                        (backoff * 2).clamp(Duration::from_millis(100), MAX_RECONNECT_BACKOFF);
-                    continue;
-                }
-            };
-            if !backoff.is_zero() {
-                tracing::info!(event = "message.broker_recovered", queue = %self.queue, "consuming again");
-            }
+            let (connection, consuming, publisher, mut deliveries) = opened;
             tracing::info!(event = "message.consuming", queue = %self.queue, prefetch = self.prefetch, "consuming");
             loop {
                 tokio::select! {
@@ -267,17 +247,10 @@ impl AmqpConsumer {
                             // predecessor included: unacknowledged either way.
                             let held = in_hand.hold(name_of(&delivery));
                             let settle = self.clone().settle(delivery, service.clone(), publisher.clone());
+                            let in_turn = after.in_turn(settle);
                             in_flight.spawn(async move {
                                 let _held = held;
-                                let Waiting { before, done } = after;
-                                if let Some(before) = before {
-                                    // Ended either way: settled, or its task gone.
-                                    let _ = before.await;
-                                }
-                                settle.await;
-                                if let Some(done) = done {
-                                    let _ = done.send(());
-                                }
+                                in_turn.await;
                             });
                         }
                         ended => {
@@ -300,6 +273,45 @@ impl AmqpConsumer {
             let _ = tokio::time::timeout(BROKER_ANSWER_TIMEOUT, close).await;
         }
         stopped
+    }
+
+    /// A connection and its channels ([`open`](Self::open)), after waiting out
+    /// `backoff` if it is not zero, and again with a longer one (100 ms doubling to
+    /// 5 s) while RabbitMQ cannot be reached; `None` once `shutdown` resolves. A failed
+    /// first attempt is logged at WARN (a lost connection already was, as
+    /// `message.connection_lost`), and a connection made after a wait at INFO.
+    async fn connect(
+        &self,
+        backoff: &mut Duration,
+        mut shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Option<Opened> {
+        loop {
+            if !backoff.is_zero() {
+                tokio::select! {
+                    () = shutdown.as_mut() => return None,
+                    () = tokio::time::sleep(*backoff) => {}
+                }
+            }
+            let opened = tokio::select! {
+                () = shutdown.as_mut() => return None,
+                opened = self.open() => opened,
+            };
+            match opened {
+                Ok(opened) => {
+                    if !backoff.is_zero() {
+                        tracing::info!(event = "message.broker_recovered", queue = %self.queue, "consuming again");
+                    }
+                    return Some(opened);
+                }
+                Err(error) => {
+                    if backoff.is_zero() {
+                        tracing::warn!(event = "message.broker_unavailable", queue = %self.queue, error = %error, "cannot consume from RabbitMQ; trying again");
+                    }
+                    *backoff =
+                        (*backoff * 2).clamp(Duration::from_millis(100), MAX_RECONNECT_BACKOFF);
+                }
+            }
+        }
     }
 
     /// With [`ordered_by`](Self::ordered_by), the delivery's place in its value's
@@ -350,7 +362,7 @@ impl AmqpConsumer {
 
     /// A connection, its consuming channel, its publishing channel in confirm mode (for
     /// copies and dead letters), and the queue's deliveries at the prefetch.
-    async fn open(&self) -> Result<(Connection, Channel, Channel, lapin::Consumer), lapin::Error> {
+    async fn open(&self) -> Result<Opened, lapin::Error> {
         let connection = Connection::connect(&self.uri, ConnectionProperties::default()).await?;
         let publisher = connection.create_channel().await?;
         publisher
@@ -506,6 +518,9 @@ impl AmqpConsumer {
     }
 }
 
+/// A connection, its consuming channel, its publishing channel, and the deliveries.
+type Opened = (Connection, Channel, Channel, lapin::Consumer);
+
 /// For each header value, the signal that its latest delivery has settled.
 type Chains = HashMap<Vec<u8>, oneshot::Receiver<()>>;
 
@@ -514,6 +529,22 @@ type Chains = HashMap<Vec<u8>, oneshot::Receiver<()>>;
 struct Waiting {
     before: Option<oneshot::Receiver<()>>,
     done: Option<oneshot::Sender<()>>,
+}
+
+impl Waiting {
+    /// Runs `settle` once the delivery before it has settled (or its task is gone),
+    /// then signals the delivery after it.
+    async fn in_turn(self, settle: impl Future<Output = ()>) {
+        let Self { before, done } = self;
+        if let Some(before) = before {
+            // Ended either way: settled, or its task gone.
+            let _ = before.await;
+        }
+        settle.await;
+        if let Some(done) = done {
+            let _ = done.send(());
+        }
+    }
 }
 
 async fn ack(delivery: &Delivery, outcome: &'static str) -> &'static str {

@@ -319,13 +319,7 @@ impl KafkaConsumer {
                 () = shutdown.as_mut() => break,
                 Some(_) = workers.join_next(), if !workers.is_empty() => {}
                 Some(Ok(reserved)) = reserving.join_next(), if !reserving.is_empty() => {
-                    let slot = reserved.0.clone();
-                    let Some(partition) = partitions.get_mut(&slot) else { continue };
-                    if let Some(next) = partition.unheld(reserved) {
-                        reserving.spawn(next);
-                    } else {
-                        pause(&consumer, &slot, false);
-                    }
+                    room_made(&consumer, &mut partitions, &mut reserving, reserved);
                 }
                 received = consumer.recv() => match received {
                     Ok(message) => {
@@ -347,40 +341,80 @@ impl KafkaConsumer {
                 }
             }
         }
-        // No more fetching: each worker settles the message in its hands and stops;
-        // those it was handed and had not begun come again from the committed offset.
-        settings.stopping.store(true, Ordering::Release);
-        drop(partitions);
-        reserving.abort_all();
-        let waiting = workers.len();
-        let drained = tokio::time::timeout(drain_timeout, async {
-            while workers.join_next().await.is_some() {}
-        })
-        .await;
-        // Read before the workers are aborted: an aborted worker lets go of its name.
-        let stopped = settings.in_hand.stopped();
-        if drained.is_err() || !stopped.is_complete() {
-            tracing::warn!(
-                event = "message.drain_unsettled",
-                partitions = waiting,
-                left = ?stopped.left,
-                "stopped with messages unsettled: their offsets are not committed"
-            );
-            workers.abort_all();
-        } else {
-            tracing::info!(
-                event = "message.drained",
-                partitions = waiting,
-                "every message in flight settled"
-            );
-        }
-        // The settled offsets, committed before leaving the group.
-        if let Err(error) = consumer.commit_consumer_state(rdkafka::consumer::CommitMode::Sync) {
-            tracing::debug!(event = "message.commit_failed", error = %error, "could not commit the settled offsets at stop");
-        }
-        consumer.unsubscribe();
-        stopped
+        stop(
+            &consumer,
+            &settings,
+            partitions,
+            workers,
+            reserving,
+            drain_timeout,
+        )
+        .await
     }
+}
+
+/// A room made in a partition's buffer: the next message held back takes it, or, with
+/// none held back, the partition is resumed.
+fn room_made(
+    consumer: &StreamConsumer,
+    partitions: &mut HashMap<Slot, Partition>,
+    reserving: &mut JoinSet<Reserved>,
+    reserved: Reserved,
+) {
+    let slot = reserved.0.clone();
+    let Some(partition) = partitions.get_mut(&slot) else {
+        return;
+    };
+    if let Some(next) = partition.unheld(reserved) {
+        reserving.spawn(next);
+    } else {
+        pause(consumer, &slot, false);
+    }
+}
+
+/// A stop, once fetching has ended: each worker settles the message in its hands
+/// within `drain_timeout` and stops (those it was handed and had not begun come again
+/// from the committed offset), the settled offsets are committed, and the consumer
+/// leaves the group. Names what it left.
+async fn stop(
+    consumer: &StreamConsumer,
+    settings: &Settings,
+    partitions: HashMap<Slot, Partition>,
+    mut workers: JoinSet<()>,
+    mut reserving: JoinSet<Reserved>,
+    drain_timeout: Duration,
+) -> Stopped {
+    settings.stopping.store(true, Ordering::Release);
+    drop(partitions);
+    reserving.abort_all();
+    let waiting = workers.len();
+    let drained = tokio::time::timeout(drain_timeout, async {
+        while workers.join_next().await.is_some() {}
+    })
+    .await;
+    // Read before the workers are aborted: an aborted worker lets go of its name.
+    let stopped = settings.in_hand.stopped();
+    if drained.is_err() || !stopped.is_complete() {
+        tracing::warn!(
+            event = "message.drain_unsettled",
+            partitions = waiting,
+            left = ?stopped.left,
+            "stopped with messages unsettled: their offsets are not committed"
+        );
+        workers.abort_all();
+    } else {
+        tracing::info!(
+            event = "message.drained",
+            partitions = waiting,
+            "every message in flight settled"
+        );
+    }
+    // The settled offsets, committed before leaving the group.
+    if let Err(error) = consumer.commit_consumer_state(rdkafka::consumer::CommitMode::Sync) {
+        tracing::debug!(event = "message.commit_failed", error = %error, "could not commit the settled offsets at stop");
+    }
+    consumer.unsubscribe();
+    stopped
 }
 
 struct Settings {

@@ -442,9 +442,24 @@ pub(super) async fn wait(
     scope: &ScopeKey,
     timeout: Duration,
 ) -> Result<Settled, StoreError> {
+    // Held to the end, the reading of what the holder left included.
     let Ok(_waiting) = shared.waiters.try_acquire() else {
         return Ok(Settled::TimedOut);
     };
+    match lock_wait(shared, scope, timeout).await? {
+        Some(transaction) => after_the_holder(shared, scope, transaction).await,
+        None => Ok(Settled::TimedOut),
+    }
+}
+
+/// A transaction that holds `scope`'s lock, once the transaction that held it has
+/// ended; `None` if it still held it after `timeout` (the server's lock timeout, or
+/// the store's timeout on top of it here, with the wait cancelled).
+async fn lock_wait(
+    shared: &Arc<Shared>,
+    scope: &ScopeKey,
+    timeout: Duration,
+) -> Result<Option<sqlx::Transaction<'static, Postgres>>, StoreError> {
     // `lock_timeout` is an int4 of milliseconds.
     let millis = millis_i64(timeout).min(i64::from(i32::MAX));
     let settings = format!("SET LOCAL lock_timeout = {millis}");
@@ -475,20 +490,28 @@ pub(super) async fn wait(
     }
     drop(abandoned);
     match granted {
-        Ok(Ok(_)) => {}
+        Ok(Ok(_)) => Ok(Some(transaction)),
         // 55P03, lock_not_available: the lock timeout.
         Ok(Err(sqlx::Error::Database(error))) if error.code().as_deref() == Some("55P03") => {
             end(shared, transaction).await;
-            return Ok(Settled::TimedOut);
+            Ok(None)
         }
-        Ok(Err(error)) => {
-            return Err(StoreError::with_source(
-                "waiting for a key in PostgreSQL",
-                error,
-            ))
-        }
-        Err(_) => return Ok(Settled::TimedOut),
+        Ok(Err(error)) => Err(StoreError::with_source(
+            "waiting for a key in PostgreSQL",
+            error,
+        )),
+        Err(_) => Ok(None),
     }
+}
+
+/// What the holder of `scope` left, read under its lock by `transaction`: its record,
+/// a durable mode's claim (still running), or nothing, and then `transaction` keeps
+/// the lock and the waiting request holds the key.
+async fn after_the_holder(
+    shared: &Arc<Shared>,
+    scope: &ScopeKey,
+    mut transaction: sqlx::Transaction<'static, Postgres>,
+) -> Result<Settled, StoreError> {
     let settled = match find(shared, scope, &mut transaction).await? {
         Found::Record {
             record,
