@@ -153,18 +153,20 @@
 )]
 
 #[cfg(feature = "correlation")]
-pub mod body;
+#[doc(inline)]
+pub use tower_ids_correlation::body;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "correlation")]
-pub mod correlation;
+#[doc(inline)]
+pub use tower_ids_correlation as correlation;
 #[cfg(all(feature = "correlation", feature = "idempotency"))]
 pub mod cors;
 #[cfg(any(feature = "idempotency", feature = "client"))]
 pub mod idempotency;
 #[cfg(feature = "outbox")]
 pub mod outbox;
-#[cfg(feature = "correlation")]
+#[cfg(feature = "idempotency")]
 mod problem;
 
 #[cfg(all(feature = "correlation", feature = "idempotency"))]
@@ -206,7 +208,9 @@ pub mod guide {
 }
 
 #[cfg(feature = "correlation")]
-pub use problem::{CORRELATION_PROBLEM_DOCS, IDEMPOTENCY_PROBLEM_DOCS, PROBLEM_JSON};
+pub use tower_ids_correlation::problem::{
+    CORRELATION_PROBLEM_DOCS, IDEMPOTENCY_PROBLEM_DOCS, PROBLEM_JSON,
+};
 
 #[cfg(feature = "client")]
 pub use client::RetryLayer;

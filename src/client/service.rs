@@ -481,7 +481,7 @@ fn attempt_request<B: ReplayableBody>(
     }
     parts.extensions.insert(correlation_id.clone());
     #[cfg(feature = "opentelemetry")]
-    crate::correlation::otel::inject_trace_context(&mut parts.headers);
+    crate::correlation::inject_trace_context(&mut parts.headers);
     Request::from_parts(parts, body)
 }
 

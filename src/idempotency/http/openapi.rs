@@ -21,7 +21,7 @@ use crate::idempotency::{
     },
     Code, IdempotencyKey,
 };
-use crate::{problem::PROBLEM_JSON, IDEMPOTENCY_PROBLEM_DOCS};
+use crate::{IDEMPOTENCY_PROBLEM_DOCS, PROBLEM_JSON};
 
 /// The problems the layer answers with, by status, described; the codes of each are
 /// [`answered_with`]'s.

@@ -9,7 +9,6 @@ use axum_core::{
 use http::request::Parts;
 
 use crate::idempotency::{store::Transaction, Code};
-use crate::problem::Problem;
 
 /// The request's [`Transaction`] as an axum extractor. On a route without an
 /// idempotency layer over a `PostgresStore` in transactional mode, or on a request the
@@ -39,7 +38,7 @@ impl IntoResponse for TransactionRejection {
             event = event::TRANSACTION_MISSING,
             "Transaction extracted but no idempotency layer over a PostgresStore in transactional mode offered one"
         );
-        Problem::idempotency(
+        crate::problem::idempotency(
             Code::TransactionMissing,
             "this route takes the request's transaction, but no idempotency layer over a PostgresStore in transactional mode runs it",
         )

@@ -16,7 +16,6 @@ use crate::idempotency::{
     store::Record,
     Code, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_EXPIRES,
 };
-use crate::problem::Problem;
 
 impl Transport for Http {
     type Status = StatusCode;
@@ -75,9 +74,9 @@ impl Transport for Http {
         key: Option<&IdempotencyKey>,
         answer: Answer,
     ) -> Response<Body<B>> {
-        let mut response = Problem::idempotency(answer.code, answer.detail)
+        let mut response = crate::problem::idempotency(answer.code, answer.detail)
             .docs(settings.transport.problem_docs.as_deref())
-            .idempotency_key(key)
+            .idempotency_key(key.map(IdempotencyKey::as_str))
             .into_response();
         if let Some(delay) = answer.retry_after {
             let seconds = delay.as_secs().max(u64::from(delay.subsec_nanos() > 0));

@@ -10,7 +10,7 @@ use super::{
 /// Applies [`Correlation`] to a service: restores or generates the correlation ID of
 /// every request.
 ///
-/// See the [module docs](crate::correlation) for what it does and an example.
+/// See the [module docs](crate) for what it does and an example.
 ///
 /// # Clone
 ///

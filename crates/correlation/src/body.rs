@@ -51,20 +51,18 @@ impl<B> Body<B> {
     }
 
     /// The bytes of a complete body.
-    #[cfg(feature = "idempotency")]
-    pub(crate) fn complete_bytes(&self) -> Option<Bytes> {
+    #[doc(hidden)]
+    pub fn complete_bytes(&self) -> Option<Bytes> {
         match &self.kind {
             Kind::Complete { data } => Some(data.clone().unwrap_or_default()),
             _ => None,
         }
     }
 
-    /// A complete body followed by `trailers` (a gRPC response's status); a build
-    /// without gRPC has no trailers to give.
-    #[cfg(feature = "idempotency")]
-    pub(crate) fn with_trailers(data: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
+    /// A complete body followed by `trailers` (a gRPC response's status).
+    #[doc(hidden)]
+    pub fn with_trailers(data: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
         match trailers {
-            #[cfg(feature = "grpc")]
             trailers @ Some(_) => Self {
                 kind: Kind::Trailed {
                     data: (!data.is_empty()).then_some(data),
@@ -76,8 +74,8 @@ impl<B> Body<B> {
     }
 
     /// `prefix`, then the rest of `rest`.
-    #[cfg(feature = "idempotency")]
-    pub(crate) fn prefixed(prefix: Bytes, rest: B) -> Self {
+    #[doc(hidden)]
+    pub fn prefixed(prefix: Bytes, rest: B) -> Self {
         Self {
             kind: Kind::Prefixed {
                 prefix: (!prefix.is_empty()).then_some(prefix),

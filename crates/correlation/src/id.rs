@@ -50,7 +50,7 @@ tokio::task_local! {
 /// digits and `-._:` (see [`CorrelationId::parse`]), so it is safe in a log line and
 /// in a header.
 ///
-/// See the [module docs](crate::correlation) for the layers that create it.
+/// See the [module docs](crate) for the layers that create it.
 #[derive(Clone)]
 pub struct CorrelationId(Arc<Inner>);
 
@@ -170,8 +170,8 @@ impl CorrelationId {
 
     /// Whether the current task has an ID ([`current`](Self::current) without the
     /// clone).
-    #[cfg(feature = "idempotency")]
-    pub(crate) fn is_current() -> bool {
+    #[doc(hidden)]
+    pub fn is_current() -> bool {
         CURRENT.try_with(|_| ()).is_ok()
     }
 
@@ -523,7 +523,7 @@ impl std::error::Error for CorrelationIdError {}
 /// ASCII. Implemented for closures `Fn(&str) -> Result<(), CorrelationIdError>`.
 ///
 /// ```
-/// use tower_ids::correlation::{CorrelationLayer, CorrelationIdError};
+/// use tower_ids_correlation::{CorrelationLayer, CorrelationIdError};
 ///
 /// // Accept only UUIDs.
 /// let layer = CorrelationLayer::new().validator(|id: &str| {

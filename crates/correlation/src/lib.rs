@@ -11,7 +11,7 @@
 //! use std::convert::Infallible;
 //! use http::{Request, Response};
 //! use tower::{service_fn, ServiceBuilder, ServiceExt};
-//! use tower_ids::correlation::{CorrelationId, CorrelationLayer};
+//! use tower_ids_correlation::{CorrelationId, CorrelationLayer};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Infallible> {
@@ -42,7 +42,7 @@
 //! # #[cfg(feature = "axum")]
 //! # mod example {
 //! use axum::{routing::get, Router};
-//! use tower_ids::correlation::{CorrelationId, CorrelationLayer};
+//! use tower_ids_correlation::{CorrelationId, CorrelationLayer};
 //!
 //! async fn handler(id: CorrelationId) -> String {
 //!     format!("working on {id}")
@@ -163,7 +163,7 @@
 //! An extension that would pass the length bound replaces the ID instead.
 //!
 //! ```
-//! use tower_ids::correlation::CorrelationId;
+//! use tower_ids_correlation::CorrelationId;
 //!
 //! let parent = CorrelationId::parse("abcd-efgh").unwrap();
 //! assert_eq!(parent.next_child(), "abcd-efgh.1");
@@ -187,6 +187,7 @@
 //! | `correlation.restore_rejected` | WARN | [`restore`](CorrelationId::restore) was given an invalid ID |
 //! | `http.access` | INFO | with [`access_log`][access_log]: a request was answered (`status`, `latency_ms`) |
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 // Links to items of features that are off point at their type instead.
 #![cfg_attr(
     feature = "access-log",
@@ -250,14 +251,17 @@ macro_rules! request_span {
 
 #[cfg(feature = "access-log")]
 mod access_log;
+pub mod body;
 mod carrier;
 mod future;
 mod id;
 mod layer;
 mod make;
 #[cfg(feature = "opentelemetry")]
-pub(crate) mod otel;
+mod otel;
 mod outbound;
+#[doc(hidden)]
+pub mod problem;
 #[cfg(feature = "reqwest")]
 mod reqwest_client;
 mod service;
@@ -271,6 +275,9 @@ use http::HeaderName;
 pub use self::access_log::{AccessLine, AccessLog, AccessLogLayer, AccessSpan};
 #[cfg(feature = "axum")]
 pub use self::extract::CorrelationIdRejection;
+#[cfg(feature = "opentelemetry")]
+#[doc(hidden)]
+pub use self::otel::inject_trace_context;
 #[cfg(feature = "opentelemetry")]
 pub use self::otel::{TraceContext, BAGGAGE, BAGGAGE_CORRELATION_ID, TRACEPARENT, TRACESTATE};
 pub use self::{
@@ -294,8 +301,8 @@ pub use self::{
 pub const DEFAULT_HEADER: HeaderName = HeaderName::from_static("x-correlation-id");
 
 /// `duration` in milliseconds, to the microsecond: what a log line needs.
-#[cfg(any(feature = "access-log", feature = "idempotency"))]
-pub(crate) fn log_millis(duration: std::time::Duration) -> f64 {
+#[doc(hidden)]
+pub fn log_millis(duration: std::time::Duration) -> f64 {
     // Exact below 2^53 µs (285 years).
     #[allow(clippy::cast_precision_loss)]
     let micros = duration.as_micros() as f64;

@@ -113,7 +113,7 @@ pub(super) fn set_correlation_attribute(span: &Span, id: &CorrelationId) {
 
 /// The trace context of the current span, on `headers`, unless they carry a
 /// `traceparent` already. Nothing without a valid OpenTelemetry context.
-pub(crate) fn inject_trace_context(headers: &mut HeaderMap) {
+pub fn inject_trace_context(headers: &mut HeaderMap) {
     if headers.contains_key(TRACEPARENT) {
         return;
     }
@@ -132,7 +132,7 @@ pub(crate) fn inject_trace_context(headers: &mut HeaderMap) {
 /// line it logs carries the request's `trace_id` and the spans form one trace.
 ///
 /// ```
-/// use tower_ids::correlation::TraceContext;
+/// use tower_ids_correlation::TraceContext;
 ///
 /// // Stored with the work (here, two text columns of an outbox row) ...
 /// let stored = TraceContext::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", None)

@@ -145,7 +145,7 @@ impl Carrier for lapin::types::FieldTable {
 ///
 /// ```
 /// use http::HeaderMap;
-/// use tower_ids::correlation::{Carrier, CorrelationId, MessageCorrelation};
+/// use tower_ids_correlation::{Carrier, CorrelationId, MessageCorrelation};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {

@@ -39,7 +39,7 @@ impl<B> MakeCorrelationId<B> for MakeUuidV7 {
 ///
 /// ```
 /// use http::Request;
-/// use tower_ids::correlation::{CorrelationId, CorrelationLayer};
+/// use tower_ids_correlation::{CorrelationId, CorrelationLayer};
 ///
 /// let layer = CorrelationLayer::new().make_span(|request: &Request<()>, id: &CorrelationId| {
 ///     tracing::info_span!(
@@ -140,7 +140,7 @@ impl<B> MakeSpan<B> for DefaultMakeSpan {
 /// use http::Request;
 /// use tower::ServiceBuilder;
 /// use tower_http::trace::TraceLayer;
-/// use tower_ids::correlation::{CorrelationLayer, CurrentSpan};
+/// use tower_ids_correlation::{CorrelationLayer, CurrentSpan};
 /// # let handler = tower::service_fn(|_: Request<String>| async {
 /// #     Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
 /// # });

@@ -19,7 +19,7 @@ use super::{CorrelationId, DEFAULT_HEADER};
 ///
 /// ```
 /// use tower::ServiceBuilder;
-/// use tower_ids::correlation::OutboundCorrelationLayer;
+/// use tower_ids_correlation::OutboundCorrelationLayer;
 /// # let client = tower::service_fn(|_: http::Request<String>| async {
 /// #     Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
 /// # });

@@ -16,7 +16,7 @@ use crate::{body::Body, problem::Problem};
 
 /// Middleware that gives every request a correlation ID.
 ///
-/// Made by [`CorrelationLayer`]; see the [module docs](crate::correlation).
+/// Made by [`CorrelationLayer`]; see the [module docs](crate).
 #[derive(Debug, Clone)]
 pub struct Correlation<S, M = MakeUuidV7, V = DefaultValidator, P = DefaultMakeSpan> {
     pub(super) inner: S,

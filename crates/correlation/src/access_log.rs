@@ -71,7 +71,7 @@ impl<M, V, P> CorrelationLayer<M, V, P> {
     ///
     /// ```
     /// use axum::{routing::get, Router};
-    /// use tower_ids::correlation::CorrelationLayer;
+    /// use tower_ids_correlation::CorrelationLayer;
     ///
     /// let app: Router = Router::new()
     ///     .route("/", get(|| async { "ok" }))

@@ -13,7 +13,7 @@ use super::{CorrelationId, OutboundCorrelationLayer};
 /// never overwritten.
 ///
 /// ```
-/// use tower_ids::correlation::OutboundCorrelationLayer;
+/// use tower_ids_correlation::OutboundCorrelationLayer;
 ///
 /// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
 ///     .with(OutboundCorrelationLayer::new().extend_per_call(true))
