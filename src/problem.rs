@@ -96,7 +96,7 @@ mod tests {
                     let Some(book) = Code::ALL.into_iter().find(|c| *c == code) else {
                         continue;
                     };
-                    let grpc = format!("{:?}", book.grpc());
+                    let grpc = format!("{:?}", tonic::Code::from_i32(book.grpc_status()));
                     let mut screaming = String::new();
                     for (i, ch) in grpc.char_indices() {
                         if ch.is_uppercase() && i > 0 {
@@ -146,5 +146,19 @@ mod tests {
                 assert!(answered_with(*status).contains(&code.as_str()), "{code}");
             }
         }
+    }
+
+    /// Every event the layers log is in the idempotency module docs' list of events.
+    #[test]
+    fn every_event_is_documented() {
+        let docs = source("idempotency/mod.rs");
+        let missing: Vec<_> = tower_ids_core::event::ALL
+            .iter()
+            .filter(|name| !docs.contains(&format!("`{name}`")))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "events the module docs leave out: {missing:?}"
+        );
     }
 }

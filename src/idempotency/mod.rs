@@ -372,76 +372,71 @@
 // With the `client` feature alone, only the key, its header names and the attempt ID
 // are compiled: what the retry layer sends. Everything else is the layers'.
 //
-// The imports run one way: the adapters (`http`, `grpc`, `message`) side by side, then
-// what two of them share (`client`, `collect`, `rejection`, `response`), then `core`,
-// then `store`, then `key`, `scope` and `header`.
+// The core (keys, scope, codes, policy, the store trait and the engine) is the
+// `tower-ids-core` crate, re-exported here; this crate's adapters (`http`, `grpc`,
+// `message`) sit on it, then what two of them share (`client`, `collect`, `response`).
 #[cfg(feature = "idempotency")]
 mod adapter;
 #[cfg(feature = "idempotency")]
 mod client;
 #[cfg(feature = "idempotency")]
-mod code;
-#[cfg(feature = "idempotency")]
 mod collect;
 #[cfg(feature = "idempotency")]
-mod core;
+pub(crate) use tower_ids_core::engine as core;
 #[cfg(feature = "grpc")]
 pub mod grpc;
-pub mod header;
+pub use tower_ids_core::header;
 #[cfg(feature = "idempotency")]
 pub(crate) mod http;
-mod key;
 #[cfg(feature = "idempotency")]
 pub mod message;
 #[cfg(feature = "idempotency")]
-mod rejection;
-#[cfg(feature = "idempotency")]
 mod response;
-#[cfg(feature = "idempotency")]
-mod scope;
 #[cfg(feature = "idempotency")]
 pub mod store;
 
-#[cfg(feature = "idempotency")]
-pub use self::core::observe::field;
-#[cfg(all(
-    feature = "idempotency",
-    any(feature = "amqp", feature = "kafka", feature = "outbox")
-))]
-pub(crate) use self::core::InHand;
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub use self::http::TransactionRejection;
-pub use self::key::{AttemptId, IdempotencyKey, IdempotencyKeyError};
 #[cfg(feature = "idempotency")]
 pub use self::{
     adapter::{Idempotency, IdempotencyLayer},
     client::{ClientFromAuthorization, ClientFromExtension, ClientFromHeader},
-    code::Code,
-    core::{
-        Drain, Drained, InFlight, Policy, PolicyError, ReplayInfo, Stopped, StorageRule,
-        StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
-    },
     http::{
         EpochFromExtension, EpochFromHeader, Http, JsonReplayMarker, KeyFromHeader, KeyFromJson,
         OnReplay, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,
         DEFAULT_MAX_RESPONSE_BYTES,
     },
     response::ResponseFuture,
-    scope::ClientId,
     store::{IdempotencyStore, MokaStore},
 };
-
+#[cfg(all(
+    feature = "idempotency",
+    any(feature = "amqp", feature = "kafka", feature = "outbox")
+))]
+pub(crate) use tower_ids_core::engine::InHand;
+#[cfg(feature = "idempotency")]
+pub use tower_ids_core::field;
+pub use tower_ids_core::{AttemptId, IdempotencyKey, IdempotencyKeyError};
+#[cfg(feature = "idempotency")]
+pub use tower_ids_core::{
+    ClientId, Code, Drain, Drained, InFlight, Policy, PolicyError, ReplayInfo, Stopped,
+    StorageRule, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER,
+    DEFAULT_TTL,
+};
 // For the crate's own modules: the names every part of the layers uses, at one path.
 #[cfg(feature = "idempotency")]
-pub(crate) use self::{
+pub(crate) use tower_ids_core::{
     header::{
         ATTEMPT_ID, IDEMPOTENCY_EXPIRES, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_KEY,
         IDEMPOTENCY_REQUEST_COUNT, IDEMPOTENT_REPLAYED, ORIGINAL_ATTEMPT_ID, X_IDEMPOTENCY_KEY,
     },
-    rejection::KeyRejection,
-    scope::{Fingerprint, ScopeKey},
+    store::{Fingerprint, ScopeKey},
+    KeyRejection,
 };
-
+#[cfg(feature = "idempotency")]
+pub(crate) mod code {
+    pub(crate) use tower_ids_core::{event, Code};
+}
 #[cfg(feature = "idempotency")]
 pub mod extract {
     //! The customisation points of the HTTP layer, for a key, a client or an epoch
@@ -456,20 +451,9 @@ pub mod extract {
     pub use super::{
         client::{ClientRejection, IdentifyClient, IntoClientIdentity, NoClient},
         http::{EpochRejection, ExtractEpoch, ExtractKey, ExtractedKey, IntoExtractedKey, NoEpoch},
-        rejection::KeyRejection,
     };
+    pub use tower_ids_core::KeyRejection;
 }
 
 #[cfg(feature = "idempotency")]
-pub mod metrics {
-    //! The names of the idempotency layers' metrics (feature `metrics`, on the
-    //! [`metrics`](https://docs.rs/metrics) facade), and [`describe`] for their help
-    //! texts. The [module docs](crate::idempotency#metrics) list what each counts.
-    #![cfg_attr(not(feature = "metrics"), doc = "", doc = "[`describe`]: self")]
-
-    #[cfg(feature = "metrics")]
-    pub use super::core::observe::describe;
-    pub use super::core::observe::{
-        RELEASED, REQUESTS, REQUESTS_IN_FLIGHT, STORE_CALL_DURATION, STORE_FAILURES,
-    };
-}
+pub use tower_ids_core::metrics;

@@ -33,7 +33,7 @@ pub(super) struct Settings {
     pub(super) fallbacks: Vec<HeaderName>,
     pub(super) max_len: usize,
     pub(super) enforce: bool,
-    /// The base of problem types, when not [`CORRELATION_PROBLEM_DOCS`](crate::CORRELATION_PROBLEM_DOCS).
+    /// The base of problem types, when not [`CORRELATION_PROBLEM_DOCS`](crate::problem::CORRELATION_PROBLEM_DOCS).
     pub(super) problem_docs: Option<Arc<str>>,
     /// Continue an incoming W3C trace on the span.
     #[cfg(feature = "opentelemetry")]
@@ -106,7 +106,7 @@ impl<M, V, P> CorrelationLayer<M, V, P> {
 
     /// The base URL of problem types: a refusal's `type` (and its `Link: <...>;
     /// rel="describedby"` header) is `base` followed by its `code`. Default
-    /// [`CORRELATION_PROBLEM_DOCS`](crate::CORRELATION_PROBLEM_DOCS), this crate's
+    /// [`CORRELATION_PROBLEM_DOCS`](crate::problem::CORRELATION_PROBLEM_DOCS), this crate's
     /// page, which has an anchor per code.
     ///
     /// # Panics

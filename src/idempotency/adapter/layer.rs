@@ -42,7 +42,7 @@ impl<St: IdempotencyStore, T> IdempotencyLayer<St, NoClient, NoEpoch, T> {
     /// A layer over `store`, with every transport's defaults and `transport`'s.
     pub(crate) fn over(store: Arc<St>, transport: T) -> Self {
         Self {
-            engine: Engine::new(store),
+            engine: crate::idempotency::store::engine_over(store),
             identify: NoClient,
             epoch: NoEpoch,
             settings: Arc::new(Settings {
@@ -104,6 +104,29 @@ impl<St, C, E, T: Clone> IdempotencyLayer<St, C, E, T> {
     /// A handle to wait, when the service stops, for what this layer (and its clones)
     /// still owes the store: handlers that run on for clients that hung up, outcomes
     /// kept until the store takes them, releases not yet answered. See [`Drain`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use axum::{routing::post, Router};
+    /// use tower_ids::{correlation::CorrelationLayer, idempotency::IdempotencyLayer};
+    ///
+    /// # async fn run() -> std::io::Result<()> {
+    /// let idempotency = IdempotencyLayer::new();
+    /// let drain = idempotency.drain();
+    /// let app = Router::new()
+    ///     .route("/orders", post(|| async { "created" }).layer(idempotency))
+    ///     .layer(CorrelationLayer::new());
+    /// let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    /// axum::serve(listener, app)
+    ///     .with_graceful_shutdown(async { /* e.g. tokio::signal::ctrl_c() */ })
+    ///     .await?;
+    /// // Every connection is done; now what the layer still owes the store.
+    /// let drained = drain.wait(Duration::from_secs(10)).await;
+    /// assert!(drained.is_complete());
+    /// # Ok(())
+    /// # }
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(run()).unwrap();
+    /// ```
     pub fn drain(&self) -> Drain {
         self.engine.drain()
     }

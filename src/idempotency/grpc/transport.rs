@@ -102,7 +102,7 @@ impl Transport for Grpc {
         if let Some(delay) = answer.retry_after {
             details.set_retry_info(Some(delay));
         }
-        tonic::Status::with_error_details(answer.code.grpc(), answer.detail, details)
+        tonic::Status::with_error_details(grpc(answer.code), answer.detail, details)
             .into_http::<()>()
             .map(|()| Body::complete(Bytes::new()))
     }
@@ -135,7 +135,7 @@ impl Transport for Grpc {
     }
 
     fn answered(code: Code) -> Answered {
-        Answered::Grpc(code_name(code.grpc()))
+        Answered::Grpc(code_name(grpc(code)))
     }
 
     // The codes gRPC's HTTP mapping gives a 5xx: a transaction the handler took is
@@ -208,4 +208,9 @@ const fn code_name(code: GrpcCode) -> &'static str {
         GrpcCode::DataLoss => "DATA_LOSS",
         GrpcCode::Unauthenticated => "UNAUTHENTICATED",
     }
+}
+
+/// The gRPC status code a call refused with `code` is answered with.
+pub(crate) fn grpc(code: Code) -> tonic::Code {
+    tonic::Code::from_i32(code.grpc_status())
 }

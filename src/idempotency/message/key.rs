@@ -5,10 +5,7 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
-use crate::{
-    correlation::Carrier,
-    idempotency::{Fingerprint, IdempotencyKey, KeyRejection, ScopeKey, IDEMPOTENCY_KEY},
-};
+use crate::idempotency::{Fingerprint, IdempotencyKey, KeyRejection, ScopeKey};
 
 /// What a message is deduplicated on: its idempotency key, the parts that scope it, and
 /// the payload the key must always come with.
@@ -136,28 +133,6 @@ pub struct NoMessageKey;
 impl<M> ExtractMessageKey<M> for NoMessageKey {
     fn extract_key(&self, _message: &M) -> Result<Option<MessageKey>, KeyRejection> {
         Ok(None)
-    }
-}
-
-impl IdempotencyKey {
-    /// The key in a message's `idempotency-key` header: `Ok(None)` when absent; refused
-    /// when not 1 to 255 visible ASCII characters (taken as it is, no header quoting).
-    pub fn from_carrier(carrier: &impl Carrier) -> Result<Option<Self>, KeyRejection> {
-        let Some(raw) = carrier.get(IDEMPOTENCY_KEY.as_str()) else {
-            return Ok(None);
-        };
-        let text = std::str::from_utf8(raw)
-            .map_err(|_| KeyRejection::new("the idempotency-key header is not text"))?;
-        Ok(Some(Self::new(text)?))
-    }
-
-    /// Writes this key into the `idempotency-key` header of an outgoing message (with
-    /// the correlation ID, [`MessageCorrelation::inject`](crate::correlation::MessageCorrelation::inject)),
-    /// unless it carries one.
-    pub fn inject(&self, carrier: &mut impl Carrier) {
-        if carrier.get(IDEMPOTENCY_KEY.as_str()).is_none() {
-            carrier.set(IDEMPOTENCY_KEY.as_str(), self.as_str());
-        }
     }
 }
 

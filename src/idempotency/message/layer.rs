@@ -80,7 +80,7 @@ impl<R, St: IdempotencyStore> MessageIdempotencyLayer<R, St> {
     pub fn with_shared_store(store: Arc<St>) -> Self {
         Self {
             extract: Arc::new(NoMessageKey),
-            engine: Engine::new(store),
+            engine: crate::idempotency::store::engine_over(store),
             settings: Arc::new(MessageSettings {
                 require_key: false,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,

@@ -262,10 +262,7 @@ impl IdempotencyStore for MokaStore {
         })));
         shard.sweep_if_due(now);
         Ok(Begin::Claimed {
-            lease: Lease {
-                token: u128::from(token),
-                first_seen: now,
-            },
+            lease: Lease::new(u128::from(token), now),
         })
     }
 

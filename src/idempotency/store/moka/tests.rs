@@ -10,11 +10,11 @@ fn scope(key: &str) -> ScopeKey {
 }
 
 fn claim() -> Claim {
-    Claim {
-        fingerprint: Fingerprint::new("POST", "/", None, None, b""),
-        lease: Duration::from_secs(60),
-        epoch: None,
-    }
+    Claim::new(
+        Fingerprint::new("POST", "/", None, None, b""),
+        Duration::from_secs(60),
+        None,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,18 +50,14 @@ async fn only_the_lease_holder_settles() {
     let Begin::Claimed { lease } = store.begin(&scope("k"), claim()).await.unwrap() else {
         panic!("claimed");
     };
-    let stranger = Lease {
-        token: lease.token + 1000,
-        first_seen: lease.first_seen,
-    };
-    let record = Arc::new(Record {
-        fingerprint: claim().fingerprint,
-        first_seen: lease.first_seen,
-        original_attempt: None,
-        epoch: None,
-        payload: None,
-        expires_at: None,
-    });
+    let stranger = Lease::new(lease.token + 1000, lease.first_seen);
+    let record = Arc::new(Record::new(
+        claim().fingerprint,
+        lease.first_seen,
+        None,
+        None,
+        None,
+    ));
     let ttl = Duration::from_secs(60);
     assert!(!store.release(&scope("k"), &stranger).await.unwrap());
     assert_eq!(
@@ -102,22 +98,15 @@ async fn only_the_lease_holder_settles() {
 // Eviction.
 
 async fn store_one(store: &MokaStore, key: &str) {
-    let claim = Claim {
-        fingerprint: Fingerprint::new("POST", "/", None, None, b""),
-        lease: Duration::from_secs(60),
-        epoch: None,
-    };
+    let claim = Claim::new(
+        Fingerprint::new("POST", "/", None, None, b""),
+        Duration::from_secs(60),
+        None,
+    );
     let Begin::Claimed { lease } = store.begin(&scope(key), claim.clone()).await.unwrap() else {
         panic!("{key} is new");
     };
-    let record = Record {
-        fingerprint: claim.fingerprint,
-        first_seen: lease.first_seen,
-        original_attempt: None,
-        epoch: None,
-        payload: None,
-        expires_at: None,
-    };
+    let record = Record::new(claim.fingerprint, lease.first_seen, None, None, None);
     let ttl = Duration::from_secs(3600);
     assert!(store
         .complete(&scope(key), &lease, Arc::new(record), ttl)
@@ -151,11 +140,11 @@ async fn an_evicted_record_is_gone_and_its_key_runs_again() {
     let store = overfilled(100, 300).await;
 
     assert!(store.entry_count() <= 100, "{}", store.entry_count());
-    let claim = Claim {
-        fingerprint: Fingerprint::new("POST", "/", None, None, b""),
-        lease: Duration::from_secs(60),
-        epoch: None,
-    };
+    let claim = Claim::new(
+        Fingerprint::new("POST", "/", None, None, b""),
+        Duration::from_secs(60),
+        None,
+    );
     assert!(matches!(
         store.begin(&scope("key-0"), claim).await.unwrap(),
         Begin::Claimed { .. }
@@ -186,11 +175,11 @@ async fn a_full_store_keeps_the_newest_record_for_its_retry() {
     // The old records are popular: each retried twice.
     for _ in 0..2 {
         for i in 0..100 {
-            let claim = Claim {
-                fingerprint: Fingerprint::new("POST", "/", None, None, b""),
-                lease: Duration::from_secs(60),
-                epoch: None,
-            };
+            let claim = Claim::new(
+                Fingerprint::new("POST", "/", None, None, b""),
+                Duration::from_secs(60),
+                None,
+            );
             store
                 .begin(&scope(&format!("old-{i}")), claim)
                 .await
@@ -200,11 +189,11 @@ async fn a_full_store_keeps_the_newest_record_for_its_retry() {
     store_one(&store, "new").await;
     store.run_pending_tasks().await;
 
-    let claim = Claim {
-        fingerprint: Fingerprint::new("POST", "/", None, None, b""),
-        lease: Duration::from_secs(60),
-        epoch: None,
-    };
+    let claim = Claim::new(
+        Fingerprint::new("POST", "/", None, None, b""),
+        Duration::from_secs(60),
+        None,
+    );
     let retry = store.begin(&scope("new"), claim).await.unwrap();
     assert!(
         matches!(retry, Begin::Completed { .. }),

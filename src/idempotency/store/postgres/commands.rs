@@ -82,10 +82,7 @@ impl IdempotencyStore for PostgresStore {
         if self.mode == PostgresMode::Transactional {
             return transaction::claim(&self.shared, scope).await;
         }
-        let lease = Lease {
-            token: rand::random(),
-            first_seen: std::time::SystemTime::now(),
-        };
+        let lease = Lease::new(rand::random(), std::time::SystemTime::now());
         let token = token_bytes(&lease);
         let sent = SentClaim::new(self, *scope, lease.clone(), claim.lease);
         let row = self

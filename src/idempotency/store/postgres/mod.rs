@@ -24,7 +24,7 @@ mod transient;
 
 pub use self::transaction::{Transaction, TransactionError, TransactionGuard};
 pub use self::transient::is_transient;
-pub(crate) use self::transient::transient_cause;
+pub(crate) use self::transient::passing_fault;
 
 /// The table the store keeps its records in, unless built with another.
 pub const DEFAULT_POSTGRES_TABLE: &str = "tower_ids_idempotency";

@@ -386,10 +386,7 @@ fn held(
     shared: &Arc<Shared>,
     transaction: sqlx::Transaction<'static, Postgres>,
 ) -> (Lease, Box<dyn HandlerTransaction>) {
-    let lease = Lease {
-        token: rand::random(),
-        first_seen: std::time::SystemTime::now(),
-    };
+    let lease = Lease::new(rand::random(), std::time::SystemTime::now());
     let offered = Offered {
         handle: Transaction {
             slot: Arc::new(Slot {

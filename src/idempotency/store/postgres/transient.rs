@@ -85,3 +85,17 @@ fn passes(error: &sqlx::Error) -> Option<String> {
         _ => None,
     }
 }
+
+/// The database's passing faults in a handler's error of any type: an `sqlx::Error`,
+/// alone or in a `BoxError`'s chain, that [`is_transient`] recognises; what the layers
+/// add to every engine they build.
+pub(crate) fn passing_fault(error: &dyn std::any::Any) -> Option<String> {
+    let error: &(dyn Error + 'static) = if let Some(error) = error.downcast_ref::<sqlx::Error>() {
+        error
+    } else if let Some(error) = error.downcast_ref::<Box<dyn Error + Send + Sync>>() {
+        &**error
+    } else {
+        return None;
+    };
+    transient_cause(error)
+}

@@ -479,10 +479,7 @@ impl IdempotencyStore for RedisStore {
             }
         }
         let now = self.clock.now();
-        let lease = Lease {
-            token: rand::random(),
-            first_seen: now,
-        };
+        let lease = Lease::new(rand::random(), now);
         let value = claim_value(&lease, &claim)?;
         let lease_ms = millis_of(claim.lease);
         let sent = SentClaim::new(self, *scope, lease.clone(), claim.lease);
