@@ -77,7 +77,7 @@ use std::{fmt, sync::Arc};
 use sqlx::PgPool;
 
 use self::sql::Statements;
-use crate::idempotency::store::postgres::{migrate_from_template, valid_table};
+use tower_ids_postgres::migration::{migrate_from_template, valid_table};
 
 pub use enqueue::{Message, MessageId};
 pub use inspect::DeadLetter;
@@ -272,5 +272,14 @@ mod tests {
         let refused = Outbox::new(pool.clone()).table("outbox; DROP TABLE x");
         assert!(refused.is_err_and(|e| e.to_string().contains("plain identifiers")));
         assert!(Outbox::new(pool).table("app.events").is_ok());
+    }
+
+    #[test]
+    fn the_migration_renames_its_table_and_every_index_of_it() {
+        let outbox =
+            tower_ids_postgres::migration::for_table(MIGRATION, "tower_ids_outbox", "app.events");
+        assert!(outbox.contains("CREATE TABLE IF NOT EXISTS app.events ("));
+        assert!(outbox.contains("INDEX IF NOT EXISTS events_pending\n    ON app.events"));
+        assert!(!outbox.contains("tower_ids_outbox"));
     }
 }

@@ -32,8 +32,10 @@ pub use self::{
     rejection::KeyRejection,
     scope::ClientId,
 };
-// For the crate's own modules: the names every part of the engine uses, at one path.
-pub(crate) use self::scope::{Fingerprint, ScopeKey};
+// The names every part of the engine and the stores use, at one path (the public one is
+// `store::`).
+#[doc(hidden)]
+pub use self::scope::{Fingerprint, ScopeKey};
 
 pub mod metrics {
     //! The names of the idempotency layers' metrics (feature `metrics`, on the

@@ -151,6 +151,7 @@ pub struct AccessLine;
 impl<B> OnResponse<B> for AccessLine {
     fn on_response(self, response: &Response<B>, latency: Duration, _span: &Span) {
         tracing::info!(
+            target: "tower_ids::correlation",
             event = "http.access",
             status = response.status().as_u16(),
             latency_ms = millis(latency),

@@ -273,6 +273,7 @@ impl MessageCorrelation {
             Err(error) => {
                 let id = CorrelationId::new_with_max_len(self.max_len);
                 tracing::warn!(
+                    target: "tower_ids::correlation",
                     event = "correlation.invalid",
                     correlation_id = id.as_str(),
                     header = &*self.header,
@@ -334,11 +335,12 @@ impl MessageCorrelation {
         #[cfg(not(feature = "opentelemetry"))]
         let span = {
             let _ = carrier;
-            tracing::info_span!("correlation", correlation_id = %id)
+            tracing::info_span!(target: "tower_ids::correlation", "correlation", correlation_id = %id)
         };
         #[cfg(feature = "opentelemetry")]
         let span = {
             let span = tracing::info_span!(
+                target: "tower_ids::correlation",
                 "correlation",
                 correlation_id = %id,
                 trace_id = tracing::field::Empty,

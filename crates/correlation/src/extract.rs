@@ -49,6 +49,7 @@ pub struct CorrelationIdRejection;
 impl IntoResponse for CorrelationIdRejection {
     fn into_response(self) -> Response {
         tracing::error!(
+            target: "tower_ids::correlation",
             event = "correlation.layer_missing",
             "CorrelationId extracted but no CorrelationLayer wraps this route"
         );

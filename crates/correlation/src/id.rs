@@ -178,7 +178,7 @@ impl CorrelationId {
     /// Runs `future` with this ID as the task-local and inside a `correlation` span
     /// carrying `correlation_id`.
     pub fn scope<F: Future>(self, future: F) -> Instrumented<TaskLocalFuture<Self, F>> {
-        let span = tracing::info_span!("correlation", correlation_id = %self);
+        let span = tracing::info_span!(target: "tower_ids::correlation", "correlation", correlation_id = %self);
         CURRENT.scope(self, future).instrument(span)
     }
 
@@ -335,6 +335,7 @@ impl CorrelationId {
             }
             Err(invalid) => {
                 tracing::warn!(
+                    target: "tower_ids::correlation",
                     event = "correlation.restore_rejected",
                     corr_id = self.as_str(),
                     reason = invalid.reason(),
@@ -349,6 +350,7 @@ impl CorrelationId {
 
 fn announce_replacement(old: &str, new: &str, reason: &'static str) {
     tracing::info!(
+        target: "tower_ids::correlation",
         event = "correlation.replacing",
         corr_id = old,
         new_corr_id = new,
@@ -356,6 +358,7 @@ fn announce_replacement(old: &str, new: &str, reason: &'static str) {
         "Replacing correlation id"
     );
     tracing::info!(
+        target: "tower_ids::correlation",
         event = "correlation.replaced",
         corr_id = new,
         old_corr_id = old,

@@ -221,6 +221,7 @@ macro_rules! request_span {
     ($level:expr, $name:literal, $($fields:tt)*) => {{
         #[cfg(not(feature = "opentelemetry"))]
         let span = tracing::span!(
+            target: "tower_ids::correlation",
             $level,
             $name,
             $($fields)*
@@ -233,6 +234,7 @@ macro_rules! request_span {
         );
         #[cfg(feature = "opentelemetry")]
         let span = tracing::span!(
+            target: "tower_ids::correlation",
             $level,
             $name,
             $($fields)*

@@ -118,6 +118,7 @@ where
             },
             Err(error) => {
                 tracing::warn!(
+                    target: "tower_ids::correlation",
                     event = "correlation.invalid",
                     header = "baggage",
                     reason = error.reason(),
@@ -246,6 +247,7 @@ impl Refused<'_> {
         match self {
             Refused::Missing => {
                 tracing::warn!(
+                    target: "tower_ids::correlation",
                     event = "correlation.missing",
                     correlation_id = id.as_str(),
                     header = settings.header.as_str(),
@@ -261,6 +263,7 @@ impl Refused<'_> {
             }
             Refused::Invalid { error, header } if settings.enforce => {
                 tracing::warn!(
+                    target: "tower_ids::correlation",
                     event = "correlation.rejected",
                     correlation_id = id.as_str(),
                     header = header.as_str(),
@@ -278,6 +281,7 @@ impl Refused<'_> {
             }
             Refused::Invalid { error, header } => {
                 tracing::warn!(
+                    target: "tower_ids::correlation",
                     event = "correlation.invalid",
                     correlation_id = id.as_str(),
                     header = header.as_str(),

@@ -15,12 +15,8 @@ mod layer;
 pub(crate) mod openapi;
 mod replay;
 mod stored;
-#[cfg(all(feature = "postgres", feature = "axum"))]
-mod transaction;
 mod transport;
 
-#[cfg(all(feature = "postgres", feature = "axum"))]
-pub use self::transaction::TransactionRejection;
 pub use self::{
     epoch::{EpochFromExtension, EpochFromHeader, EpochRejection, ExtractEpoch, NoEpoch},
     extract::{ExtractKey, ExtractedKey, IntoExtractedKey, KeyFromHeader, KeyFromJson},
@@ -29,3 +25,5 @@ pub use self::{
     },
     replay::{JsonReplayMarker, OnReplay},
 };
+#[cfg(all(feature = "postgres", feature = "axum"))]
+pub use tower_ids_postgres::TransactionRejection;

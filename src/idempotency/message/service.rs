@@ -337,7 +337,7 @@ where
 }
 
 /// A claimed message's handler, for the engine (which puts the transaction it offers,
-/// if any, where [`Transaction::current`](crate::idempotency::store::postgres::Transaction)
+/// if any, where [`Transaction::current`](crate::idempotency::store::Transaction)
 /// finds it).
 struct Delivery<S, M> {
     inner: S,

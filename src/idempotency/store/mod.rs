@@ -2,30 +2,22 @@
 //! `tower-ids-core`) and its implementations, [`MokaStore`] embedded, `RedisStore`
 //! (feature `redis`) and `PostgresStore` (feature `postgres`).
 
-mod moka;
-#[cfg(feature = "postgres")]
-pub(crate) mod postgres;
-#[cfg(feature = "redis")]
-mod redis;
-
 #[doc(inline)]
 pub use tower_ids_core::store::*;
 
-pub use self::moka::{
+pub use tower_ids_moka::{
     MokaStore, MokaStoreBuilder, DEFAULT_MOKA_MAX_BYTES, MOKA_ENTRY_OVERHEAD_BYTES,
 };
 #[cfg(feature = "postgres")]
-pub use self::postgres::{
+pub use tower_ids_postgres::{
     is_transient, PostgresMode, PostgresStore, PostgresStoreBuilder, Transaction, TransactionError,
     TransactionGuard, DEFAULT_POSTGRES_CLEANUP_BATCH, DEFAULT_POSTGRES_CLEANUP_INTERVAL,
     DEFAULT_POSTGRES_COMMAND_TIMEOUT, DEFAULT_POSTGRES_TABLE,
 };
 #[cfg(feature = "redis")]
-pub use self::redis::{
+pub use tower_ids_redis::{
     RedisStore, RedisStoreBuilder, DEFAULT_REDIS_COMMAND_TIMEOUT, DEFAULT_REDIS_PREFIX,
 };
-#[cfg(any(feature = "redis", feature = "postgres"))]
-use tower_ids_core::store::sent_claim::SentClaim;
 
 /// The engine every layer of this crate runs over `store`: it also counts the
 /// database's passing faults in a handler's error as passing (with feature `postgres`,
@@ -36,6 +28,6 @@ pub(crate) fn engine_over<St: IdempotencyStore>(
     #[allow(unused_mut)]
     let mut engine = crate::idempotency::core::Engine::new(store);
     #[cfg(feature = "postgres")]
-    engine.recognise_transient(postgres::passing_fault);
+    engine.recognise_transient(tower_ids_postgres::passing_fault);
     engine
 }

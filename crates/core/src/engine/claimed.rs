@@ -240,6 +240,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             Classified::Store(payload) => self.complete(original_attempt, Some(payload)).await,
             Classified::TooLarge { max_bytes } => {
                 tracing::warn!(
+                    target: "tower_ids::idempotency",
                     event = event::RESPONSE_TOO_LARGE,
                     max_bytes,
                     "outcome over the idempotency limit: handed to this caller, not kept; duplicates are refused as not replayable, never run again"
@@ -248,6 +249,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             }
             Classified::Unencodable(error) => {
                 tracing::warn!(
+                    target: "tower_ids::idempotency",
                     event = event::OUTCOME_UNSERIALISABLE,
                     error = %error,
                     "the outcome does not encode: not kept; duplicates are refused as not replayable, never run again"
@@ -256,6 +258,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             }
             Classified::Failed(error) => {
                 tracing::warn!(
+                    target: "tower_ids::idempotency",
                     event = event::RESPONSE_FAILED,
                     error = %error,
                     "the response failed while being read; nothing is stored, so a retry runs again"
@@ -388,6 +391,7 @@ impl<St: IdempotencyStore> Claimed<St> {
                 }
                 Settlement::Failed(error) => {
                     tracing::warn!(
+                        target: "tower_ids::idempotency",
                         event = event::COMMIT_FAILED,
                         error = %Chain(&error),
                         "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
@@ -397,6 +401,7 @@ impl<St: IdempotencyStore> Claimed<St> {
                 }
                 Settlement::Unknown(error) => {
                     tracing::warn!(
+                        target: "tower_ids::idempotency",
                         event = event::OUTCOME_UNKNOWN,
                         error = %Chain(&error),
                         "the commit's answer was lost and the store could not tell whether it landed; a retry with this key replays the outcome if it did, and runs again once the database has settled that it did not"
@@ -415,6 +420,7 @@ impl<St: IdempotencyStore> Claimed<St> {
         observe::store_time(self.store_time);
         match completed {
             Ok(Completion::ClaimedByAnother) => tracing::warn!(
+                target: "tower_ids::idempotency",
                 event = event::CLAIM_LAPSED,
                 "this request's claim ran out while it ran and another request holds the key now; keeping the outcome and storing it once that claim is settled (dropped only if a record takes the key)"
             ),
@@ -423,6 +429,7 @@ impl<St: IdempotencyStore> Claimed<St> {
                 return stored(completion);
             }
             Err(error) => tracing::warn!(
+                target: "tower_ids::idempotency",
                 event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "complete",
@@ -454,6 +461,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             (Released::Broke(broke), _) => Failure::TransactionBroke(error, broke),
             (Released::Lease | Released::RolledBack, Some(why)) => {
                 tracing::warn!(
+                    target: "tower_ids::idempotency",
                     event = event::TRANSIENT_FAILURE,
                     error = why.as_str(),
                     "the handler failed on a passing fault: nothing is kept, and a retry runs again"
@@ -476,6 +484,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             observe::store_time(self.store_time + started.elapsed());
             if let Settlement::Failed(error) | Settlement::Unknown(error) = settlement {
                 tracing::warn!(
+                    target: "tower_ids::idempotency",
                     event = event::TRANSACTION_BROKE,
                     error = %Chain(&error),
                     "the request's transaction broke under its handler: a passing fault, not the handler's; nothing it wrote stands, and a retry runs again"

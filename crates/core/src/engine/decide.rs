@@ -208,6 +208,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 return match policy.store_failure {
                     StoreFailure::FailClosed => {
                         tracing::warn!(
+                            target: "tower_ids::idempotency",
                             event = event::STORE_FAILED,
                             error = %Chain(&error),
                             phase = "begin",
@@ -218,6 +219,7 @@ impl<St: IdempotencyStore> Engine<St> {
                     }
                     StoreFailure::FailOpen => {
                         tracing::warn!(
+                            target: "tower_ids::idempotency",
                             event = event::STORE_FAILED,
                             error = %Chain(&error),
                             phase = "begin",
@@ -232,6 +234,7 @@ impl<St: IdempotencyStore> Engine<St> {
         match begin {
             Begin::Claimed { lease } => {
                 tracing::debug!(
+                    target: "tower_ids::idempotency",
                     event = event::ACCEPTED,
                     "idempotency key accepted; running the handler"
                 );
@@ -239,6 +242,7 @@ impl<St: IdempotencyStore> Engine<St> {
             }
             Begin::ClaimedByTransaction { lease, transaction } => {
                 tracing::debug!(
+                    target: "tower_ids::idempotency",
                     event = event::ACCEPTED,
                     "idempotency key accepted; running the handler in the transaction that holds it"
                 );
@@ -328,6 +332,7 @@ impl<St: IdempotencyStore> Engine<St> {
         match waited {
             Ok(Settled::ClaimedByTransaction { lease, transaction }) => {
                 tracing::debug!(
+                    target: "tower_ids::idempotency",
                     event = event::ACCEPTED,
                     "the work this one waited for ended without an outcome; running the handler in the transaction that now holds the key"
                 );
@@ -345,6 +350,7 @@ impl<St: IdempotencyStore> Engine<St> {
             Ok(Settled::TimedOut) => in_flight(first_seen, request_count, AFTER_WAIT),
             Ok(Settled::Released) => {
                 tracing::debug!(
+                    target: "tower_ids::idempotency",
                     event = event::ORIGINAL_FAILED,
                     "the work this one waited for did not complete; retry"
                 );
@@ -353,6 +359,7 @@ impl<St: IdempotencyStore> Engine<St> {
             Err(error) if error.is_exhausted() => pool_exhausted(&error),
             Err(error) => {
                 tracing::warn!(
+                    target: "tower_ids::idempotency",
                     event = event::STORE_FAILED,
                     error = %Chain(&error),
                     phase = "wait",
@@ -541,6 +548,7 @@ fn in_flight<St: IdempotencyStore>(
     retry_after: Duration,
 ) -> Decision<St> {
     tracing::debug!(
+        target: "tower_ids::idempotency",
         event = event::IN_FLIGHT,
         request_count,
         retry_after_ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX),
@@ -555,6 +563,7 @@ fn in_flight<St: IdempotencyStore>(
 
 fn pool_exhausted<St: IdempotencyStore>(error: &StoreError) -> Decision<St> {
     tracing::warn!(
+        target: "tower_ids::idempotency",
         event = event::POOL_EXHAUSTED,
         error = %Chain(error),
         "no database connection was free for this request in time; nothing ran"
@@ -564,6 +573,7 @@ fn pool_exhausted<St: IdempotencyStore>(error: &StoreError) -> Decision<St> {
 
 fn conflict<St: IdempotencyStore>() -> Decision<St> {
     tracing::warn!(
+        target: "tower_ids::idempotency",
         event = event::CONFLICT,
         "idempotency key reused with another request"
     );
@@ -575,6 +585,7 @@ fn epoch_mismatch<St: IdempotencyStore>(
     requested: Option<u64>,
 ) -> Decision<St> {
     tracing::warn!(
+        target: "tower_ids::idempotency",
         event = event::EPOCH_MISMATCH,
         recorded_epoch = recorded,
         request_epoch = requested,
@@ -611,6 +622,7 @@ fn settled<St: IdempotencyStore>(
 /// A duplicate answered with the stored outcome: its event.
 fn replayed(record: &Record, request_count: u64) {
     tracing::debug!(
+        target: "tower_ids::idempotency",
         event = event::REPLAYED,
         request_count,
         status = record.payload.as_ref().map(Payload::status),
@@ -630,6 +642,7 @@ pub fn replay_failed(request_count: u64) {
 /// A duplicate of work that ran, whose outcome this transport cannot hand back.
 fn not_replayable(request_count: u64) {
     tracing::debug!(
+        target: "tower_ids::idempotency",
         event = event::NOT_REPLAYABLE,
         request_count,
         "the work ran but its outcome was not kept, or cannot be handed back here"

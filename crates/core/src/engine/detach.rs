@@ -113,6 +113,7 @@ impl<T: 'static> Drop for Detaching<T> {
                 // The request's line: no access line is written for an answer no one
                 // was there to take.
                 tracing::info!(
+                    target: "tower_ids::idempotency",
                     event = event::DETACHED,
                     finished_after_ms = tower_ids_correlation::log_millis(detached.elapsed()),
                     "the client went away before the answer; the work ran to its end in a task of its own (its outcome stored, kept for the store, or its key released, as the events before say)"

@@ -251,6 +251,7 @@ impl Drain {
         let settled = tokio::time::timeout(timeout, count.wait_for(|pending| *pending == 0));
         if matches!(settled.await, Ok(Ok(_))) {
             tracing::info!(
+                target: "tower_ids::idempotency",
                 event = event::DRAINED,
                 "every outcome this layer owed the store is settled"
             );
@@ -264,6 +265,7 @@ impl Drain {
             .collect();
         for (owed, span) in &pending {
             tracing::warn!(
+                target: "tower_ids::idempotency",
                 parent: span,
                 event = event::DRAIN_UNSETTLED,
                 owed = owed.as_str(),

@@ -39,6 +39,7 @@ pub(super) fn report(completion: Completion, record: &Record, ttl: Duration, att
     let bytes = record.weight();
     match completion {
         Completion::Stored => tracing::debug!(
+            target: "tower_ids::idempotency",
             event = event::STORED,
             status,
             bytes,
@@ -47,6 +48,7 @@ pub(super) fn report(completion: Completion, record: &Record, ttl: Duration, att
             "stored the response for replay"
         ),
         Completion::StoredWithoutClaim => tracing::warn!(
+            target: "tower_ids::idempotency",
             event = event::STORED,
             status,
             bytes,
@@ -56,6 +58,7 @@ pub(super) fn report(completion: Completion, record: &Record, ttl: Duration, att
             "stored the response, but the store had lost this request's claim (restarted without persistence, or the lease ran out): a duplicate may have run meanwhile"
         ),
         Completion::Superseded => tracing::warn!(
+            target: "tower_ids::idempotency",
             event = event::LEASE_LOST,
             status,
             attempts,
@@ -152,6 +155,7 @@ impl KeptOutcomes {
         if held > max_bytes {
             self.bytes.fetch_sub(weight, Ordering::Relaxed);
             tracing::warn!(
+                target: "tower_ids::idempotency",
                 event = event::KEPT_OVER_BUDGET,
                 bytes = weight,
                 max_bytes,
@@ -225,6 +229,7 @@ async fn store_until_done<St: IdempotencyStore>(
         match completed.await {
             Ok(Completion::ClaimedByAnother) => {
                 tracing::debug!(
+                    target: "tower_ids::idempotency",
                     event = event::CLAIM_LAPSED,
                     attempts,
                     "another request's claim holds the key; trying again once it is settled"
@@ -233,6 +238,7 @@ async fn store_until_done<St: IdempotencyStore>(
             Ok(completion) => return report(completion, &outcome.record, outcome.ttl, attempts),
             Err(error) => {
                 tracing::debug!(
+                    target: "tower_ids::idempotency",
                     event = event::STORE_FAILED,
                     error = %Chain(&error),
                     phase = "complete",
@@ -247,6 +253,7 @@ async fn store_until_done<St: IdempotencyStore>(
                 );
                 if let Ok(Renewal::Restored) = renewed.await {
                     tracing::warn!(
+                        target: "tower_ids::idempotency",
                         event = event::CLAIM_RESTORED,
                         "the store had lost this request's claim (restarted without persistence?); it is back, but a duplicate may have run meanwhile"
                     );

@@ -115,11 +115,12 @@ pub(super) async fn renew<St: IdempotencyStore>(
 ) -> Renewed {
     match observe::store_call("renew", store.renew(scope, lease, claim)).await {
         Ok(Renewal::Extended) => {
-            tracing::trace!(event = event::LEASE_RENEWED, "renewed the claim");
+            tracing::trace!(target: "tower_ids::idempotency", event = event::LEASE_RENEWED, "renewed the claim");
             Renewed::Held
         }
         Ok(Renewal::Restored) => {
             tracing::warn!(
+                target: "tower_ids::idempotency",
                 event = event::CLAIM_RESTORED,
                 "the store had lost this request's claim (restarted without persistence, or the lease ran out unrenewed); it is back, but a duplicate may have run meanwhile"
             );
@@ -127,6 +128,7 @@ pub(super) async fn renew<St: IdempotencyStore>(
         }
         Ok(Renewal::Lost) => {
             tracing::warn!(
+                target: "tower_ids::idempotency",
                 event = event::LEASE_LOST,
                 "another request holds this key now: this request's claim ran out while it was running; its outcome is stored once that request's claim is settled, unless a record takes the key first"
             );
@@ -134,6 +136,7 @@ pub(super) async fn renew<St: IdempotencyStore>(
         }
         Err(error) if failed == 0 => {
             tracing::warn!(
+                target: "tower_ids::idempotency",
                 event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "renew",
@@ -143,6 +146,7 @@ pub(super) async fn renew<St: IdempotencyStore>(
         }
         Err(error) => {
             tracing::debug!(
+                target: "tower_ids::idempotency",
                 event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "renew",
@@ -196,6 +200,7 @@ pub(super) async fn release<St: IdempotencyStore>(
 pub(super) fn released_with_transaction(reason: Release) {
     let reason = reason.as_str();
     tracing::debug!(
+        target: "tower_ids::idempotency",
         event = event::RELEASED,
         reason,
         "released the idempotency key with its transaction; a retry runs again"
@@ -215,6 +220,7 @@ async fn try_release<St: IdempotencyStore>(
     match observe::store_call("release", store.release(scope, lease)).await {
         Ok(true) => {
             tracing::debug!(
+                target: "tower_ids::idempotency",
                 event = event::RELEASED,
                 reason = reason_str,
                 attempts,
@@ -225,6 +231,7 @@ async fn try_release<St: IdempotencyStore>(
         }
         Ok(false) => {
             tracing::warn!(
+                target: "tower_ids::idempotency",
                 event = event::LEASE_LOST,
                 reason = reason_str,
                 "nothing to release: this request's claim had run out and another request holds the key"
@@ -233,6 +240,7 @@ async fn try_release<St: IdempotencyStore>(
         }
         Err(error) if attempts == 1 => {
             tracing::warn!(
+                target: "tower_ids::idempotency",
                 event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "release",
@@ -243,6 +251,7 @@ async fn try_release<St: IdempotencyStore>(
         }
         Err(error) => {
             tracing::debug!(
+                target: "tower_ids::idempotency",
                 event = event::STORE_FAILED,
                 error = %Chain(&error),
                 phase = "release",

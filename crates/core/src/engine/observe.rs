@@ -194,6 +194,7 @@ pub fn protected_span(
     }
     let correlation_id = CorrelationId::current();
     Some(tracing::info_span!(
+        target: "tower_ids::idempotency",
         "idempotency",
         correlation_id = correlation_id.as_ref().map(CorrelationId::as_str),
         idempotency_key = key.map(IdempotencyKey::as_str),
@@ -348,6 +349,7 @@ impl LayerOrder {
     pub fn check(&self) {
         if !CorrelationId::is_current() && !self.warned.swap(true, Ordering::Relaxed) {
             tracing::warn!(
+                target: "tower_ids::idempotency",
                 event = event::UNCORRELATED,
                 "no correlation id in scope: the idempotency layer runs outside the correlation layer (or without one), so its replays and refusals carry none; put CorrelationLayer outside it (ServiceBuilder: add it first; axum: `Router::layer` it last, after the routes); logged once per layer"
             );

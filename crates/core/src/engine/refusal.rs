@@ -35,6 +35,7 @@ pub fn rejected(reason: &'static str, code: Code, detail: &str, answered: Answer
         Answered::Settled => (None, None),
     };
     tracing::warn!(
+        target: "tower_ids::idempotency",
         event = event::REJECTED,
         reason,
         code = code.as_str(),
@@ -49,6 +50,7 @@ pub fn rejected(reason: &'static str, code: Code, detail: &str, answered: Answer
 pub fn body_too_large(max_bytes: usize) {
     observe::outcome("rejected");
     tracing::warn!(
+        target: "tower_ids::idempotency",
         event = event::BODY_TOO_LARGE,
         max_bytes,
         "request body over the idempotency limit"
@@ -59,6 +61,7 @@ pub fn body_too_large(max_bytes: usize) {
 pub fn overloaded(budget_bytes: usize, requested_bytes: usize) {
     observe::outcome("rejected");
     tracing::warn!(
+        target: "tower_ids::idempotency",
         event = event::OVERLOADED,
         budget_bytes,
         requested_bytes,
@@ -70,6 +73,7 @@ pub fn overloaded(budget_bytes: usize, requested_bytes: usize) {
 pub fn body_unreadable(error: &str) {
     observe::outcome("rejected");
     tracing::warn!(
+        target: "tower_ids::idempotency",
         event = event::BODY_UNREADABLE,
         error,
         "request body could not be read"

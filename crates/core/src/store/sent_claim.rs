@@ -53,6 +53,7 @@ impl<St: IdempotencyStore + Clone> Drop for SentClaim<'_, St> {
                 match store.release(&scope, &lease).await {
                     Ok(released) => {
                         tracing::debug!(
+                            target: "tower_ids::idempotency",
                             event = event::UNANSWERED_CLAIM_RELEASED,
                             released,
                             "gave up a claim whose answer never came; its request ran nothing"

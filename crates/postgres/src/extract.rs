@@ -1,14 +1,16 @@
 //! The PostgreSQL store's [`Transaction`] as an axum extractor, for the handlers of an
 //! HTTP route: the layer offers it in the request's extensions.
 
-use crate::idempotency::code::event;
 use axum_core::{
     extract::FromRequestParts,
     response::{IntoResponse, Response},
 };
 use http::request::Parts;
 
-use crate::idempotency::{store::Transaction, Code};
+use tower_ids_core::{event, Code};
+use tower_ids_correlation::problem::Problem;
+
+use crate::Transaction;
 
 /// The request's [`Transaction`] as an axum extractor. On a route without an
 /// idempotency layer over a `PostgresStore` in transactional mode, or on a request the
@@ -35,11 +37,14 @@ pub struct TransactionRejection;
 impl IntoResponse for TransactionRejection {
     fn into_response(self) -> Response {
         tracing::error!(
+            target: "tower_ids::idempotency::store",
             event = event::TRANSACTION_MISSING,
             "Transaction extracted but no idempotency layer over a PostgresStore in transactional mode offered one"
         );
-        crate::problem::idempotency(
-            Code::TransactionMissing,
+        Problem::new(
+            Code::TransactionMissing.http_status(),
+            Code::TransactionMissing.as_str(),
+            Code::TransactionMissing.title(),
             "this route takes the request's transaction, but no idempotency layer over a PostgresStore in transactional mode runs it",
         )
         .into_response_with(axum_core::body::Body::from)

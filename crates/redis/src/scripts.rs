@@ -7,7 +7,7 @@ pub(super) const TOKEN_LEN: usize = 16;
 
 /// The head of every script that changes state: refuses to act past the deadline in
 /// `ARGV[$n]` (microseconds since the Unix epoch, by Redis's clock; see
-/// [`StoreClock`](crate::idempotency::store::deadline::StoreClock) for how it is set without synchronised
+/// [`StoreClock`](tower_ids_core::store::deadline::StoreClock) for how it is set without synchronised
 /// clocks), so a command that reaches Redis after its caller gave up changes nothing.
 macro_rules! refuse_when_late {
     ($n:literal) => {

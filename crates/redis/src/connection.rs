@@ -19,7 +19,7 @@ use redis::{
 };
 
 use super::scripts::StoreScript;
-use crate::idempotency::store::StoreError;
+use tower_ids_core::store::StoreError;
 
 /// The longest pause between two attempts to reconnect: 50 ms. After an outage a
 /// claim outlives only if a renewal lands soon after Redis accepts connections again,

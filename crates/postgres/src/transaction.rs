@@ -12,7 +12,7 @@ use super::{
     commit::{commit, find_out, Uncommitted},
     serialization_failure, within, Shared,
 };
-use crate::idempotency::{
+use tower_ids_core::{
     store::{
         Begin, HandlerTransaction, Lease, Record, Settled, Settlement, StoreError, TransactionOffer,
     },
@@ -33,7 +33,7 @@ use crate::idempotency::{
 /// that dies, a backend that is terminated, a connection that is cut: the transaction
 /// aborts, its writes vanish, the lock goes with it, and a retry runs at once. A
 /// response the layer does not store (by default a handler's 4xx and `503`, see
-/// [`StorageRule`](crate::idempotency::StorageRule)), any 5xx of a handler that used
+/// [`StorageRule`](tower_ids_core::StorageRule)), any 5xx of a handler that used
 /// the transaction (whatever the rule: the rollback undoes its writes, so its retry may
 /// run again), and a handler that fails or panics roll it back.
 ///
@@ -60,7 +60,7 @@ use crate::idempotency::{
 ///
 /// ```no_run
 /// use axum::Json;
-/// use tower_ids::idempotency::store::Transaction;
+/// use tower_ids_postgres::Transaction;
 ///
 /// async fn create(tx: Transaction, Json(name): Json<String>) -> Result<&'static str, String> {
 ///     let mut connection = tx.lock().await.map_err(|e| e.to_string())?;

@@ -22,7 +22,7 @@ use std::error::Error;
 /// of your own with `transient_if`:
 ///
 /// ```
-/// use tower_ids::idempotency::{message::MessageIdempotencyLayer, store::is_transient};
+/// use tower_ids_postgres::is_transient;
 ///
 /// #[derive(Debug)]
 /// enum PaymentError {
@@ -44,9 +44,9 @@ use std::error::Error;
 ///     }
 /// }
 ///
-/// let layer = MessageIdempotencyLayer::<u64>::new()
-///     .transient_if(|error: &PaymentError| is_transient(error));
-/// # let _ = layer;
+/// assert!(is_transient(&PaymentError::Database(sqlx::Error::PoolTimedOut)));
+/// assert!(!is_transient(&PaymentError::UnknownAccount("42".into())));
+/// // A layer's `.transient_if(|error: &PaymentError| is_transient(error))` counts them.
 /// ```
 ///
 /// In an axum handler, whose errors are responses, answer such an error with a `503`
@@ -73,7 +73,7 @@ pub(crate) fn transient_cause(error: &(dyn Error + 'static)) -> Option<String> {
 fn passes(error: &sqlx::Error) -> Option<String> {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => {
-            Some(crate::idempotency::store::Chain(error).to_string())
+            Some(tower_ids_core::store::Chain(error).to_string())
         }
         sqlx::Error::Database(error) => {
             let code = error.code()?;
@@ -89,7 +89,7 @@ fn passes(error: &sqlx::Error) -> Option<String> {
 /// The database's passing faults in a handler's error of any type: an `sqlx::Error`,
 /// alone or in a `BoxError`'s chain, that [`is_transient`] recognises; what the layers
 /// add to every engine they build.
-pub(crate) fn passing_fault(error: &dyn std::any::Any) -> Option<String> {
+pub fn passing_fault(error: &dyn std::any::Any) -> Option<String> {
     let error: &(dyn Error + 'static) = if let Some(error) = error.downcast_ref::<sqlx::Error>() {
         error
     } else if let Some(error) = error.downcast_ref::<Box<dyn Error + Send + Sync>>() {

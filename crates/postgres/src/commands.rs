@@ -6,11 +6,12 @@ use std::{sync::Arc, time::Duration};
 use sqlx::Row;
 
 use super::{transaction, PostgresMode, PostgresStore};
-use crate::idempotency::{
+use tower_ids_core::{
     store::{
         codec::{decode_record, encode_record, from_millis, millis},
-        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, Record, Renewal, SentClaim,
-        Settled, StoreError,
+        sent_claim::SentClaim,
+        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, Record, Renewal, Settled,
+        StoreError,
     },
     Fingerprint, ScopeKey,
 };

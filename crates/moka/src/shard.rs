@@ -14,7 +14,7 @@ use std::{
 
 use tokio::sync::watch;
 
-use crate::idempotency::{
+use tower_ids_core::{
     store::{Begin, Claim, Lease, Record},
     Fingerprint, ScopeKey,
 };

@@ -2,29 +2,38 @@
 //! connection, the table's migration, the cleaner of expired rows, and the bound on
 //! every database call. Its commands are in `commands`, their SQL in `statements`.
 
-use crate::idempotency::code::event;
 use std::{
     sync::{Arc, Weak},
     time::{Duration, Instant},
 };
+use tower_ids_core::event;
 
 use sqlx::{postgres::PgPoolOptions, PgPool};
 
-use self::statements::Statements;
-use super::{
+use self::{
+    migration::{migrate_from_template, valid_table},
+    statements::Statements,
+};
+use tower_ids_core::store::{
     deadline::{read_in_background, StoreClock},
     StoreError,
 };
 
 mod commands;
 mod commit;
+#[cfg(feature = "axum")]
+mod extract;
+pub mod migration;
 mod statements;
 mod transaction;
 mod transient;
 
+#[cfg(feature = "axum")]
+pub use self::extract::TransactionRejection;
 pub use self::transaction::{Transaction, TransactionError, TransactionGuard};
 pub use self::transient::is_transient;
-pub(crate) use self::transient::passing_fault;
+#[doc(hidden)]
+pub use self::transient::passing_fault;
 
 /// The table the store keeps its records in, unless built with another.
 pub const DEFAULT_POSTGRES_TABLE: &str = "tower_ids_idempotency";
@@ -43,8 +52,7 @@ pub const DEFAULT_POSTGRES_CLEANUP_INTERVAL: Duration = Duration::from_secs(60);
 pub const DEFAULT_POSTGRES_CLEANUP_BATCH: i64 = 1000;
 
 /// The schema, as shipped in `migrations/` for users who run their own migrations.
-const MIGRATION: &str =
-    include_str!("../../../../migrations/20261122000000_tower_ids_idempotency.sql");
+const MIGRATION: &str = include_str!("../migrations/20261122000000_tower_ids_idempotency.sql");
 
 /// A store in PostgreSQL: records that survive restarts of the service and of the
 /// database, shared by every replica.
@@ -295,52 +303,6 @@ impl PostgresStoreBuilder {
     }
 }
 
-/// Whether `table` is `name` or `schema.name` of plain identifiers (letters, digits,
-/// `_`, not starting with a digit): safe to write into SQL. The outbox's tables too.
-pub(crate) fn valid_table(table: &str) -> bool {
-    let parts: Vec<&str> = table.split('.').collect();
-    parts.len() <= 2
-        && parts.iter().all(|part| {
-            let mut chars = part.chars();
-            chars
-                .next()
-                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-                && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        })
-}
-
-/// Runs the migration `template`, written for `default_table`, for `table`: the table
-/// and every index named after it (`{default_table}_...`) renamed. One replica at a
-/// time: replicas starting together would race on `CREATE ... IF NOT EXISTS` (it can
-/// fail on the catalog's unique index). One simple query is one transaction, so the
-/// lock on the name is held to its end. (`table` was checked to be plain identifiers,
-/// so it cannot close the literal.) The outbox's migration too.
-pub(crate) async fn migrate_from_template(
-    pool: &PgPool,
-    template: &str,
-    default_table: &str,
-    table: &str,
-) -> Result<(), sqlx::Error> {
-    let sql = for_table(template, default_table, table);
-    // One implicit transaction: the lock, then the statements, without the server's
-    // "already exists, skipping" notices (sqlx logs each at INFO, on every start).
-    let locked = format!(
-        "SET LOCAL client_min_messages = warning;\n\
-         SELECT pg_advisory_xact_lock(hashtext('tower-ids migrate {table}'));\n{sql}"
-    );
-    sqlx::raw_sql(&locked).execute(pool).await.map(|_| ())
-}
-
-/// `template` for `table`: index names first (they contain the default table's name,
-/// and take the bare table name, without its schema), then the table.
-fn for_table(template: &str, default_table: &str, table: &str) -> String {
-    let bare = table.rsplit('.').next().unwrap_or(table);
-    template
-        .replace(&format!("{default_table}_"), &format!("\u{0}{bare}_"))
-        .replace(default_table, table)
-        .replace('\u{0}', "")
-}
-
 impl PostgresStore {
     /// A builder for a store on `pool`.
     pub fn builder(pool: PgPool) -> PostgresStoreBuilder {
@@ -506,6 +468,7 @@ async fn check_durability(shared: Weak<Shared>) {
             Ok((synchronous_commit, fsync)) => {
                 if synchronous_commit == "off" || fsync == "off" {
                     tracing::warn!(
+                        target: "tower_ids::idempotency::store",
                         event = event::STORE_NOT_DURABLE,
                         table = %store.table,
                         synchronous_commit,
@@ -536,13 +499,15 @@ async fn clean(shared: Weak<Shared>, interval: Duration, batch: i64) {
         match remove_expired(&shared, batch).await {
             Ok(0) => {}
             Ok(rows) => tracing::debug!(
+                target: "tower_ids::idempotency::store",
                 event = event::EXPIRED_REMOVED,
                 rows,
                 "removed expired idempotency rows"
             ),
             Err(error) => tracing::warn!(
+                target: "tower_ids::idempotency::store",
                 event = event::STORE_FAILED,
-                error = %super::Chain(&error),
+                error = %tower_ids_core::store::Chain(&error),
                 phase = "cleanup",
                 "could not remove expired idempotency rows; trying again later"
             ),
@@ -573,6 +538,7 @@ async fn remove_expired(shared: &Shared, batch: i64) -> Result<u64, StoreError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::migration::for_table;
 
     #[test]
     fn table_names_are_plain_identifiers() {
@@ -590,13 +556,5 @@ mod tests {
         assert!(store.contains("CREATE TABLE IF NOT EXISTS app.idem ("));
         assert!(store.contains("INDEX IF NOT EXISTS idem_expires_at\n    ON app.idem"));
         assert!(!store.contains(DEFAULT_POSTGRES_TABLE));
-        let outbox = for_table(
-            include_str!("../../../../migrations/20261126000000_tower_ids_outbox.sql"),
-            "tower_ids_outbox",
-            "app.events",
-        );
-        assert!(outbox.contains("CREATE TABLE IF NOT EXISTS app.events ("));
-        assert!(outbox.contains("INDEX IF NOT EXISTS events_pending\n    ON app.events"));
-        assert!(!outbox.contains("tower_ids_outbox"));
     }
 }

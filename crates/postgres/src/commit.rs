@@ -2,8 +2,8 @@
 //! transaction ID (another transaction may be given it after a crash), but whether the
 //! transaction still runs where it ran, and whether the record it wrote stands.
 
-use crate::idempotency::code::event;
 use std::time::Duration;
+use tower_ids_core::event;
 
 use sqlx::{PgConnection, Postgres};
 
@@ -14,7 +14,7 @@ use super::{
     transaction::acquire,
     Shared,
 };
-use crate::idempotency::{
+use tower_ids_core::{
     store::{codec::encode_record, Chain, Lease, Record, Settlement, StoreError},
     ScopeKey,
 };
@@ -77,6 +77,7 @@ async fn tells_lineage(shared: &Shared, connection: &mut PgConnection) -> Result
         {
             bounded(shared.timeout, what, savepoint.rollback()).await?;
             tracing::info!(
+                target: "tower_ids::idempotency::store",
                 event = event::LINEAGE_UNTOLD,
                 error = %refused,
                 "PostgreSQL does not tell its system identifier and timeline: a lost commit is settled by its backend alone"
@@ -260,6 +261,7 @@ pub(super) async fn find_out(
         let last = match look(shared, scope, lease, &backend).await {
             Ok(Some(true)) => {
                 tracing::info!(
+                    target: "tower_ids::idempotency::store",
                     event = event::COMMIT_CONFIRMED,
                     error = %Chain(&unanswered),
                     "the commit's answer was lost, but its record stands: the transaction committed"

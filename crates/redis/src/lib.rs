@@ -14,13 +14,14 @@ use self::{
     connection::{Connection, Wait, WaitConnections, RECONNECT_MAX_DELAY},
     scripts::{StoreScript, BEGIN, COMPLETE, COUNT, RELEASE, RENEW, TOKEN_LEN},
 };
-use super::{
+use tower_ids_core::store::{
     codec::{decode, decode_record, encode, encode_record, from_millis, millis},
     deadline::{read_in_background, StoreClock},
-    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, SentClaim, Settled,
-    StoreError, SystemClock,
+    sent_claim::SentClaim,
+    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
+    SystemClock,
 };
-use crate::idempotency::{Fingerprint, ScopeKey};
+use tower_ids_core::store::{Fingerprint, ScopeKey};
 
 mod connection;
 mod scripts;
@@ -156,7 +157,7 @@ impl RedisStoreBuilder {
     }
 
     /// Keep completed records in a local moka cache of at most `max_bytes` (weighed as
-    /// the [`MokaStore`](super::MokaStore) weighs them), so a replay on this replica
+    /// the [`MokaStore`](tower_ids_core::store::MokaStore) weighs them), so a replay on this replica
     /// skips fetching and decoding the record; the request is still counted in Redis.
     /// A completed record never changes, so the cache is never stale; an entry lives no
     /// longer than the record's TTL in Redis. Off by default.
@@ -401,7 +402,7 @@ impl RedisStore {
                 weight: u32::try_from(
                     record
                         .weight()
-                        .saturating_add(super::MOKA_ENTRY_OVERHEAD_BYTES),
+                        .saturating_add(tower_ids_moka::MOKA_ENTRY_OVERHEAD_BYTES),
                 )
                 .unwrap_or(u32::MAX),
             };

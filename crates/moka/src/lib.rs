@@ -16,11 +16,11 @@ use moka::{policy::EvictionPolicy, sync::Cache, Expiry};
 use std::time::Instant;
 
 use self::shard::{BuildScopeHasher, InFlight, Scope, Shard, Stored};
-use super::{
+use tower_ids_core::store::ScopeKey;
+use tower_ids_core::store::{
     Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
     SystemClock,
 };
-use crate::idempotency::ScopeKey;
 
 #[cfg(tower_ids_fifo_index)]
 mod fifo;

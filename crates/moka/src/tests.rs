@@ -2,7 +2,7 @@
 //! and eviction (what a full store drops, keeps and sweeps).
 
 use super::{shard::SWEEP_SCOPES_AT, *};
-use crate::idempotency::{Fingerprint, IdempotencyKey};
+use tower_ids_core::{Fingerprint, IdempotencyKey};
 
 fn scope(key: &str) -> ScopeKey {
     let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
