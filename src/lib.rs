@@ -152,20 +152,22 @@
     doc = "[`CorrelationLayer::access_log`]: CorrelationLayer"
 )]
 
-#[cfg(feature = "correlation")]
-#[doc(inline)]
-pub use tower_ids_correlation::body;
 #[cfg(feature = "client")]
-pub mod client;
+#[doc(inline)]
+pub use tower_ids_client as client;
 #[cfg(feature = "correlation")]
 #[doc(inline)]
 pub use tower_ids_correlation as correlation;
+#[cfg(feature = "correlation")]
+#[doc(inline)]
+pub use tower_ids_correlation::body;
 #[cfg(all(feature = "correlation", feature = "idempotency"))]
 pub mod cors;
 #[cfg(any(feature = "idempotency", feature = "client"))]
 pub mod idempotency;
 #[cfg(feature = "outbox")]
-pub mod outbox;
+#[doc(inline)]
+pub use tower_ids_outbox as outbox;
 #[cfg(feature = "idempotency")]
 mod problem;
 

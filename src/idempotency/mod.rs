@@ -389,7 +389,8 @@ pub use tower_ids_core::header;
 #[cfg(feature = "idempotency")]
 pub(crate) mod http;
 #[cfg(feature = "idempotency")]
-pub mod message;
+#[doc(inline)]
+pub use tower_ids_message as message;
 #[cfg(feature = "idempotency")]
 mod response;
 #[cfg(feature = "idempotency")]
@@ -409,11 +410,6 @@ pub use self::{
     response::ResponseFuture,
     store::{IdempotencyStore, MokaStore},
 };
-#[cfg(all(
-    feature = "idempotency",
-    any(feature = "amqp", feature = "kafka", feature = "outbox")
-))]
-pub(crate) use tower_ids_core::engine::InHand;
 #[cfg(feature = "idempotency")]
 pub use tower_ids_core::field;
 pub use tower_ids_core::{AttemptId, IdempotencyKey, IdempotencyKeyError};
@@ -433,10 +429,6 @@ pub(crate) use tower_ids_core::{
     store::{Fingerprint, ScopeKey},
     KeyRejection,
 };
-#[cfg(feature = "idempotency")]
-pub(crate) mod code {
-    pub(crate) use tower_ids_core::{event, Code};
-}
 #[cfg(feature = "idempotency")]
 pub mod extract {
     //! The customisation points of the HTTP layer, for a key, a client or an epoch

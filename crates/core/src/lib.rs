@@ -25,8 +25,8 @@ pub use self::{
     code::Code,
     engine::{
         observe::field, Drain, Drained, InFlight, Policy, PolicyError, ReplayInfo, Stopped,
-        StorageRule, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER,
-        DEFAULT_TTL,
+        StorageRule, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES,
+        DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
     },
     key::{AttemptId, IdempotencyKey, IdempotencyKeyError},
     rejection::KeyRejection,

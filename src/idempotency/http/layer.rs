@@ -28,8 +28,7 @@ pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
 /// flight with 1 MiB bodies held 2.6 GiB.
 pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
 
-/// The largest response kept for replay: 1 MiB; larger is streamed on, never stored.
-pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+pub use tower_ids_core::DEFAULT_MAX_RESPONSE_BYTES;
 
 type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 

@@ -29,7 +29,7 @@ pub use self::drain::{Drain, Drained, Stopped};
 pub use self::replay::ReplayInfo;
 pub use self::settings::{
     InFlight, Policy, PolicyError, StorageRule, StoreFailure, DEFAULT_LEASE,
-    DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+    DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
 };
 pub use self::{
     answer::Answer,

@@ -123,6 +123,10 @@ pub enum OutcomeClass {
     Failed,
 }
 
+/// The largest outcome kept for replay: 1 MiB; a larger response is streamed on, a
+/// larger message outcome handed on, and neither is stored.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
 /// The settings every idempotency layer shares, whatever its transport: how long an
 /// outcome is replayed, the claim's lease, the bytes kept for a store that is down,
 /// what a duplicate of work in flight gets, what a store failure does, and which

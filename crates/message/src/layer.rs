@@ -6,11 +6,10 @@ use std::{fmt, marker::PhantomData, sync::Arc};
 use tower_layer::Layer;
 
 use super::{MessageIdempotency, NoMessageKey};
-use crate::idempotency::{
-    core::{Drain, Engine, Policy, PolicyError},
-    store::{IdempotencyStore, MokaStore},
-    DEFAULT_MAX_RESPONSE_BYTES,
+use tower_ids_core::{
+    engine::Engine, store::IdempotencyStore, Drain, Policy, PolicyError, DEFAULT_MAX_RESPONSE_BYTES,
 };
+use tower_ids_moka::MokaStore;
 
 pub(super) type OutcomePredicate<R> = Arc<dyn Fn(&R) -> bool + Send + Sync>;
 
@@ -35,7 +34,7 @@ impl<R> Clone for MessageSettings<R> {
 ///
 /// `K` reads the key of a message ([`ExtractMessageKey`](super::ExtractMessageKey));
 /// `R` is the handler's outcome, stored as JSON. See the
-/// [module docs](crate::idempotency::message).
+/// [module docs](crate).
 ///
 /// # Clone
 ///
@@ -80,7 +79,7 @@ impl<R, St: IdempotencyStore> MessageIdempotencyLayer<R, St> {
     pub fn with_shared_store(store: Arc<St>) -> Self {
         Self {
             extract: Arc::new(NoMessageKey),
-            engine: crate::idempotency::store::engine_over(store),
+            engine: crate::layer::engine_over(store),
             settings: Arc::new(MessageSettings {
                 require_key: false,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
@@ -144,7 +143,7 @@ impl<R, St: IdempotencyStore, K> MessageIdempotencyLayer<R, St, K> {
     /// Sets the settings every idempotency layer shares: see [`Policy`]. For
     /// messages, the ttl is at least the longest redelivery window; a duplicate of a
     /// message in flight is handed back as [`Handled::InFlight`](super::Handled::InFlight)
-    /// (to requeue) under [`InFlight::Reject`](crate::idempotency::InFlight::Reject);
+    /// (to requeue) under [`InFlight::Reject`](tower_ids_core::InFlight::Reject);
     /// a store failure that fails closed refuses the message as retryable
     /// (`idempotency.store_unavailable`). Every storage rule stores every outcome
     /// here (a handler's `Err` is never stored); choose with
@@ -161,7 +160,7 @@ impl<R, St: IdempotencyStore, K> MessageIdempotencyLayer<R, St, K> {
 
     /// Also counts as a passing fault a handler's error of type `E` that `hook` says is
     /// one, beside the database faults the layer recognises by itself
-    /// ([`store::is_transient`](crate::idempotency::store::is_transient) on an
+    /// ([`store::is_transient`](tower_ids_core::store::is_transient) on an
     /// `sqlx::Error` or a `BoxError`, feature `postgres`: a connection lost or
     /// terminated, the server restarting, a serialization failure or deadlock, the
     /// pool timing out).
@@ -212,4 +211,15 @@ impl<S, R, St: IdempotencyStore, K> Layer<S> for MessageIdempotencyLayer<R, St, 
             settings: self.settings.clone(),
         }
     }
+}
+
+/// The engine a message layer runs over `store`: with feature `postgres`, it also counts
+/// the database's passing faults in a handler's error as passing (whatever the store: a
+/// handler may write with sqlx beside any store).
+pub(crate) fn engine_over<St: IdempotencyStore>(store: Arc<St>) -> Engine<St> {
+    #[allow(unused_mut)]
+    let mut engine = Engine::new(store);
+    #[cfg(feature = "postgres")]
+    engine.recognise_transient(tower_ids_postgres::passing_fault);
+    engine
 }

@@ -16,7 +16,7 @@ use super::{
     service::{run, LogicalRequest},
     ReplayableBody, RetryError, RetryLayer, RetryOutcome,
 };
-use crate::correlation::CorrelationId;
+use tower_ids_correlation::CorrelationId;
 
 /// A reqwest body is sent again when it is in memory (bytes, a string, JSON); a
 /// streaming body (`Body::wrap_stream`) is sent once.
@@ -46,7 +46,7 @@ impl ReplayableBody for reqwest::Body {
 /// attempt.
 ///
 /// ```
-/// use tower_ids::client::RetryLayer;
+/// use tower_ids_client::RetryLayer;
 ///
 /// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
 ///     .with(RetryLayer::new())

@@ -4,9 +4,9 @@
 //! A handler that writes to the database and must tell a broker about it cannot do both
 //! atomically: publish first and a rollback leaves a message about nothing; commit first
 //! and a crash loses the message. [`Outbox::enqueue`] writes the message as a row in the
-//! request's [`Transaction`](crate::idempotency::store::Transaction) (the one the idempotency layer over a
-//! [`PostgresStore`](crate::idempotency::store::PostgresStore) in
-//! [transactional mode](crate::idempotency::store::PostgresMode::Transactional) offers),
+//! request's [`Transaction`](tower_ids_postgres::Transaction) (the one the idempotency layer over a
+//! [`PostgresStore`](tower_ids_postgres::PostgresStore) in
+//! [transactional mode](tower_ids_postgres::PostgresMode::Transactional) offers),
 //! so it commits with the handler's writes and the stored answer, or not at all. A
 //! [`Relay`], run by every replica, publishes committed rows to a [`Sink`]
 //! ([`AmqpSink`](amqp::AmqpSink) for RabbitMQ, [`KafkaSink`](kafka::KafkaSink) for Kafka,
@@ -92,7 +92,7 @@ pub use sink::{Confirm, Outgoing, Sink, SinkError};
 /// The table [`Outbox::new`] uses.
 pub const DEFAULT_OUTBOX_TABLE: &str = "tower_ids_outbox";
 
-const MIGRATION: &str = include_str!("../../migrations/20261126000000_tower_ids_outbox.sql");
+const MIGRATION: &str = include_str!("../migrations/20261126000000_tower_ids_outbox.sql");
 
 /// The metric names of the relay (feature `metrics`), on the `metrics` facade.
 pub mod metrics {

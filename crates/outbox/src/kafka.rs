@@ -11,7 +11,7 @@ use rdkafka::{
 };
 
 use super::{Confirm, Outgoing, Sink, SinkError};
-use crate::idempotency::store::Chain;
+use tower_ids_core::store::Chain;
 
 /// Publishes each message as a record of the topic its destination names, keyed by its
 /// partition key (so one key's records stay on one partition, in order), with its
@@ -102,7 +102,7 @@ impl Producers {
         match self.config.create::<FutureProducer>() {
             Ok(producer) => *guard = (generation + 1, Arc::new(producer)),
             Err(error) => {
-                tracing::debug!(event = "outbox.producer_failed", error = %Chain(&error), "could not build a new Kafka producer");
+                tracing::debug!(target: "tower_ids::outbox", event = "outbox.producer_failed", error = %Chain(&error), "could not build a new Kafka producer");
             }
         }
     }

@@ -10,7 +10,7 @@
 //! handler and its outcome is stored as JSON; every duplicate within the TTL gets that
 //! outcome back, decoded, without running the handler.
 //!
-//! The same stores ([`MokaStore`](crate::idempotency::MokaStore) in process, `RedisStore`
+//! The same stores (`MokaStore` in process, `RedisStore`
 //! or `PostgresStore` shared by consumers and across restarts), the same claim, lease
 //! renewal, completion and keep-until-stored rules (once the handler has produced an
 //! outcome the key is never released), the same tracing events and codes.
@@ -21,11 +21,8 @@
 //! use std::convert::Infallible;
 //! use serde::{Deserialize, Serialize};
 //! use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
-//! use tower_ids::idempotency::{
-//!     message::{Handled, MessageIdempotencyLayer, MessageKey},
-//!     extract::KeyRejection,
-//!     IdempotencyKey,
-//! };
+//! use tower_ids_core::{IdempotencyKey, KeyRejection};
+//! use tower_ids_message::{Handled, MessageIdempotencyLayer, MessageKey};
 //!
 //! struct Signal { swarm: String, kind: String, key: String, data: Vec<u8> }
 //!
@@ -75,14 +72,14 @@
 //! not in the transactional inbox below, where the key is free at once): redeliveries
 //! meanwhile are `InFlight`, and the first one after it runs the handler again, as the
 //! HTTP layer's "process killed mid-handler" row of
-//! [the guarantees](crate::guide::guarantees) says.
+//! the guarantees page (`tower_ids::guide::guarantees`) says.
 //!
 //! # The transactional inbox
 //!
 //! Over a `PostgresStore` in
-//! [transactional mode](crate::idempotency::store::PostgresMode), the delivery's own
+//! transactional mode (`PostgresMode`), the delivery's own
 //! transaction holds its key, and the handler finds it with
-//! [`Transaction::current`](crate::idempotency::store::Transaction::current): its writes
+//! `Transaction::current`: its writes
 //! and the dedupe record commit together, and the layer's future returns only after the
 //! commit, so the acknowledgement follows it. Killed before the commit, nothing of the
 //! delivery stands and its key is free at once: the redelivery runs it. Killed between
@@ -109,15 +106,15 @@
 //!
 //! Run each delivery inside its correlation ID, read from the message's headers (or
 //! envelope) and extended for the delivery with
-//! [`MessageCorrelation`](crate::correlation::MessageCorrelation): the layer's events
+//! [`MessageCorrelation`](tower_ids_correlation::MessageCorrelation): the layer's events
 //! then carry it, and the record keeps the ID of the delivery that ran (replays log it
 //! as `original_attempt`). Write the ID and the key into outgoing messages with
-//! [`MessageCorrelation::inject`](crate::correlation::MessageCorrelation::inject) and
-//! [`IdempotencyKey::inject`](crate::idempotency::IdempotencyKey::inject).
+//! [`MessageCorrelation::inject`](tower_ids_correlation::MessageCorrelation::inject) and
+//! [`IdempotencyKey::inject`](tower_ids_core::IdempotencyKey::inject).
 //!
 //! # Events
 //!
-//! As the HTTP layer's (see [`idempotency`](crate::idempotency#events)), in an
+//! As the HTTP layer's (see `tower_ids::idempotency`'s events), in an
 //! `idempotency` span with `idempotency_key` and `idempotency_scope`, where the layer
 //! records `idempotency_outcome`, `idempotency_request_count` and
 //! `idempotency_store_ms` as the HTTP layer does on the request's span (the steps of a
@@ -166,7 +163,8 @@ mod tests {
     use tower::{service_fn, Service, ServiceExt};
 
     use super::*;
-    use crate::idempotency::{Code, IdempotencyKey, InFlight, KeyRejection, MokaStore, Policy};
+    use tower_ids_core::{Code, IdempotencyKey, InFlight, KeyRejection, Policy};
+    use tower_ids_moka::MokaStore;
 
     #[derive(Clone)]
     struct Signal {

@@ -64,7 +64,7 @@ pin_project! {
     ///
     /// ```
     /// use bytes::Bytes;
-    /// use tower_ids::client::{ReplayBody, ReplayableBody};
+    /// use tower_ids_client::{ReplayBody, ReplayableBody};
     ///
     /// let small: ReplayBody = ReplayBody::buffered(r#"{"name":"reboot"}"#);
     /// assert!(small.try_replay().is_some());

@@ -6,11 +6,8 @@ use std::time::Duration;
 use tracing::Instrument as _;
 
 use super::{take::Pending, Confirm, Outgoing, Sink, SinkError};
-use crate::{
-    correlation::{Carrier, CorrelationId, MessageCorrelation},
-    idempotency::header::IDEMPOTENCY_KEY,
-    idempotency::store::Chain,
-};
+use tower_ids_core::{header::IDEMPOTENCY_KEY, store::Chain};
+use tower_ids_correlation::{Carrier, CorrelationId, MessageCorrelation};
 
 /// How one message's publication ended.
 pub(super) enum Published<'m> {
@@ -47,7 +44,7 @@ impl<'m> Publication<'m> {
         );
         #[cfg(feature = "opentelemetry")]
         if let Some(trace) = message.traceparent.as_deref().and_then(|traceparent| {
-            crate::correlation::TraceContext::parse(traceparent, message.tracestate.as_deref())
+            tower_ids_correlation::TraceContext::parse(traceparent, message.tracestate.as_deref())
         }) {
             trace.continue_in(&span);
         }
@@ -106,7 +103,7 @@ impl<'m> Publication<'m> {
         }
         MessageCorrelation::new().inject(&mut headers, &self.correlation_id);
         #[cfg(feature = "opentelemetry")]
-        if let Some(trace) = crate::correlation::TraceContext::current() {
+        if let Some(trace) = tower_ids_correlation::TraceContext::current() {
             trace.inject(&mut headers);
         }
         headers
@@ -126,7 +123,7 @@ impl<'m> Publication<'m> {
         let _entered = span.enter();
         match acknowledged {
             Ok(()) => {
-                tracing::debug!(event = "outbox.published", "message published");
+                tracing::debug!(target: "tower_ids::outbox", event = "outbox.published", "message published");
                 #[cfg(feature = "metrics")]
                 ::metrics::counter!(super::metrics::PUBLISHED, "destination" => self.message.destination.clone())
                     .increment(1);
@@ -160,6 +157,7 @@ impl<'m> Publication<'m> {
         .increment(1);
         if error.is_rejected() {
             tracing::warn!(
+                target: "tower_ids::outbox",
                 event = "outbox.rejected",
                 attempt = message.attempts + 1,
                 error = %Chain(&error),
@@ -167,7 +165,7 @@ impl<'m> Publication<'m> {
             );
             Published::Refused(message, error)
         } else {
-            tracing::debug!(event = "outbox.unavailable", error = %Chain(&error), "the broker is unavailable");
+            tracing::debug!(target: "tower_ids::outbox", event = "outbox.unavailable", error = %Chain(&error), "the broker is unavailable");
             Published::Unavailable(message, error)
         }
     }

@@ -27,13 +27,11 @@ use super::{
     layer::{is_idempotent, is_safe, Settings},
     ReplayableBody, ResponseFuture, RetryError, RetryLayer, RetryOutcome, StopReason,
 };
-use crate::{
-    correlation::CorrelationId,
-    idempotency::{
-        header::{ATTEMPT_ID, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY},
-        IdempotencyKey,
-    },
+use tower_ids_core::{
+    header::{ATTEMPT_ID, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_IDEMPOTENCY_KEY},
+    IdempotencyKey,
 };
+use tower_ids_correlation::CorrelationId;
 
 /// Client middleware that retries requests safely; made by [`RetryLayer`].
 ///
@@ -481,7 +479,7 @@ fn attempt_request<B: ReplayableBody>(
     }
     parts.extensions.insert(correlation_id.clone());
     #[cfg(feature = "opentelemetry")]
-    crate::correlation::inject_trace_context(&mut parts.headers);
+    tower_ids_correlation::inject_trace_context(&mut parts.headers);
     Request::from_parts(parts, body)
 }
 

@@ -21,7 +21,7 @@ pub const DERIVED_KEY_DOMAIN: &[u8] = b"tower-ids.idempotency-key.v1\0";
 /// and `("a", "bc")` give different keys.
 ///
 /// ```
-/// use tower_ids::client::derive_key;
+/// use tower_ids_client::derive_key;
 ///
 /// let body = br#"{"order":42,"amount_cents":1999}"#;
 /// let key = derive_key("charge-card", 1, body);
@@ -49,12 +49,12 @@ pub const DERIVED_KEY_DOMAIN: &[u8] = b"tower-ids.idempotency-key.v1\0";
 ///   the record the request acts on) or into `computation`.
 /// - **A predictable key is guessable.** Anyone who knows (or can enumerate) the inputs
 ///   can compute the key. When the server scopes keys by client (the idempotency
-///   layer's [`client`](crate::idempotency::IdempotencyLayer::client)), another client's
+///   layer's [`client`](tower_ids_core::IdempotencyLayer::client)), another client's
 ///   key names another entry and guessing it gains nothing. When it does not, another
 ///   caller who sends the key first makes your request a "duplicate" of theirs (it gets
 ///   `422`, or their response). Then mix a secret of your own into `computation`.
 /// - **A new epoch is a new key.** A server that binds keys to control epochs
-///   ([`IdempotencyLayer::epoch`](crate::idempotency::IdempotencyLayer::epoch)) refuses
+///   ([`IdempotencyLayer::epoch`](tower_ids_core::IdempotencyLayer::epoch)) refuses
 ///   a key first seen in another epoch with `422 idempotency.epoch_mismatch`; derive
 ///   again with the current epoch rather than retrying.
 /// - **The request bytes must be identical on every run**: serialise deterministically
@@ -128,7 +128,7 @@ mod tests {
     fn both_forms_are_valid_idempotency_keys() {
         let key = derive_key("x", 7, b"y");
         for text in [key.to_hex(), key.to_base64url()] {
-            let parsed = crate::idempotency::IdempotencyKey::parse(text.as_bytes()).unwrap();
+            let parsed = tower_ids_core::IdempotencyKey::parse(text.as_bytes()).unwrap();
             assert_eq!(parsed.as_str(), text);
         }
         assert_eq!(key.to_string(), key.to_hex());

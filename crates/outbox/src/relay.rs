@@ -20,7 +20,7 @@ use super::{
     take::{take, Pending},
     Outbox, OutboxError, Sink, SinkError,
 };
-use crate::idempotency::{store::Chain, InHand, Stopped};
+use tower_ids_core::{engine::InHand, store::Chain, Stopped};
 
 /// Settings of a [`Relay`], with their defaults.
 #[derive(Debug, Clone)]
@@ -366,6 +366,7 @@ impl<S: Sink> Relay<S> {
     fn left_behind(&self, in_hand: &InHand) -> Stopped {
         let stopped = in_hand.stopped();
         tracing::warn!(
+            target: "tower_ids::outbox",
             event = "outbox.drain_unsettled",
             left = ?stopped.left,
             "stopped in the middle of a round: its messages stay pending and are published again"
@@ -382,7 +383,7 @@ impl<S: Sink> Relay<S> {
             if now >= next_trim {
                 next_trim = now + self.settings.trim_interval;
                 if let Err(error) = self.trim().await {
-                    tracing::warn!(event = "outbox.trim_failed", error = %Chain(&error), "could not trim the outbox");
+                    tracing::warn!(target: "tower_ids::outbox", event = "outbox.trim_failed", error = %Chain(&error), "could not trim the outbox");
                 }
             }
             if now >= next_observe {
@@ -540,6 +541,7 @@ impl<S: Sink> Relay<S> {
         let until = Instant::now() + FULL_SPELL;
         if full.insert(destination.to_owned(), until).is_none() {
             tracing::info!(
+                target: "tower_ids::outbox",
                 event = "outbox.destination_full",
                 destination,
                 "the destination has no room: its keys go one message at a time, so that none overtakes a refused one"
@@ -647,6 +649,7 @@ impl<S: Sink> Relay<S> {
             let destination: String = row.get("destination");
             let attempts: i32 = row.get("attempts");
             tracing::error!(
+                target: "tower_ids::outbox",
                 event = "outbox.dead_lettered",
                 message_id = id,
                 destination = destination.as_str(),
@@ -692,7 +695,7 @@ impl<S: Sink> Relay<S> {
                     .set(oldest.map_or(0.0, |age| age.as_secs_f64()));
             }
             Err(error) => {
-                tracing::debug!(event = "outbox.observe_failed", error = %Chain(&error), "could not measure the backlog");
+                tracing::debug!(target: "tower_ids::outbox", event = "outbox.observe_failed", error = %Chain(&error), "could not measure the backlog");
             }
         }
     }
@@ -761,7 +764,7 @@ impl Outage {
             Ok(finished) => finished,
             Err(error) => {
                 self.backoff = next_outage_wait(self.backoff, settings.max_outage_backoff);
-                tracing::warn!(event = "outbox.round_failed", error = %Chain(&error), "could not read or mark the outbox; backing off");
+                tracing::warn!(target: "tower_ids::outbox", event = "outbox.round_failed", error = %Chain(&error), "could not read or mark the outbox; backing off");
                 return Wait::For(self.backoff);
             }
         };
@@ -772,6 +775,7 @@ impl Outage {
         if answered {
             if self.announced {
                 tracing::info!(
+                    target: "tower_ids::outbox",
                     event = "outbox.sink_recovered",
                     "the broker takes messages again"
                 );
@@ -782,7 +786,7 @@ impl Outage {
         match error {
             Some(error) => {
                 if !self.announced && !answered {
-                    tracing::warn!(event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
+                    tracing::warn!(target: "tower_ids::outbox", event = "outbox.sink_unavailable", error = %Chain(&error), "the broker is unavailable; backing off");
                     self.announced = true;
                 }
                 self.backoff = next_outage_wait(self.backoff, settings.max_outage_backoff);
@@ -846,10 +850,11 @@ impl<'a> Wakeup<'a> {
         match listening {
             Ok(Ok(listener)) => self.listener = Some(listener),
             Ok(Err(error)) => {
-                tracing::debug!(event = "outbox.listen_failed", error = %Chain(&error), "could not listen for commits; polling");
+                tracing::debug!(target: "tower_ids::outbox", event = "outbox.listen_failed", error = %Chain(&error), "could not listen for commits; polling");
             }
             Err(_) => {
                 tracing::debug!(
+                    target: "tower_ids::outbox",
                     event = "outbox.listen_failed",
                     "could not listen for commits in time; polling"
                 );
@@ -871,7 +876,7 @@ impl<'a> Wakeup<'a> {
             // the listener connects again at its next wait.
             Ok(Ok(None)) => {}
             Ok(Err(error)) => {
-                tracing::debug!(event = "outbox.listen_failed", error = %Chain(&error), "lost the connection that listens for commits; polling");
+                tracing::debug!(target: "tower_ids::outbox", event = "outbox.listen_failed", error = %Chain(&error), "lost the connection that listens for commits; polling");
                 self.listener = None;
             }
             Err(_) => {}

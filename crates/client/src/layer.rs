@@ -4,7 +4,7 @@ use http::{HeaderMap, HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::service::Retry;
-use crate::correlation::DEFAULT_HEADER;
+use tower_ids_correlation::DEFAULT_HEADER;
 
 /// Attempts per logical request, the first included: 5.
 ///
@@ -62,7 +62,7 @@ pub(crate) type RetryPredicate = Arc<dyn Fn(StatusCode, &HeaderMap) -> bool + Se
 ///   status: the server stored it for this key, so every retry would get it again.
 pub fn default_retry_if(status: StatusCode, headers: &HeaderMap) -> bool {
     if headers
-        .get(crate::idempotency::header::IDEMPOTENT_REPLAYED)
+        .get(tower_ids_core::header::IDEMPOTENT_REPLAYED)
         .is_some_and(|value| value == "true")
     {
         return false;
@@ -98,7 +98,7 @@ pub(crate) fn is_safe(method: &Method) -> bool {
 /// ```
 /// use std::time::Duration;
 /// use tower::ServiceBuilder;
-/// use tower_ids::client::RetryLayer;
+/// use tower_ids_client::RetryLayer;
 /// # let client = tower::service_fn(|_: http::Request<http_body_util::Full<bytes::Bytes>>| async {
 /// #     Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
 /// # });
@@ -233,7 +233,7 @@ impl RetryLayer {
     ///
     /// ```
     /// use http::{HeaderMap, StatusCode};
-    /// use tower_ids::client::{default_retry_if, RetryLayer};
+    /// use tower_ids_client::{default_retry_if, RetryLayer};
     ///
     /// // Also retry 404s, for a read-after-write on an eventually consistent store.
     /// let layer = RetryLayer::new().retry_if(|status: StatusCode, headers: &HeaderMap| {
@@ -293,7 +293,7 @@ mod tests {
     fn a_replayed_answer_is_never_retried() {
         let mut replayed = HeaderMap::new();
         replayed.insert(
-            crate::idempotency::header::IDEMPOTENT_REPLAYED,
+            tower_ids_core::header::IDEMPOTENT_REPLAYED,
             http::HeaderValue::from_static("true"),
         );
         for code in [500, 502, 503, 429] {

@@ -1,9 +1,10 @@
-use crate::{correlation::CorrelationId, idempotency::IdempotencyKey};
+use tower_ids_core::IdempotencyKey;
+use tower_ids_correlation::CorrelationId;
 
 /// What the retry layer did, in the extensions of the response it returns.
 ///
 /// ```
-/// # use tower_ids::client::{RetryOutcome, StopReason};
+/// # use tower_ids_client::{RetryOutcome, StopReason};
 /// # fn inspect<B>(response: &http::Response<B>) {
 /// let outcome = response.extensions().get::<RetryOutcome>().unwrap();
 /// if outcome.replayed() {

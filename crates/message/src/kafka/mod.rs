@@ -7,10 +7,8 @@
 //! use rdkafka::ClientConfig;
 //! use serde::{Deserialize, Serialize};
 //! use tower::{service_fn, ServiceBuilder};
-//! use tower_ids::idempotency::{
-//!     message::{kafka::KafkaConsumer, MessageIdempotencyLayer, MessageKey, Received},
-//!     IdempotencyKey,
-//! };
+//! use tower_ids_core::IdempotencyKey;
+//! use tower_ids_message::{kafka::KafkaConsumer, MessageIdempotencyLayer, MessageKey, Received};
 //!
 //! #[derive(Deserialize)]
 //! struct Payment { account: String, amount: i64 }
@@ -68,8 +66,8 @@ use super::{
     },
     Handled,
 };
-use crate::correlation::MessageCorrelation;
-use crate::idempotency::{InHand, Stopped};
+use tower_ids_core::{engine::InHand, Stopped};
+use tower_ids_correlation::MessageCorrelation;
 
 /// librdkafka's consumer-only properties, left out of the producer's configuration.
 const CONSUMER_ONLY: &[&str] = &[
@@ -306,7 +304,7 @@ impl KafkaConsumer {
             in_hand: InHand::default(),
         });
         check_dead_letter_topics(&consumer, &clients, &topics, create_dead_letter_topics).await;
-        tracing::info!(event = "message.consuming", ?topics, "consuming");
+        tracing::info!(target: "tower_ids::idempotency::message", event = "message.consuming", ?topics, "consuming");
 
         let mut shutdown = std::pin::pin!(shutdown);
         let mut partitions: HashMap<Slot, Partition> = HashMap::new();
@@ -335,7 +333,7 @@ impl KafkaConsumer {
                         }
                     }
                     Err(error) => {
-                        tracing::warn!(event = "message.broker_unavailable", error = %error, "Kafka consumer error; librdkafka reconnects");
+                        tracing::warn!(target: "tower_ids::idempotency::message", event = "message.broker_unavailable", error = %error, "Kafka consumer error; librdkafka reconnects");
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 }
@@ -396,6 +394,7 @@ async fn stop(
     let stopped = settings.in_hand.stopped();
     if drained.is_err() || !stopped.is_complete() {
         tracing::warn!(
+            target: "tower_ids::idempotency::message",
             event = "message.drain_unsettled",
             partitions = waiting,
             left = ?stopped.left,
@@ -404,6 +403,7 @@ async fn stop(
         workers.abort_all();
     } else {
         tracing::info!(
+            target: "tower_ids::idempotency::message",
             event = "message.drained",
             partitions = waiting,
             "every message in flight settled"
@@ -411,7 +411,7 @@ async fn stop(
     }
     // The settled offsets, committed before leaving the group.
     if let Err(error) = consumer.commit_consumer_state(rdkafka::consumer::CommitMode::Sync) {
-        tracing::debug!(event = "message.commit_failed", error = %error, "could not commit the settled offsets at stop");
+        tracing::debug!(target: "tower_ids::idempotency::message", event = "message.commit_failed", error = %error, "could not commit the settled offsets at stop");
     }
     consumer.unsubscribe();
     stopped
@@ -492,7 +492,7 @@ impl Partition {
                 Some(reserve(slot, self.sender.clone()))
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
-                tracing::debug!(event = "message.worker_gone", "a partition's worker ended");
+                tracing::debug!(target: "tower_ids::idempotency::message", event = "message.worker_gone", "a partition's worker ended");
                 None
             }
         }
@@ -530,7 +530,7 @@ fn pause(consumer: &StreamConsumer, (topic, partition): &Slot, pause: bool) {
         consumer.resume(&list)
     };
     if let Err(error) = paused {
-        tracing::debug!(event = "message.pause_failed", error = %error, pause, "could not pause or resume a partition");
+        tracing::debug!(target: "tower_ids::idempotency::message", event = "message.pause_failed", error = %error, pause, "could not pause or resume a partition");
     }
 }
 
@@ -570,7 +570,7 @@ async fn partition_worker<T, R, S>(
                 .consumer
                 .store_offset(message.topic(), message.partition(), message.offset())
         {
-            tracing::debug!(event = "message.offset_not_stored", error = %error, "the partition is no longer this consumer's: its new owner handles the message again");
+            tracing::debug!(target: "tower_ids::idempotency::message", event = "message.offset_not_stored", error = %error, "the partition is no longer this consumer's: its new owner handles the message again");
         }
         drop(held);
     }
@@ -694,7 +694,7 @@ async fn produce_again(
         {
             Ok(()) => return "retried",
             Err(error) => {
-                tracing::warn!(event = "message.republish_failed", error = %error, "could not produce the message again; trying again");
+                tracing::warn!(target: "tower_ids::idempotency::message", event = "message.republish_failed", error = %error, "could not produce the message again; trying again");
                 tokio::time::sleep(settings.retry_pause).await;
             }
         }
@@ -719,11 +719,11 @@ async fn dead_letter(
     loop {
         match produce(&topic, None, message, headers, &extra, settings).await {
             Ok(()) => {
-                tracing::error!(event = "message.dead_lettered", topic = message.topic(), source = source.as_str(), dead_letter_topic = %topic, code, reason, "a message that cannot be handled went to the dead-letter topic; the messages behind it go on");
+                tracing::error!(target: "tower_ids::idempotency::message", event = "message.dead_lettered", topic = message.topic(), source = source.as_str(), dead_letter_topic = %topic, code, reason, "a message that cannot be handled went to the dead-letter topic; the messages behind it go on");
                 return "dead_lettered";
             }
             Err(error) => {
-                tracing::warn!(event = "message.republish_failed", error = %error, "could not dead-letter the message; trying again");
+                tracing::warn!(target: "tower_ids::idempotency::message", event = "message.republish_failed", error = %error, "could not dead-letter the message; trying again");
                 tokio::time::sleep(settings.retry_pause).await;
             }
         }

@@ -5,7 +5,7 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
-use crate::idempotency::{Fingerprint, IdempotencyKey, KeyRejection, ScopeKey};
+use tower_ids_core::{Fingerprint, IdempotencyKey, KeyRejection, ScopeKey};
 
 /// What a message is deduplicated on: its idempotency key, the parts that scope it, and
 /// the payload the key must always come with.
@@ -13,9 +13,10 @@ use crate::idempotency::{Fingerprint, IdempotencyKey, KeyRejection, ScopeKey};
 /// For a control signal deduplicated on `(swarmId, signal, idempotencyKey)`:
 ///
 /// ```
-/// use tower_ids::idempotency::{message::MessageKey, IdempotencyKey};
+/// use tower_ids_core::IdempotencyKey;
+/// use tower_ids_message::MessageKey;
 ///
-/// # fn main() -> Result<(), tower_ids::idempotency::IdempotencyKeyError> {
+/// # fn main() -> Result<(), tower_ids_core::IdempotencyKeyError> {
 /// let key = MessageKey::new(IdempotencyKey::new("a1c3-1111-2222-9f")?)
 ///     .scope("swarm-42")
 ///     .scope("swarm-start") // swarm-stop with the same key is another command

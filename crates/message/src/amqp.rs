@@ -6,10 +6,8 @@
 //! ```no_run
 //! use serde::{Deserialize, Serialize};
 //! use tower::{service_fn, ServiceBuilder};
-//! use tower_ids::idempotency::{
-//!     message::{amqp::AmqpConsumer, MessageIdempotencyLayer, MessageKey, Received},
-//!     IdempotencyKey,
-//! };
+//! use tower_ids_core::IdempotencyKey;
+//! use tower_ids_message::{amqp::AmqpConsumer, MessageIdempotencyLayer, MessageKey, Received};
 //!
 //! #[derive(Deserialize)]
 //! struct Payment { account: String, amount: i64 }
@@ -56,8 +54,8 @@ use super::{
     },
     Handled,
 };
-use crate::correlation::{Carrier, MessageCorrelation};
-use crate::idempotency::{InHand, Stopped};
+use tower_ids_core::{engine::InHand, Stopped};
+use tower_ids_correlation::{Carrier, MessageCorrelation};
 
 /// Deliveries handled at once by default (the channel's prefetch).
 pub const DEFAULT_PREFETCH: u16 = 16;
@@ -228,7 +226,7 @@ impl AmqpConsumer {
                 break 'connect;
             };
             let (connection, consuming, publisher, mut deliveries) = opened;
-            tracing::info!(event = "message.consuming", queue = %self.queue, prefetch = self.prefetch, "consuming");
+            tracing::info!(target: "tower_ids::idempotency::message", event = "message.consuming", queue = %self.queue, prefetch = self.prefetch, "consuming");
             loop {
                 tokio::select! {
                     biased;
@@ -258,7 +256,7 @@ impl AmqpConsumer {
                                 Some(Err(error)) => error.to_string(),
                                 _ => "the consumer was cancelled".to_owned(),
                             };
-                            tracing::warn!(event = "message.connection_lost", queue = %self.queue, error, "lost the consumer; reconnecting (unacknowledged deliveries come back)");
+                            tracing::warn!(target: "tower_ids::idempotency::message", event = "message.connection_lost", queue = %self.queue, error, "lost the consumer; reconnecting (unacknowledged deliveries come back)");
                             backoff = Duration::from_millis(100);
                             continue 'connect;
                         }
@@ -299,13 +297,13 @@ impl AmqpConsumer {
             match opened {
                 Ok(opened) => {
                     if !backoff.is_zero() {
-                        tracing::info!(event = "message.broker_recovered", queue = %self.queue, "consuming again");
+                        tracing::info!(target: "tower_ids::idempotency::message", event = "message.broker_recovered", queue = %self.queue, "consuming again");
                     }
                     return Some(opened);
                 }
                 Err(error) => {
                     if backoff.is_zero() {
-                        tracing::warn!(event = "message.broker_unavailable", queue = %self.queue, error = %error, "cannot consume from RabbitMQ; trying again");
+                        tracing::warn!(target: "tower_ids::idempotency::message", event = "message.broker_unavailable", queue = %self.queue, error = %error, "cannot consume from RabbitMQ; trying again");
                     }
                     *backoff =
                         (*backoff * 2).clamp(Duration::from_millis(100), MAX_RECONNECT_BACKOFF);
@@ -352,10 +350,10 @@ impl AmqpConsumer {
         // Read before the tasks are aborted: an aborted task lets go of its name.
         let stopped = in_hand.stopped();
         if drained.is_err() {
-            tracing::warn!(event = "message.drain_unsettled", queue = %self.queue, in_flight = waiting, left = ?stopped.left, "stopped with deliveries unsettled: they go back to the queue");
+            tracing::warn!(target: "tower_ids::idempotency::message", event = "message.drain_unsettled", queue = %self.queue, in_flight = waiting, left = ?stopped.left, "stopped with deliveries unsettled: they go back to the queue");
             in_flight.abort_all();
         } else {
-            tracing::info!(event = "message.drained", queue = %self.queue, settled = waiting, "every delivery in flight settled");
+            tracing::info!(target: "tower_ids::idempotency::message", event = "message.drained", queue = %self.queue, settled = waiting, "every delivery in flight settled");
         }
         stopped
     }
@@ -424,7 +422,7 @@ impl AmqpConsumer {
                 FieldTable::default(),
             )
             .await?;
-        tracing::info!(event = "message.queue_declared", queue = %self.queue, "the queue did not exist: declared it, durable");
+        tracing::info!(target: "tower_ids::idempotency::message", event = "message.queue_declared", queue = %self.queue, "the queue did not exist: declared it, durable");
         Ok(())
     }
 
@@ -480,7 +478,7 @@ impl AmqpConsumer {
         match publish(publisher, &self.queue, delivery, headers).await {
             Ok(()) => ack(delivery, "retried").await,
             Err(error) => {
-                tracing::warn!(event = "message.republish_failed", error = %error, "could not publish the message again; it goes back to the queue");
+                tracing::warn!(target: "tower_ids::idempotency::message", event = "message.republish_failed", error = %error, "could not publish the message again; it goes back to the queue");
                 requeue(delivery, self.retry_pause, "requeued").await
             }
         }
@@ -507,11 +505,11 @@ impl AmqpConsumer {
         );
         match publish(publisher, &self.dead_letter_queue, delivery, headers).await {
             Ok(()) => {
-                tracing::error!(event = "message.dead_lettered", queue = %self.queue, dead_letter_queue = %self.dead_letter_queue, code, reason, "a message that cannot be handled went to the dead-letter queue; the messages behind it go on");
+                tracing::error!(target: "tower_ids::idempotency::message", event = "message.dead_lettered", queue = %self.queue, dead_letter_queue = %self.dead_letter_queue, code, reason, "a message that cannot be handled went to the dead-letter queue; the messages behind it go on");
                 ack(delivery, "dead_lettered").await
             }
             Err(error) => {
-                tracing::warn!(event = "message.republish_failed", error = %error, "could not dead-letter the message; it goes back to the queue");
+                tracing::warn!(target: "tower_ids::idempotency::message", event = "message.republish_failed", error = %error, "could not dead-letter the message; it goes back to the queue");
                 requeue(delivery, self.retry_pause, "requeued").await
             }
         }
@@ -550,7 +548,7 @@ impl Waiting {
 async fn ack(delivery: &Delivery, outcome: &'static str) -> &'static str {
     if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
         // The channel is gone: the broker delivers it again, and the layer replays it.
-        tracing::debug!(event = "message.ack_failed", error = %error, "could not acknowledge; the broker delivers it again");
+        tracing::debug!(target: "tower_ids::idempotency::message", event = "message.ack_failed", error = %error, "could not acknowledge; the broker delivers it again");
     }
     outcome
 }

@@ -8,10 +8,8 @@ use serde::de::DeserializeOwned;
 use tower_service::Service;
 
 use super::Handled;
-use crate::{
-    correlation::{Carrier, CorrelationId, MessageCorrelation},
-    idempotency::{store::Chain, IdempotencyKey},
-};
+use tower_ids_core::{store::Chain, IdempotencyKey};
+use tower_ids_correlation::{Carrier, CorrelationId, MessageCorrelation};
 
 /// A handler's error, as the drivers take it: any error tower's services return.
 pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -131,8 +129,9 @@ pub(super) fn settled_line(
     key: &str,
     reason: &str,
 ) {
-    let correlation_id = crate::correlation::CorrelationId::current();
+    let correlation_id = tower_ids_correlation::CorrelationId::current();
     tracing::info!(
+        target: "tower_ids::idempotency::message",
         event = "message.settled",
         outcome,
         delivery = envelope.delivery,

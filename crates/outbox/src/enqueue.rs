@@ -5,12 +5,13 @@ use std::collections::BTreeMap;
 use sqlx::PgConnection;
 
 use super::{partition_lock, Outbox, OutboxError, ENQUEUE_LOCK_CLASS};
-use crate::{correlation::CorrelationId, idempotency::IdempotencyKey};
+use tower_ids_core::IdempotencyKey;
+use tower_ids_correlation::CorrelationId;
 
 /// A message to publish once the transaction that enqueues it commits.
 ///
 /// ```
-/// use tower_ids::outbox::Message;
+/// use tower_ids_outbox::Message;
 ///
 /// let message = Message::new("order.created", r#"{"order":17}"#)
 ///     .partition_key("customer-4")
@@ -90,7 +91,7 @@ impl Outbox {
     /// context.
     ///
     /// `connection` is what the handler already holds for its own writes: the guard of
-    /// the request's [`Transaction`](crate::idempotency::store::Transaction)
+    /// the request's [`Transaction`](tower_ids_postgres::Transaction)
     /// (`&mut guard`), or a sqlx transaction of your own (`&mut tx`). (On a connection
     /// in autocommit the message is committed at once.)
     ///
@@ -145,7 +146,7 @@ impl Outbox {
 /// The current span's W3C `traceparent` and `tracestate`.
 fn trace_context() -> (Option<String>, Option<String>) {
     #[cfg(feature = "opentelemetry")]
-    if let Some(trace) = crate::correlation::TraceContext::current() {
+    if let Some(trace) = tower_ids_correlation::TraceContext::current() {
         return (
             Some(trace.traceparent().to_owned()),
             trace.tracestate().map(str::to_owned),

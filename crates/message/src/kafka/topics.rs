@@ -36,7 +36,7 @@ pub(super) async fn check_dead_letter_topics(
     let metadata = match metadata {
         Ok(Ok(metadata)) => metadata,
         Ok(Err(error)) => {
-            tracing::warn!(event = "message.dead_letter_topic_unchecked", error = %error, "could not read the brokers' topics to check the dead-letter topics");
+            tracing::warn!(target: "tower_ids::idempotency::message", event = "message.dead_letter_topic_unchecked", error = %error, "could not read the brokers' topics to check the dead-letter topics");
             return;
         }
         Err(_) => return,
@@ -45,6 +45,7 @@ pub(super) async fn check_dead_letter_topics(
         let dead = dead_letter_topic(topic);
         if find(&metadata, &dead).is_some() {
             tracing::info!(
+                target: "tower_ids::idempotency::message",
                 event = "message.dead_letter_topic",
                 topic = topic.as_str(),
                 dead_letter_topic = dead.as_str(),
@@ -55,6 +56,7 @@ pub(super) async fn check_dead_letter_topics(
         }
         if !create {
             tracing::warn!(
+                target: "tower_ids::idempotency::message",
                 event = "message.dead_letter_topic_missing",
                 topic = topic.as_str(),
                 dead_letter_topic = dead.as_str(),
@@ -74,6 +76,7 @@ pub(super) async fn check_dead_letter_topics(
         match create_topic(config, &dead, partitions, replicas).await {
             Ok(status) => {
                 tracing::info!(
+                    target: "tower_ids::idempotency::message",
                     event = "message.dead_letter_topic",
                     topic = topic.as_str(),
                     dead_letter_topic = dead.as_str(),
@@ -84,7 +87,7 @@ pub(super) async fn check_dead_letter_topics(
                 );
             }
             Err(error) => {
-                tracing::warn!(event = "message.dead_letter_topic_missing", topic = topic.as_str(), dead_letter_topic = dead.as_str(), error = %error, "could not create the dead-letter topic: a dead letter waits, retried, until it exists");
+                tracing::warn!(target: "tower_ids::idempotency::message", event = "message.dead_letter_topic_missing", topic = topic.as_str(), dead_letter_topic = dead.as_str(), error = %error, "could not create the dead-letter topic: a dead letter waits, retried, until it exists");
             }
         }
     }

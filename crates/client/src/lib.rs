@@ -4,7 +4,7 @@
 //!
 //! [`RetryLayer`] wraps any tower HTTP client (`Service<http::Request<B>>`), hyper-util's
 //! legacy `Client` for one. It is the calling side of the
-//! [idempotency contract](crate::idempotency): the server runs an action once per key,
+//! [idempotency contract](tower_ids_core): the server runs an action once per key,
 //! and this layer makes sure every retry of one action carries that one key, that each
 //! attempt can still be told apart in the logs, and that it retries only what is safe
 //! to repeat.
@@ -63,7 +63,7 @@
 //! use http_body_util::Full;
 //! use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 //! use tower::{ServiceBuilder, ServiceExt};
-//! use tower_ids::client::RetryLayer;
+//! use tower_ids_client::RetryLayer;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let hyper_client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
@@ -83,13 +83,13 @@
 //! | Header | Set | Value |
 //! |---|---|---|
 //! | `Idempotency-Key` | once per logical request, if the method is not safe (POST, PATCH, PUT, DELETE, ...) and the caller set neither it nor `X-Idempotency-Key`; off with [`add_keys(false)`](RetryLayer::add_keys) | a UUIDv7, the same on every attempt; a key of the caller's is never touched |
-//! | `x-correlation-id` ([`correlation_header`](RetryLayer::correlation_header)) | every attempt, overwritten | `parent.1`, `parent.2`, ... ([`CorrelationId::next_child`](crate::correlation::CorrelationId::next_child)) |
+//! | `x-correlation-id` ([`correlation_header`](RetryLayer::correlation_header)) | every attempt, overwritten | `parent.1`, `parent.2`, ... ([`CorrelationId::next_child`](tower_ids_correlation::CorrelationId::next_child)) |
 //! | `attempt-id` | every attempt, overwritten; off with [`attempt_ids(false)`](RetryLayer::attempt_ids) | `1`, `2`, `3`, ... |
 //!
-//! The parent correlation ID is the request's [`CorrelationId`](crate::correlation::CorrelationId)
+//! The parent correlation ID is the request's [`CorrelationId`](tower_ids_correlation::CorrelationId)
 //! extension, else a valid correlation header the caller set, else the task's
-//! [`CorrelationId::current`](crate::correlation::CorrelationId::current) (inside a
-//! handler behind [`CorrelationLayer`](crate::correlation::CorrelationLayer), the incoming
+//! [`CorrelationId::current`](tower_ids_correlation::CorrelationId::current) (inside a
+//! handler behind [`CorrelationLayer`](tower_ids_correlation::CorrelationLayer), the incoming
 //! request's ID), else a fresh UUIDv7. Each attempt's request also carries its own ID as
 //! its `CorrelationId` extension. The parent, the key and the deadline's clock are
 //! taken when `call` runs: `id.scope(client.oneshot(request))` uses `id`, while
@@ -142,7 +142,7 @@
 //! Put `RetryLayer` outermost on the client. Layers inside it (tower-http's
 //! `TraceLayer`, a per-attempt metric) see every attempt; layers outside see one call.
 //! It sets the correlation header itself, so the same client needs no
-//! [`OutboundCorrelationLayer`](crate::correlation::OutboundCorrelationLayer) (which
+//! [`OutboundCorrelationLayer`](tower_ids_correlation::OutboundCorrelationLayer) (which
 //! never overwrites a header and would leave this one as it is).
 //!
 //! # Events

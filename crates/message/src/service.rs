@@ -1,7 +1,6 @@
 //! A message's path through the message layer: its key read, the engine asked, and
 //! its decision turned into what the consumer does with the delivery (`Handled`).
 
-use crate::idempotency::code::event;
 use std::{
     fmt,
     future::Future,
@@ -10,6 +9,7 @@ use std::{
     task::{Context, Poll},
     time::Duration,
 };
+use tower_ids_core::event;
 
 use bytes::Bytes;
 use serde::{de::DeserializeOwned, Serialize};
@@ -17,18 +17,19 @@ use tower_service::Service;
 use tracing::Instrument as _;
 
 use super::{layer::MessageSettings, ExtractMessageKey, MessageKey};
-use crate::idempotency::{
-    code::Code,
-    core::{
-        self, observe, Answer, ClaimFlag, Classified, Classify, Classifying, Detaching, Engine,
-        Exchange, Keyed, OutcomeClass, Release, ReplayInfo, Resolution,
+use tower_ids_core::{
+    engine::{
+        self as core, observe, Answer, ClaimFlag, Classified, Classify, Classifying, Detaching,
+        Engine, Exchange, Keyed, OutcomeClass, Release, Resolution,
     },
-    store::{IdempotencyStore, MokaStore, Payload, PayloadFormat, Record, TransactionOffer},
+    store::{IdempotencyStore, Payload, PayloadFormat, Record, TransactionOffer},
+    Code, ReplayInfo,
 };
+use tower_ids_moka::MokaStore;
 
 /// Middleware that handles each message key once and hands its stored outcome to every
 /// duplicate. Made by [`MessageIdempotencyLayer`](super::MessageIdempotencyLayer); see
-/// the [module docs](crate::idempotency::message).
+/// the [module docs](crate).
 pub struct MessageIdempotency<S, R, St, K> {
     pub(super) inner: S,
     pub(super) extract: Arc<K>,
@@ -95,7 +96,7 @@ pub enum Handled<R> {
     /// The handler ran for this delivery, and its outcome is stored for duplicates
     /// (unless [`store_if`](super::MessageIdempotencyLayer::store_if) said not to; and
     /// a message without a key, or one run without the store under
-    /// [`StoreFailure::FailOpen`](crate::idempotency::StoreFailure::FailOpen), is not
+    /// [`StoreFailure::FailOpen`](tower_ids_core::StoreFailure::FailOpen), is not
     /// deduplicated at all).
     Ran(R),
     /// A duplicate: the handler did not run. `outcome` is the stored one, decoded
@@ -161,7 +162,7 @@ impl Refusal {
     /// | Code | Retryable | When |
     /// |---|---|---|
     /// | `idempotency.key_missing` | no | [`require_key`](super::MessageIdempotencyLayer::require_key) and no key |
-    /// | `idempotency.key_invalid` (or another [`KeyRejection::code`](crate::idempotency::extract::KeyRejection::code)) | no | the extractor refused the message |
+    /// | `idempotency.key_invalid` (or another [`KeyRejection::code`](tower_ids_core::KeyRejection::code)) | no | the extractor refused the message |
     /// | `idempotency.fingerprint_mismatch` | no | the key came before with another fingerprint |
     /// | `idempotency.not_replayable` | no | the handler ran, but its outcome was too large to keep (or not serialisable) |
     /// | `idempotency.outcome_undecodable` | no | the stored outcome does not decode into the outcome type (it changed since) |
@@ -337,7 +338,7 @@ where
 }
 
 /// A claimed message's handler, for the engine (which puts the transaction it offers,
-/// if any, where [`Transaction::current`](crate::idempotency::store::Transaction)
+/// if any, where [`Transaction::current`](tower_ids_core::store::Transaction)
 /// finds it).
 struct Delivery<S, M> {
     inner: S,
@@ -390,6 +391,7 @@ fn replay<R: DeserializeOwned>(record: Arc<Record>, request_count: u64) -> Handl
         Err(error) => {
             core::replay_failed(request_count);
             tracing::warn!(
+                target: "tower_ids::idempotency::message",
                 event = event::OUTCOME_UNDECODABLE,
                 error = %error,
                 request_count,
