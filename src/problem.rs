@@ -76,7 +76,7 @@ mod tests {
             assert!(Code::ALL.iter().any(|c| c == code.as_str()), "{code}");
         }
 
-        let refusals = source("idempotency/message/service.rs");
+        let refusals = source("../crates/message/src/service.rs");
         for code in message_only {
             assert!(refusals.contains(&format!("/// | `{code}` |")), "{code}");
         }
