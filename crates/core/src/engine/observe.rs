@@ -186,9 +186,10 @@ pub fn protected_span(
     if !tracing::level_enabled!(tracing::Level::INFO) {
         return None;
     }
-    if Span::current().has_field(field::OUTCOME) {
+    let current = Span::current();
+    if current.has_field(field::OUTCOME) {
         if let (Some(key), Some(scope)) = (key, scope) {
-            protected(key, scope, client);
+            protected(&current, key, scope, client);
         }
         return None;
     }
@@ -207,20 +208,20 @@ pub fn protected_span(
 }
 
 /// Records a protected request's key, scope and client on its request's span.
-fn protected(key: &IdempotencyKey, scope: &ScopeKey, client: Option<&ClientId>) {
-    if !tracing::level_enabled!(tracing::Level::INFO) {
-        return;
-    }
+fn protected(span: &Span, key: &IdempotencyKey, scope: &ScopeKey, client: Option<&ClientId>) {
     let scope = tracing::field::display(scope);
     let client = client.map(tracing::field::display);
-    record_three([
-        (field::KEY, Some(&key.as_str())),
-        (field::SCOPE, Some(&scope)),
-        (
-            field::CLIENT,
-            client.as_ref().map(|c| c as &dyn tracing::Value),
-        ),
-    ]);
+    record_three_on(
+        span,
+        [
+            (field::KEY, Some(&key.as_str())),
+            (field::SCOPE, Some(&scope)),
+            (
+                field::CLIENT,
+                client.as_ref().map(|c| c as &dyn tracing::Value),
+            ),
+        ],
+    );
 }
 
 /// Records up to three fields on the current span in one recording: a formatter that
@@ -228,7 +229,11 @@ fn protected(key: &IdempotencyKey, scope: &ScopeKey, client: Option<&ClientId>) 
 /// pays once, not three times. A field the span does not declare, or a `None`, is left
 /// out.
 pub fn record_three(values: [(&'static str, Option<&dyn tracing::Value>); 3]) {
-    let span = request_span();
+    record_three_on(&request_span(), values);
+}
+
+/// [`record_three`] on `span`.
+fn record_three_on(span: &Span, values: [(&'static str, Option<&dyn tracing::Value>); 3]) {
     let Some(metadata) = span.metadata() else {
         return;
     };
