@@ -37,7 +37,7 @@
 //! is counted), divided by the records, less each response's
 //! [`Payload::weight`]. It prints one line per size (`scale/memory/...`) and
 //! asserts the figure is within what the store charges per entry,
-//! [`MOKA_ENTRY_OVERHEAD_BYTES`]. These are the bytes asked of the allocator: malloc's own
+//! `MOKA_ENTRY_OVERHEAD_BYTES` (832). These are the bytes asked of the allocator: malloc's own
 //! per-allocation header and rounding come on top.
 //!
 //! The counting allocator also serves the timed rows; its counters add the same few
@@ -67,9 +67,10 @@ use tower_ids::idempotency::{
     header::IDEMPOTENT_REPLAYED,
     store::Fingerprint,
     store::ScopeKey,
-    store::{Begin, Claim, IdempotencyStore, Payload, Record, MOKA_ENTRY_OVERHEAD_BYTES},
+    store::{Begin, Claim, IdempotencyStore, Payload, Record},
     IdempotencyKey, IdempotencyLayer, MokaStore, DEFAULT_LEASE, DEFAULT_TTL,
 };
+use tower_ids_moka::MOKA_ENTRY_OVERHEAD_BYTES;
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;

@@ -218,5 +218,12 @@ pub use tower_ids_correlation::problem::{
 pub use client::RetryLayer;
 #[cfg(feature = "correlation")]
 pub use correlation::{CorrelationId, CorrelationLayer, OutboundCorrelationLayer};
+/// [`idempotency::IdempotencyLayer`], at the crate's root beside the correlation and
+/// retry layers: the same type under a second name, with the same defaults.
 #[cfg(feature = "idempotency")]
-pub use idempotency::IdempotencyLayer;
+pub type IdempotencyLayer<
+    St = idempotency::MokaStore,
+    C = idempotency::extract::NoClient,
+    E = idempotency::extract::NoEpoch,
+    T = idempotency::Http,
+> = idempotency::IdempotencyLayer<St, C, E, T>;

@@ -131,7 +131,7 @@ mod tests {
         // The OpenAPI description lists every code the layer answers a route with.
         #[cfg(feature = "openapi")]
         {
-            use crate::idempotency::http::openapi::{answered_with, CLIENT_MISSING, PROBLEMS};
+            use crate::idempotency::adapter::openapi::{answered_with, CLIENT_MISSING, PROBLEMS};
             for (status, code) in &rows {
                 if code == Code::TransactionMissing.as_str() {
                     continue;

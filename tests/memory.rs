@@ -12,11 +12,11 @@ use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use tower_ids::idempotency::{
     store::Fingerprint,
     store::ScopeKey,
-    store::{
-        Begin, Claim, IdempotencyStore, Payload, PayloadFormat, Record, MOKA_ENTRY_OVERHEAD_BYTES,
-    },
+    store::{Begin, Claim, IdempotencyStore, Payload, PayloadFormat, Record},
     IdempotencyKey, MokaStore,
 };
+// The weight the store charges per entry, which its docs give (832 bytes).
+use tower_ids_moka::MOKA_ENTRY_OVERHEAD_BYTES;
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;

@@ -88,7 +88,7 @@
 //! | `--fail-after-write-percent` | `0` | the share of the two `POST` handlers that fail with `500` `commands.failed_after_write` after their writes (and `--commit-delay-ms`), each drawn at random; `100` fails every one. In memory or on Redis the writes stand and the `500` is replayed to a retry; in DB mode they are rolled back and the retry runs again (a cancel sent without a key commits its own writes first) |
 //! | `--idempotency-ttl-secs` | `86400` | how long an idempotency key's outcome is replayed |
 //! | `--store-timeout-ms` | the store's (250 ms Redis, 1 s PostgreSQL) | the longest one idempotency store call may take; on Redis a quarter of the lease must cover it and about 100 ms more, or the demo refuses to start |
-//! | `--idempotency-lease-ms` | `10000` | on Redis, the longest store outage a running request's claim outlives (the library's `DEFAULT_LEASE`); a request that stopped renewing its claim (its process died) keeps its key for at most one and a half leases: retries get `409` until then. DB mode has no lease: the request's transaction holds its key |
+//! | `--idempotency-lease-ms` | `10000` | on Redis, the longest store outage a running request's claim outlives (the library's default lease); a request that stopped renewing its claim (its process died) keeps its key for at most one and a half leases: retries get `409` until then. DB mode has no lease: the request's transaction holds its key |
 //! | `--header-read-timeout-ms` | `10000` | how long a connection may take to send a request's head, and may stay idle between requests; then the server closes it |
 //! | `--body-timeout-ms` | `10000` | how long a request body may go without sending a byte; then `408` and the connection is closed |
 //! | `--request-timeout-ms` | `30000` | how long a request may take from its head to its answer; then `408` and the connection is closed |
@@ -420,7 +420,7 @@ use http::{header, HeaderName, HeaderValue, Method};
 use tokio::{net::TcpListener, sync::mpsc, task::JoinHandle};
 use tower_http::cors::CorsLayer;
 use tower_ids::cors;
-use tower_ids::idempotency::{IdempotencyStore, MokaStore, DEFAULT_LEASE};
+use tower_ids::idempotency::{IdempotencyStore, MokaStore};
 use tracing_subscriber::{
     filter::LevelFilter, fmt::writer::BoxMakeWriter, layer::SubscriberExt as _,
     util::SubscriberInitExt as _, EnvFilter, Layer as _,
@@ -437,11 +437,11 @@ use crate::{
     },
 };
 
-/// Default `--idempotency-lease-ms`: the library's [`DEFAULT_LEASE`] (10 s), the longest
-/// store outage a running request's claim outlives. The claim is renewed while the
-/// request runs; a crashed request's retries get `409` for at most one and a half
-/// leases.
-const IDEMPOTENCY_LEASE_MS: NonZeroU64 = NonZeroU64::new(DEFAULT_LEASE.as_millis() as u64).unwrap();
+/// Default `--idempotency-lease-ms`: the library's default lease
+/// ([`Policy::lease`](tower_ids::idempotency::Policy::lease), 10 s), the longest store
+/// outage a running request's claim outlives. The claim is renewed while the request
+/// runs; a crashed request's retries get `409` for at most one and a half leases.
+const IDEMPOTENCY_LEASE_MS: NonZeroU64 = NonZeroU64::new(10_000).unwrap();
 
 /// How long `--redis-wait-replicas` waits for the replicas' acknowledgement: a replica
 /// on the same network answers in a millisecond; half a second rides out a busy one.

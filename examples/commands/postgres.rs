@@ -23,10 +23,7 @@ use sqlx::{
 };
 use time::OffsetDateTime;
 use tower_ids::{
-    idempotency::store::{
-        PostgresMode, PostgresStore, Transaction, TransactionGuard,
-        DEFAULT_POSTGRES_COMMAND_TIMEOUT,
-    },
+    idempotency::store::{PostgresMode, PostgresStore, Transaction, TransactionGuard},
     outbox::{Message, Outbox},
 };
 use uuid::Uuid;
@@ -75,8 +72,13 @@ const SCHEMA_LOCK: i64 = 0x636d_6473_5f64_646c;
 /// [`PUBLISH_CONNECTIONS`](crate::relay::PUBLISH_CONNECTIONS) more: 32 serve far more
 /// concurrent writes than the demo sees, and two replicas stay well within PostgreSQL's
 /// default `max_connections` of 100. A request that finds none free within
-/// `DEFAULT_POSTGRES_COMMAND_TIMEOUT` (1 s) is answered `503`.
+/// [`DATABASE_ACQUIRE_TIMEOUT`] is answered `503`.
 const DATABASE_MAX_CONNECTIONS: u32 = 32;
+
+/// How long a request waits for a free connection: the store's own command timeout
+/// ([`command_timeout`](tower_ids::idempotency::store::PostgresStoreBuilder::command_timeout)'s
+/// default, 1 s), so a pool that is full fails as a slow database does.
+const DATABASE_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The columns of a [`Command`], as [`command`] reads them: the UUID and the payload as
 /// text (the pool has no `uuid` or `json` decoding), the creation time in microseconds
@@ -109,7 +111,7 @@ impl Database {
         let pool = database::connect(
             PgPoolOptions::new()
                 .max_connections(DATABASE_MAX_CONNECTIONS)
-                .acquire_timeout(DEFAULT_POSTGRES_COMMAND_TIMEOUT),
+                .acquire_timeout(DATABASE_ACQUIRE_TIMEOUT),
             url,
         )
         .await?;

@@ -99,8 +99,8 @@
 //!   work moves to a task of its own (same span, same correlation ID), runs to
 //!   completion, and its outcome is stored for the retry. A handler that panics or
 //!   fails releases the key; waiters get `409` `idempotency.original_failed`.
-//! - **TTL** 24 h ([`DEFAULT_TTL`]); expired keys run again. A **lease** of 10 s
-//!   ([`DEFAULT_LEASE`]) on requests in flight: the claim holds the key for the lease
+//! - **TTL** 24 h ([`Policy::ttl`]); expired keys run again. A **lease** of 10 s
+//!   ([`Policy::lease`]) on requests in flight: the claim holds the key for the lease
 //!   and half again and is renewed every quarter of it while the handler runs, so a
 //!   handler may run longer than its lease, a store outage shorter than the lease never
 //!   frees a running request's key, and a lost worker locks its key for at most one
@@ -302,7 +302,7 @@
 //!   [`max_request_bytes`](IdempotencyLayer::max_request_bytes) (1 MiB), and all those
 //!   of the requests in flight through one layer and its clones at most
 //!   [`max_buffered_bytes`](IdempotencyLayer::max_buffered_bytes)
-//!   ([`DEFAULT_MAX_BUFFERED_BYTES`], 64 MiB). A body takes its bytes from that budget
+//!   (64 MiB). A body takes its bytes from that budget
 //!   as it is read (its declared `Content-Length` up front) and gives them back when
 //!   the request's work ends; a request the budget cannot take now is `503
 //!   idempotency.overloaded` with `Retry-After`, before the handler or the store sees
@@ -319,7 +319,7 @@
 //!   responses are large. Replays share the stored bytes; they copy no body.
 //! - **Outcomes waiting for the store** (it failed when their request ended): their
 //!   responses at most [`max_kept_bytes`](Policy::max_kept_bytes) per layer
-//!   ([`DEFAULT_MAX_KEPT_BYTES`], 64 MiB); past it an outcome is kept without its
+//!   (64 MiB); past it an outcome is kept without its
 //!   response.
 //! - **Stored records**: the store's bound, [`MokaStore`]'s
 //!   [`max_bytes`](store::MokaStoreBuilder::max_bytes) (64 MiB by default; see its
@@ -373,12 +373,14 @@
 // are compiled: what the retry layer sends. Everything else is the layers'.
 //
 // The core (keys, scope, codes, policy, the store trait and the engine) is the
-// `tower-ids-core` crate, re-exported here; this crate's adapters (`http`, `grpc`,
-// `message`) sit on it, then what two of them share (`client`, `collect`, `response`).
+// `tower-ids-core` crate, re-exported here. The imports run one way, up this list:
+// what every transport reads a call with (`extract`, `collect`, `response`), the
+// contract a transport keeps (`transport`), the transports (`http`, `grpc`), and the
+// adapter (`adapter`: the layer and service, generic over a transport, with each
+// transport's constructors). The public modules (this one, `extract`, `grpc`, `store`)
+// only gather names. The message layer is its own crate, on the core.
 #[cfg(feature = "idempotency")]
-mod adapter;
-#[cfg(feature = "idempotency")]
-mod client;
+pub(crate) mod adapter;
 #[cfg(feature = "idempotency")]
 mod collect;
 #[cfg(feature = "idempotency")]
@@ -392,34 +394,43 @@ pub(crate) mod http;
 #[doc(inline)]
 pub use tower_ids_message as message;
 #[cfg(feature = "idempotency")]
+pub mod extract;
+#[cfg(feature = "idempotency")]
 mod response;
 #[cfg(feature = "idempotency")]
 pub mod store;
+#[cfg(feature = "idempotency")]
+mod transport;
 
 #[cfg(all(feature = "postgres", feature = "axum"))]
 pub use self::http::TransactionRejection;
 #[cfg(feature = "idempotency")]
 pub use self::{
     adapter::{Idempotency, IdempotencyLayer},
-    client::{ClientFromAuthorization, ClientFromExtension, ClientFromHeader},
-    http::{
-        EpochFromExtension, EpochFromHeader, Http, JsonReplayMarker, KeyFromHeader, KeyFromJson,
-        OnReplay, DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES,
-        DEFAULT_MAX_RESPONSE_BYTES,
+    extract::{
+        client::{ClientFromAuthorization, ClientFromExtension, ClientFromHeader},
+        epoch::{EpochFromExtension, EpochFromHeader},
+        key::{KeyFromHeader, KeyFromJson},
     },
+    http::{Http, JsonReplayMarker, OnReplay},
     response::ResponseFuture,
     store::{IdempotencyStore, MokaStore},
 };
 #[cfg(feature = "idempotency")]
 pub use tower_ids_core::field;
-pub use tower_ids_core::{AttemptId, IdempotencyKey, IdempotencyKeyError};
+pub use tower_ids_core::{AttemptId, IdempotencyKey};
 #[cfg(feature = "idempotency")]
 pub use tower_ids_core::{
     ClientId, Code, Drain, Drained, InFlight, Policy, PolicyError, ReplayInfo, Stopped,
-    StorageRule, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_RETRY_AFTER,
-    DEFAULT_TTL,
+    StorageRule, StoreFailure,
 };
+// The defaults, for the examples and benches: users read them in the setters' docs.
+#[cfg(feature = "idempotency")]
+#[doc(hidden)]
+pub use tower_ids_core::{DEFAULT_LEASE, DEFAULT_TTL};
 // For the crate's own modules: the names every part of the layers uses, at one path.
+#[cfg(feature = "idempotency")]
+pub use tower_ids_core::metrics;
 #[cfg(feature = "idempotency")]
 pub(crate) use tower_ids_core::{
     header::{
@@ -429,23 +440,3 @@ pub(crate) use tower_ids_core::{
     store::{Fingerprint, ScopeKey},
     KeyRejection,
 };
-#[cfg(feature = "idempotency")]
-pub mod extract {
-    //! The customisation points of the HTTP layer, for a key, a client or an epoch
-    //! read your own way: the traits, what they return, and the defaults that read
-    //! nothing. The extractors the crate ships ([`KeyFromHeader`], [`KeyFromJson`],
-    //! [`ClientFromHeader`], ...) are at the [top of the module](crate::idempotency).
-    //!
-    //! [`KeyFromHeader`]: crate::idempotency::KeyFromHeader
-    //! [`KeyFromJson`]: crate::idempotency::KeyFromJson
-    //! [`ClientFromHeader`]: crate::idempotency::ClientFromHeader
-
-    pub use super::{
-        client::{ClientRejection, IdentifyClient, IntoClientIdentity, NoClient},
-        http::{EpochRejection, ExtractEpoch, ExtractKey, ExtractedKey, IntoExtractedKey, NoEpoch},
-    };
-    pub use tower_ids_core::KeyRejection;
-}
-
-#[cfg(feature = "idempotency")]
-pub use tower_ids_core::metrics;

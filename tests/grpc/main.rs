@@ -173,7 +173,7 @@ fn reason(status: &Status) -> String {
 #[tokio::test]
 async fn a_retried_unary_call_runs_once_and_replays_its_message_and_metadata() {
     let ledger = CountingLedger::default();
-    let mut client = serve(ledger.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let mut client = serve(ledger.clone(), IdempotencyLayer::new_for_grpc()).await;
 
     let first = client.transfer(transfer(Some("k-1"), 500)).await.unwrap();
     let retry = client.transfer(transfer(Some("k-1"), 500)).await.unwrap();
@@ -215,7 +215,7 @@ async fn ten_concurrent_duplicates_run_once() {
         delay: Duration::from_millis(300),
         ..CountingLedger::default()
     };
-    let client = serve(ledger.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let client = serve(ledger.clone(), IdempotencyLayer::new_for_grpc()).await;
 
     let calls: Vec<_> = (0..10)
         .map(|_| {
@@ -262,7 +262,7 @@ async fn ten_concurrent_duplicates_run_once() {
 #[tokio::test]
 async fn a_key_reused_with_another_message_is_failed_precondition() {
     let ledger = CountingLedger::default();
-    let mut client = serve(ledger.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let mut client = serve(ledger.clone(), IdempotencyLayer::new_for_grpc()).await;
 
     client.transfer(transfer(Some("k-m"), 100)).await.unwrap();
     let status = client
@@ -279,7 +279,7 @@ async fn a_key_reused_with_another_message_is_failed_precondition() {
 #[tokio::test]
 async fn a_bad_or_missing_key_is_invalid_argument_and_nothing_runs() {
     let ledger = CountingLedger::default();
-    let layer = IdempotencyLayer::new().for_grpc().require_key(true);
+    let layer = IdempotencyLayer::new_for_grpc().require_key(true);
     // Current-thread runtime: the server's task logs on this thread.
     let (logs, _capture) = support::Logs::capture();
     let mut client = serve(ledger.clone(), layer).await;
@@ -322,7 +322,7 @@ async fn a_bad_or_missing_key_is_invalid_argument_and_nothing_runs() {
 #[tokio::test]
 async fn a_call_without_a_key_passes_through_every_time() {
     let ledger = CountingLedger::default();
-    let mut client = serve(ledger.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let mut client = serve(ledger.clone(), IdempotencyLayer::new_for_grpc()).await;
     for _ in 0..2 {
         let reply = client.transfer(transfer(None, 5)).await.unwrap();
         assert_eq!(meta(reply.metadata(), "idempotent-replayed"), Some("false"));
@@ -336,7 +336,7 @@ async fn an_error_after_the_side_effect_is_replayed_and_unavailable_releases_the
         fail_with: Some(Code::Internal),
         ..CountingLedger::default()
     };
-    let mut client = serve(failing.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let mut client = serve(failing.clone(), IdempotencyLayer::new_for_grpc()).await;
     let first = client.transfer(transfer(Some("k-e"), 1)).await.unwrap_err();
     let retry = client.transfer(transfer(Some("k-e"), 1)).await.unwrap_err();
     assert_eq!(retry.code(), Code::Internal);
@@ -352,7 +352,7 @@ async fn an_error_after_the_side_effect_is_replayed_and_unavailable_releases_the
         fail_with: Some(Code::Unavailable),
         ..CountingLedger::default()
     };
-    let mut client = serve(unavailable.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let mut client = serve(unavailable.clone(), IdempotencyLayer::new_for_grpc()).await;
     for _ in 0..2 {
         let status = client.transfer(transfer(Some("k-u"), 1)).await.unwrap_err();
         assert_eq!(status.code(), Code::Unavailable);
@@ -382,7 +382,7 @@ async fn a_handlers_refusal_is_not_stored_and_the_retry_runs_again() {
             fail_with: Some(code),
             ..CountingLedger::default()
         };
-        let mut client = serve(refusing.clone(), IdempotencyLayer::new().for_grpc()).await;
+        let mut client = serve(refusing.clone(), IdempotencyLayer::new_for_grpc()).await;
         for _ in 0..2 {
             let status = client.transfer(transfer(Some("k-r"), 1)).await.unwrap_err();
             assert_eq!(status.code(), code);
@@ -402,7 +402,7 @@ async fn a_call_whose_client_gave_up_completes_and_its_retry_replays() {
         delay: Duration::from_millis(400),
         ..CountingLedger::default()
     };
-    let mut client = serve(ledger.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let mut client = serve(ledger.clone(), IdempotencyLayer::new_for_grpc()).await;
 
     // The client's deadline passes while the transfer runs: it sees the deadline, and
     // the server drops the call's future.
@@ -435,7 +435,7 @@ async fn a_call_whose_client_gave_up_completes_and_its_retry_replays() {
 #[tokio::test]
 async fn a_keyed_stream_of_requests_is_refused_and_an_unkeyed_one_passes() {
     let ledger = CountingLedger::default();
-    let mut client = serve(ledger.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let mut client = serve(ledger.clone(), IdempotencyLayer::new_for_grpc()).await;
     let messages = || {
         tokio_stream::iter((0..2).map(|i| TransferRequest {
             from: "a".into(),
@@ -464,7 +464,7 @@ async fn a_keyed_stream_of_requests_is_refused_and_an_unkeyed_one_passes() {
 #[tokio::test]
 async fn a_keyed_server_stream_is_replayed_whole() {
     let ledger = CountingLedger::default();
-    let mut client = serve(ledger.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let mut client = serve(ledger.clone(), IdempotencyLayer::new_for_grpc()).await;
     let mut replies = Vec::new();
     for _ in 0..2 {
         let mut stream = client
@@ -486,7 +486,7 @@ async fn a_keyed_server_stream_is_replayed_whole() {
 #[tokio::test]
 async fn the_callers_correlation_id_reaches_the_handler_and_comes_back() {
     let ledger = CountingLedger::default();
-    let mut client = serve(ledger.clone(), IdempotencyLayer::new().for_grpc()).await;
+    let mut client = serve(ledger.clone(), IdempotencyLayer::new_for_grpc()).await;
     let mut request = transfer(Some("k-id"), 1);
     let sent = "0192f0c1-7a5e-7d3c-9b1a-2f4e6d8c0a11";
     request

@@ -49,12 +49,12 @@ pub const DERIVED_KEY_DOMAIN: &[u8] = b"tower-ids.idempotency-key.v1\0";
 ///   the record the request acts on) or into `computation`.
 /// - **A predictable key is guessable.** Anyone who knows (or can enumerate) the inputs
 ///   can compute the key. When the server scopes keys by client (the idempotency
-///   layer's [`client`](tower_ids_core::IdempotencyLayer::client)), another client's
+///   layer's [`client`](https://docs.rs/tower-ids/latest/tower_ids/idempotency/struct.IdempotencyLayer.html#method.client)), another client's
 ///   key names another entry and guessing it gains nothing. When it does not, another
 ///   caller who sends the key first makes your request a "duplicate" of theirs (it gets
 ///   `422`, or their response). Then mix a secret of your own into `computation`.
 /// - **A new epoch is a new key.** A server that binds keys to control epochs
-///   ([`IdempotencyLayer::epoch`](tower_ids_core::IdempotencyLayer::epoch)) refuses
+///   ([`IdempotencyLayer::epoch`](https://docs.rs/tower-ids/latest/tower_ids/idempotency/struct.IdempotencyLayer.html#method.epoch)) refuses
 ///   a key first seen in another epoch with `422 idempotency.epoch_mismatch`; derive
 ///   again with the current epoch rather than retrying.
 /// - **The request bytes must be identical on every run**: serialise deterministically

@@ -31,7 +31,7 @@ impl IdempotencyKey {
     /// 8941, `"abc-123"`, with `\"` and `\\` escapes and any parameters, which are
     /// ignored: `"abc-123";p=1` is `abc-123`), or a bare token (`abc-123`, any visible
     /// ASCII, taken whole).
-    pub fn parse(raw: &[u8]) -> Result<Self, IdempotencyKeyError> {
+    pub fn parse(raw: &[u8]) -> Result<Self, KeyRejection> {
         let raw = trim_ows(raw);
         match raw.first() {
             Some(b'"') => Self::new(&sf_string(raw)?),
@@ -42,7 +42,7 @@ impl IdempotencyKey {
     /// [`parse`](Self::parse) for a header value: a bare key keeps the value's bytes
     /// rather than copying them.
     #[doc(hidden)]
-    pub fn from_header_value(value: &HeaderValue) -> Result<Self, IdempotencyKeyError> {
+    pub fn from_header_value(value: &HeaderValue) -> Result<Self, KeyRejection> {
         let bytes = value.as_bytes();
         match bytes {
             [b'"' | b' ' | b'\t', ..] | [.., b' ' | b'\t'] => Self::parse(bytes),
@@ -56,7 +56,7 @@ impl IdempotencyKey {
 
     /// Takes `text` as it is, as a key from a message or a body field, where no header
     /// quoting applies: 1 to [`MAX_LEN`](Self::MAX_LEN) visible ASCII characters, else refused.
-    pub fn new(text: &str) -> Result<Self, IdempotencyKeyError> {
+    pub fn new(text: &str) -> Result<Self, KeyRejection> {
         check_visible(text, Self::MAX_LEN)?;
         let value = HeaderValue::from_str(text).map_err(|_| KeyError::NotVisibleAscii)?;
         Ok(Self(value))
@@ -85,7 +85,7 @@ impl IdempotencyKey {
     pub fn from_headers(
         headers: &HeaderMap,
         names: &[HeaderName],
-    ) -> Result<Option<Self>, IdempotencyKeyError> {
+    ) -> Result<Option<Self>, KeyRejection> {
         let mut found: Option<(Self, &HeaderName)> = None;
         for name in names {
             let mut values = headers.get_all(name).iter();
@@ -153,7 +153,8 @@ impl AttemptId {
 
     /// Reads `attempt-id`: `Ok(None)` when absent; refused when repeated or not 1 to
     /// [`MAX_LEN`](Self::MAX_LEN) visible ASCII characters.
-    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, IdempotencyKeyError> {
+    #[doc(hidden)]
+    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, KeyRejection> {
         let mut values = headers.get_all(ATTEMPT_ID).iter();
         let Some(value) = values.next() else {
             return Ok(None);
@@ -167,6 +168,7 @@ impl AttemptId {
     }
 
     /// Wraps a stored attempt ID.
+    #[doc(hidden)]
     pub fn from_header_value(value: HeaderValue) -> Self {
         Self(value)
     }
@@ -185,6 +187,7 @@ impl AttemptId {
     }
 
     /// The attempt ID as a header value.
+    #[doc(hidden)]
     pub fn to_header_value(&self) -> HeaderValue {
         self.0.clone()
     }
@@ -232,14 +235,10 @@ fn check_visible(text: &str, max_len: usize) -> Result<(), KeyError> {
     Ok(())
 }
 
-/// Why an idempotency key (or attempt ID) was refused; the layer answers `400`.
-///
-/// Neither `Display` nor [`reason`](Self::reason) repeats the value.
+/// Why an idempotency key (or attempt ID) was refused: the text of a
+/// [`KeyRejection`]. Neither its `Display` nor its reason repeats the value.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IdempotencyKeyError(KeyError);
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum KeyError {
+pub(crate) enum KeyError {
     Empty,
     TooLong {
         len: usize,
@@ -258,18 +257,12 @@ enum KeyError {
     AttemptId,
 }
 
-impl From<KeyError> for IdempotencyKeyError {
-    fn from(error: KeyError) -> Self {
-        Self(error)
-    }
-}
-
-impl IdempotencyKeyError {
+impl KeyError {
     /// A short stable reason: `empty`, `too_long`, `not_visible_ascii`, `malformed_string`,
     /// `repeated` (one key header sent on more than one line), `conflicting` (two
     /// key headers with different keys) or `invalid_attempt_id`.
-    pub fn reason(&self) -> &'static str {
-        match self.0 {
+    pub(crate) fn reason(&self) -> &'static str {
+        match self {
             KeyError::Empty => "empty",
             KeyError::TooLong { .. } => "too_long",
             KeyError::NotVisibleAscii => "not_visible_ascii",
@@ -281,10 +274,9 @@ impl IdempotencyKeyError {
     }
 
     /// The code every transport refuses this key (or attempt ID) with.
-    #[doc(hidden)]
-    pub fn refusal(&self) -> crate::Code {
+    pub(crate) fn refusal(&self) -> crate::Code {
         use crate::Code;
-        match self.0 {
+        match self {
             KeyError::AttemptId => Code::AttemptIdInvalid,
             KeyError::Repeated { .. } => Code::KeyRepeated,
             KeyError::Conflicting { .. } => Code::KeysDisagree,
@@ -293,9 +285,9 @@ impl IdempotencyKeyError {
     }
 }
 
-impl fmt::Display for IdempotencyKeyError {
+impl fmt::Display for KeyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.0 {
+        match self {
             KeyError::Empty => f.write_str("the idempotency key is empty"),
             KeyError::TooLong { len } => write!(
                 f,
@@ -325,8 +317,6 @@ impl fmt::Display for IdempotencyKeyError {
         }
     }
 }
-
-impl std::error::Error for IdempotencyKeyError {}
 
 /// A message's key, carried in its headers as its correlation ID is.
 impl IdempotencyKey {

@@ -21,14 +21,19 @@ pub mod store;
 
 #[doc(hidden)]
 pub use self::code::event;
+// The defaults, for the workspace's crates: users read them in the setters' docs.
+#[doc(hidden)]
+pub use self::engine::{
+    DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER,
+    DEFAULT_TTL,
+};
 pub use self::{
     code::Code,
     engine::{
         observe::field, Drain, Drained, InFlight, Policy, PolicyError, ReplayInfo, Stopped,
-        StorageRule, StoreFailure, DEFAULT_LEASE, DEFAULT_MAX_KEPT_BYTES,
-        DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_RETRY_AFTER, DEFAULT_TTL,
+        StorageRule, StoreFailure,
     },
-    key::{AttemptId, IdempotencyKey, IdempotencyKeyError},
+    key::{AttemptId, IdempotencyKey},
     rejection::KeyRejection,
     scope::ClientId,
 };

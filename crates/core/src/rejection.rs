@@ -3,7 +3,7 @@
 
 use std::{borrow::Cow, fmt};
 
-use crate::{Code, IdempotencyKeyError};
+use crate::{key::KeyError, Code};
 
 /// Why a request's key could not be read; the layer answers `400` (see
 /// [`code`](Self::code)) and logs a WARN `idempotency.rejected`.
@@ -17,14 +17,14 @@ pub struct KeyRejection {
 
 #[derive(Debug, Clone)]
 enum Kind {
-    Key(IdempotencyKeyError),
+    Key(KeyError),
     NotJson,
     FieldNotString {
         pointer: Cow<'static, str>,
     },
     FieldInvalid {
         pointer: Cow<'static, str>,
-        error: IdempotencyKeyError,
+        error: KeyError,
     },
     ClientField {
         pointer: Cow<'static, str>,
@@ -44,7 +44,8 @@ impl KeyRejection {
 
     /// The refusal's [`Code`]: [`KeyInvalid`](Code::KeyInvalid),
     /// [`KeyRepeated`](Code::KeyRepeated), [`KeysDisagree`](Code::KeysDisagree),
-    /// [`BodyNotJson`](Code::BodyNotJson) or [`ClientInvalid`](Code::ClientInvalid).
+    /// [`AttemptIdInvalid`](Code::AttemptIdInvalid), [`BodyNotJson`](Code::BodyNotJson)
+    /// or [`ClientInvalid`](Code::ClientInvalid).
     pub fn code(&self) -> Code {
         match &self.kind {
             Kind::Key(error) => error.refusal(),
@@ -56,8 +57,10 @@ impl KeyRejection {
         }
     }
 
-    /// A short stable reason for the log line: the header parser's code
-    /// ([`IdempotencyKeyError::reason`]), `body_not_json`, `field_not_string`,
+    /// A short stable reason for the log line: the key parser's (`empty`, `too_long`,
+    /// `not_visible_ascii`, `malformed_string`, `repeated` for one key header sent on more
+    /// than one line, `conflicting` for two key headers with different keys,
+    /// `invalid_attempt_id`), `body_not_json`, `field_not_string`,
     /// `field_invalid`, `client_field_missing`, `client_field_invalid` or `refused`.
     pub fn reason(&self) -> &'static str {
         match &self.kind {
@@ -81,9 +84,12 @@ impl KeyRejection {
     }
 
     #[doc(hidden)]
-    pub fn field_invalid(pointer: Cow<'static, str>, error: IdempotencyKeyError) -> Self {
-        Self {
-            kind: Kind::FieldInvalid { pointer, error },
+    pub fn field_invalid(pointer: Cow<'static, str>, rejection: KeyRejection) -> Self {
+        match rejection.kind {
+            Kind::Key(error) => Self {
+                kind: Kind::FieldInvalid { pointer, error },
+            },
+            _ => rejection,
         }
     }
 
@@ -102,8 +108,8 @@ impl KeyRejection {
     }
 }
 
-impl From<IdempotencyKeyError> for KeyRejection {
-    fn from(error: IdempotencyKeyError) -> Self {
+impl From<KeyError> for KeyRejection {
+    fn from(error: KeyError) -> Self {
         Self {
             kind: Kind::Key(error),
         }

@@ -16,7 +16,7 @@ use tower_ids_core::{Fingerprint, IdempotencyKey, KeyRejection, ScopeKey};
 /// use tower_ids_core::IdempotencyKey;
 /// use tower_ids_message::MessageKey;
 ///
-/// # fn main() -> Result<(), tower_ids_core::IdempotencyKeyError> {
+/// # fn main() -> Result<(), tower_ids_core::KeyRejection> {
 /// let key = MessageKey::new(IdempotencyKey::new("a1c3-1111-2222-9f")?)
 ///     .scope("swarm-42")
 ///     .scope("swarm-start") // swarm-stop with the same key is another command

@@ -160,7 +160,7 @@ impl<R, St: IdempotencyStore, K> MessageIdempotencyLayer<R, St, K> {
 
     /// Also counts as a passing fault a handler's error of type `E` that `hook` says is
     /// one, beside the database faults the layer recognises by itself
-    /// ([`store::is_transient`](tower_ids_core::store::is_transient) on an
+    /// ([`store::is_transient`](https://docs.rs/tower-ids/latest/tower_ids/idempotency/store/fn.is_transient.html) on an
     /// `sqlx::Error` or a `BoxError`, feature `postgres`: a connection lost or
     /// terminated, the server restarting, a serialization failure or deadlock, the
     /// pool timing out).

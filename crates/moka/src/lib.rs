@@ -26,21 +26,12 @@ use tower_ids_core::store::{
 mod fifo;
 mod shard;
 
-/// Default bound on what the store holds: 64 MiB of weighed entries.
-///
-/// Room for about 33,000 records of 1 KiB responses; set it to what a TTL's worth of
-/// protected requests needs. Past the bound the oldest records go.
+// The defaults and the weight charged per entry, which the builder's and the store's
+// docs give with their reasons; `tower-ids-redis` weighs its local cache the same way.
+#[doc(hidden)]
 pub const DEFAULT_MOKA_MAX_BYTES: usize = 64 * 1024 * 1024;
 
-/// What a stored record weighs beyond its response ([`Record::weight`]): the scope key,
-/// the record (fingerprint, times, attempt ID, status), its slot in the store's map and
-/// moka's bookkeeping for its entry (key copy, access and write deques, timer wheel),
-/// plus a share of the slots that records moka has dropped leave in the map until the
-/// next sweep (a slot and a small allocation, about 150 bytes, for at most half as
-/// many records as were live at the shard's last sweep). Charged to every entry, so
-/// the byte bound holds whatever the responses. Measured with a counting global
-/// allocator at 602 bytes with 5,000 records (`tests/memory.rs`), 640 with 1,000,000
-/// and 696 with 1,000 (`benches/scale.rs`); both fail if an entry costs more than this.
+#[doc(hidden)]
 pub const MOKA_ENTRY_OVERHEAD_BYTES: usize = 832;
 
 /// Shards of the map of scopes: enough that two workers rarely wait on one lock, few
@@ -72,10 +63,15 @@ type Records = fifo::FifoIndex;
 ///
 /// # Memory
 ///
-/// Each stored record weighs its response ([`Record::weight`]) plus
-/// [`MOKA_ENTRY_OVERHEAD_BYTES`]; the store holds at most
-/// [`max_bytes`](MokaStoreBuilder::max_bytes) of weight (default
-/// [`DEFAULT_MOKA_MAX_BYTES`]), the least recently stored records evicted first. A
+/// Each stored record weighs its response ([`Record::weight`]) plus 832 bytes: the
+/// scope key, the record (fingerprint, times, attempt ID, status), its slot in the
+/// store's map and moka's bookkeeping for its entry (key copy, access and write deques,
+/// timer wheel), plus a share of the slots that records moka has dropped leave in the
+/// map until the next sweep. Measured with a counting global allocator at 602 bytes
+/// with 5,000 records (`tests/memory.rs`), 640 with 1,000,000 and 696 with 1,000
+/// (`benches/scale.rs`); both fail if an entry costs more than the 832 charged. The
+/// store holds at most [`max_bytes`](MokaStoreBuilder::max_bytes) of weight (default
+/// 64 MiB), the least recently stored records evicted first. A
 /// response larger than the whole bound is evicted as soon as it is written. The
 /// overhead charged also covers the map's slots for records moka has dropped (about
 /// 150 bytes each, for at most half as many records as were live at the last sweep,
@@ -111,7 +107,9 @@ pub struct MokaStoreBuilder {
 }
 
 impl MokaStoreBuilder {
-    /// The bound on the weight of all stored records. Default [`DEFAULT_MOKA_MAX_BYTES`].
+    /// The bound on the weight of all stored records. Default 64 MiB: room for about
+    /// 33,000 records of 1 KiB responses; set it to what a TTL's worth of protected
+    /// requests needs. Past the bound the oldest records go.
     pub fn max_bytes(mut self, max_bytes: usize) -> Self {
         self.max_bytes = max_bytes;
         self

@@ -15,7 +15,7 @@
 //! Each message carries, as headers, its own idempotency key (`idempotency-key`), the
 //! enqueuing request's correlation ID (`x-correlation-id`, extended per publication) and,
 //! with the `opentelemetry` feature, its W3C trace context (`traceparent`,
-//! `tracestate`). The [guide page](crate::guide::outbox) says what is guaranteed, what is
+//! `tracestate`). The [guide page](https://docs.rs/tower-ids/latest/tower_ids/guide/outbox/index.html) says what is guaranteed, what is
 //! not, and how to run several relays.
 //!
 //! ```no_run

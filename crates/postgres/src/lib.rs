@@ -35,20 +35,17 @@ pub use self::transient::is_transient;
 #[doc(hidden)]
 pub use self::transient::passing_fault;
 
-/// The table the store keeps its records in, unless built with another.
+// The defaults, which the builder's docs give with their reasons.
+#[doc(hidden)]
 pub const DEFAULT_POSTGRES_TABLE: &str = "tower_ids_idempotency";
 
-/// Default bound on one database call: 1 second. A healthy PostgreSQL answers these
-/// statements in a millisecond or two; past a second the database is failing, and the
-/// layer answers by its store-failure rule rather than hang the request.
+#[doc(hidden)]
 pub const DEFAULT_POSTGRES_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// How often expired rows are removed: every minute, a small batch at a time, so the
-/// table holds about a TTL's worth of keys and the cleaner never holds many locks.
+#[doc(hidden)]
 pub const DEFAULT_POSTGRES_CLEANUP_INTERVAL: Duration = Duration::from_secs(60);
 
-/// Rows removed per statement by the cleaner: 1,000, a few milliseconds of work that
-/// never blocks requests for long.
+#[doc(hidden)]
 pub const DEFAULT_POSTGRES_CLEANUP_BATCH: i64 = 1000;
 
 /// The schema, as shipped in `migrations/` for users who run their own migrations.
@@ -57,7 +54,8 @@ const MIGRATION: &str = include_str!("../migrations/20261122000000_tower_ids_ide
 /// A store in PostgreSQL: records that survive restarts of the service and of the
 /// database, shared by every replica.
 ///
-/// One row per scope, in one table ([`DEFAULT_POSTGRES_TABLE`], created by
+/// One row per scope, in one table (`tower_ids_idempotency` unless
+/// [`table`](PostgresStoreBuilder::table) names another, created by
 /// [`migrate`](Self::migrate) or by the migration in the crate's `migrations/`). Every
 /// state change is one statement, atomic on the server: claiming (an upsert that takes
 /// the row only if it is free or its lease ran out, with a random 128-bit fencing
@@ -234,25 +232,31 @@ impl PostgresStoreBuilder {
     }
 
     /// The table to keep records in, optionally schema-qualified (`app.idempotency`).
-    /// Default [`DEFAULT_POSTGRES_TABLE`].
+    /// Default `tower_ids_idempotency`.
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
     }
 
-    /// The longest a database call may take. Default [`DEFAULT_POSTGRES_COMMAND_TIMEOUT`].
+    /// The longest a database call may take. Default 1 second: a healthy PostgreSQL
+    /// answers these statements in a millisecond or two; past a second the database is
+    /// failing, and the layer answers by its store-failure rule rather than hang the
+    /// request.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
-    /// How often expired rows are removed. Default [`DEFAULT_POSTGRES_CLEANUP_INTERVAL`].
+    /// How often expired rows are removed. Default every minute, a small batch at a
+    /// time, so the table holds about a TTL's worth of keys and the cleaner never holds
+    /// many locks.
     pub fn cleanup_interval(mut self, interval: Duration) -> Self {
         self.cleanup_interval = interval;
         self
     }
 
-    /// Rows removed per statement. Default [`DEFAULT_POSTGRES_CLEANUP_BATCH`].
+    /// Rows removed per statement. Default 1,000, a few milliseconds of work that
+    /// never blocks requests for long.
     pub fn cleanup_batch(mut self, rows: i64) -> Self {
         self.cleanup_batch = rows.max(1);
         self

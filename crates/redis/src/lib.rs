@@ -26,12 +26,11 @@ use tower_ids_core::store::{Fingerprint, ScopeKey};
 mod connection;
 mod scripts;
 
-/// Default prefix of the store's Redis keys.
+// The defaults, which the builder's docs give with their reasons.
+#[doc(hidden)]
 pub const DEFAULT_REDIS_PREFIX: &str = "tower-ids:idem:";
 
-/// Default bound on one Redis command: 250 ms. Redis answers in well under a
-/// millisecond on a healthy network; past this the store is failing, and the layer
-/// answers by its store-failure rule rather than hang the request.
+#[doc(hidden)]
 pub const DEFAULT_REDIS_COMMAND_TIMEOUT: Duration = Duration::from_millis(250);
 
 /// A store in Redis (or Valkey), shared by every replica of a service, so a retry that
@@ -123,13 +122,15 @@ pub struct RedisStoreBuilder {
 }
 
 impl RedisStoreBuilder {
-    /// The prefix of every key the store writes. Default [`DEFAULT_REDIS_PREFIX`].
+    /// The prefix of every key the store writes. Default `tower-ids:idem:`.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
     }
 
-    /// The longest a Redis command may take. Default [`DEFAULT_REDIS_COMMAND_TIMEOUT`].
+    /// The longest a Redis command may take. Default 250 ms: Redis answers in well
+    /// under a millisecond on a healthy network; past this the store is failing, and
+    /// the layer answers by its store-failure rule rather than hang the request.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.command_timeout = timeout;
         self
@@ -157,7 +158,7 @@ impl RedisStoreBuilder {
     }
 
     /// Keep completed records in a local moka cache of at most `max_bytes` (weighed as
-    /// the [`MokaStore`](tower_ids_core::store::MokaStore) weighs them), so a replay on this replica
+    /// the [`MokaStore`](tower_ids_moka::MokaStore) weighs them), so a replay on this replica
     /// skips fetching and decoding the record; the request is still counted in Redis.
     /// A completed record never changes, so the cache is never stale; an entry lives no
     /// longer than the record's TTL in Redis. Off by default.

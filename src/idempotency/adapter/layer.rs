@@ -5,15 +5,14 @@ use std::{fmt, sync::Arc};
 
 use tower_layer::Layer;
 
-use super::{Idempotency, Settings};
+use super::Idempotency;
 use crate::idempotency::{
-    client::NoClient,
     collect::Budget,
     core::{Drain, Engine, Policy, PolicyError},
-    http::{Http, NoEpoch},
-    response::per_attempt_headers,
+    extract::{NoClient, NoEpoch},
+    http::Http,
     store::{IdempotencyStore, MokaStore},
-    DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
+    transport::Settings,
 };
 
 /// Applies [`Idempotency`] to a service: one execution per key, full-response replay.
@@ -45,16 +44,7 @@ impl<St: IdempotencyStore, T> IdempotencyLayer<St, NoClient, NoEpoch, T> {
             engine: crate::idempotency::store::engine_over(store),
             identify: NoClient,
             epoch: NoEpoch,
-            settings: Arc::new(Settings {
-                require_key: false,
-                require_client: false,
-                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
-                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-                budget: Budget::new(DEFAULT_MAX_BUFFERED_BYTES),
-                per_attempt: per_attempt_headers(),
-                layer_order: Arc::default(),
-                transport,
-            }),
+            settings: Arc::new(Settings::new(transport)),
         }
     }
 }
@@ -131,8 +121,8 @@ impl<St, C, E, T: Clone> IdempotencyLayer<St, C, E, T> {
         self.engine.drain()
     }
 
-    /// The largest request body read (a gRPC call's messages, framed). Default
-    /// [`DEFAULT_MAX_REQUEST_BYTES`]; larger is `413` (gRPC `RESOURCE_EXHAUSTED`), and
+    /// The largest request body read (a gRPC call's messages, framed). Default 1 MiB;
+    /// larger is `413` (gRPC `RESOURCE_EXHAUSTED`), and
     /// nothing runs.
     pub fn max_request_bytes(mut self, max: usize) -> Self {
         self.settings().max_request_bytes = max;
@@ -140,7 +130,12 @@ impl<St, C, E, T: Clone> IdempotencyLayer<St, C, E, T> {
     }
 
     /// The request bytes all calls in flight through this layer and its clones may
-    /// hold at once. Default [`DEFAULT_MAX_BUFFERED_BYTES`] (64 MiB).
+    /// hold at once. Default 64 MiB: 64 bodies at the 1 MiB request limit, or about
+    /// 65,000 of 1 KiB, more than one process usually has in flight; it is the default
+    /// bound of the [`MokaStore`] too, so by default the layer's buffers and its store
+    /// together stay within 128 MiB (plus the responses being read, see the
+    /// [module docs](crate::idempotency#memory)). Without a budget, 3,000 requests in
+    /// flight with 1 MiB bodies held 2.6 GiB.
     ///
     /// Reading a body takes its bytes from this budget, its declared `Content-Length`
     /// up front when it has one (so a body that cannot fit is refused before a byte of
@@ -160,7 +155,7 @@ impl<St, C, E, T: Clone> IdempotencyLayer<St, C, E, T> {
         self
     }
 
-    /// The largest response kept. Default [`DEFAULT_MAX_RESPONSE_BYTES`]; a larger
+    /// The largest response kept. Default 1 MiB; a larger
     /// one is streamed on and not kept, and its retries are `410` (gRPC
     /// `FAILED_PRECONDITION`) `idempotency.not_replayable`, never run again.
     pub fn max_response_bytes(mut self, max: usize) -> Self {

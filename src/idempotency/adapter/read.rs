@@ -4,11 +4,12 @@
 use bytes::Bytes;
 use http::{header, Request, Response};
 
-use super::{Reply, Transport};
+use super::Reply;
 use crate::body::Body;
 use crate::idempotency::{
     collect::{read_within, BoxError, Read, Reservation},
     core::{refusal, Answer},
+    transport::Transport,
 };
 
 /// Reads the whole body so it can be fingerprinted, and hands it on unchanged, with

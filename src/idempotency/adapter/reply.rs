@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use http::{HeaderValue, Response};
 
-use super::{Settings, Transport};
 use crate::body::Body;
 use crate::idempotency::{
     core::{self, Answer},
     response::{echo, http_date, replay_headers},
     store::Record,
+    transport::{Settings, Transport},
     AttemptId, Code, IdempotencyKey, IDEMPOTENCY_FIRST_SEEN, IDEMPOTENCY_REQUEST_COUNT,
 };
 

@@ -13,19 +13,22 @@ use http::{Request, Response};
 use tower_service::Service;
 use tracing::{Instrument as _, Span};
 
-use super::{read::read_body, Owner, Reply, Settings, Transport, Whole};
+use super::{read::read_body, Reply};
 use crate::body::Body;
 use crate::idempotency::{
-    client::{ClientRejection, IdentifyClient, NoClient},
     collect::{collect_up_to, BoxError, Collected},
     core::{
         observe, Answer, ClaimFlag, Classified, Classify, Classifying, Detaching, Engine, Exchange,
         Keyed, OutcomeClass, Release, Resolution,
     },
-    extract::ExtractedKey,
-    http::{EpochRejection, ExtractEpoch, Http, NoEpoch},
+    extract::{
+        ClientRejection, EpochRejection, ExtractEpoch, ExtractedKey, IdentifyClient, NoClient,
+        NoEpoch,
+    },
+    http::Http,
     response::{offer_transaction, unclaimed, ResponseFuture},
     store::{IdempotencyStore, MokaStore, TransactionOffer},
+    transport::{CompleteResponse, KeyOwner, Settings, Transport},
     AttemptId, ClientId, Code, IdempotencyKey, KeyRejection, ScopeKey,
 };
 
@@ -185,7 +188,7 @@ where
                     key: None,
                     attempt: None,
                 };
-                let refused = reply.refuse(error.reason(), error.refusal(), error.to_string());
+                let refused = reply.refuse(error.reason(), error.code(), error.to_string());
                 return unclaimed(ready(refused));
             }
         };
@@ -306,7 +309,7 @@ fn protect<T: Transport, B>(
         );
         return Decided::Refused(reply.refuse("client_missing", Code::ClientMissing, detail));
     }
-    let owner = Owner {
+    let owner = KeyOwner {
         client: client.as_ref(),
         key: &key,
     };
@@ -620,7 +623,7 @@ fn classify<T: Transport, B>(
             if !storable(status) {
                 return Classified::Release(Release::NotStored);
             }
-            let whole = Whole {
+            let whole = CompleteResponse {
                 parts,
                 body,
                 trailers: trailers.as_deref(),

@@ -5,18 +5,20 @@
 //! tonic servers are tower services over HTTP/2, so the HTTP layer would run on them,
 //! but its answers are HTTP: a duplicate in flight would get `409` with a JSON body,
 //! which a gRPC client reads as a transport failure, and a replay would lose the
-//! trailers that carry `grpc-status`. [`IdempotencyLayer::for_grpc`] turns the layer
-//! to the gRPC transport ([`Grpc`]), as tower-http's `TraceLayer::new_for_grpc` turns
-//! its classifier: the same layer and service, the same engine, stores, claim, lease
+//! trailers that carry `grpc-status`. [`IdempotencyLayer::new_for_grpc`] makes the
+//! layer with the gRPC transport ([`Grpc`]), as tower-http's `TraceLayer::new_for_grpc`
+//! picks its classifier, and [`for_grpc`] turns a layer
+//! over another store to it: the same layer and service, the same engine, stores, claim, lease
 //! renewal, completion rules, events and metrics; the key comes from the call's
 //! metadata, the fingerprint covers the method and the request message, the whole
 //! response is kept (initial metadata, messages, trailers), and every refusal is a
 //! `tonic::Status` with `google.rpc` details. [`GrpcIdempotencyLayer`] names the
-//! layer so turned. The HTTP layer's own settings (methods, key extractors, epochs,
+//! gRPC layer. The HTTP layer's own settings (methods, key extractors, epochs,
 //! replay hooks) mean nothing to a call, so a gRPC layer does not have them;
 //! [`store_if`](GrpcIdempotencyLayer::store_if) takes a gRPC code.
 //!
-//! [`IdempotencyLayer::for_grpc`]: crate::idempotency::IdempotencyLayer::for_grpc
+//! [`IdempotencyLayer::new_for_grpc`]: crate::idempotency::IdempotencyLayer::new_for_grpc
+//! [`for_grpc`]: crate::idempotency::IdempotencyLayer::for_grpc
 
 //! # Example
 //!
@@ -28,7 +30,7 @@
 //! // `routes`: your services, `Routes::new(LedgerServer::new(ledger))`.
 //! Server::builder()
 //!     .layer(CorrelationLayer::new())
-//!     .layer(IdempotencyLayer::new().for_grpc())
+//!     .layer(IdempotencyLayer::new_for_grpc())
 //!     .add_routes(routes)
 //!     .serve("127.0.0.1:50051".parse()?)
 //!     .await?;
@@ -279,11 +281,11 @@
 //! [`OutboundCorrelationLayer`](crate::correlation::OutboundCorrelationLayer) (a tower
 //! layer) to send the current ID on every call.
 
+// The transport: its settings, what the adapter asks of gRPC, and a call kept. The
+// layer's gRPC constructors are the adapter's; this module gathers the names.
 mod call;
-mod layer;
+mod settings;
 mod transport;
 
-pub use self::{
-    layer::{Grpc, GrpcIdempotency, GrpcIdempotencyLayer},
-    transport::ERROR_DOMAIN,
-};
+pub use self::{settings::Grpc, transport::ERROR_DOMAIN};
+pub use super::adapter::{GrpcIdempotency, GrpcIdempotencyLayer};

@@ -16,10 +16,10 @@ use super::{
 };
 use crate::body::Body;
 use crate::idempotency::{
-    adapter::{Owner, Settings, Transport, Whole},
     core::{refusal::Answered, Answer, Classified, OutcomeClass},
     extract::{ExtractKey, ExtractedKey},
     store::{Payload, PayloadFormat, Record},
+    transport::{CompleteResponse, KeyOwner, Settings, Transport},
     Code, Fingerprint, IdempotencyKey, KeyRejection, ScopeKey, IDEMPOTENCY_KEY,
 };
 
@@ -63,7 +63,7 @@ impl Transport for Grpc {
         &MetadataKey
     }
 
-    fn scope(_: &Settings<Self>, parts: &request::Parts, owner: Owner<'_>) -> ScopeKey {
+    fn scope(_: &Settings<Self>, parts: &request::Parts, owner: KeyOwner<'_>) -> ScopeKey {
         ScopeKey::new("grpc", &[parts.uri.path()], owner.client, owner.key)
     }
 
@@ -152,12 +152,16 @@ impl Transport for Grpc {
         )
     }
 
-    fn encode(settings: &Settings<Self>, code: GrpcCode, whole: Whole<'_>) -> Classified {
-        let Whole {
+    fn encode(
+        settings: &Settings<Self>,
+        code: GrpcCode,
+        complete: CompleteResponse<'_>,
+    ) -> Classified {
+        let CompleteResponse {
             parts,
             body,
             trailers,
-        } = whole;
+        } = complete;
         match StoredCall::encode(&parts.headers, &settings.per_attempt, body, trailers) {
             Some(call) => {
                 let status = u16::try_from(i32::from(code)).unwrap_or(u16::MAX);

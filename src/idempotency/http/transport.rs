@@ -9,11 +9,11 @@ use http::{header, request, response, HeaderMap, HeaderValue, Request, Response,
 use super::{replay, stored::StoredResponse, Http};
 use crate::body::Body;
 use crate::idempotency::{
-    adapter::{Owner, Settings, Transport, Whole},
     core::{refusal::Answered, Answer, Classified, OutcomeClass, ReplayInfo},
     extract::ExtractKey,
     response::http_date,
     store::Record,
+    transport::{CompleteResponse, KeyOwner, Settings, Transport},
     Code, Fingerprint, IdempotencyKey, ScopeKey, IDEMPOTENCY_EXPIRES,
 };
 
@@ -34,8 +34,8 @@ impl Transport for Http {
         &*settings.transport.key
     }
 
-    fn scope(settings: &Settings<Self>, parts: &request::Parts, owner: Owner<'_>) -> ScopeKey {
-        let Owner { client, key } = owner;
+    fn scope(settings: &Settings<Self>, parts: &request::Parts, owner: KeyOwner<'_>) -> ScopeKey {
+        let KeyOwner { client, key } = owner;
         let (method, path) = (parts.method.as_str(), parts.uri.path());
         match parts
             .uri
@@ -118,8 +118,12 @@ impl Transport for Http {
         status.is_server_error()
     }
 
-    fn encode(settings: &Settings<Self>, status: StatusCode, whole: Whole<'_>) -> Classified {
-        let Whole { parts, body, .. } = whole;
+    fn encode(
+        settings: &Settings<Self>,
+        status: StatusCode,
+        complete: CompleteResponse<'_>,
+    ) -> Classified {
+        let CompleteResponse { parts, body, .. } = complete;
         // At most as many as the response has: no slack for the record to hold.
         let mut headers = Vec::with_capacity(parts.headers.len());
         headers.extend(

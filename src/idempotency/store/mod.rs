@@ -5,19 +5,18 @@
 #[doc(inline)]
 pub use tower_ids_core::store::*;
 
-pub use tower_ids_moka::{
-    MokaStore, MokaStoreBuilder, DEFAULT_MOKA_MAX_BYTES, MOKA_ENTRY_OVERHEAD_BYTES,
-};
+pub use tower_ids_moka::{MokaStore, MokaStoreBuilder};
 #[cfg(feature = "postgres")]
 pub use tower_ids_postgres::{
     is_transient, PostgresMode, PostgresStore, PostgresStoreBuilder, Transaction, TransactionError,
-    TransactionGuard, DEFAULT_POSTGRES_CLEANUP_BATCH, DEFAULT_POSTGRES_CLEANUP_INTERVAL,
-    DEFAULT_POSTGRES_COMMAND_TIMEOUT, DEFAULT_POSTGRES_TABLE,
+    TransactionGuard,
 };
+// A default the fault tests wait out; users read it in the builder's docs.
+#[cfg(feature = "postgres")]
+#[doc(hidden)]
+pub use tower_ids_postgres::DEFAULT_POSTGRES_COMMAND_TIMEOUT;
 #[cfg(feature = "redis")]
-pub use tower_ids_redis::{
-    RedisStore, RedisStoreBuilder, DEFAULT_REDIS_COMMAND_TIMEOUT, DEFAULT_REDIS_PREFIX,
-};
+pub use tower_ids_redis::{RedisStore, RedisStoreBuilder};
 
 /// The engine every layer of this crate runs over `store`: it also counts the
 /// database's passing faults in a handler's error as passing (with feature `postgres`,

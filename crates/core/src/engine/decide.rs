@@ -473,7 +473,7 @@ impl<St: IdempotencyStore> Engine<St> {
         engine
     }
 
-    /// Sets the policy. Its lease, if unset, is [`DEFAULT_LEASE`](super::DEFAULT_LEASE)
+    /// Sets the policy. Its lease, if unset, is the default (10 seconds)
     /// or the shortest the store allows if that is longer; if set, it must be at least
     /// that shortest: a quarter of it must cover the store's
     /// [`recovery_time`](IdempotencyStore::recovery_time) and the pause before a failed
@@ -513,7 +513,7 @@ impl<St: IdempotencyStore> Engine<St> {
     }
 }
 
-/// The lease of a policy that sets none: [`DEFAULT_LEASE`](super::DEFAULT_LEASE), or
+/// The lease of a policy that sets none: the default (10 seconds), or
 /// the shortest `store` allows if that is longer.
 fn default_lease<St: IdempotencyStore>(store: &St) -> Duration {
     super::DEFAULT_LEASE.max(shortest_lease(store))

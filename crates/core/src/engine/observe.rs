@@ -123,7 +123,7 @@ pub fn count(outcome: &'static str) {
 }
 
 /// The fields the layer records on the span current when it runs (the request's span:
-/// [`AccessSpan`](tower_ids_correlation::AccessSpan) and the correlation layer's default
+/// [`AccessSpan`](https://docs.rs/tower-ids-correlation/latest/tower_ids_correlation/struct.AccessSpan.html) and the correlation layer's default
 /// span declare them), so that the request's one access line carries them. A span that
 /// does not declare a field ignores it. They are recorded when the subscriber enables
 /// INFO, as it must for the request's span (INFO by default) to be recorded at all.
@@ -173,7 +173,7 @@ pub fn store_time(spent: Duration) {
 
 /// The span a protected request's events and fields go in: the current span when it
 /// declares the layer's fields (the correlation layer's request span, an
-/// [`AccessSpan`](tower_ids_correlation::AccessSpan)), which gets the key, scope and client
+/// [`AccessSpan`](https://docs.rs/tower-ids-correlation/latest/tower_ids_correlation/struct.AccessSpan.html)), which gets the key, scope and client
 /// now; else a span of the layer's own, `idempotency`, with them and the correlation ID,
 /// so that a formatter that prints only the current span still ties the layer's lines
 /// to the request. `None` when that is the current span, which the work is already in.

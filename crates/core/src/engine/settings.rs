@@ -3,26 +3,14 @@
 
 use std::time::Duration;
 
-/// How long a stored outcome is replayed: 24 hours, as Stripe's keys, covering a
-/// client's retries across a working day and a restart.
+// The defaults, which the setters' docs give with their reasons; the crates of the
+// workspace read them, users read a policy's `Debug`.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// How long a store outage a running request's claim outlives: 10 seconds. A claim is
-/// written to hold its key for the lease and half again and renewed every quarter of
-/// the lease while its handler runs, so at any moment it has at least the lease left:
-/// a store paused, down or restarting for less than the lease, counted from when the
-/// outage began, never frees the key of a request still running. A crashed worker's
-/// key stays locked for at most one and a half leases after its last renewal. The
-/// lease does not bound how long a handler may run.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
-/// The most response bytes kept by outcomes waiting for the store (it failed when they
-/// were stored): 64 MiB, per layer. Past it an outcome is kept without its response,
-/// so its duplicates get `410`, never a second run.
 pub const DEFAULT_MAX_KEPT_BYTES: usize = 64 * 1024 * 1024;
 
-/// `Retry-After` on a `409` for a request in flight (and the `retry_after` of a
-/// message in flight): 1 second.
 pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// What a duplicate does while the first request is still running.
@@ -123,8 +111,7 @@ pub enum OutcomeClass {
     Failed,
 }
 
-/// The largest outcome kept for replay: 1 MiB; a larger response is streamed on, a
-/// larger message outcome handed on, and neither is stored.
+// The largest outcome kept for replay, which the layers' `max_response_bytes` docs give.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 
 /// The settings every idempotency layer shares, whatever its transport: how long an
@@ -153,7 +140,7 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 #[non_exhaustive]
 pub struct Policy {
     pub ttl: Duration,
-    /// `None`: [`DEFAULT_LEASE`], or the shortest the store allows if that is longer.
+    /// `None`: 10 seconds, or the shortest the store allows if that is longer.
     pub lease: Option<Duration>,
     pub max_kept_bytes: usize,
     pub in_flight: InFlight,
@@ -181,9 +168,9 @@ impl Default for Policy {
 }
 
 impl Policy {
-    /// The defaults: [`DEFAULT_TTL`], [`DEFAULT_LEASE`] (or the shortest the store
-    /// allows, if longer), [`DEFAULT_MAX_KEPT_BYTES`], [`InFlight::Reject`] with
-    /// [`DEFAULT_RETRY_AFTER`], [`StoreFailure::FailClosed`], [`StorageRule::Default`].
+    /// The defaults: a TTL of 24 hours, a lease of 10 seconds (or the shortest the
+    /// store allows, if longer), 64 MiB kept, [`InFlight::Reject`] with a retry after 1
+    /// second, [`StoreFailure::FailClosed`], [`StorageRule::Default`].
     pub const fn new() -> Self {
         Self {
             ttl: DEFAULT_TTL,
@@ -198,7 +185,8 @@ impl Policy {
     }
 
     /// How long an outcome is replayed: at least the longest retry (or redelivery)
-    /// window. Default [`DEFAULT_TTL`].
+    /// window. Default 24 hours, as Stripe's keys: a client's retries across a working
+    /// day and a restart.
     #[must_use]
     pub const fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
@@ -206,8 +194,8 @@ impl Policy {
     }
 
     /// The longest store outage a running request's claim outlives, counted from when
-    /// the outage began. Default [`DEFAULT_LEASE`], or the shortest the store allows if
-    /// that is longer. The claim holds the key for the lease and half again and is
+    /// the outage began. Default 10 seconds, or the shortest the store allows if that is
+    /// longer. The claim holds the key for the lease and half again and is
     /// renewed every quarter of the lease while the handler runs, so a handler may run
     /// longer than its lease, and a crashed worker locks its key for at most one and a
     /// half leases. A shorter lease frees such keys sooner but renews more often.
@@ -226,7 +214,7 @@ impl Policy {
 
     /// The most response bytes a layer keeps for outcomes the store could not take
     /// when their request ended (they are stored from a task of their own as soon as it
-    /// can). Default [`DEFAULT_MAX_KEPT_BYTES`]; past it, an outcome is kept without its
+    /// can), per layer. Default 64 MiB; past it, an outcome is kept without its
     /// response, and its duplicates are refused as not replayable (`410` over HTTP),
     /// never run again.
     #[must_use]
@@ -236,7 +224,7 @@ impl Policy {
     }
 
     /// What a duplicate does while the first is running. Default [`InFlight::Reject`]
-    /// with [`DEFAULT_RETRY_AFTER`].
+    /// with a `retry_after` of 1 second (`Retry-After: 1` on a `409`).
     #[must_use]
     pub const fn in_flight(mut self, in_flight: InFlight) -> Self {
         self.in_flight = in_flight;

@@ -51,12 +51,6 @@ impl Record {
         }
     }
 
-    /// The record, saying when the store lets it go.
-    pub fn with_expiry(mut self, expires_at: SystemTime) -> Self {
-        self.expires_at = Some(expires_at);
-        self
-    }
-
     /// Bytes the record holds for its outcome ([`Payload::weight`]).
     pub fn weight(&self) -> usize {
         self.payload.as_ref().map_or(0, Payload::weight)

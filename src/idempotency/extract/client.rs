@@ -14,7 +14,7 @@ use crate::idempotency::ClientId;
 /// - `Ok(Some(client))`: the request comes from `client`; its keys are its own.
 /// - `Ok(None)`: no identifiable client. The key is then global to the route, shared
 ///   with every other caller without one (see the [module docs](crate::idempotency)),
-///   unless the layer has [`require_client`](super::IdempotencyLayer::require_client),
+///   unless the layer has [`require_client`](crate::idempotency::IdempotencyLayer::require_client),
 ///   which answers `401`.
 /// - `Err(ClientRejection)`: the request names its client ambiguously or wrongly (say,
 ///   two different API keys); the layer answers `400 idempotency.client_invalid` and

@@ -1,63 +1,17 @@
-//! The HTTP transport's settings: which requests a layer covers, where their key,
-//! client and epoch come from, its replay hooks and the storage rule over statuses.
+//! The HTTP transport's constructors and setters on the layer: which requests it
+//! covers, where their key, client and epoch come from, its replay hooks and the
+//! storage rule over statuses.
 
-use std::{fmt, sync::Arc};
+use std::sync::Arc;
 
 use http::{header, HeaderName, Method, StatusCode};
 
-use super::{
-    extract::{ExtractKey, KeyFromHeader},
-    replay::OnReplay,
-};
+use super::IdempotencyLayer;
 use crate::idempotency::{
-    adapter::IdempotencyLayer,
+    extract::{key::KeyFromHeader, ExtractKey},
+    http::{Http, OnReplay},
     store::{IdempotencyStore, MokaStore},
 };
-
-/// The largest request body read to fingerprint: 1 MiB; larger is `413`.
-pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
-
-/// The request bytes all requests in flight through one layer (and its clones) may
-/// hold at once while their bodies are read and their work runs: 64 MiB.
-///
-/// That is 64 bodies at the 1 MiB request limit ([`DEFAULT_MAX_REQUEST_BYTES`]), or
-/// about 65,000 of 1 KiB, more than one process usually has in flight; and it is the
-/// default byte bound of the [`MokaStore`] too, so by default the layer's buffers and
-/// its store together stay within 128 MiB (plus the responses being read, see the
-/// [module docs](crate::idempotency#memory)). Without a budget, 3,000 requests in
-/// flight with 1 MiB bodies held 2.6 GiB.
-pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
-
-pub use tower_ids_core::DEFAULT_MAX_RESPONSE_BYTES;
-
-type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
-
-/// The HTTP transport of [`IdempotencyLayer`] and [`Idempotency`](crate::idempotency::Idempotency),
-/// the default: its settings, set with the layer's HTTP setters (which requests it
-/// covers, where their key comes from, what a replay carries).
-#[derive(Clone)]
-pub struct Http {
-    pub(crate) key: Arc<dyn ExtractKey>,
-    pub(crate) on_replay: Option<Arc<dyn OnReplay>>,
-    pub(crate) expiry_header: bool,
-    pub(crate) methods: Vec<Method>,
-    pub(crate) include_query: bool,
-    pub(crate) not_replayed: Vec<HeaderName>,
-    /// Overrides the policy's [`StorageRule`](crate::idempotency::StorageRule) when set.
-    pub(crate) store_if: Option<StorePredicate>,
-    /// The base of problem types, when not [`IDEMPOTENCY_PROBLEM_DOCS`](crate::IDEMPOTENCY_PROBLEM_DOCS).
-    pub(crate) problem_docs: Option<Arc<str>>,
-}
-
-impl fmt::Debug for Http {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Http")
-            .field("methods", &self.methods)
-            .field("include_query", &self.include_query)
-            .field("expiry_header", &self.expiry_header)
-            .finish_non_exhaustive()
-    }
-}
 
 impl IdempotencyLayer {
     /// A layer with its own in-memory store ([`MokaStore::new`]) and the defaults.
@@ -87,19 +41,7 @@ impl<St: IdempotencyStore> IdempotencyLayer<St> {
 
     /// A layer over a store already behind an `Arc`.
     pub fn with_shared_store(store: Arc<St>) -> Self {
-        Self::over(
-            store,
-            Http {
-                key: Arc::new(KeyFromHeader::default()),
-                on_replay: None,
-                expiry_header: false,
-                methods: vec![Method::POST, Method::PATCH],
-                include_query: false,
-                not_replayed: vec![header::SET_COOKIE],
-                store_if: None,
-                problem_docs: None,
-            },
-        )
+        Self::over(store, Http::default())
     }
 }
 
@@ -115,8 +57,8 @@ impl<St, C, E> IdempotencyLayer<St, C, E, Http> {
     /// idempotency.epoch_mismatch`. 422, not 409: no retry of that request can succeed,
     /// the client must derive a new key in the current epoch. Default: no binding.
     ///
-    /// [`EpochFromExtension`]: super::EpochFromExtension
-    /// [`EpochFromHeader`]: super::EpochFromHeader
+    /// [`EpochFromExtension`]: crate::idempotency::EpochFromExtension
+    /// [`EpochFromHeader`]: crate::idempotency::EpochFromHeader
     pub fn epoch<E2>(self, epoch: E2) -> IdempotencyLayer<St, C, E2, Http> {
         IdempotencyLayer {
             engine: self.engine,
@@ -159,7 +101,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E, Http> {
     }
 
     /// Where the key comes from: the headers ([`KeyFromHeader`], the default), a field
-    /// of the JSON body ([`KeyFromJson`](super::KeyFromJson), which can name the client
+    /// of the JSON body ([`KeyFromJson`](crate::idempotency::KeyFromJson), which can name the client
     /// too), or a closure over the request's parts and body. Scope, fingerprint and
     /// every guarantee stay the same; see [`ExtractKey`] for the answers.
     pub fn key(mut self, extract: impl ExtractKey) -> Self {
@@ -169,7 +111,7 @@ impl<St, C, E> IdempotencyLayer<St, C, E, Http> {
 
     /// Adjusts what duplicates of this route get (status, headers, body) from a copy
     /// of the stored response; the record itself never changes. See [`OnReplay`], and
-    /// [`JsonReplayMarker`](super::JsonReplayMarker) for `200` with `"replay": true`.
+    /// [`JsonReplayMarker`](crate::idempotency::JsonReplayMarker) for `200` with `"replay": true`.
     /// Default: the stored response as it is.
     pub fn on_replay(mut self, hook: impl OnReplay) -> Self {
         self.http().on_replay = Some(Arc::new(hook));

@@ -44,7 +44,7 @@ use crate::idempotency::{
 ///     };
 ///     let tenant = parts.uri.path().split('/').nth(1).unwrap_or("");
 ///     let text = format!("{tenant}:{}", nonce.to_str().map_err(|_| KeyRejection::new("send an ASCII nonce"))?);
-///     IdempotencyKey::new(&text).map(Some).map_err(KeyRejection::from)
+///     IdempotencyKey::new(&text).map(Some)
 /// });
 /// # let _ = layer;
 /// ```
