@@ -199,12 +199,12 @@ async fn a_message_consumer_reports_the_same_series() {
     let Handled::Refused(conflict) = deliver(&mut consumer, "k-1", "b").await else {
         panic!("another message under the same key is refused");
     };
-    assert_eq!(conflict.code(), "idempotency.fingerprint_mismatch");
+    assert_eq!(conflict.code().as_str(), "idempotency.fingerprint_mismatch");
     assert_eq!(totals.outcome("conflict"), 1);
     let Handled::Refused(missing) = deliver(&mut consumer, "", "a").await else {
         panic!("a message without a key is refused");
     };
-    assert_eq!(missing.code(), "idempotency.key_missing");
+    assert_eq!(missing.code().as_str(), "idempotency.key_missing");
     assert_eq!(totals.outcome("rejected"), 1);
 
     totals.update();

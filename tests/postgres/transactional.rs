@@ -620,7 +620,7 @@ async fn a_message_handlers_writes_commit_with_its_record_and_a_redelivery_repla
     else {
         panic!("an outcome rolled back is refused");
     };
-    assert_eq!(refusal.code(), "idempotency.not_committed");
+    assert_eq!(refusal.code().as_str(), "idempotency.not_committed");
     assert!(refusal.retryable(), "requeued, not acked");
     assert_eq!(effects().await, ["m-1", "m-2"], "nothing of m-3 stands");
 }

@@ -173,7 +173,7 @@ fn requeued(handled: &Handled<Outcome>) -> bool {
     match handled {
         Handled::InFlight { .. } => true,
         Handled::Refused(refusal) => {
-            refusal.code() == "idempotency.store_unavailable" && refusal.retryable()
+            refusal.code().as_str() == "idempotency.store_unavailable" && refusal.retryable()
         }
         _ => false,
     }
@@ -308,7 +308,7 @@ async fn refused_trial(trial: usize, outage: Duration, broken: &mut Broken) {
     broken.check(
         &trial,
         matches!(&refused, Handled::Refused(refusal)
-            if refusal.code() == "idempotency.store_unavailable" && refusal.retryable()),
+            if refusal.code().as_str() == "idempotency.store_unavailable" && refusal.retryable()),
         format!("the delivery during the outage got {}", describe(&refused)),
     );
     broken.check(

@@ -296,18 +296,6 @@ impl fmt::Display for Code {
     }
 }
 
-impl PartialEq<str> for Code {
-    fn eq(&self, other: &str) -> bool {
-        self.as_str() == other
-    }
-}
-
-impl PartialEq<&str> for Code {
-    fn eq(&self, other: &&str) -> bool {
-        self.as_str() == *other
-    }
-}
-
 /// The `event` field of every line the idempotency layers log: stable names a log
 /// query matches on, listed in the guide's observability page.
 #[doc(hidden)]

@@ -142,17 +142,16 @@ impl fmt::Debug for IdempotencyKey {
     }
 }
 
-/// The client's attempt ID (`attempt-id`): 1 to [`MAX_LEN`](Self::MAX_LEN) visible ASCII
-/// characters, echoed on the response and never used to decide a duplicate.
+/// The client's attempt ID (`attempt-id`): 1 to 128 visible ASCII characters (a counter
+/// or a UUID fits many times over), echoed on the response and never used to decide a duplicate.
 #[derive(Clone, PartialEq, Eq)]
 pub struct AttemptId(HeaderValue);
 
 impl AttemptId {
-    /// Longest attempt ID accepted: a counter or a UUID fits many times over.
-    pub const MAX_LEN: usize = 128;
+    const MAX_LEN: usize = 128;
 
     /// Reads `attempt-id`: `Ok(None)` when absent; refused when repeated or not 1 to
-    /// [`MAX_LEN`](Self::MAX_LEN) visible ASCII characters.
+    /// 128 visible ASCII characters.
     #[doc(hidden)]
     pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, KeyRejection> {
         let mut values = headers.get_all(ATTEMPT_ID).iter();

@@ -117,7 +117,7 @@ where
 
 /// The request's epoch could not be read; the layer answers
 /// `400 idempotency.epoch_invalid`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct EpochRejection;
 
 impl fmt::Display for EpochRejection {

@@ -147,12 +147,6 @@ impl ExtractedKey {
     }
 }
 
-impl From<IdempotencyKey> for ExtractedKey {
-    fn from(key: IdempotencyKey) -> Self {
-        Self::new(key)
-    }
-}
-
 /// The key is read from headers: `Idempotency-Key`, then `X-Idempotency-Key` (the
 /// default; see [`IdempotencyKey::from_headers`] for repeats and disagreements).
 ///

@@ -40,7 +40,10 @@ impl ExtractKey for MetadataKey {
         parts: &request::Parts,
         _: &Bytes,
     ) -> Result<Option<ExtractedKey>, KeyRejection> {
-        Ok(IdempotencyKey::from_headers(&parts.headers, &[IDEMPOTENCY_KEY])?.map(Into::into))
+        Ok(
+            IdempotencyKey::from_headers(&parts.headers, &[IDEMPOTENCY_KEY])?
+                .map(ExtractedKey::new),
+        )
     }
 
     fn missing_detail(&self) -> Cow<'static, str> {

@@ -14,7 +14,7 @@ pub trait Clock: Send + Sync + 'static {
 }
 
 /// The system clock.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct SystemClock;
 
 impl Clock for SystemClock {

@@ -176,7 +176,7 @@ pub enum Begin {
 }
 
 /// The answer of [`IdempotencyStore::renew`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Renewal {
     /// The claim holds for another lease.
     Extended,
@@ -215,7 +215,7 @@ impl Completion {
 }
 
 /// A claim on a scope, unique to one [`Begin::Claimed`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Lease {
     /// The claim's unique value (a fencing token): a counter in memory, 128 random

@@ -82,7 +82,7 @@ struct Decoded {
 }
 
 /// Which layer encoded a [`Payload`]: a layer replays only its own format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PayloadFormat(u8);
 
 impl PayloadFormat {
