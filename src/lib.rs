@@ -96,7 +96,7 @@
 //! | Where | What |
 //! |---|---|
 //! | [`correlation`] | [`CorrelationLayer`] (server), [`OutboundCorrelationLayer`] (HTTP clients), [`CorrelationId`], `MessageCorrelation` and `Carrier` (messages) |
-//! | [`idempotency`] | [`IdempotencyLayer`] (HTTP routes), [`MessageIdempotencyLayer`](idempotency::message::MessageIdempotencyLayer) (consumers); the values `IdempotencyKey`, `AttemptId`, `ClientId`; the extractors `KeyFromHeader`, `KeyFromJson`, `ClientFromHeader`, `ClientFromAuthorization`, `ClientFromExtension`, `EpochFromHeader`, `EpochFromExtension`; `InFlight`, `StoreFailure`; replay hooks (`OnReplay`, `JsonReplayMarker`); the `DEFAULT_*` settings |
+//! | [`idempotency`] | [`IdempotencyLayer`] (HTTP routes), [`MessageIdempotencyLayer`](idempotency::message::MessageIdempotencyLayer) (consumers); the values `IdempotencyKey`, `AttemptId`, `ClientId`; the extractors `KeyFromHeader`, `KeyFromJson`, `ClientFromHeader`, `ClientFromAuthorization`, `ClientFromExtension`, `EpochFromHeader`, `EpochFromExtension`; `InFlight`, `StoreFailure`; replay hooks (`OnReplay`, `JsonReplayMarker`) |
 //! | `idempotency::store` | [`MokaStore`](idempotency::MokaStore) (default), `RedisStore`, `PostgresStore` and their builders; `IdempotencyStore` and the record types, to write a store of your own |
 //! | `idempotency::message` | the consumer layer's answers (`Handled`, `Refusal`) and keys (`MessageKey`, `ExtractMessageKey`) |
 //! | `idempotency::extract` | the traits behind the extractors, for a key, client or epoch read your own way |
