@@ -207,7 +207,7 @@ async fn draft_2_6_408_429_and_503_release_the_key() {
 /// Section 2.3: a key expires after the published time (the TTL), and then runs again.
 #[tokio::test]
 async fn draft_2_3_a_key_runs_again_after_it_expires() {
-    let clock = ManualClock::new();
+    let clock = ManualClock::default();
     let store = MokaStore::builder().clock(clock.clone()).build();
     let app = start(
         IdempotencyLayer::with_store(store)

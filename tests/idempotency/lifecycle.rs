@@ -75,7 +75,7 @@ async fn a_client_error_is_not_stored_and_the_retry_runs_again() {
 
 #[tokio::test]
 async fn a_lost_lease_frees_the_key_and_the_late_outcome_is_not_stored() {
-    let clock = ManualClock::new();
+    let clock = ManualClock::default();
     let store = MokaStore::builder().clock(clock.clone()).build();
     let layer = IdempotencyLayer::with_store(store)
         .policy(Policy::new().lease(Duration::from_secs(60)))

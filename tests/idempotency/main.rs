@@ -5,9 +5,6 @@
 #[path = "../support/mod.rs"]
 mod support;
 
-#[path = "../contract/mod.rs"]
-mod contract;
-
 mod conformance;
 
 mod faults;
@@ -51,7 +48,7 @@ use tower_ids::{
         store::{
             Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
         },
-        EpochFromExtension, EpochFromHeader, IdempotencyLayer, MokaStore, StoreFailure,
+        EpochFromExtension, EpochFromHeader, IdempotencyLayer, StoreFailure,
     },
 };
 
@@ -491,11 +488,6 @@ async fn an_unreadable_epoch_header_is_400() {
     assert_eq!(good.status, StatusCode::CREATED);
     assert_eq!(other.json()["code"], "idempotency.epoch_mismatch");
     assert_eq!(app.runs.get(), 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_moka_store_keeps_the_store_contract() {
-    contract::keeps_the_store_contract(Arc::new(MokaStore::new())).await;
 }
 
 /// Opt-in: every stored answer, first and replayed, says when it expires, within a

@@ -58,7 +58,7 @@ struct Partner {
 
 impl Partner {
     async fn start() -> Self {
-        let clock = ManualClock::new();
+        let clock = ManualClock::default();
         let store = MokaStore::builder().clock(clock.clone()).build();
         let replay = JsonReplayMarker::new("replay").status(StatusCode::OK);
         let realtime = IdempotencyLayer::with_store(store.clone())

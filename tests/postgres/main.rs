@@ -10,9 +10,6 @@
 #[path = "../support/mod.rs"]
 mod support;
 
-#[path = "../contract/mod.rs"]
-mod contract;
-
 #[path = "../support/replica.rs"]
 mod replica;
 
@@ -57,7 +54,10 @@ async fn the_postgres_store_keeps_the_store_contract() {
     let Some(database) = TestDatabase::create().await else {
         return;
     };
-    contract::keeps_the_store_contract(Arc::new(store(&database).await)).await;
+    tower_ids::idempotency::store::contract::keeps_the_store_contract(Arc::new(
+        store(&database).await,
+    ))
+    .await;
 }
 
 /// How long the replicas' handler takes (`x-delay-ms`).

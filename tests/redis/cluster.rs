@@ -40,7 +40,6 @@ use tower_ids::idempotency::{store::RedisStore, IdempotencyLayer};
 
 use super::{
     cluster_server::RedisCluster,
-    contract,
     replica::{Ledger, Replica},
     support::{full_trials, Reply},
 };
@@ -70,7 +69,7 @@ async fn the_redis_store_keeps_the_store_contract_on_a_cluster() {
         return;
     };
     let store = store(&cluster, "contract:", 0).await;
-    contract::keeps_the_store_contract(Arc::new(store)).await;
+    tower_ids::idempotency::store::contract::keeps_the_store_contract(Arc::new(store)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

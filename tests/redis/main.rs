@@ -18,9 +18,6 @@
 #[path = "../support/mod.rs"]
 mod support;
 
-#[path = "../contract/mod.rs"]
-mod contract;
-
 #[path = "../support/replica.rs"]
 mod replica;
 
@@ -571,7 +568,7 @@ async fn the_redis_store_keeps_the_store_contract() {
         return;
     };
     let store = RedisStore::connect(redis.url()).await.unwrap();
-    contract::keeps_the_store_contract(Arc::new(store)).await;
+    tower_ids::idempotency::store::contract::keeps_the_store_contract(Arc::new(store)).await;
 }
 
 /// The expiry a stored answer advertises is the record's TTL in Redis, within a second.

@@ -68,7 +68,9 @@ impl IdempotencyKey {
         self.0.to_str().unwrap_or_default()
     }
 
-    /// The key as a header value (shared, not copied), as `Idempotency-Key` echoes it.
+    /// The key as a header value (shared, not copied), as `Idempotency-Key` echoes it:
+    /// the layers' and the retry layer's path; [`as_str`](Self::as_str) is yours.
+    #[doc(hidden)]
     pub fn to_header_value(&self) -> HeaderValue {
         self.0.clone()
     }

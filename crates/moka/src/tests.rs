@@ -201,3 +201,8 @@ async fn a_full_store_keeps_the_newest_record_for_its_retry() {
     );
     assert!(store.weighted_bytes() <= 100 * MOKA_ENTRY_OVERHEAD_BYTES);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keeps_the_store_contract() {
+    tower_ids_core::store::contract::keeps_the_store_contract(Arc::new(MokaStore::new())).await;
+}

@@ -32,11 +32,6 @@ pub struct ManualClock(Arc<Mutex<SystemTime>>);
 
 #[cfg(any(test, feature = "test-util"))]
 impl ManualClock {
-    /// A clock stopped at the current system time.
-    pub fn new() -> Self {
-        Self(Arc::new(Mutex::new(SystemTime::now())))
-    }
-
     /// Moves the clock forward by `by`.
     pub fn advance(&self, by: Duration) {
         *self.0.lock().unwrap_or_else(PoisonError::into_inner) += by;
@@ -45,8 +40,9 @@ impl ManualClock {
 
 #[cfg(any(test, feature = "test-util"))]
 impl Default for ManualClock {
+    /// A clock stopped at the current system time.
     fn default() -> Self {
-        Self::new()
+        Self(Arc::new(Mutex::new(SystemTime::now())))
     }
 }
 

@@ -5,6 +5,9 @@
 mod clock;
 #[doc(hidden)]
 pub mod codec;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub mod contract;
 #[doc(hidden)]
 pub mod deadline;
 mod error;

@@ -1,23 +1,31 @@
-//! The store contract: what every `IdempotencyStore` must do, run against each store
-//! (the moka store in `tests/idempotency`, the Redis store in `tests/redis`), so a store
-//! cannot quietly differ. Leases and TTLs are real time (Redis keeps its own clock), a
-//! few hundred milliseconds each.
-#![allow(dead_code)]
+//! The store contract (feature `test-util`): what every [`IdempotencyStore`] must do,
+//! as one call a store's tests make, so that no store quietly differs. The moka,
+//! Redis and PostgreSQL stores run it in their tests; a store of yours should too:
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use tower_ids_core::store::{contract::keeps_the_store_contract, IdempotencyStore};
+//!
+//! // The body of a `#[tokio::test]` of your store.
+//! async fn my_store_keeps_the_contract(store: impl IdempotencyStore) {
+//!     keeps_the_store_contract(Arc::new(store)).await;
+//! }
+//! ```
+//!
+//! Leases and TTLs are real time (a store outside the process keeps its own clock), a
+//! few hundred milliseconds each: the whole contract takes about five seconds.
 
 use std::{
     sync::Arc,
     time::{Duration, SystemTime},
 };
 
-use bytes::Bytes;
-use tower_ids::idempotency::{
-    store::Fingerprint,
-    store::ScopeKey,
-    store::{
-        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, PayloadFormat, Record, Renewal,
-        Settled,
-    },
+use crate::store::{
+    Begin, Claim, Completion, Fingerprint, IdempotencyStore, Lease, Payload, PayloadFormat, Record,
+    Renewal, ScopeKey, Settled,
 };
+use bytes::Bytes;
 
 /// A scope no other case of this run uses.
 fn scope(case: u8) -> ScopeKey {
@@ -86,8 +94,10 @@ fn payload_body(payload: &Payload) -> Bytes {
     payload.body().clone()
 }
 
-/// Runs every case against `store`, each on scopes of its own.
-pub(crate) async fn keeps_the_store_contract<St: IdempotencyStore>(store: Arc<St>) {
+/// Runs every case of the contract against `store`, each on scopes of its own, and
+/// panics at the first the store breaks, naming it. Call it from a test running on
+/// tokio's multi-threaded or current-thread runtime.
+pub async fn keeps_the_store_contract<St: IdempotencyStore>(store: Arc<St>) {
     one_of_concurrent_begins_claims(&store).await;
     a_completed_scope_replays_and_counts(&store).await;
     completing_twice_is_completing_once(&store).await;
