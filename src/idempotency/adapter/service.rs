@@ -502,10 +502,10 @@ where
             max_response_bytes: settings.max_response_bytes,
             response: PhantomData,
         };
-        // Boxed: the engine's future is the largest part of this one, and this one is
-        // moved whole into `run`'s and the detached task's; a pointer moves for less
-        // than the copies it saves (`benches/instructions.rs`).
-        match Box::pin(engine.handle(keyed, &claimed, call, &Keeping(&settings))).await {
+        match engine
+            .handle(keyed, &claimed, call, &Keeping(&settings))
+            .await
+        {
             Resolution::Ran {
                 output: (mut parts, body),
                 expires_at,
