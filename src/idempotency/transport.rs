@@ -19,6 +19,12 @@ use crate::idempotency::{
 };
 use tower_ids_core::DEFAULT_MAX_RESPONSE_BYTES;
 
+/// The largest request body read by default (`max_request_bytes`'s docs say why).
+const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
+/// The request bytes of all calls in flight by default: the moka store's default bound
+/// too, so the two together stay within 128 MiB (`max_buffered_bytes`'s docs).
+const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
+
 /// The settings of a layer: those every transport has, and the transport's own.
 #[derive(Clone)]
 pub(crate) struct Settings<T> {
@@ -39,9 +45,9 @@ impl<T> Settings<T> {
         Self {
             require_key: false,
             require_client: false,
-            max_request_bytes: 1024 * 1024,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-            budget: Budget::new(64 * 1024 * 1024),
+            budget: Budget::new(DEFAULT_MAX_BUFFERED_BYTES),
             per_attempt: per_attempt_headers(),
             layer_order: Arc::default(),
             transport,

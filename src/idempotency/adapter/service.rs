@@ -623,12 +623,12 @@ fn classify<T: Transport, B>(
             if !storable(status) {
                 return Classified::Release(Release::NotStored);
             }
-            let whole = CompleteResponse {
+            let complete = CompleteResponse {
                 parts,
                 body,
                 trailers: trailers.as_deref(),
             };
-            T::encode(settings, status, whole)
+            T::encode(settings, status, complete)
         }
     }
 }

@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Leases and TTLs are real time (a store outside the process keeps its own clock), a
-//! few hundred milliseconds each: the whole contract takes about five seconds.
+//! few hundred milliseconds each: the whole contract takes a few seconds.
 
 use std::{
     sync::Arc,
