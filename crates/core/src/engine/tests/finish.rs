@@ -12,7 +12,18 @@ impl ReleaseReasons {
     /// Captures until the guard drops. Scoped to the thread, which a current-thread
     /// runtime shares with the tasks it spawns.
     pub(super) fn capture(&self) -> tracing::subscriber::DefaultGuard {
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+        // tracing caches each callsite's interest for the whole process, computed on
+        // the thread that first reaches it: a parallel test with no subscriber would
+        // cache `never` and hide this thread's events. A global registry that is
+        // interested in everything keeps every callsite live.
+        static EVERY_CALLSITE_LIVE: std::sync::Once = std::sync::Once::new();
+        EVERY_CALLSITE_LIVE.call_once(|| {
+            let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry());
+        });
+        let guard =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()));
+        tracing::callsite::rebuild_interest_cache();
+        guard
     }
 
     pub(super) fn seen(&self) -> Vec<String> {
