@@ -7,7 +7,7 @@
 //! wait a random 20 to 80 ms (so a polling waiter is at any phase of its backoff, as a
 //! real duplicate would be), has the owner make one statement as its handler would (in
 //! its transaction, in transactional mode), then stores the outcome. A trial's time runs from just
-//! before the owner's completion to the waiter returning `Settled::Completed`; the sleep
+//! before the owner's completion to the waiter returning `Waited::Completed`; the sleep
 //! and the claim are outside it (`iter_custom`), so criterion's figure is the wake
 //! latency itself. It includes the owner's own statements (the store's write and, in
 //! transactional mode, the commit): the record cannot be seen before they end.
@@ -54,7 +54,7 @@ use bytes::Bytes;
 use criterion::{Criterion, SamplingMode};
 use tower_ids::idempotency::store::{
     Begin, Claim, Fingerprint, IdempotencyStore, Payload, PayloadFormat, PostgresMode,
-    PostgresStore, Record, ScopeKey, Settled, Settlement, Transaction,
+    PostgresStore, Record, ScopeKey, Transaction, TransactionEnd, Waited,
 };
 
 #[path = "../tests/support/postgres.rs"]
@@ -269,7 +269,7 @@ async fn trial(store: &PostgresStore) -> Trial {
             let settled = store.wait(&scope, WAIT_TIMEOUT).await.expect("wait");
             let returned = Instant::now();
             assert!(
-                matches!(settled, Settled::Completed { .. }),
+                matches!(settled, Waited::Completed { .. }),
                 "the waiter gets the record, not {settled:?}"
             );
             returned
@@ -366,7 +366,7 @@ async fn store_outcome(
         Begin::ClaimedByTransaction { transaction, .. } => {
             let settlement = transaction.settle(scope, Some((outcome, TTL))).await;
             assert!(
-                matches!(settlement, Settlement::Committed),
+                matches!(settlement, TransactionEnd::Committed),
                 "committed, not {settlement:?}"
             );
         }

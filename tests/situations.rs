@@ -61,7 +61,7 @@ use tower_ids::{
         grpc::GrpcIdempotencyLayer,
         message::{Handled, MessageIdempotencyLayer, MessageKey},
         metrics::{RELEASED, REQUESTS, STORE_FAILURES},
-        store::{Begin, Claim, Completion, Lease, Record, Renewal, ScopeKey, Settled, StoreError},
+        store::{Begin, Claim, Completion, Lease, Record, Renewal, ScopeKey, StoreError, Waited},
         Drain, IdempotencyKey, IdempotencyLayer, IdempotencyStore, MokaStore, Policy, StorageRule,
         StoreFailure,
     },
@@ -459,7 +459,7 @@ impl IdempotencyStore for BrokenStore {
     async fn release(&self, _: &ScopeKey, _: &Lease) -> Result<bool, StoreError> {
         Err(self.refused())
     }
-    async fn wait(&self, _: &ScopeKey, _: Duration) -> Result<Settled, StoreError> {
+    async fn wait(&self, _: &ScopeKey, _: Duration) -> Result<Waited, StoreError> {
         Err(self.refused())
     }
 }

@@ -17,7 +17,7 @@ use http::StatusCode;
 use tower_ids::idempotency::{
     store::ScopeKey,
     store::{
-        Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
+        Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, StoreError, Waited,
     },
     IdempotencyLayer, InFlight, MokaStore,
 };
@@ -93,7 +93,7 @@ impl IdempotencyStore for Flaky {
     async fn release(&self, scope: &ScopeKey, lease: &Lease) -> Result<bool, StoreError> {
         self.inner.release(scope, lease).await
     }
-    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
+    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Waited, StoreError> {
         self.inner.wait(scope, timeout).await
     }
 }

@@ -46,7 +46,7 @@ use tower_ids::{
         extract::IdentifyClient,
         store::ScopeKey,
         store::{
-            Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
+            Begin, Claim, Completion, IdempotencyStore, Lease, Record, Renewal, StoreError, Waited,
         },
         EpochFromExtension, EpochFromHeader, IdempotencyLayer, StoreFailure,
     },
@@ -348,7 +348,7 @@ impl IdempotencyStore for BrokenStore {
     async fn release(&self, _: &ScopeKey, _: &Lease) -> Result<bool, StoreError> {
         Err(StoreError::new("connection refused"))
     }
-    async fn wait(&self, _: &ScopeKey, _: Duration) -> Result<Settled, StoreError> {
+    async fn wait(&self, _: &ScopeKey, _: Duration) -> Result<Waited, StoreError> {
         Err(StoreError::new("connection refused"))
     }
 }

@@ -287,7 +287,7 @@ fn ready<R: Send + 'static, E: Send + 'static>(handled: Handled<R>) -> ResponseF
 /// A refusal of a message the layer cannot key, counted and logged as every
 /// transport's refusals are.
 fn refuse<R>(code: Code, reason: &'static str, detail: String) -> Handled<R> {
-    core::refusal::rejected(reason, code, &detail, core::refusal::Answered::Settled);
+    core::refusal::rejected(reason, code, &detail, core::refusal::Answered::Message);
     Handled::Refused(Refusal::new(code, detail))
 }
 

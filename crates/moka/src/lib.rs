@@ -18,8 +18,8 @@ use std::time::Instant;
 use self::shard::{BuildScopeHasher, InFlight, Scope, Shard, Stored};
 use tower_ids_core::store::ScopeKey;
 use tower_ids_core::store::{
-    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
-    SystemClock,
+    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, StoreError,
+    SystemClock, Waited,
 };
 
 #[cfg(tower_ids_fifo_index)]
@@ -364,7 +364,7 @@ impl IdempotencyStore for MokaStore {
         Ok(true)
     }
 
-    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
+    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Waited, StoreError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let now = self.clock.now();
@@ -374,11 +374,11 @@ impl IdempotencyStore for MokaStore {
                     Some(Scope::InFlight(claim)) if claim.holds(now) => claim.subscribe(),
                     _ => {
                         return Ok(match shard.record(scope, now) {
-                            Some(stored) => Settled::Completed {
+                            Some(stored) => Waited::Completed {
                                 record: stored.record.clone(),
                                 request_count: None,
                             },
-                            None => Settled::Released,
+                            None => Waited::Released,
                         })
                     }
                 }
@@ -388,7 +388,7 @@ impl IdempotencyStore for MokaStore {
                 .await
                 .is_err()
             {
-                return Ok(Settled::TimedOut);
+                return Ok(Waited::TimedOut);
             }
         }
     }

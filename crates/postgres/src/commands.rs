@@ -10,8 +10,8 @@ use tower_ids_core::{
     store::{
         codec::{decode_record, encode_record, from_millis, millis},
         sent_claim::SentClaim,
-        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, Record, Renewal, Settled,
-        StoreError,
+        Begin, Claim, Completion, IdempotencyStore, Lease, Payload, Record, Renewal, StoreError,
+        Waited,
     },
     Fingerprint, ScopeKey,
 };
@@ -225,7 +225,7 @@ impl IdempotencyStore for PostgresStore {
         Ok(released == 1)
     }
 
-    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
+    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Waited, StoreError> {
         if self.mode == PostgresMode::Transactional {
             return transaction::wait(&self.shared, scope, timeout).await;
         }
@@ -239,10 +239,10 @@ impl IdempotencyStore for PostgresStore {
                     .fetch_optional(&self.shared.pool),
             );
             let Ok(polled) = tokio::time::timeout_at(deadline, poll).await else {
-                return Ok(Settled::TimedOut);
+                return Ok(Waited::TimedOut);
             };
             let Some(row) = polled? else {
-                return Ok(Settled::Released);
+                return Ok(Waited::Released);
             };
             let corrupt = |e| StoreError::with_source("corrupt row in PostgreSQL", e);
             let live: bool = row.try_get("live").map_err(corrupt)?;
@@ -250,17 +250,17 @@ impl IdempotencyStore for PostgresStore {
             match (completed, live) {
                 (true, true) => {
                     let record: Vec<u8> = row.try_get("record").map_err(corrupt)?;
-                    return Ok(Settled::Completed {
+                    return Ok(Waited::Completed {
                         record: Arc::new(decode_record(&record)?),
                         request_count: None,
                     });
                 }
-                (_, false) => return Ok(Settled::Released),
+                (_, false) => return Ok(Waited::Released),
                 (false, true) => {}
             }
             let now = tokio::time::Instant::now();
             if now >= deadline {
-                return Ok(Settled::TimedOut);
+                return Ok(Waited::TimedOut);
             }
             tokio::time::sleep(pause.min(deadline - now)).await;
             pause = (pause * 2).min(Duration::from_millis(200));

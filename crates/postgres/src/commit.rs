@@ -15,7 +15,7 @@ use super::{
     Shared,
 };
 use tower_ids_core::{
-    store::{codec::encode_record, Chain, Lease, Record, Settlement, StoreError},
+    store::{codec::encode_record, Chain, Lease, Record, StoreError, TransactionEnd},
     ScopeKey,
 };
 
@@ -255,7 +255,7 @@ pub(super) async fn find_out(
     lease: &Lease,
     backend: Backend,
     unanswered: StoreError,
-) -> Settlement {
+) -> TransactionEnd {
     let until = tokio::time::Instant::now() + shared.timeout * FIND_OUT_TIMEOUTS;
     loop {
         let last = match look(shared, scope, lease, &backend).await {
@@ -266,10 +266,10 @@ pub(super) async fn find_out(
                     error = %Chain(&unanswered),
                     "the commit's answer was lost, but its record stands: the transaction committed"
                 );
-                return Settlement::Committed;
+                return TransactionEnd::Committed;
             }
             Ok(Some(false)) => {
-                return Settlement::Failed(StoreError::with_source(
+                return TransactionEnd::Failed(StoreError::with_source(
                     "the request's transaction did not commit (its commit's answer was lost, the transaction can no longer commit, and its record is not there)",
                     unanswered,
                 ))
@@ -278,7 +278,7 @@ pub(super) async fn find_out(
             Err(error) => error.to_string(),
         };
         if tokio::time::Instant::now() >= until {
-            return Settlement::Unknown(StoreError::with_source(
+            return TransactionEnd::Unknown(StoreError::with_source(
                 format!("could not tell whether the commit landed ({last})"),
                 unanswered,
             ));

@@ -14,7 +14,8 @@ use super::{
 };
 use tower_ids_core::{
     store::{
-        Begin, HandlerTransaction, Lease, Record, Settled, Settlement, StoreError, TransactionOffer,
+        Begin, HandlerTransaction, Lease, Record, StoreError, TransactionEnd, TransactionOffer,
+        Waited,
     },
     ScopeKey,
 };
@@ -167,13 +168,13 @@ impl HandlerTransaction for Offered {
         self: Box<Self>,
         scope: ScopeKey,
         outcome: Option<(Arc<Record>, Duration)>,
-    ) -> Pin<Box<dyn Future<Output = Settlement> + Send>> {
+    ) -> Pin<Box<dyn Future<Output = TransactionEnd> + Send>> {
         Box::pin(async move {
             let slot = &self.handle.slot;
             // Waits for a handler's task still holding the connection.
             let taken = std::mem::replace(&mut *slot.state.lock().await, State::Over);
             let State::Open { transaction, .. } = taken else {
-                return Settlement::RolledBack;
+                return TransactionEnd::RolledBack;
             };
             let Some((record, ttl)) = outcome else {
                 // A rollback fails only on a connection that broke (lost, its backend
@@ -183,19 +184,19 @@ impl HandlerTransaction for Offered {
                 return match tokio::time::timeout(slot.shared.timeout, transaction.rollback())
                     .await
                 {
-                    Ok(Ok(())) => Settlement::RolledBack,
-                    Ok(Err(error)) => Settlement::Failed(StoreError::with_source(
+                    Ok(Ok(())) => TransactionEnd::RolledBack,
+                    Ok(Err(error)) => TransactionEnd::Failed(StoreError::with_source(
                         "the request's transaction broke under its handler",
                         error,
                     )),
-                    Err(_) => Settlement::Failed(StoreError::new(
+                    Err(_) => TransactionEnd::Failed(StoreError::new(
                         "the request's transaction broke under its handler: its rollback got no answer in time",
                     )),
                 };
             };
             match commit(&slot.shared, transaction, &scope, &self.lease, &record, ttl).await {
-                Ok(()) => Settlement::Committed,
-                Err(Uncommitted::Failed(error)) => Settlement::Failed(error),
+                Ok(()) => TransactionEnd::Committed,
+                Err(Uncommitted::Failed(error)) => TransactionEnd::Failed(error),
                 Err(Uncommitted::Unanswered(backend, error)) => {
                     find_out(&slot.shared, &scope, &self.lease, backend, error).await
                 }
@@ -438,14 +439,14 @@ pub(super) async fn wait(
     shared: &Arc<Shared>,
     scope: &ScopeKey,
     timeout: Duration,
-) -> Result<Settled, StoreError> {
+) -> Result<Waited, StoreError> {
     // Held to the end, the reading of what the holder left included.
     let Ok(_waiting) = shared.waiters.try_acquire() else {
-        return Ok(Settled::TimedOut);
+        return Ok(Waited::TimedOut);
     };
     match lock_wait(shared, scope, timeout).await? {
         Some(transaction) => after_the_holder(shared, scope, transaction).await,
-        None => Ok(Settled::TimedOut),
+        None => Ok(Waited::TimedOut),
     }
 }
 
@@ -508,17 +509,17 @@ async fn after_the_holder(
     shared: &Arc<Shared>,
     scope: &ScopeKey,
     mut transaction: sqlx::Transaction<'static, Postgres>,
-) -> Result<Settled, StoreError> {
+) -> Result<Waited, StoreError> {
     let settled = match find(shared, scope, &mut transaction).await? {
         Found::Record {
             record,
             request_count,
-        } => Settled::Completed {
+        } => Waited::Completed {
             record,
             request_count: Some(request_count),
         },
         // A claim of the durable mode on the same scope: still running.
-        Found::Claimed(_) => Settled::TimedOut,
+        Found::Claimed(_) => Waited::TimedOut,
         Found::Free => {
             // The handler's statements get the database's lock timeout, not the wait's.
             bounded(
@@ -528,7 +529,7 @@ async fn after_the_holder(
             )
             .await?;
             let (lease, transaction) = held(shared, transaction);
-            return Ok(Settled::ClaimedByTransaction { lease, transaction });
+            return Ok(Waited::ClaimedByTransaction { lease, transaction });
         }
     };
     // The answer is read: the duplicate replays now, and the lock and the count are

@@ -18,8 +18,8 @@ use tower_ids_core::store::{
     codec::{decode, decode_record, encode, encode_record, from_millis, millis},
     deadline::{read_in_background, StoreClock},
     sent_claim::SentClaim,
-    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, Settled, StoreError,
-    SystemClock,
+    Begin, Claim, Clock, Completion, IdempotencyStore, Lease, Record, Renewal, StoreError,
+    SystemClock, Waited,
 };
 use tower_ids_core::store::{Fingerprint, ScopeKey};
 
@@ -599,7 +599,7 @@ impl IdempotencyStore for RedisStore {
         Ok(released == 1)
     }
 
-    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
+    async fn wait(&self, scope: &ScopeKey, timeout: Duration) -> Result<Waited, StoreError> {
         let [record_key, claim_key, _] = self.keys(scope);
         let deadline = tokio::time::Instant::now() + timeout;
         let mut pause = Duration::from_millis(5);
@@ -612,7 +612,7 @@ impl IdempotencyStore for RedisStore {
             let poll = tokio::time::timeout(self.command_timeout, poll);
             // The wait ends at its deadline even if Redis is slow to answer.
             let Ok(polled) = tokio::time::timeout_at(deadline, poll).await else {
-                return Ok(Settled::TimedOut);
+                return Ok(Waited::TimedOut);
             };
             let (record, claim) = polled
                 .map_err(|_| {
@@ -624,17 +624,17 @@ impl IdempotencyStore for RedisStore {
                 .map_err(|e| StoreError::with_source("polling a key in Redis", e))?;
             match (record, claim) {
                 (Some(record), _) => {
-                    return Ok(Settled::Completed {
+                    return Ok(Waited::Completed {
                         record: Arc::new(decode_stored(&record)?),
                         request_count: None,
                     })
                 }
-                (None, None) => return Ok(Settled::Released),
+                (None, None) => return Ok(Waited::Released),
                 (None, Some(_)) => {}
             }
             let now = tokio::time::Instant::now();
             if now >= deadline {
-                return Ok(Settled::TimedOut);
+                return Ok(Waited::TimedOut);
             }
             tokio::time::sleep(pause.min(deadline - now)).await;
             pause = (pause * 2).min(Duration::from_millis(100));

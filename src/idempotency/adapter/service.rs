@@ -6,6 +6,7 @@ use std::{
     marker::PhantomData,
     sync::Arc,
     task::{Context, Poll},
+    time::SystemTime,
 };
 
 use bytes::Bytes;
@@ -213,13 +214,13 @@ where
         let protected = protect(&settings, extracted, identity, &parts);
         let request = Request::from_parts(parts, body);
         match protected {
-            Decided::Protected(protected) => ResponseFuture {
+            Covered::Protected(protected) => ResponseFuture {
                 work: Detaching::claiming(|claimed| {
                     run(inner, engine, settings, request, protected, claimed)
                 }),
             },
-            Decided::PassThrough(attempt) => unclaimed(pass_through(inner, request, attempt)),
-            Decided::Refused(refused) => unclaimed(ready(refused)),
+            Covered::PassThrough(attempt) => unclaimed(pass_through(inner, request, attempt)),
+            Covered::Refused(refused) => unclaimed(ready(refused)),
         }
     }
 }
@@ -232,7 +233,7 @@ struct Identity {
 }
 
 /// What a covered call is, once its key is extracted.
-enum Decided<B> {
+enum Covered<B> {
     Protected(Protected),
     /// No key, and none required: passed through, with its attempt ID echoed.
     PassThrough(Option<AttemptId>),
@@ -246,7 +247,7 @@ fn protect<T: Transport, B>(
     extracted: Result<Option<ExtractedKey>, KeyRejection>,
     identity: Identity,
     parts: &http::request::Parts,
-) -> Decided<B> {
+) -> Covered<B> {
     let Identity {
         epoch,
         client,
@@ -261,11 +262,11 @@ fn protect<T: Transport, B>(
         Ok(Some(extracted)) => extracted.into_parts(),
         Ok(None) if settings.require_key => {
             let detail = T::key(settings).missing_detail().into_owned();
-            return Decided::Refused(keyless.refuse("missing", Code::KeyMissing, detail));
+            return Covered::Refused(keyless.refuse("missing", Code::KeyMissing, detail));
         }
-        Ok(None) => return Decided::PassThrough(attempt),
+        Ok(None) => return Covered::PassThrough(attempt),
         Err(rejection) => {
-            return Decided::Refused(keyless.refuse(
+            return Covered::Refused(keyless.refuse(
                 rejection.reason(),
                 rejection.code(),
                 rejection.to_string(),
@@ -282,7 +283,7 @@ fn protect<T: Transport, B>(
         Ok(epoch) => epoch,
         Err(error) => {
             let refused = reply.refuse("epoch_invalid", Code::EpochInvalid, error.to_string());
-            return Decided::Refused(refused);
+            return Covered::Refused(refused);
         }
     };
     let client = match client {
@@ -294,7 +295,7 @@ fn protect<T: Transport, B>(
                 Code::ClientInvalid,
                 error.to_string(),
             );
-            return Decided::Refused(refused);
+            return Covered::Refused(refused);
         }
     };
     // The client the payload names, within the one the head names.
@@ -307,14 +308,14 @@ fn protect<T: Transport, B>(
             "this {} keeps idempotency keys per client, and this one names none; send your credentials",
             T::NOUN
         );
-        return Decided::Refused(reply.refuse("client_missing", Code::ClientMissing, detail));
+        return Covered::Refused(reply.refuse("client_missing", Code::ClientMissing, detail));
     }
     let owner = KeyOwner {
         client: client.as_ref(),
         key: &key,
     };
     let scope = T::scope(settings, parts, owner);
-    Decided::Protected(Protected {
+    Covered::Protected(Protected {
         key,
         client,
         scope,
@@ -432,7 +433,7 @@ where
     let protected = protect(&settings, extracted, identity, &parts);
     let request = Request::from_parts(parts, body);
     match protected {
-        Decided::Protected(protected) => {
+        Covered::Protected(protected) => {
             // Counted from here: until its key is read, the call may pass through.
             let _in_flight = engine.track();
             let span = record_protected(&protected, &settings);
@@ -442,11 +443,11 @@ where
                 None => work.await,
             }
         }
-        Decided::PassThrough(attempt) => {
+        Covered::PassThrough(attempt) => {
             let response = inner.call(request).await?;
             Ok(passed(response, attempt.as_ref()))
         }
-        Decided::Refused(refused) => Ok(refused),
+        Covered::Refused(refused) => Ok(refused),
     }
 }
 
@@ -506,21 +507,7 @@ where
             .handle(keyed, &claimed, call, &Keeping(&settings))
             .await
         {
-            Resolution::Ran {
-                output: (mut parts, body),
-                expires_at,
-            } => {
-                T::kept(&settings, &mut parts, expires_at);
-                let body = match body {
-                    Collected::Complete { body, trailers } => {
-                        Body::with_trailers(body, trailers.filter(|_| T::KEEPS_TRAILERS))
-                    }
-                    Collected::TooLarge { prefix, rest } => Body::prefixed(prefix, rest),
-                    // Classified as failed, so answered as such by the engine.
-                    Collected::Failed(_) => return Ok(reply.answer(Answer::response_failed())),
-                };
-                Ok(reply.finish(Response::from_parts(parts, body)))
-            }
+            Resolution::Ran { output, expires_at } => Ok(ran(reply, output, expires_at)),
             Resolution::FailOpen(Call {
                 mut inner, request, ..
             }) => {
@@ -535,6 +522,25 @@ where
             Resolution::Failed(error) => Err(error),
         }
     }
+}
+
+/// The response of a handler that ran, as the layer answers it: what it says of the
+/// kept outcome, and the body read so far followed by the rest.
+fn ran<T: Transport, B>(
+    reply: Reply<'_, T>,
+    (mut parts, body): (http::response::Parts, Collected<B>),
+    expires_at: Option<SystemTime>,
+) -> Response<Body<B>> {
+    T::kept(reply.settings, &mut parts, expires_at);
+    let body = match body {
+        Collected::Complete { body, trailers } => {
+            Body::with_trailers(body, trailers.filter(|_| T::KEEPS_TRAILERS))
+        }
+        Collected::TooLarge { prefix, rest } => Body::prefixed(prefix, rest),
+        // Classified as failed, so answered as such by the engine.
+        Collected::Failed(_) => return reply.answer(Answer::response_failed()),
+    };
+    reply.finish(Response::from_parts(parts, body))
 }
 
 /// A claimed call's handler, for the engine: the response read within the limit of

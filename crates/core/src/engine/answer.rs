@@ -8,7 +8,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use super::{claimed::Unsettled, decide::Verdict};
+use super::{claimed::Uncommitted, decide::Verdict};
 use crate::{store::Record, Code};
 
 /// When to come back after an answer that a retry can change but that names no delay
@@ -130,13 +130,13 @@ impl Answer {
     }
 
     /// Work that ran whose outcome does not stand, or may not.
-    pub fn unsettled(noun: &str, unsettled: &Unsettled) -> Self {
-        let (code, detail) = match unsettled {
-            Unsettled::NotCommitted(error) => (
+    pub fn uncommitted(noun: &str, uncommitted: &Uncommitted) -> Self {
+        let (code, detail) = match uncommitted {
+            Uncommitted::Failed(error) => (
                 Code::NotCommitted,
                 format!("the {noun}'s transaction did not commit ({error}); nothing it wrote stands; retry with the same key"),
             ),
-            Unsettled::Unknown(error) => (
+            Uncommitted::Unknown(error) => (
                 Code::OutcomeUnknown,
                 format!("the {noun} ran, but whether its transaction committed is not known ({error}); retry with the same key: it replays the outcome if it committed, and runs again if it did not"),
             ),

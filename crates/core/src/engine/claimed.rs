@@ -25,7 +25,7 @@ use super::{
 use crate::{
     store::{
         Chain, Claim, Completion, HandlerTransaction, IdempotencyStore, Lease, Payload, Record,
-        Settlement, StoreError, TransactionOffer,
+        StoreError, TransactionEnd, TransactionOffer,
     },
     AttemptId, ScopeKey,
 };
@@ -112,7 +112,7 @@ pub enum Finished {
     /// The response failed while it was read; the key was given back.
     Failed,
     /// The outcome does not stand, or whether it does is not known.
-    Unsettled(Unsettled),
+    Uncommitted(Uncommitted),
 }
 
 /// A handler that failed (its service's error, not a response), as the engine settled
@@ -144,9 +144,9 @@ enum Released {
 
 /// Why a claimed request's outcome does not stand, as far as the layer knows.
 #[derive(Debug)]
-pub enum Unsettled {
+pub enum Uncommitted {
     /// Nothing the handler wrote in its transaction stands, and the key is released.
-    NotCommitted(StoreError),
+    Failed(StoreError),
     /// The commit's answer was lost, and whether it landed is not known; the key is
     /// released in the background, which removes nothing if the commit landed.
     Unknown(StoreError),
@@ -270,7 +270,7 @@ impl<St: IdempotencyStore> Claimed<St> {
                 Released::RolledBack => Finished::RolledBack(StoreError::new(
                     "its outcome is not kept, so the transaction that held its key was rolled back",
                 )),
-                Released::Broke(error) => Finished::Unsettled(Unsettled::NotCommitted(error)),
+                Released::Broke(error) => Finished::Uncommitted(Uncommitted::Failed(error)),
                 Released::Lease => Finished::Released,
             },
         };
@@ -374,41 +374,8 @@ impl<St: IdempotencyStore> Claimed<St> {
             expires_at: completion.is_stored().then_some(expires_at),
         };
         if let Some(transaction) = self.transaction.take() {
-            let outcome = Some((record.clone(), ttl));
-            let started = std::time::Instant::now();
-            let settlement = transaction.settle(self.scope, outcome).await;
-            self.store_time += started.elapsed();
-            observe::store_time(self.store_time);
-            return match settlement {
-                Settlement::Committed => {
-                    report(Completion::Stored, &record, ttl, 1);
-                    stored(Completion::Stored)
-                }
-                Settlement::RolledBack => {
-                    let error = StoreError::new("the request's transaction was rolled back");
-                    lease::released_with_transaction(Release::RolledBack);
-                    Finished::Unsettled(Unsettled::NotCommitted(error))
-                }
-                Settlement::Failed(error) => {
-                    tracing::warn!(
-                        target: "tower_ids::idempotency",
-                        event = event::COMMIT_FAILED,
-                        error = %Chain(&error),
-                        "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
-                    );
-                    lease::released_with_transaction(Release::CommitFailed);
-                    Finished::Unsettled(Unsettled::NotCommitted(error))
-                }
-                Settlement::Unknown(error) => {
-                    tracing::warn!(
-                        target: "tower_ids::idempotency",
-                        event = event::OUTCOME_UNKNOWN,
-                        error = %Chain(&error),
-                        "the commit's answer was lost and the store could not tell whether it landed; a retry with this key replays the outcome if it did, and runs again once the database has settled that it did not"
-                    );
-                    Finished::Unsettled(Unsettled::Unknown(error))
-                }
-            };
+            // Boxed: the future of the store's path stays as small as it was.
+            return Box::pin(self.commit(transaction, record, ttl, expires_at)).await;
         }
         let completed = observe::timed_store_call(
             "complete",
@@ -447,8 +414,54 @@ impl<St: IdempotencyStore> Claimed<St> {
         Finished::Kept { expires_at: None }
     }
 
-    /// Gives the key up so a retry runs again: for a request that produced nothing to
-    /// keep (the handler failed, or its response is not stored).
+    /// Commits the handler's transaction with the outcome's `record`: the writes and
+    /// the record stand together, or neither does.
+    async fn commit(
+        &mut self,
+        transaction: Box<dyn HandlerTransaction>,
+        record: Arc<Record>,
+        ttl: Duration,
+        expires_at: SystemTime,
+    ) -> Finished {
+        let outcome = Some((record.clone(), ttl));
+        let started = std::time::Instant::now();
+        let ended = transaction.settle(self.scope, outcome).await;
+        self.store_time += started.elapsed();
+        observe::store_time(self.store_time);
+        match ended {
+            TransactionEnd::Committed => {
+                report(Completion::Stored, &record, ttl, 1);
+                Finished::Kept {
+                    expires_at: Some(expires_at),
+                }
+            }
+            TransactionEnd::RolledBack => {
+                let error = StoreError::new("the request's transaction was rolled back");
+                lease::released_with_transaction(Release::RolledBack);
+                Finished::Uncommitted(Uncommitted::Failed(error))
+            }
+            TransactionEnd::Failed(error) => {
+                tracing::warn!(
+                    target: "tower_ids::idempotency",
+                    event = event::COMMIT_FAILED,
+                    error = %Chain(&error),
+                    "the request's transaction did not commit: nothing it wrote stands, and a retry runs again"
+                );
+                lease::released_with_transaction(Release::CommitFailed);
+                Finished::Uncommitted(Uncommitted::Failed(error))
+            }
+            TransactionEnd::Unknown(error) => {
+                tracing::warn!(
+                    target: "tower_ids::idempotency",
+                    event = event::OUTCOME_UNKNOWN,
+                    error = %Chain(&error),
+                    "the commit's answer was lost and the store could not tell whether it landed; a retry with this key replays the outcome if it did, and runs again once the database has settled that it did not"
+                );
+                Finished::Uncommitted(Uncommitted::Unknown(error))
+            }
+        }
+    }
+
     /// Gives the key back after the handler failed, and says whether it failed on a
     /// passing fault: its transaction broke under it, or its error is one.
     async fn failed<E: 'static>(&mut self, error: E) -> Failure<E> {
@@ -472,6 +485,8 @@ impl<St: IdempotencyStore> Claimed<St> {
         }
     }
 
+    /// Gives the key up so a retry runs again: for a request that produced nothing to
+    /// keep (the handler failed, or its response is not stored).
     async fn release(&mut self, reason: Release) -> Released {
         let Some(lease) = self.lease.take() else {
             return Released::Lease;
@@ -482,7 +497,7 @@ impl<St: IdempotencyStore> Claimed<St> {
             // claim ends with it.
             let settlement = transaction.settle(self.scope, None).await;
             observe::store_time(self.store_time + started.elapsed());
-            if let Settlement::Failed(error) | Settlement::Unknown(error) = settlement {
+            if let TransactionEnd::Failed(error) | TransactionEnd::Unknown(error) = settlement {
                 tracing::warn!(
                     target: "tower_ids::idempotency",
                     event = event::TRANSACTION_BROKE,
@@ -501,8 +516,8 @@ impl<St: IdempotencyStore> Claimed<St> {
     }
 
     async fn give_back(&self, lease: &Lease, reason: Release) {
-        let (hold, settling) = (self.claim.lease, &self.kept.settling);
-        lease::release(&self.store, &self.scope, lease, hold, reason, settling).await;
+        let (hold, outstanding) = (self.claim.lease, &self.kept.outstanding);
+        lease::release(&self.store, &self.scope, lease, hold, reason, outstanding).await;
     }
 }
 
@@ -522,8 +537,8 @@ impl<St: IdempotencyStore> Drop for Claimed<St> {
         } else {
             Release::Abandoned
         };
-        let settling = self.kept.settling.clone();
-        let pending = settling.enter(Owed::Release, tracing::Span::current());
+        let outstanding = self.kept.outstanding.clone();
+        let pending = outstanding.enter(Owed::Release, tracing::Span::current());
         let transaction = self.transaction.take();
         runtime.spawn(
             async move {
@@ -534,7 +549,9 @@ impl<St: IdempotencyStore> Drop for Claimed<St> {
                         transaction.settle(scope, None).await;
                         lease::released_with_transaction(reason);
                     }
-                    None => lease::release(&store, &scope, &lease, hold, reason, &settling).await,
+                    None => {
+                        lease::release(&store, &scope, &lease, hold, reason, &outstanding).await
+                    }
                 }
                 drop(pending);
             }

@@ -20,8 +20,8 @@ use super::{
 };
 use crate::{
     store::{
-        Begin, Chain, Claim, HandlerTransaction, IdempotencyStore, Lease, Payload, Record, Settled,
-        StoreError,
+        Begin, Chain, Claim, HandlerTransaction, IdempotencyStore, Lease, Payload, Record,
+        StoreError, Waited,
     },
     AttemptId, Fingerprint, ScopeKey,
 };
@@ -204,32 +204,7 @@ impl<St: IdempotencyStore> Engine<St> {
         let begin = match begin.await {
             Ok(begin) => begin,
             Err(error) if error.is_exhausted() => return pool_exhausted(&error),
-            Err(error) => {
-                return match policy.store_failure {
-                    StoreFailure::FailClosed => {
-                        tracing::warn!(
-                            target: "tower_ids::idempotency",
-                            event = event::STORE_FAILED,
-                            error = %Chain(&error),
-                            phase = "begin",
-                            mode = "fail_closed",
-                            "idempotency store failed; nothing ran"
-                        );
-                        Decision::Answer(Verdict::StoreUnavailable)
-                    }
-                    StoreFailure::FailOpen => {
-                        tracing::warn!(
-                            target: "tower_ids::idempotency",
-                            event = event::STORE_FAILED,
-                            error = %Chain(&error),
-                            phase = "begin",
-                            mode = "fail_open",
-                            "idempotency store failed; running without deduplication"
-                        );
-                        Decision::FailOpen
-                    }
-                };
-            }
+            Err(error) => return self.begin_failed(&error),
         };
         match begin {
             Begin::Claimed { lease } => {
@@ -249,18 +224,11 @@ impl<St: IdempotencyStore> Engine<St> {
                 self.run((scope, claim, lease, Some(transaction)), claimed)
             }
             Begin::Locked => {
-                let timeout = match policy.in_flight {
-                    InFlight::Reject { retry_after } => return in_flight(None, None, retry_after),
-                    InFlight::Wait { timeout } => timeout,
-                };
-                let wait =
-                    observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
-                let waited = Box::pin(wait).await;
                 let running = Running {
                     first_seen: None,
                     request_count: None,
                 };
-                self.waited(waited, scope, claim, claimed, running)
+                self.wait_for(running, scope, claim, claimed, spent).await
             }
             Begin::Completed {
                 record,
@@ -283,29 +251,70 @@ impl<St: IdempotencyStore> Engine<St> {
                 if running != fingerprint {
                     return conflict();
                 }
-                let timeout = match policy.in_flight {
-                    InFlight::Reject { retry_after } => {
-                        return in_flight(Some(first_seen), Some(request_count), retry_after)
-                    }
-                    InFlight::Wait { timeout } => timeout,
-                };
-                let wait =
-                    observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
-                let waited = Box::pin(wait).await;
                 let running = Running {
                     first_seen: Some(first_seen),
                     request_count: Some(request_count),
                 };
-                self.waited(waited, scope, claim, claimed, running)
+                self.wait_for(running, scope, claim, claimed, spent).await
             }
         }
+    }
+
+    /// The store failed to begin: the request is refused, or runs without
+    /// deduplication, as the store-failure rule says.
+    fn begin_failed(&self, error: &StoreError) -> Decision<St> {
+        match self.policy.store_failure {
+            StoreFailure::FailClosed => {
+                tracing::warn!(
+                    target: "tower_ids::idempotency",
+                    event = event::STORE_FAILED,
+                    error = %Chain(error),
+                    phase = "begin",
+                    mode = "fail_closed",
+                    "idempotency store failed; nothing ran"
+                );
+                Decision::Answer(Verdict::StoreUnavailable)
+            }
+            StoreFailure::FailOpen => {
+                tracing::warn!(
+                    target: "tower_ids::idempotency",
+                    event = event::STORE_FAILED,
+                    error = %Chain(error),
+                    phase = "begin",
+                    mode = "fail_open",
+                    "idempotency store failed; running without deduplication"
+                );
+                Decision::FailOpen
+            }
+        }
+    }
+
+    /// Work with this key is `running`: waits for it to end, as the in-flight rule
+    /// says, or answers that it is in flight.
+    async fn wait_for(
+        &self,
+        running: Running,
+        scope: ScopeKey,
+        claim: Claim,
+        claimed: &ClaimFlag,
+        spent: &mut Duration,
+    ) -> Decision<St> {
+        let timeout = match self.policy.in_flight {
+            InFlight::Reject { retry_after } => {
+                return in_flight(running.first_seen, running.request_count, retry_after)
+            }
+            InFlight::Wait { timeout } => timeout,
+        };
+        let wait = observe::timed_store_call("wait", spent, self.store.wait(&scope, timeout));
+        let waited = Box::pin(wait).await;
+        self.waited(waited, scope, claim, claimed, running)
     }
 
     /// The decision to run the work that holds `held` (its scope, claim, lease, and the
     /// transaction that holds it, if one does); `claimed` is set, so that the response
     /// future finishes it if dropped.
     fn run(&self, held: Held, claimed: &ClaimFlag) -> Decision<St> {
-        claimed.set(&self.kept.settling);
+        claimed.set(&self.kept.outstanding);
         Decision::Run(Claimed::new(
             self.store.clone(),
             held,
@@ -318,7 +327,7 @@ impl<St: IdempotencyStore> Engine<St> {
     /// The decision for a duplicate (of `claim`) that waited for the work in flight.
     fn waited(
         &self,
-        waited: Result<Settled, StoreError>,
+        waited: Result<Waited, StoreError>,
         scope: ScopeKey,
         claim: Claim,
         claimed: &ClaimFlag,
@@ -330,7 +339,7 @@ impl<St: IdempotencyStore> Engine<St> {
             request_count,
         } = running;
         match waited {
-            Ok(Settled::ClaimedByTransaction { lease, transaction }) => {
+            Ok(Waited::ClaimedByTransaction { lease, transaction }) => {
                 tracing::debug!(
                     target: "tower_ids::idempotency",
                     event = event::ACCEPTED,
@@ -340,15 +349,15 @@ impl<St: IdempotencyStore> Engine<St> {
             }
             // The key may have been released and run again, in another epoch, while
             // this one waited.
-            Ok(Settled::Completed { record, .. }) if record.epoch != epoch => {
+            Ok(Waited::Completed { record, .. }) if record.epoch != epoch => {
                 epoch_mismatch(record.epoch, epoch)
             }
-            Ok(Settled::Completed {
+            Ok(Waited::Completed {
                 record,
                 request_count: counted,
             }) => settled(record, fingerprint, counted.or(request_count).unwrap_or(1)),
-            Ok(Settled::TimedOut) => in_flight(first_seen, request_count, AFTER_WAIT),
-            Ok(Settled::Released) => {
+            Ok(Waited::TimedOut) => in_flight(first_seen, request_count, AFTER_WAIT),
+            Ok(Waited::Released) => {
                 tracing::debug!(
                     target: "tower_ids::idempotency",
                     event = event::ORIGINAL_FAILED,
@@ -415,12 +424,13 @@ impl<St: IdempotencyStore> Engine<St> {
                 // The key was free (this layer's claim had lapsed): give the claim back
                 // from a task of its own, so that no hang-up leaves it behind, then have
                 // the kept outcome stored at once.
-                let (store, settling) = (self.store.clone(), self.kept.settling.clone());
-                let pending = settling.enter(super::drain::Owed::Release, tracing::Span::current());
+                let (store, outstanding) = (self.store.clone(), self.kept.outstanding.clone());
+                let pending =
+                    outstanding.enter(super::drain::Owed::Release, tracing::Span::current());
                 let kept = waiting.clone();
                 let give_back = async move {
                     let reason = Release::Abandoned;
-                    lease::release(&store, &scope, &lease, kept.hold, reason, &settling).await;
+                    lease::release(&store, &scope, &lease, kept.hold, reason, &outstanding).await;
                     kept.nudge();
                     drop(pending);
                 };
@@ -533,7 +543,7 @@ impl<St> Engine<St> {
 
     /// A handle that waits, at shutdown, for what this engine still owes its store.
     pub fn drain(&self) -> Drain {
-        Drain::new(self.kept.settling.clone())
+        Drain::new(self.kept.outstanding.clone())
     }
 
     /// Counts one protected request or message in flight until the guard is dropped.

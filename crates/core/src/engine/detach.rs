@@ -11,19 +11,19 @@ use std::{
     task::{Context, Poll},
 };
 
-use super::drain::{Owed, Settling};
+use super::drain::{Outstanding, Owed};
 
 /// Set by the engine when the work's request claims its key, with the layer's
 /// register of unsettled work, where the work goes if it must finish on its own.
 #[derive(Clone, Default)]
-pub struct ClaimFlag(Arc<OnceLock<Arc<Settling>>>);
+pub struct ClaimFlag(Arc<OnceLock<Arc<Outstanding>>>);
 
 impl ClaimFlag {
-    pub fn set(&self, settling: &Arc<Settling>) {
-        let _ = self.0.set(settling.clone());
+    pub fn set(&self, outstanding: &Arc<Outstanding>) {
+        let _ = self.0.set(outstanding.clone());
     }
 
-    fn settling(&self) -> Option<&Arc<Settling>> {
+    fn outstanding(&self) -> Option<&Arc<Outstanding>> {
         self.0.get()
     }
 }
@@ -95,8 +95,8 @@ impl<T: 'static> Drop for Detaching<T> {
         let Some(unfinished) = self.work.take() else {
             return;
         };
-        let settling = match self.claimed.as_ref().and_then(ClaimFlag::settling) {
-            Some(settling) if !self.unwinding => settling,
+        let outstanding = match self.claimed.as_ref().and_then(ClaimFlag::outstanding) {
+            Some(outstanding) if !self.unwinding => outstanding,
             // Before the claim nothing ran; after a panic the guard let the key go.
             _ => return,
         };
@@ -104,7 +104,7 @@ impl<T: 'static> Drop for Detaching<T> {
             return;
         };
         let span = std::mem::replace(&mut self.span, tracing::Span::none());
-        let unsettled = settling.enter(Owed::Handler, span.clone());
+        let unsettled = outstanding.enter(Owed::Handler, span.clone());
         let detached = std::time::Instant::now();
         let rest = tracing::Instrument::instrument(
             async move {

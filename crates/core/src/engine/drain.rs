@@ -38,14 +38,14 @@ impl Owed {
 
 /// The unsettled work of one layer and its clones.
 #[derive(Default)]
-pub struct Settling {
+pub struct Outstanding {
     next: AtomicU64,
     pending: Mutex<HashMap<u64, (Owed, tracing::Span)>>,
     /// How many are pending, for waiters.
     count: watch::Sender<usize>,
 }
 
-impl Settling {
+impl Outstanding {
     /// Registers work owed in `span` (its request's) until the returned guard drops.
     pub fn enter(self: &Arc<Self>, owed: Owed, span: tracing::Span) -> Pending {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
@@ -53,7 +53,7 @@ impl Settling {
         pending.insert(id, (owed, span));
         self.count.send_replace(pending.len());
         Pending {
-            settling: self.clone(),
+            outstanding: self.clone(),
             id,
         }
     }
@@ -63,17 +63,17 @@ impl Settling {
     }
 }
 
-/// Work registered with [`Settling`]; it is settled when this drops.
+/// Work registered with [`Outstanding`]; it is settled when this drops.
 pub struct Pending {
-    settling: Arc<Settling>,
+    outstanding: Arc<Outstanding>,
     id: u64,
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        let mut pending = self.settling.lock();
+        let mut pending = self.outstanding.lock();
         let removed = pending.remove(&self.id);
-        self.settling.count.send_replace(pending.len());
+        self.outstanding.count.send_replace(pending.len());
         drop(pending);
         drop(removed);
     }
@@ -99,7 +99,7 @@ impl Drop for Pending {
 /// Clones wait for the same work.
 #[derive(Clone)]
 pub struct Drain {
-    settling: Arc<Settling>,
+    outstanding: Arc<Outstanding>,
 }
 
 impl std::fmt::Debug for Drain {
@@ -229,13 +229,13 @@ impl Drop for Held {
 }
 
 impl Drain {
-    pub fn new(settling: Arc<Settling>) -> Self {
-        Self { settling }
+    pub fn new(outstanding: Arc<Outstanding>) -> Self {
+        Self { outstanding }
     }
 
     /// How much work is unsettled now.
     pub fn pending(&self) -> usize {
-        *self.settling.count.borrow()
+        *self.outstanding.count.borrow()
     }
 
     /// Waits until every handler the layer detached has finished and every outcome it
@@ -247,7 +247,7 @@ impl Drain {
     /// out; in a transactional store, its transaction ends with the process), and a
     /// retry after that may run the handler again.
     pub async fn wait(&self, timeout: Duration) -> Drained {
-        let mut count = self.settling.count.subscribe();
+        let mut count = self.outstanding.count.subscribe();
         let settled = tokio::time::timeout(timeout, count.wait_for(|pending| *pending == 0));
         if matches!(settled.await, Ok(Ok(_))) {
             tracing::info!(
@@ -258,7 +258,7 @@ impl Drain {
             return Drained { unsettled: 0 };
         }
         let pending: Vec<_> = self
-            .settling
+            .outstanding
             .lock()
             .values()
             .map(|(owed, span)| (*owed, span.clone()))

@@ -9,7 +9,7 @@ use std::{future::Future, sync::Arc, time::SystemTime};
 
 use super::{
     answer::Answer,
-    claimed::{Claimed, Classify, Failure, Finished, Unsettled},
+    claimed::{Claimed, Classify, Failure, Finished, Uncommitted},
     decide::{Decision, Engine, Verdict},
     detach::ClaimFlag,
 };
@@ -121,17 +121,19 @@ async fn run<St: IdempotencyStore, X: Exchange>(
         // What the handler failed on was its transaction's connection: a passing fault,
         // never the handler's failure.
         Err(Failure::TransactionBroke(_, error)) => {
-            return Resolution::Answer(Answer::unsettled(noun, &Unsettled::NotCommitted(error)))
+            return Resolution::Answer(Answer::uncommitted(noun, &Uncommitted::Failed(error)))
         }
         Err(Failure::Transient(_)) => return Resolution::Answer(Answer::handler_unavailable(noun)),
     };
     match finished {
-        Finished::Unsettled(unsettled) => Resolution::Answer(Answer::unsettled(noun, &unsettled)),
+        Finished::Uncommitted(uncommitted) => {
+            Resolution::Answer(Answer::uncommitted(noun, &uncommitted))
+        }
         Finished::Failed => Resolution::Answer(Answer::response_failed()),
         // A success whose writes were rolled back must not say it succeeded; a failure
         // so settled is passed on, as it says nothing stands.
         Finished::RolledBack(error) if classify.succeeded(&output) => {
-            Resolution::Answer(Answer::unsettled(noun, &Unsettled::NotCommitted(error)))
+            Resolution::Answer(Answer::uncommitted(noun, &Uncommitted::Failed(error)))
         }
         Finished::Kept { expires_at } => Resolution::Ran { output, expires_at },
         Finished::NotKept | Finished::Released | Finished::RolledBack(_) => Resolution::Ran {

@@ -16,7 +16,7 @@ use tokio::sync::{watch, Notify};
 use tracing::Instrument as _;
 
 use super::{
-    drain::{Owed, Settling},
+    drain::{Outstanding, Owed},
     observe,
 };
 use crate::{
@@ -87,7 +87,7 @@ pub(super) struct Outcome {
 #[derive(Default)]
 pub(super) struct KeptOutcomes {
     /// The layer's register of unsettled work, which [`Drain`](super::Drain) reads.
-    pub settling: Arc<Settling>,
+    pub outstanding: Arc<Outstanding>,
     by_scope: Mutex<HashMap<ScopeKey, Arc<Waiting>>>,
     /// Entries in `by_scope`, read without the lock on every request.
     count: AtomicUsize,
@@ -180,7 +180,9 @@ impl KeptOutcomes {
             self.count.fetch_add(1, Ordering::Release);
         }
         let kept = self.clone();
-        let pending = self.settling.enter(Owed::Outcome, tracing::Span::current());
+        let pending = self
+            .outstanding
+            .enter(Owed::Outcome, tracing::Span::current());
         let task = async move {
             let _pending = pending;
             store_until_done(&*store, &scope, &outcome, &waiting).await;

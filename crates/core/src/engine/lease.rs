@@ -7,7 +7,7 @@ use std::{sync::Arc, time::Duration};
 use tracing::Instrument as _;
 
 use super::{
-    drain::{Owed, Settling},
+    drain::{Outstanding, Owed},
     kept::{FIRST_STORE_RETRY_PAUSE, MAX_STORE_RETRY_PAUSE},
     observe,
 };
@@ -169,14 +169,14 @@ pub(super) async fn release<St: IdempotencyStore>(
     lease: &Lease,
     hold: Duration,
     reason: Release,
-    settling: &Arc<Settling>,
+    outstanding: &Arc<Outstanding>,
 ) {
     if try_release(&**store, scope, lease, reason, 1).await {
         return;
     }
     let (store, scope, lease) = (store.clone(), *scope, lease.clone());
     let until = tokio::time::Instant::now() + hold;
-    let pending = settling.enter(Owed::Release, tracing::Span::current());
+    let pending = outstanding.enter(Owed::Release, tracing::Span::current());
     let retry = async move {
         let _pending = pending;
         let mut pause = FIRST_STORE_RETRY_PAUSE;

@@ -15,8 +15,8 @@ pub enum Answered {
     /// A gRPC status code, by its canonical name (`INVALID_ARGUMENT`): the line's
     /// `grpc_code`.
     Grpc(&'static str),
-    /// Not answered on the wire (a message, settled by its driver).
-    Settled,
+    /// Not answered on the wire: a message, acknowledged or dead-lettered by its driver.
+    Message,
 }
 
 /// A refusal of the key, the client or the request's framing: WARN
@@ -32,7 +32,7 @@ pub fn rejected(reason: &'static str, code: Code, detail: &str, answered: Answer
     let (status, grpc_code): (Option<u16>, Option<&str>) = match answered {
         Answered::Http(status) => (Some(status), None),
         Answered::Grpc(name) => (None, Some(name)),
-        Answered::Settled => (None, None),
+        Answered::Message => (None, None),
     };
     tracing::warn!(
         target: "tower_ids::idempotency",

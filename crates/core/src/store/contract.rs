@@ -23,7 +23,7 @@ use std::{
 
 use crate::store::{
     Begin, Claim, Completion, Fingerprint, IdempotencyStore, Lease, Payload, PayloadFormat, Record,
-    Renewal, ScopeKey, Settled,
+    Renewal, ScopeKey, Waited,
 };
 use bytes::Bytes;
 
@@ -360,7 +360,7 @@ async fn waits_end_in_every_way<St: IdempotencyStore>(store: &Arc<St>) {
         .await
         .unwrap();
     match waiter.await.unwrap().unwrap() {
-        Settled::Completed { record, .. } => {
+        Waited::Completed { record, .. } => {
             assert_eq!(payload_body(record.payload.as_ref().unwrap()), "waited")
         }
         other => panic!("expected the record, got {other:?}"),
@@ -375,7 +375,7 @@ async fn waits_end_in_every_way<St: IdempotencyStore>(store: &Arc<St>) {
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     store.release(&scope_released, &lease).await.unwrap();
-    assert!(matches!(waiter.await.unwrap().unwrap(), Settled::Released));
+    assert!(matches!(waiter.await.unwrap().unwrap(), Waited::Released));
 
     // Still running at the deadline.
     let scope_running = scope(12);
@@ -385,7 +385,7 @@ async fn waits_end_in_every_way<St: IdempotencyStore>(store: &Arc<St>) {
             .wait(&scope_running, Duration::from_millis(100))
             .await
             .unwrap(),
-        Settled::TimedOut
+        Waited::TimedOut
     ));
 }
 

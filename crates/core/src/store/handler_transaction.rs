@@ -25,7 +25,7 @@ pub trait HandlerTransaction: Send + Sync + 'static {
 
     /// After the handler: stores `outcome` (the record and its TTL) in the transaction
     /// and commits; with no outcome (the response is not stored, or the handler
-    /// failed), rolls it back, and answers [`Settlement::Failed`] if the transaction
+    /// failed), rolls it back, and answers [`TransactionEnd::Failed`] if the transaction
     /// broke under the handler (its rollback failed: the connection lost, the backend
     /// terminated), so the layer answers a passing fault rather than the handler's
     /// failure. Either way the claim ends with it.
@@ -33,7 +33,7 @@ pub trait HandlerTransaction: Send + Sync + 'static {
         self: Box<Self>,
         scope: ScopeKey,
         outcome: Option<(Arc<Record>, Duration)>,
-    ) -> std::pin::Pin<Box<dyn Future<Output = Settlement> + Send>>;
+    ) -> std::pin::Pin<Box<dyn Future<Output = TransactionEnd> + Send>>;
 }
 
 impl std::fmt::Debug for dyn HandlerTransaction {
@@ -88,7 +88,7 @@ impl std::fmt::Debug for TransactionOffer {
 
 /// How a [`HandlerTransaction`] ended.
 #[derive(Debug)]
-pub enum Settlement {
+pub enum TransactionEnd {
     /// The handler's writes and the record committed together.
     Committed,
     /// Nothing to store: the handler's writes were rolled back.

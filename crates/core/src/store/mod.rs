@@ -28,7 +28,7 @@ pub use self::clock::{Clock, SystemClock};
 #[doc(hidden)]
 pub use self::error::Chain;
 pub use self::error::StoreError;
-pub use self::handler_transaction::{HandlerTransaction, Settlement, TransactionOffer};
+pub use self::handler_transaction::{HandlerTransaction, TransactionEnd, TransactionOffer};
 pub use self::record::{Payload, PayloadFormat, Record};
 pub use crate::scope::{Fingerprint, ScopeKey};
 use crate::AttemptId;
@@ -96,7 +96,7 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         &self,
         scope: &ScopeKey,
         timeout: Duration,
-    ) -> impl Future<Output = Result<Settled, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Waited, StoreError>> + Send;
 
     /// The longest from this store answering again after an outage to one of its calls
     /// succeeding: a call's timeout (one sent just before the store came back may
@@ -238,7 +238,7 @@ impl Lease {
 
 /// How a wait on a request in flight ended.
 #[derive(Debug)]
-pub enum Settled {
+pub enum Waited {
     /// It completed; here is its record.
     Completed {
         /// The outcome.

@@ -17,7 +17,7 @@ struct DecideCase {
     begin: Result<Begin, StoreError>,
     /// Scripted for a duplicate that waits, and only then: the engine must call `wait`
     /// exactly when a case scripts it.
-    wait: Option<Result<Settled, StoreError>>,
+    wait: Option<Result<Waited, StoreError>>,
     expected: Decided,
 }
 
@@ -34,7 +34,7 @@ fn asked(name: &'static str, begin: Result<Begin, StoreError>, expected: Decided
 }
 
 /// A duplicate of this request in flight, waiting for it; the wait answers `wait`.
-fn waited(name: &'static str, wait: Result<Settled, StoreError>, expected: Decided) -> DecideCase {
+fn waited(name: &'static str, wait: Result<Waited, StoreError>, expected: Decided) -> DecideCase {
     DecideCase {
         policy: waiting(),
         wait: Some(wait),
@@ -101,7 +101,7 @@ async fn decide_answers_what_the_store_says() {
         })),
         waited(
             "a waiting duplicate replays what completed meanwhile",
-            Ok(Settled::Completed {
+            Ok(Waited::Completed {
                 record: stored(this_request(), None),
                 request_count: None,
             }),
@@ -109,12 +109,12 @@ async fn decide_answers_what_the_store_says() {
         ),
         waited(
             "a wait that times out answers in flight, retry after a second",
-            Ok(Settled::TimedOut),
+            Ok(Waited::TimedOut),
             in_flight(2, AFTER_WAIT),
         ),
         waited(
             "a wait on work that was released tells the duplicate to retry",
-            Ok(Settled::Released),
+            Ok(Waited::Released),
             Decided::OriginalFailed,
         ),
         waited(

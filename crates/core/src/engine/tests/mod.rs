@@ -20,7 +20,7 @@ use super::{
 use crate::{
     store::{
         Begin, Claim, Completion, IdempotencyStore, Lease, Payload, PayloadFormat, Record, Renewal,
-        Settled, StoreError,
+        StoreError, Waited,
     },
     Fingerprint, ScopeKey,
 };
@@ -71,7 +71,7 @@ struct ScriptedStore {
     renew: Answers<Renewal>,
     complete: Answers<Completion>,
     release: Answers<bool>,
-    wait: Answers<Settled>,
+    wait: Answers<Waited>,
     calls: Mutex<Vec<Call>>,
 }
 
@@ -95,7 +95,7 @@ impl ScriptedStore {
         self
     }
 
-    fn waits(self, answer: Option<Result<Settled, StoreError>>) -> Self {
+    fn waits(self, answer: Option<Result<Waited, StoreError>>) -> Self {
         lock(&self.wait).extend(answer);
         self
     }
@@ -142,7 +142,7 @@ impl IdempotencyStore for ScriptedStore {
         next(&self.release, Ok(true))
     }
 
-    async fn wait(&self, _: &ScopeKey, timeout: Duration) -> Result<Settled, StoreError> {
+    async fn wait(&self, _: &ScopeKey, timeout: Duration) -> Result<Waited, StoreError> {
         self.called(Call::Wait { timeout });
         next(&self.wait, Err(outage("wait")))
     }

@@ -6,7 +6,7 @@ use std::{future::Future, pin::Pin};
 
 use super::finish::{ran, Ran, ReleaseReasons};
 use super::*;
-use crate::store::{HandlerTransaction, Settlement, TransactionOffer};
+use crate::store::{HandlerTransaction, TransactionEnd, TransactionOffer};
 
 /// What the scripted transaction was asked to do: commit with this payload, or roll
 /// back (`None`).
@@ -15,7 +15,7 @@ type Settles = Arc<Mutex<Vec<Option<Bytes>>>>;
 /// A [`HandlerTransaction`] that records each settle and answers from its script.
 struct ScriptedTransaction {
     settles: Settles,
-    answer: Mutex<Option<Settlement>>,
+    answer: Mutex<Option<TransactionEnd>>,
 }
 
 impl HandlerTransaction for ScriptedTransaction {
@@ -27,7 +27,7 @@ impl HandlerTransaction for ScriptedTransaction {
         self: Box<Self>,
         _: ScopeKey,
         outcome: Option<(Arc<Record>, Duration)>,
-    ) -> Pin<Box<dyn Future<Output = Settlement> + Send>> {
+    ) -> Pin<Box<dyn Future<Output = TransactionEnd> + Send>> {
         let payload = outcome.and_then(|(record, _)| {
             record
                 .payload
@@ -39,15 +39,15 @@ impl HandlerTransaction for ScriptedTransaction {
         let answer = lock(&self.answer).take();
         Box::pin(async move {
             answer.unwrap_or(if committing {
-                Settlement::Committed
+                TransactionEnd::Committed
             } else {
-                Settlement::RolledBack
+                TransactionEnd::RolledBack
             })
         })
     }
 }
 
-fn held_by_transaction(settles: &Settles, answer: Option<Settlement>) -> Begin {
+fn held_by_transaction(settles: &Settles, answer: Option<TransactionEnd>) -> Begin {
     Begin::ClaimedByTransaction {
         lease: Lease::new(TOKEN, first_seen()),
         transaction: Box::new(ScriptedTransaction {
@@ -59,7 +59,7 @@ fn held_by_transaction(settles: &Settles, answer: Option<Settlement>) -> Begin {
 
 async fn claim_held_by_transaction(
     settles: &Settles,
-    answer: Option<Settlement>,
+    answer: Option<TransactionEnd>,
 ) -> (
     Arc<ScriptedStore>,
     Engine<ScriptedStore>,
@@ -112,12 +112,12 @@ async fn a_transactional_claim_is_given_back_by_rolling_back_never_by_a_store_ca
         &'static str,
         Classified,
         bool,
-        Option<Settlement>,
+        Option<TransactionEnd>,
         Ran,
         &'static str,
     );
     let failed = || Err("boom");
-    let broke = || Some(Settlement::Failed(StoreError::new("connection lost")));
+    let broke = || Some(TransactionEnd::Failed(StoreError::new("connection lost")));
     let cases: [Case; 5] = [
         (
             "an outcome the rule does not keep: its writes are rolled back",
@@ -148,15 +148,15 @@ async fn a_transactional_claim_is_given_back_by_rolling_back_never_by_a_store_ca
             Classified::Release(Release::NotStored),
             false,
             broke(),
-            Ran::Unsettled,
+            Ran::Uncommitted,
             "transaction_broke",
         ),
         (
             "a commit the database refuses",
             Classified::Store(message(b"done")),
             false,
-            Some(Settlement::Failed(StoreError::new("refused"))),
-            Ran::Unsettled,
+            Some(TransactionEnd::Failed(StoreError::new("refused"))),
+            Ran::Uncommitted,
             "commit_failed",
         ),
     ];
@@ -215,7 +215,7 @@ async fn a_key_held_by_another_transaction_is_in_flight_and_a_waiter_handed_it_r
     ));
 
     let settles = Settles::default();
-    let handed = Settled::ClaimedByTransaction {
+    let handed = Waited::ClaimedByTransaction {
         lease: Lease::new(TOKEN, first_seen()),
         transaction: Box::new(ScriptedTransaction {
             settles: settles.clone(),
