@@ -374,7 +374,8 @@ impl<St: IdempotencyStore> Claimed<St> {
             expires_at: completion.is_stored().then_some(expires_at),
         };
         if let Some(transaction) = self.transaction.take() {
-            // Boxed: the future of the store's path stays as small as it was.
+            // Boxed: the store path's future does not carry the commit's (an allocation
+            // beside a COMMIT).
             return Box::pin(self.commit(transaction, record, ttl, expires_at)).await;
         }
         let completed = observe::timed_store_call(
