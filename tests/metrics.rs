@@ -4,8 +4,7 @@
 //! so they report the same series.
 #![allow(missing_docs)]
 
-#[path = "support/mod.rs"]
-mod support;
+use tower_ids_test_support as support;
 
 use axum::{routing::post, Router};
 use http::StatusCode;
@@ -216,8 +215,7 @@ async fn a_message_consumer_reports_the_same_series() {
     assert_eq!(totals.in_flight, 0.0, "every message done");
 }
 
-#[path = "support/postgres.rs"]
-mod database;
+use tower_ids_test_support::postgres as database;
 
 /// The outbox relay's series: the backlog gauges, and publications, failures and dead
 /// letters by destination.

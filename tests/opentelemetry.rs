@@ -5,10 +5,8 @@
 #![allow(missing_docs)]
 
 #[cfg(feature = "amqp")]
-#[path = "support/rabbitmq.rs"]
-mod rabbitmq;
-#[path = "support/mod.rs"]
-mod support;
+use tower_ids_test_support::rabbitmq;
+use tower_ids_test_support as support;
 
 use std::{
     io,

@@ -29,8 +29,7 @@
 mod ledger {
     include!("grpc/ledger.v1.rs");
 }
-#[path = "support/mod.rs"]
-mod support;
+use tower_ids_test_support as support;
 
 use std::{
     collections::BTreeMap,

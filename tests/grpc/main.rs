@@ -9,13 +9,9 @@ mod ledger {
     include!("ledger.v1.rs");
 }
 
-#[path = "../support/postgres.rs"]
-mod database;
-#[path = "../support/redis.rs"]
-#[allow(dead_code)]
-mod server;
-#[path = "../support/mod.rs"]
-mod support;
+use tower_ids_test_support::postgres as database;
+use tower_ids_test_support::redis as server;
+use tower_ids_test_support as support;
 
 use std::{
     net::SocketAddr,

@@ -2,8 +2,7 @@
 //! times the handler ran.
 #![allow(missing_docs)]
 
-#[path = "../support/mod.rs"]
-mod support;
+use tower_ids_test_support as support;
 
 mod conformance;
 
