@@ -30,8 +30,7 @@
 //! Run: `cargo bench --bench consumer --features amqp` (about 1 minute)
 #![allow(missing_docs)]
 
-#[path = "../tests/support/rabbitmq.rs"]
-mod rabbitmq;
+use tower_ids_test_support::rabbitmq;
 
 use std::{
     convert::Infallible,

@@ -549,8 +549,7 @@ mod postgres_rows {
 }
 
 #[cfg(feature = "postgres")]
-#[path = "../tests/support/postgres.rs"]
-mod database;
+use tower_ids_test_support::postgres as database;
 
 criterion_group!(benches, idempotency);
 criterion_main!(benches);

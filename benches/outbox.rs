@@ -104,12 +104,9 @@
 //! Run: `cargo bench --bench outbox --features outbox,amqp,kafka` (about 3.5 minutes)
 #![allow(missing_docs)]
 
-#[path = "../tests/support/postgres.rs"]
-mod database;
-#[path = "../tests/support/kafka.rs"]
-mod kafka_broker;
-#[path = "../tests/support/rabbitmq.rs"]
-mod rabbitmq;
+use tower_ids_test_support::kafka as kafka_broker;
+use tower_ids_test_support::postgres as database;
+use tower_ids_test_support::rabbitmq;
 
 use std::{
     collections::BTreeMap,

@@ -57,8 +57,7 @@ use tower_ids::idempotency::store::{
     PostgresStore, Record, ScopeKey, Transaction, TransactionEnd, Waited,
 };
 
-#[path = "../tests/support/postgres.rs"]
-mod database;
+use tower_ids_test_support::postgres as database;
 
 use database::TestDatabase;
 

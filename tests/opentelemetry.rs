@@ -4,9 +4,9 @@
 //! outbound correlation layer to a second local server.
 #![allow(missing_docs)]
 
+use tower_ids_test_support as support;
 #[cfg(feature = "amqp")]
 use tower_ids_test_support::rabbitmq;
-use tower_ids_test_support as support;
 
 use std::{
     io,

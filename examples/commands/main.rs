@@ -266,7 +266,7 @@
 //!   whose database call fails, is answered `503` `commands.database_unavailable`, and
 //!   nothing it wrote stands.
 //!
-//! `tests/commands_crash.rs` kills the demo in DB mode with SIGKILL at random moments
+//! `tests/examples/commands_crash.rs` kills the demo in DB mode with SIGKILL at random moments
 //! while clients create commands, restarts it on the same database, retries every key,
 //! and counts what the database holds.
 //!
@@ -291,7 +291,7 @@
 //! closed channel) drops the connection, and the next publish opens another: in DB mode
 //! the message stays pending and the relay tries it again (backing off up to 5 s while
 //! the broker fails); in memory, which keeps nothing to retry from, the command stays
-//! `sent` and the failure is a WARN. `tests/commands_amqp.rs` consumes the event from an
+//! `sent` and the failure is a WARN. `tests/examples/commands_amqp.rs` consumes the event from an
 //! exchange of its own, in memory and in DB mode.
 //!
 //! # Routes

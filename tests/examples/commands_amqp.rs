@@ -8,8 +8,8 @@
 use tower_ids_test_support::postgres as database;
 #[path = "demo.rs"]
 mod demo;
-use tower_ids_test_support::rabbitmq;
 use tower_ids_test_support as support;
+use tower_ids_test_support::rabbitmq;
 
 use std::time::Duration;
 

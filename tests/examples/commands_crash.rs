@@ -11,7 +11,7 @@
 //! (default `postgres://postgres@127.0.0.1:5432/postgres`) and drops it at the end;
 //! without a server the tests print `SKIPPED` and pass, except in CI (`CI` set).
 //!
-//! The tests build the example binary first (`tests/support/demo.rs`), so `cargo test
+//! The tests build the example binary first (`tests/examples/demo.rs`), so `cargo test
 //! --test commands_crash` runs alone. The figures (kill points per phase, executions
 //! per key) are printed: `cargo test --test commands_crash -- --nocapture`.
 
@@ -49,7 +49,7 @@ const RUN_MS: Range<u64> = 50..600;
 
 /// How soon after a kill a `409` may still come. In DB mode a request's own
 /// transaction holds its key: a killed request's backend sees its connection close and
-/// aborts, and the key is free (tens of milliseconds, as `tests/commands_recovery.rs`
+/// aborts, and the key is free (tens of milliseconds, as `tests/examples/commands_recovery.rs`
 /// measures; no lease to run out). Clients send nothing while the demo restarts, so a
 /// `409` is rare, and one a second after a kill would be a key held by a dead request.
 const KEY_FREED: Duration = Duration::from_secs(1);

@@ -1,7 +1,7 @@
 //! The whole PostgreSQL server SIGKILLed while a request's `COMMIT` runs, through the
 //! demos as a user runs them: two replicas of `examples/commands` in DB mode, then two
 //! of `examples/outbox serve`, each on a throwaway PostgreSQL server of the test's own
-//! (`tests/postgres/server.rs`), made again for every trial.
+//! (`crates/test-support/src/postgres_server.rs`), made again for every trial.
 //!
 //! A trial sends its key to replica A. Its handler writes (a command and its outbox
 //! message; a payment and its message) and answers, and the layer's `COMMIT` then
@@ -37,9 +37,9 @@
 #[path = "demo.rs"]
 mod demo;
 // The crash tests of the library use the rest of it (standbys, pauses).
+use tower_ids_test_support as support;
 #[allow(dead_code)]
 use tower_ids_test_support::postgres_server as server;
-use tower_ids_test_support as support;
 
 use std::{
     fmt,

@@ -3,7 +3,7 @@
 //! shutdown with requests in flight. Each test runs the `commands` example binary on a
 //! free port of 127.0.0.1 with small limits, and checks what a client sees: status,
 //! headers, body, and whether the server closed the connection.
-//! (20,000 half-open connections: `tests/commands_half_open.rs`.)
+//! (20,000 half-open connections: `tests/examples/commands_half_open.rs`.)
 
 #[path = "demo.rs"]
 mod demo;

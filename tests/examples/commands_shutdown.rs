@@ -34,12 +34,12 @@
 //! and 2). Each trial prints its figures: `cargo test --all-features --test
 //! commands_shutdown -- --nocapture`. Without `redis-server` on `PATH` the tests print
 //! `SKIPPED` and pass, except in CI (`CI` set). The test builds the `commands` example
-//! first (`tests/support/demo.rs`), so it passes run alone.
+//! first (`tests/examples/demo.rs`), so it passes run alone.
 
 #[path = "demo.rs"]
 mod demo;
-use tower_ids_test_support::redis as server;
 use tower_ids_test_support as support;
+use tower_ids_test_support::redis as server;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

@@ -24,9 +24,9 @@
 use tower_ids_test_support::postgres as database;
 #[path = "demo.rs"]
 mod demo;
+use tower_ids_test_support as support;
 #[cfg(feature = "redis")]
 use tower_ids_test_support::redis as server;
-use tower_ids_test_support as support;
 
 use demo::Demo;
 use http::StatusCode;

@@ -23,7 +23,7 @@
 //! `postgres://postgres@127.0.0.1:5432/postgres`), its queue on RabbitMQ (`AMQP_URL`) or
 //! its Tansu broker (`TANSU_BIN`), and removes them. Without a server the test prints
 //! `SKIPPED` and passes, except under CI (`CI` set). It builds the example first
-//! (`tests/support/demo.rs`), so `cargo test --test inbox` runs alone; the figures are
+//! (`tests/examples/demo.rs`), so `cargo test --test inbox` runs alone; the figures are
 //! printed with `cargo test --all-features --test inbox -- --nocapture`.
 
 use tower_ids_test_support::postgres as database;

@@ -9,9 +9,9 @@ mod ledger {
     include!("ledger.v1.rs");
 }
 
+use tower_ids_test_support as support;
 use tower_ids_test_support::postgres as database;
 use tower_ids_test_support::redis as server;
-use tower_ids_test_support as support;
 
 use std::{
     net::SocketAddr,

@@ -6,13 +6,13 @@
 //! is in flight. Without a server (and outside CI) the tests say SKIPPED and pass.
 #![allow(missing_docs)]
 
-use tower_ids_test_support::postgres as database;
 use tower_ids_test_support::kafka as kafka_broker;
+use tower_ids_test_support::postgres as database;
 use tower_ids_test_support::rabbitmq;
 // The throwaway server the full trials crash; they use part of it.
+use tower_ids_test_support as support;
 #[allow(dead_code)]
 use tower_ids_test_support::postgres_server as server;
-use tower_ids_test_support as support;
 #[path = "consumer/trials.rs"]
 mod trials;
 

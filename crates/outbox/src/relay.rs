@@ -248,7 +248,7 @@ impl<S: Sink> RelayBuilder<S> {
 /// keys one message at a time, each once the previous is confirmed, until 30 s have
 /// passed without such a refusal (INFO `outbox.destination_full` when the spell
 /// starts). What was already in flight behind the first refusal of a spell may still
-/// be taken before it: `tests/outbox/amqp.rs` measures it.
+/// be taken before it: `crates/outbox/tests/outbox/amqp.rs` measures it.
 #[derive(Debug)]
 pub struct Relay<S> {
     outbox: Outbox,

@@ -66,7 +66,7 @@ impl TestDatabase {
         Some(Self { name, url })
     }
 
-    /// The database's URL, for a process of its own (`tests/commands_crash.rs`).
+    /// The database's URL, for a process of its own (`tests/examples/commands_crash.rs`).
     #[allow(dead_code)]
     pub fn url(&self) -> &str {
         &self.url

@@ -27,8 +27,8 @@ use tower_ids::{
     idempotency::IdempotencyKey,
 };
 
-use tower_ids_test_support::rabbitmq;
 pub use rabbitmq::{connect, url};
+use tower_ids_test_support::rabbitmq;
 
 use super::demo::example_path;
 

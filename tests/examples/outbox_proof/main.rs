@@ -39,7 +39,7 @@
 //! Each test owns two databases (on `TOWER_IDS_POSTGRES_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/postgres`), its vhost or broker, and removes
 //! them. Without a server the test prints `SKIPPED` and passes, except under CI (`CI`
-//! set). It builds both examples first (`tests/support/demo.rs`), so `cargo test --test
+//! set). It builds both examples first (`tests/examples/demo.rs`), so `cargo test --test
 //! outbox_proof` runs alone. The two tests take turns rather than share the machine.
 //!
 //! The files follow a message's way: `requests` (the requests to `serve`), `processes`
@@ -50,9 +50,9 @@
 use tower_ids_test_support::postgres as database;
 #[path = "../demo.rs"]
 mod demo;
+use tower_ids_test_support as support;
 use tower_ids_test_support::kafka as kafka_broker;
 use tower_ids_test_support::rabbitmq;
-use tower_ids_test_support as support;
 
 mod amqp;
 mod chaos;

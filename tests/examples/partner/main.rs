@@ -5,14 +5,14 @@
 //!
 //! The Kafka path runs against a real broker (Tansu, `TANSU_BIN`) the test starts.
 //!
-//! The tests build the example binary first (`tests/support/demo.rs`), so `cargo test
+//! The tests build the example binary first (`tests/examples/demo.rs`), so `cargo test
 //! --test partner` runs alone.
 
 use tower_ids_test_support::postgres as database;
 #[path = "../demo.rs"]
 mod demo;
-use tower_ids_test_support::kafka;
 use tower_ids_test_support as support;
+use tower_ids_test_support::kafka;
 
 mod dispatch;
 mod realtime;

@@ -10,7 +10,7 @@
 //! `a_handler_failing_on_the_databases_passing_faults_is_requeued_uncounted`):
 //!
 //! ```sh
-//! TOWER_IDS_FULL_TRIALS=1 cargo test --all-features --test consumer trials -- --nocapture --test-threads 1
+//! TOWER_IDS_FULL_TRIALS=1 cargo test --all-features -p tower-ids-message --test consumer trials -- --nocapture --test-threads 1
 //! ```
 
 use std::time::Duration;

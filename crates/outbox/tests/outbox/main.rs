@@ -8,10 +8,10 @@
 
 #![allow(clippy::unwrap_used)]
 
-use tower_ids_test_support::postgres as database;
-use tower_ids_test_support::kafka as kafka_broker;
-use tower_ids_test_support::rabbitmq;
 use tower_ids_test_support as support;
+use tower_ids_test_support::kafka as kafka_broker;
+use tower_ids_test_support::postgres as database;
+use tower_ids_test_support::rabbitmq;
 
 mod amqp;
 mod kafka;

@@ -4,7 +4,7 @@
 //! lost COMMIT's own. No client may be answered `201` for a command that is not in the
 //! database, and a retried key runs once more at most: exactly one committed command.
 //!
-//! Each trial prints one line (`cargo test --test postgres crash -- --nocapture`);
+//! Each trial prints one line (`cargo test -p tower-ids-postgres --test postgres crash -- --nocapture`);
 //! `TOWER_IDS_FULL_TRIALS=1` runs more of them.
 
 use std::{

@@ -27,7 +27,7 @@
 //! answered `201` for a command that is not there.
 //!
 //! ```text
-//! cargo test --all-features --test postgres failover -- --nocapture
+//! cargo test --all-features -p tower-ids-postgres --test postgres failover -- --nocapture
 //! ```
 //!
 //! runs two trials per setting (about a minute); `TOWER_IDS_FULL_TRIALS=1` runs the

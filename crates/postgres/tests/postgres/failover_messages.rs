@@ -27,7 +27,7 @@
 //! after the cut is lost). Every trial prints one line:
 //!
 //! ```text
-//! cargo test --all-features --test postgres failover_messages -- --nocapture
+//! cargo test --all-features -p tower-ids-postgres --test postgres failover_messages -- --nocapture
 //! ```
 //!
 //! runs one synchronous and one asynchronous trial per side (about 25 s each);

@@ -4,7 +4,7 @@
 //! exactly once. Transactional mode: exactly one command row per key is committed, and
 //! the retry replays the response that goes with it.
 //!
-//! Each trial prints one line (`cargo test --test postgres faults -- --nocapture`).
+//! Each trial prints one line (`cargo test -p tower-ids-postgres --test postgres faults -- --nocapture`).
 
 use std::{
     collections::BTreeMap,

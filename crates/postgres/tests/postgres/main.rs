@@ -18,8 +18,8 @@ use tower_ids_test_support::postgres as database;
 mod failover;
 mod failover_messages;
 mod faults;
-use tower_ids_test_support::proxy;
 use tower_ids_test_support::postgres_server as server;
+use tower_ids_test_support::proxy;
 mod transactional;
 mod transient;
 

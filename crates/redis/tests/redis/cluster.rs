@@ -22,7 +22,7 @@
 //! runs with `TOWER_IDS_FULL_TRIALS=1`:
 //!
 //! ```sh
-//! TOWER_IDS_FULL_TRIALS=1 cargo test --all-features --test redis cluster -- --nocapture --test-threads 1
+//! TOWER_IDS_FULL_TRIALS=1 cargo test --all-features -p tower-ids-redis --test redis cluster -- --nocapture --test-threads 1
 //! ```
 //!
 //! A trial's timeline (the layers' events, the Redis client's, the kill and each answer

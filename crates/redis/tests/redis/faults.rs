@@ -7,7 +7,7 @@
 //! The helpers here (`Fault`, `Broken`, `retry_until`, ...) serve the other trials too:
 //! `late_commands.rs`, `outages.rs`, `messages.rs`.
 //!
-//! Each trial prints one line (`cargo test --test redis faults -- --nocapture`): the
+//! Each trial prints one line (`cargo test -p tower-ids-redis --test redis faults -- --nocapture`): the
 //! fault, its placement, executions, and how long the replay took.
 
 use std::time::{Duration, Instant};

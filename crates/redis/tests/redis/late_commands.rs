@@ -4,7 +4,7 @@
 //! during the pause, nor lock the key of a request that was refused, nor keep a claim
 //! whose client hung up.
 //!
-//! Each trial prints one line (`cargo test --test redis late_commands -- --nocapture`).
+//! Each trial prints one line (`cargo test -p tower-ids-redis --test redis late_commands -- --nocapture`).
 
 use std::time::{Duration, Instant};
 

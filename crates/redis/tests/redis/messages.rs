@@ -5,7 +5,7 @@
 //! again, on either consumer. In every trial the handler runs exactly once, and what
 //! each consumer is told (`Handled`) is what it needs to ack, requeue or publish.
 //!
-//! Each trial prints one line (`cargo test --test redis messages -- --nocapture`): the
+//! Each trial prints one line (`cargo test -p tower-ids-redis --test redis messages -- --nocapture`): the
 //! fault, its placement, what every delivery got, and executions.
 
 use std::{

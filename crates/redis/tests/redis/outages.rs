@@ -10,7 +10,7 @@
 //! with `TOWER_IDS_FULL_TRIALS=1`:
 //!
 //! ```sh
-//! TOWER_IDS_FULL_TRIALS=1 cargo test --all-features --test redis outages -- --nocapture --test-threads 1
+//! TOWER_IDS_FULL_TRIALS=1 cargo test --all-features -p tower-ids-redis --test redis outages -- --nocapture --test-threads 1
 //! ```
 
 use std::time::{Duration, Instant};
