@@ -6,6 +6,7 @@
 use crate::code::event;
 use std::{
     future::Future,
+    pin::Pin,
     sync::Arc,
     task::Poll,
     time::{Duration, SystemTime},
@@ -212,31 +213,38 @@ impl<St: IdempotencyStore> Claimed<St> {
     /// returns its error, as the handler's or as a passing fault's. The attempt that
     /// ran, which replays name (`original-attempt-id`), is `attempt` (the attempt ID
     /// the request sent), else the correlation ID in scope.
-    pub async fn run<T, E: 'static>(
+    ///
+    /// `work` comes pinned where it was made, so its future (as large as the
+    /// handler's) is not moved again.
+    #[allow(clippy::manual_async_fn)] // See `Engine::handle`.
+    pub fn run<'a, T, E: 'static, W>(
         mut self,
-        work: impl Future<Output = Result<T, E>>,
-        classify: &impl Classify<T>,
+        work: Pin<&'a mut W>,
+        classify: &'a impl Classify<T>,
         attempt: Option<AttemptId>,
-    ) -> Result<(T, Finished), Failure<E>> {
-        let original_attempt = attempt.or_else(|| {
-            CorrelationId::current().map(|id| AttemptId::from_header_value(id.to_header_value()))
-        });
-        // Pinned here, once: `renewing` takes a pointer to it, so the work's future
-        // (as large as the handler's) is not moved again.
-        let work = std::pin::pin!(work);
-        let produced = match self.transaction_offer() {
-            Some(offer) => offer.scope(self.renewing(work)).await,
-            None => self.renewing(work).await,
-        };
-        let produced = match produced {
-            Ok(produced) => produced,
-            Err(error) => return Err(self.failed(error).await),
-        };
-        let context = Classifying {
-            rule: self.rule,
-            transaction_taken: self.transaction_taken(),
-        };
-        let finished = match classify.classify(&produced, context) {
+    ) -> impl Future<Output = Result<(T, Finished), Failure<E>>> + 'a
+    where
+        W: Future<Output = Result<T, E>>,
+        St: 'a,
+    {
+        async move {
+            let original_attempt = attempt.or_else(|| {
+                CorrelationId::current()
+                    .map(|id| AttemptId::from_header_value(id.to_header_value()))
+            });
+            let produced = match self.transaction_offer() {
+                Some(offer) => offer.scope(self.renewing(work)).await,
+                None => self.renewing(work).await,
+            };
+            let produced = match produced {
+                Ok(produced) => produced,
+                Err(error) => return Err(self.failed(error).await),
+            };
+            let context = Classifying {
+                rule: self.rule,
+                transaction_taken: self.transaction_taken(),
+            };
+            let finished = match classify.classify(&produced, context) {
             Classified::Store(payload) => self.complete(original_attempt, Some(payload)).await,
             Classified::TooLarge { max_bytes } => {
                 tracing::warn!(
@@ -274,7 +282,8 @@ impl<St: IdempotencyStore> Claimed<St> {
                 Released::Lease => Finished::Released,
             },
         };
-        Ok((produced, finished))
+            Ok((produced, finished))
+        }
     }
 
     /// Records the work as run without its outcome.

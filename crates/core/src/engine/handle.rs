@@ -74,57 +74,80 @@ impl<St: IdempotencyStore> Engine<St> {
     /// Runs `exchange` for the request `keyed` describes, once for its key: see the
     /// [module docs](self). `claimed` is set when the request claims the key, so that
     /// its response future finishes the work if dropped.
-    pub async fn handle<X: Exchange>(
-        &self,
+    //
+    // An `async` block rather than an `async fn`, here and in `run` and `Claimed::run`:
+    // an `async fn` keeps each argument twice in its future (as captured and as a local),
+    // and copies it from one to the other when first polled; the exchange holds the
+    // whole request.
+    #[allow(clippy::manual_async_fn)]
+    pub fn handle<'a, X: Exchange + 'a>(
+        &'a self,
         keyed: Keyed,
-        claimed: &ClaimFlag,
+        claimed: &'a ClaimFlag,
         exchange: X,
-        classify: &impl Classify<X::Output>,
-    ) -> Resolution<X> {
-        let Keyed {
-            scope,
-            fingerprint,
-            epoch,
-            attempt,
-            noun,
-        } = keyed;
-        match self.decide(scope, fingerprint, epoch, claimed).await {
-            // Boxed, so the replay path's future stays small.
-            Decision::Run(claimed) => {
-                Box::pin(run(claimed, exchange, classify, attempt, noun)).await
+        classify: &'a impl Classify<X::Output>,
+    ) -> impl Future<Output = Resolution<X>> + 'a {
+        async move {
+            let decision = self
+                .decide(keyed.scope, keyed.fingerprint, keyed.epoch, claimed)
+                .await;
+            match decision {
+                // Boxed, so the replay path's future stays small.
+                Decision::Run(claimed) => {
+                    Box::pin(run(claimed, exchange, classify, keyed.attempt, keyed.noun)).await
+                }
+                Decision::FailOpen => Resolution::FailOpen(exchange),
+                Decision::Answer(Verdict::Replay {
+                    record,
+                    request_count,
+                }) => Resolution::Replay {
+                    record,
+                    request_count,
+                },
+                Decision::Answer(verdict) => {
+                    Resolution::Answer(Answer::verdict(keyed.noun, verdict))
+                }
             }
-            Decision::FailOpen => Resolution::FailOpen(exchange),
-            Decision::Answer(Verdict::Replay {
-                record,
-                request_count,
-            }) => Resolution::Replay {
-                record,
-                request_count,
-            },
-            Decision::Answer(verdict) => Resolution::Answer(Answer::verdict(noun, verdict)),
         }
     }
 }
 
 /// Runs the claimed request's handler and settles its outcome.
-async fn run<St: IdempotencyStore, X: Exchange>(
+#[allow(clippy::manual_async_fn)] // See `Engine::handle`.
+fn run<'a, St: IdempotencyStore, X: Exchange + 'a>(
     claimed: Claimed<St>,
     exchange: X,
-    classify: &impl Classify<X::Output>,
+    classify: &'a impl Classify<X::Output>,
     attempt: Option<AttemptId>,
+    noun: &'static str,
+) -> impl Future<Output = Resolution<X>> + 'a {
+    async move {
+        // Pinned where it is made: the work's future (as large as the handler's) is
+        // not moved again.
+        let work = std::pin::pin!(exchange.run(claimed.transaction_offer()));
+        let (output, finished) = match claimed.run(work, classify, attempt).await {
+            Ok(ran) => ran,
+            Err(Failure::Handler(error)) => return Resolution::Failed(error),
+            // What the handler failed on was its transaction's connection: a passing
+            // fault, never the handler's failure.
+            Err(Failure::TransactionBroke(_, error)) => {
+                return Resolution::Answer(Answer::uncommitted(noun, &Uncommitted::Failed(error)))
+            }
+            Err(Failure::Transient(_)) => {
+                return Resolution::Answer(Answer::handler_unavailable(noun))
+            }
+        };
+        finish(output, finished, classify, noun)
+    }
+}
+
+/// What the handler's settled output is answered as.
+fn finish<X: Exchange>(
+    output: X::Output,
+    finished: Finished,
+    classify: &impl Classify<X::Output>,
     noun: &str,
 ) -> Resolution<X> {
-    let work = exchange.run(claimed.transaction_offer());
-    let (output, finished) = match claimed.run(work, classify, attempt).await {
-        Ok(ran) => ran,
-        Err(Failure::Handler(error)) => return Resolution::Failed(error),
-        // What the handler failed on was its transaction's connection: a passing fault,
-        // never the handler's failure.
-        Err(Failure::TransactionBroke(_, error)) => {
-            return Resolution::Answer(Answer::uncommitted(noun, &Uncommitted::Failed(error)))
-        }
-        Err(Failure::Transient(_)) => return Resolution::Answer(Answer::handler_unavailable(noun)),
-    };
     match finished {
         Finished::Uncommitted(uncommitted) => {
             Resolution::Answer(Answer::uncommitted(noun, &uncommitted))

@@ -279,7 +279,9 @@ async fn run_settles_the_outcome_with_the_store() {
             }
         };
         let classified = case.classified;
-        let result = claimed.run(work, &once(classified), None).await;
+        let result = claimed
+            .run(std::pin::pin!(work), &once(classified), None)
+            .await;
         assert_eq!(ran(result), case.expected, "{}", case.name);
         let drained = engine.drain().wait(Duration::from_secs(60)).await;
         assert!(
@@ -321,7 +323,11 @@ async fn a_duplicate_of_a_kept_outcome_is_in_flight_never_run() {
     let engine = engine(&store, Policy::new());
     let work = std::future::ready(Ok::<_, ()>(()));
     let stored = |_: &(), _| Classified::Store(message(b"done"));
-    let (_, finished) = claim(&engine).await.run(work, &stored, None).await.unwrap();
+    let (_, finished) = claim(&engine)
+        .await
+        .run(std::pin::pin!(work), &stored, None)
+        .await
+        .unwrap();
     assert!(matches!(finished, Finished::Kept { expires_at: None }));
 
     let flag = ClaimFlag::default();

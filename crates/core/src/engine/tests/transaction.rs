@@ -96,7 +96,7 @@ async fn a_claim_held_by_a_transaction_is_never_renewed_and_commits_its_outcome(
     };
     let stored = |_: &(), _| Classified::Store(message(b"done"));
 
-    let result = claimed.run(work, &stored, None).await;
+    let result = claimed.run(std::pin::pin!(work), &stored, None).await;
 
     assert_eq!(ran(result), Ran::Kept { stored_now: true });
     drained(&engine).await;
@@ -173,7 +173,9 @@ async fn a_transactional_claim_is_given_back_by_rolling_back_never_by_a_store_ca
             }
         };
 
-        let result = claimed.run(work, &once(classified), None).await;
+        let result = claimed
+            .run(std::pin::pin!(work), &once(classified), None)
+            .await;
 
         assert_eq!(ran(result), expected, "{name}");
         drained(&engine).await;
@@ -233,7 +235,9 @@ async fn a_key_held_by_another_transaction_is_in_flight_and_a_waiter_handed_it_r
         panic!("the waiter handed the key runs");
     };
     let stored = |_: &(), _| Classified::Store(message(b"mine"));
-    let result = claimed.run(async { Ok(()) }, &stored, None).await;
+    let result = claimed
+        .run(std::pin::pin!(async { Ok(()) }), &stored, None)
+        .await;
     assert_eq!(ran(result), Ran::Kept { stored_now: true });
     assert_eq!(store.calls(), [Call::Begin, Call::Wait { timeout }]);
     assert_eq!(*lock(&settles), [Some(Bytes::from_static(b"mine"))]);
