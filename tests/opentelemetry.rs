@@ -421,11 +421,7 @@ async fn with_the_access_log_its_request_span_continues_the_trace() {
 async fn one_trace_runs_from_the_request_through_rabbitmq_into_the_consumer() {
     use axum::routing::post;
     use futures_util::StreamExt as _;
-    use lapin::{
-        options::{BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions},
-        types::FieldTable,
-        BasicProperties, Channel,
-    };
+    use lapin::{options::BasicPublishOptions, types::FieldTable, BasicProperties, Channel};
     use tower_ids::correlation::{MessageCorrelation, TraceContext};
 
     const TRACE: &str = "5af7651916cd43dd8448eb211c80319c";
@@ -434,19 +430,7 @@ async fn one_trace_runs_from_the_request_through_rabbitmq_into_the_consumer() {
         return;
     };
     let channel = connection.create_channel().await.unwrap();
-    let queue = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let queue = queue.name().as_str().to_owned();
+    let queue = rabbitmq::exclusive_queue(&channel).await;
 
     async fn publish(State((channel, queue)): State<(Channel, String)>) -> StatusCode {
         let mut headers = FieldTable::default();
@@ -483,18 +467,7 @@ async fn one_trace_runs_from_the_request_through_rabbitmq_into_the_consumer() {
     .await;
     assert_eq!(reply.status, StatusCode::ACCEPTED);
 
-    let mut consumer = channel
-        .basic_consume(
-            queue.as_str().into(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = rabbitmq::no_ack_consumer(&channel, &queue).await;
     let delivery = tokio::time::timeout(Duration::from_secs(10), consumer.next())
         .await
         .expect("the message arrives within 10 s")

@@ -16,14 +16,7 @@ use std::time::Duration;
 use demo::Demo;
 use futures_util::StreamExt as _;
 use http::StatusCode;
-use lapin::{
-    options::{
-        BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-        QueueDeclareOptions,
-    },
-    types::FieldTable,
-    Channel, Connection, Consumer, ExchangeKind,
-};
+use lapin::{options::ExchangeDeleteOptions, Channel, Connection, Consumer};
 use rabbitmq::{connect, url};
 use serde_json::Value;
 use support::{client, send};
@@ -50,52 +43,7 @@ async fn create(demo: &Demo, correlation_id: &str, key: &str) -> support::Reply 
 async fn bound_consumer(connection: &Connection, name: &str) -> (Channel, String, Consumer) {
     let exchange = format!("tower-ids.test.{name}.{}", std::process::id());
     let channel = connection.create_channel().await.unwrap();
-    channel
-        .exchange_declare(
-            exchange.as_str().into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let queue = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            queue.name().clone(),
-            exchange.as_str().into(),
-            "command.#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let consumer = channel
-        .basic_consume(
-            queue.name().clone(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let consumer = rabbitmq::topic_consumer(&channel, &exchange, "command.#").await;
     (channel, exchange, consumer)
 }
 

@@ -3,7 +3,11 @@
 
 use std::time::Duration;
 
-use lapin::{Connection, ConnectionProperties};
+use lapin::{
+    options::{BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions},
+    types::FieldTable,
+    Channel, Connection, ConnectionProperties, Consumer, ExchangeKind,
+};
 
 /// `AMQP_URL`, or the local RabbitMQ as guest.
 pub fn url() -> String {
@@ -37,6 +41,65 @@ pub async fn connect() -> Option<Connection> {
             None
         }
     }
+}
+
+/// A server-named queue that goes with `channel`'s connection (exclusive, deleted when
+/// it closes): its name.
+pub async fn exclusive_queue(channel: &Channel) -> String {
+    let options = QueueDeclareOptions {
+        exclusive: true,
+        auto_delete: true,
+        ..QueueDeclareOptions::default()
+    };
+    let queue = channel
+        .queue_declare("".into(), options, FieldTable::default())
+        .await
+        .unwrap();
+    queue.name().as_str().to_owned()
+}
+
+/// A consumer of `queue` that acknowledges nothing (the broker forgets each delivery
+/// as it sends it).
+pub async fn no_ack_consumer(channel: &Channel, queue: &str) -> Consumer {
+    let options = BasicConsumeOptions {
+        no_ack: true,
+        ..BasicConsumeOptions::default()
+    };
+    channel
+        .basic_consume(queue.into(), "".into(), options, FieldTable::default())
+        .await
+        .unwrap()
+}
+
+/// The durable topic exchange `exchange` (as the examples declare theirs), and a
+/// consumer of an exclusive queue bound to it by `binding`: every message it routes
+/// there from now on, in the order published.
+pub async fn topic_consumer(channel: &Channel, exchange: &str, binding: &str) -> Consumer {
+    let options = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            options,
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let queue = exclusive_queue(channel).await;
+    channel
+        .queue_bind(
+            queue.as_str().into(),
+            exchange.into(),
+            binding.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    no_ack_consumer(channel, &queue).await
 }
 
 /// A vhost of the test's own (`rabbitmqctl add_vhost`, the URL's user allowed

@@ -15,11 +15,10 @@ use std::{
 use futures_util::StreamExt as _;
 use lapin::{
     options::{
-        BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-        ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+        BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeleteOptions,
     },
     types::FieldTable,
-    BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind,
+    BasicProperties, Channel, Connection, ConnectionProperties,
 };
 use serde_json::{json, Value};
 use tower_ids::{
@@ -69,54 +68,9 @@ impl Topology {
             .await
             .unwrap();
         let exchange = format!("{unique}.x");
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
         // Every outcome, in the order published: an exclusive queue that goes with
         // this connection.
-        let collector = channel
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        channel
-            .queue_bind(
-                collector.name().clone(),
-                exchange.as_str().into(),
-                "ev.outcome.#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        let mut consumer = channel
-            .basic_consume(
-                collector.name().clone(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..BasicConsumeOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
+        let mut consumer = rabbitmq::topic_consumer(&channel, &exchange, "ev.outcome.#").await;
         let outcomes = Arc::new(Mutex::new(Vec::new()));
         let sink = outcomes.clone();
         tokio::spawn(async move {
