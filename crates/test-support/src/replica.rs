@@ -2,9 +2,9 @@
 //! `POST /commands` runs a counting handler behind an idempotency layer of its own, and
 //! a [`Ledger`] they share that counts every run per key.
 //!
-//! Included by the test crates that run several replicas on one store (`redis`,
-//! `postgres`) with `#[path = "../support/replica.rs"] mod replica;`, beside
-//! `support` (`../support/mod.rs`), whose server and client it uses.
+//! For the tests that run several replicas on one store (the Redis and PostgreSQL
+//! crates'), behind the `replica` feature; it serves and calls them with this crate's
+//! server and client.
 
 use std::{
     collections::HashMap,

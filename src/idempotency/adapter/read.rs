@@ -23,7 +23,7 @@ type ReadRequest<B> = (Request<Body<B>>, Reservation);
 /// logged here, as the engine never sees them.
 //
 // An `async` block, made after the request is taken apart: an `async fn` would keep the
-// request as captured and its head again as a local across the read (see `run`).
+// request as captured and its head again as a local across the read (see `service::run`).
 #[allow(clippy::manual_async_fn)]
 pub(super) fn read_body<'a, T, B, R>(
     request: Request<B>,

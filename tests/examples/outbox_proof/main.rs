@@ -40,12 +40,14 @@
 //! `postgres://postgres@127.0.0.1:5432/postgres`), its vhost or broker, and removes
 //! them. Without a server the test prints `SKIPPED` and passes, except under CI (`CI`
 //! set). It builds both examples first (`tests/examples/demo.rs`), so `cargo test --test
-//! outbox_proof` runs alone. The two tests take turns rather than share the machine.
+//! outbox_proof` runs alone. The two proofs take turns rather than share the machine.
 //!
 //! The files follow a message's way: `requests` (the requests to `serve`), `processes`
 //! (one relay or consumer process and its log), `chaos` (the relays and consumers killed
 //! and restarted, the broker disturbed), `amqp` and `kafka` (each broker's set-up and
-//! fault), `verify` (the databases and the logs checked, the figures printed).
+//! fault), `verify` (the databases and the logs checked, the figures printed). `serve`
+//! has the server's own trials: a half-sent request answered within the body timeout,
+//! and a stop with such a client connected.
 
 use tower_ids_test_support::postgres as database;
 #[path = "../demo.rs"]

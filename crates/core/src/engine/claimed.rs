@@ -215,10 +215,12 @@ impl<St: IdempotencyStore> Claimed<St> {
     /// the request sent), else the correlation ID in scope.
     ///
     /// `work` comes pinned where it was made, so its future (as large as the
-    /// handler's) is not moved again.
+    /// handler's) is not moved again. The claim is borrowed, not taken: dropped
+    /// unfinished, the caller drops the work first and then the claim, whose drop lets
+    /// the key go once nothing of the handler is left.
     #[allow(clippy::manual_async_fn)] // See `Engine::handle`.
     pub fn run<'a, T, E: 'static, W>(
-        mut self,
+        &'a mut self,
         work: Pin<&'a mut W>,
         classify: &'a impl Classify<T>,
         attempt: Option<AttemptId>,
@@ -245,43 +247,43 @@ impl<St: IdempotencyStore> Claimed<St> {
                 transaction_taken: self.transaction_taken(),
             };
             let finished = match classify.classify(&produced, context) {
-            Classified::Store(payload) => self.complete(original_attempt, Some(payload)).await,
-            Classified::TooLarge { max_bytes } => {
-                tracing::warn!(
-                    target: "tower_ids::idempotency",
-                    event = event::RESPONSE_TOO_LARGE,
-                    max_bytes,
-                    "outcome over the idempotency limit: handed to this caller, not kept; duplicates are refused as not replayable, never run again"
-                );
-                self.not_kept(original_attempt).await
-            }
-            Classified::Unencodable(error) => {
-                tracing::warn!(
-                    target: "tower_ids::idempotency",
-                    event = event::OUTCOME_UNSERIALISABLE,
-                    error = %error,
-                    "the outcome does not encode: not kept; duplicates are refused as not replayable, never run again"
-                );
-                self.not_kept(original_attempt).await
-            }
-            Classified::Failed(error) => {
-                tracing::warn!(
-                    target: "tower_ids::idempotency",
-                    event = event::RESPONSE_FAILED,
-                    error = %error,
-                    "the response failed while being read; nothing is stored, so a retry runs again"
-                );
-                self.release(Release::ResponseFailed).await;
-                Finished::Failed
-            }
-            Classified::Release(reason) => match self.release(reason).await {
-                Released::RolledBack => Finished::RolledBack(StoreError::new(
-                    "its outcome is not kept, so the transaction that held its key was rolled back",
-                )),
-                Released::Broke(error) => Finished::Uncommitted(Uncommitted::Failed(error)),
-                Released::Lease => Finished::Released,
-            },
-        };
+                Classified::Store(payload) => self.complete(original_attempt, Some(payload)).await,
+                Classified::TooLarge { max_bytes } => {
+                    tracing::warn!(
+                        target: "tower_ids::idempotency",
+                        event = event::RESPONSE_TOO_LARGE,
+                        max_bytes,
+                        "outcome over the idempotency limit: handed to this caller, not kept; duplicates are refused as not replayable, never run again"
+                    );
+                    self.not_kept(original_attempt).await
+                }
+                Classified::Unencodable(error) => {
+                    tracing::warn!(
+                        target: "tower_ids::idempotency",
+                        event = event::OUTCOME_UNSERIALISABLE,
+                        error = %error,
+                        "the outcome does not encode: not kept; duplicates are refused as not replayable, never run again"
+                    );
+                    self.not_kept(original_attempt).await
+                }
+                Classified::Failed(error) => {
+                    tracing::warn!(
+                        target: "tower_ids::idempotency",
+                        event = event::RESPONSE_FAILED,
+                        error = %error,
+                        "the response failed while being read; nothing is stored, so a retry runs again"
+                    );
+                    self.release(Release::ResponseFailed).await;
+                    Finished::Failed
+                }
+                Classified::Release(reason) => match self.release(reason).await {
+                    Released::RolledBack => Finished::RolledBack(StoreError::new(
+                        "its outcome is not kept, so the transaction that held its key was rolled back",
+                    )),
+                    Released::Broke(error) => Finished::Uncommitted(Uncommitted::Failed(error)),
+                    Released::Lease => Finished::Released,
+                },
+            };
             Ok((produced, finished))
         }
     }

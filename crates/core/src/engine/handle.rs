@@ -115,7 +115,7 @@ impl<St: IdempotencyStore> Engine<St> {
 /// Runs the claimed request's handler and settles its outcome.
 #[allow(clippy::manual_async_fn)] // See `Engine::handle`.
 fn run<'a, St: IdempotencyStore, X: Exchange + 'a>(
-    claimed: Claimed<St>,
+    mut claimed: Claimed<St>,
     exchange: X,
     classify: &'a impl Classify<X::Output>,
     attempt: Option<AttemptId>,
@@ -123,7 +123,7 @@ fn run<'a, St: IdempotencyStore, X: Exchange + 'a>(
 ) -> impl Future<Output = Resolution<X>> + 'a {
     async move {
         // Pinned where it is made: the work's future (as large as the handler's) is
-        // not moved again.
+        // not moved again. Declared after the claim, so dropped before it.
         let work = std::pin::pin!(exchange.run(claimed.transaction_offer()));
         let (output, finished) = match claimed.run(work, classify, attempt).await {
             Ok(ran) => ran,

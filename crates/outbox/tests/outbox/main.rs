@@ -2,9 +2,10 @@
 //! a Kafka broker (Tansu): messages commit with the request's transaction or not at
 //! all, relays share the work and keep each partition key's order, a refused message
 //! is dead-lettered and stays readable, an outage backs off and resumes, published
-//! messages are trimmed; and `examples/outbox serve` answers a half-sent request within
-//! its body timeout, and stops with one connected. Each test has a database and queues of its own. Without a
+//! messages are trimmed. Each test has a database and queues of its own. Without a
 //! server the tests print `SKIPPED` and pass, except under CI, where they fail.
+//! (`examples/outbox serve` against half-sent requests is an example trial:
+//! `tests/examples/outbox_proof/serve.rs`.)
 
 #![allow(clippy::unwrap_used)]
 

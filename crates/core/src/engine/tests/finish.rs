@@ -266,7 +266,7 @@ async fn run_settles_the_outcome_with_the_store() {
         );
         let mut engine = engine(&store, Policy::new());
         engine.transient_if(|error: &&'static str| *error == "deadlock");
-        let claimed = claim(&engine).await;
+        let mut claimed = claim(&engine).await;
         let work = async move {
             match case.work {
                 Work::Ready => Ok(()),

@@ -83,7 +83,7 @@ async fn drained(engine: &Engine<ScriptedStore>) {
 #[tokio::test(start_paused = true)]
 async fn a_claim_held_by_a_transaction_is_never_renewed_and_commits_its_outcome() {
     let settles = Settles::default();
-    let (store, engine, claimed) = claim_held_by_transaction(&settles, None).await;
+    let (store, engine, mut claimed) = claim_held_by_transaction(&settles, None).await;
     let offered = claimed
         .transaction_offer()
         .expect("the handler is offered it");
@@ -164,7 +164,7 @@ async fn a_transactional_claim_is_given_back_by_rolling_back_never_by_a_store_ca
         let reasons = ReleaseReasons::default();
         let _capture = reasons.capture();
         let settles = Settles::default();
-        let (store, engine, claimed) = claim_held_by_transaction(&settles, answer).await;
+        let (store, engine, mut claimed) = claim_held_by_transaction(&settles, answer).await;
         let work = async move {
             if fails {
                 failed()
@@ -231,7 +231,8 @@ async fn a_key_held_by_another_transaction_is_in_flight_and_a_waiter_handed_it_r
     );
     let timeout = Duration::from_secs(5);
     let waiting = engine(&store, Policy::new().in_flight(InFlight::Wait { timeout }));
-    let Decision::Run(claimed) = waiting.decide(scope(), this_request(), None, &flag).await else {
+    let Decision::Run(mut claimed) = waiting.decide(scope(), this_request(), None, &flag).await
+    else {
         panic!("the waiter handed the key runs");
     };
     let stored = |_: &(), _| Classified::Store(message(b"mine"));
